@@ -1,0 +1,209 @@
+"""The codec contract and the registry.
+
+A codec is a stateless, pure transform between a float tensor and a 1-D ``torch.uint8`` payload::
+
+    codec = get_codec("qsgd:bits=4,bucket=512")
+    n = codec.nbytes(numel)                  # exact payload size, a pure function of numel (and shape
+                                             # for per-column codecs)
+    payload = codec.encode(x, seed=step)     # (n,) uint8 on x's device
+    y = codec.decode(payload, numel)         # (numel,) float32
+
+Payloads are laid out as *scales first* (float32, little-endian, one per bucket/column), then the codes
+packed densely at ``bits`` bits each (LSB-first bit stream), so ``nbytes`` counts every byte that
+crosses the wire. A codec never communicates and never touches the global RNG: stochastic rounding
+draws from a counter-based hash keyed by ``(seed, element index)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+
+__all__ = [
+    "Codec",
+    "register_codec",
+    "get_codec",
+    "available_codecs",
+    "parse_spec",
+]
+
+_REGISTRY: dict[str, type[Codec]] = {}
+
+
+def register_codec(cls: type[Codec]) -> type[Codec]:
+    """Class decorator: make ``cls`` reachable through :func:`get_codec` by ``cls.name``."""
+    if not cls.name:
+        raise TypeError(f"{cls.__name__} has no codec name")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+    """Base class of every codec. Subclasses are frozen dataclasses whose fields are the parameters."""
+
+    name: ClassVar[str] = ""
+    #: True when ``encode`` uses random numbers (its output then depends on ``seed``).
+    stochastic: ClassVar[bool] = False
+    #: True when the payload layout depends on the tensor's shape (per-column codecs).
+    needs_shape: ClassVar[bool] = False
+
+    # ----------------------------------------------------------------------------- description
+    @property
+    def spec(self) -> str:
+        """Canonical spec string with every parameter explicit, e.g. ``qsgd:bits=4,bucket=512,...``."""
+        fields = dataclasses.fields(self)
+        if not fields:
+            return self.name
+        params = ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields)
+        return f"{self.name}:{params}"
+
+    def __str__(self) -> str:
+        return self.spec
+
+    def bits_per_value(self, numel: int = 1 << 20) -> float:
+        """Bits on the wire per value for a tensor of ``numel`` elements, scales included."""
+        if numel <= 0:
+            return 0.0
+        return 8.0 * self.nbytes(numel) / numel
+
+    # ----------------------------------------------------------------------------- contract
+    def nbytes(self, numel: int, shape: Sequence[int] | None = None) -> int:
+        raise NotImplementedError
+
+    def encode(self, x: torch.Tensor, seed: int = 0) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode(
+        self,
+        payload: torch.Tensor,
+        numel: int,
+        out: torch.Tensor | None = None,
+        shape: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------------------- helpers
+    @staticmethod
+    def _flat_input(x: torch.Tensor) -> torch.Tensor:
+        """Any shape, any float dtype, contiguous or not -> contiguous (numel,) float32."""
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"encode expects a torch.Tensor, got {type(x).__name__}")
+        if not (x.is_floating_point()):
+            raise ValueError(f"encode expects a floating-point tensor, got dtype {x.dtype}")
+        return x.reshape(-1).to(torch.float32).contiguous()
+
+    def _check_payload(
+        self, payload: torch.Tensor, numel: int, shape: Sequence[int] | None = None
+    ) -> None:
+        if not isinstance(payload, torch.Tensor):
+            raise ValueError(f"{self.name}: payload must be a torch.Tensor, got {type(payload).__name__}")
+        if payload.dtype != torch.uint8:
+            raise ValueError(f"{self.name}: payload dtype must be torch.uint8, got {payload.dtype}")
+        if payload.dim() != 1:
+            raise ValueError(f"{self.name}: payload must be 1-D, got shape {tuple(payload.shape)}")
+        if numel < 0:
+            raise ValueError(f"{self.name}: numel must be >= 0, got {numel}")
+        want = self.nbytes(numel, shape)
+        if payload.numel() != want:
+            raise ValueError(
+                f"{self.name}: payload has {payload.numel()} bytes but {self.spec} needs {want} "
+                f"bytes for numel={numel}"
+            )
+
+    @staticmethod
+    def _output(out: torch.Tensor | None, numel: int, device: torch.device) -> torch.Tensor:
+        if out is None:
+            return torch.empty(numel, dtype=torch.float32, device=device)
+        if out.dtype != torch.float32:
+            raise ValueError(f"decode: out must be float32, got {out.dtype}")
+        if out.numel() != numel:
+            raise ValueError(f"decode: out has {out.numel()} elements, expected {numel}")
+        if not out.is_contiguous():
+            raise ValueError("decode: out must be contiguous")
+        return out.view(-1)
+
+
+# --------------------------------------------------------------------------------- spec parsing
+def _coerce(value: str) -> Any:
+    low = value.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    try:
+        return int(value)
+    except ValueError:
+        pass
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"qsgd:bits=4,bucket=512"`` -> ``("qsgd", {"bits": 4, "bucket": 512})``."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"codec spec must be a non-empty string, got {spec!r}")
+    name, _, rest = spec.strip().partition(":")
+    params: dict[str, Any] = {}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"codec spec {spec!r}: parameter {item!r} is not of the form key=value")
+        params[key.strip()] = _coerce(value.strip())
+    return name.strip().lower(), params
+
+
+def get_codec(spec: str | Codec, **params: Any) -> Codec:
+    """Build a codec from a spec string (``"qsgd:bits=4"``) or a name plus keyword parameters."""
+    _ensure_loaded()
+    if isinstance(spec, Codec):
+        if params:
+            return dataclasses.replace(spec, **params)
+        return spec
+    name, parsed = parse_spec(spec)
+    parsed.update(params)
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        raise ValueError(f"unknown codec {name!r}; available: {', '.join(sorted(_REGISTRY))}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(parsed) - known)
+    if unknown:
+        raise ValueError(
+            f"codec {name!r} has no parameter {', '.join(map(repr, unknown))}; "
+            f"its parameters are: {', '.join(sorted(known)) or '(none)'}"
+        )
+    return cls(**parsed)
+
+
+def available_codecs() -> dict[str, dict[str, Any]]:
+    """Every codec name with its parameters and their defaults."""
+    _ensure_loaded()
+    out: dict[str, dict[str, Any]] = {}
+    for name, cls in sorted(_REGISTRY.items()):
+        out[name] = {f.name: f.default for f in dataclasses.fields(cls)}
+    return out
+
+
+def _ensure_loaded() -> None:
+    # The codec modules register themselves on import.
+    from lowbit.codecs import dettmers, floats, onebit, qsgd, topk  # noqa: F401
+
+
+# --------------------------------------------------------------------------------- validation
+def check_choice(codec: str, param: str, value: Any, choices: Sequence[Any]) -> None:
+    if value not in choices:
+        raise ValueError(f"{codec}: {param}={value!r} is out of range; choose one of {list(choices)}")
+
+
+def check_int(codec: str, param: str, value: Any, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{codec}: {param}={value!r} is out of range; it must be an integer {rng}")
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
