@@ -86,6 +86,24 @@ class Codec:
     ) -> torch.Tensor:
         raise NotImplementedError
 
+    def decode_sum(
+        self,
+        payloads: Sequence[torch.Tensor],
+        numel: int,
+        out: torch.Tensor | None = None,
+        shape: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Sum of the decoded payloads, added in the given order in float32 (so every rank that sums
+        the same payloads in the same order gets a bit-identical result). Fused backends override."""
+        if not payloads:
+            raise ValueError("decode_sum needs at least one payload")
+        acc = self.decode(payloads[0], numel, out=out, shape=shape)
+        if len(payloads) > 1:
+            tmp = torch.empty_like(acc)
+            for p in payloads[1:]:
+                acc.add_(self.decode(p, numel, out=tmp, shape=shape))
+        return acc
+
     # ----------------------------------------------------------------------------- helpers
     @staticmethod
     def _flat_input(x: torch.Tensor) -> torch.Tensor:

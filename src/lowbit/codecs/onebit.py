@@ -1,0 +1,73 @@
+"""1bitSGD (Seide et al. 2014): one sign bit per value and two reconstruction values per group.
+
+The two values are the means of the group's non-negative and negative entries (the MSE-optimal
+reconstruction for a zero threshold). Groups are
+
+* ``bucket=0``: the columns of the tensor's 2-D view ``(shape[0], numel/shape[0])``, as CNTK does.
+  The payload layout then depends on the shape: ``encode(x)`` takes it from ``x.shape``; ``nbytes`` and
+  ``decode`` need ``shape=`` (without it the tensor is one column).
+* ``bucket=N``: consecutive runs of N values of the flattened tensor (the seed's reshaped 1bitSGD*,
+  N=64 there).
+
+Meant to be used with error feedback (:class:`lowbit.ErrorFeedback`); without it training diverges.
+
+Wire format: ``[(mean_pos, mean_neg) float32 per group] [sign bits, 1 = non-negative, LSB-first]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+
+from lowbit.codecs.base import Codec, ceil_div, check_int, register_codec
+from lowbit.kernels import dispatch
+
+
+@register_codec
+@dataclasses.dataclass(frozen=True)
+class OneBit(Codec):
+    name: ClassVar[str] = "onebit"
+
+    bucket: int = 64
+
+    def __post_init__(self) -> None:
+        check_int("onebit", "bucket", self.bucket, 0, 1 << 30)
+
+    @property
+    def needs_shape(self) -> bool:  # type: ignore[override]
+        return self.bucket == 0
+
+    def _rows(self, numel: int, shape: Sequence[int] | None) -> int:
+        """Rows of the 2-D view (column mode); the number of columns is numel / rows."""
+        if shape is None or len(shape) < 2:
+            return numel
+        prod = math.prod(int(s) for s in shape)
+        if prod != numel:
+            raise ValueError(f"onebit: shape {tuple(shape)} has {prod} elements, numel is {numel}")
+        return int(shape[0])
+
+    def _groups(self, numel: int, shape: Sequence[int] | None) -> int:
+        if self.bucket:
+            return ceil_div(numel, self.bucket)
+        rows = self._rows(numel, shape)
+        return numel // rows if rows else 0
+
+    def nbytes(self, numel: int, shape: Sequence[int] | None = None) -> int:
+        return 8 * self._groups(numel, shape) + (numel + 7) // 8
+
+    def encode(self, x: torch.Tensor, seed: int = 0) -> torch.Tensor:
+        flat = self._flat_input(x)
+        if self.bucket:
+            return dispatch.onebit_encode_buckets(flat, self.bucket)
+        return dispatch.onebit_encode_columns(flat, self._rows(flat.numel(), tuple(x.shape)))
+
+    def decode(self, payload, numel, out=None, shape=None):  # type: ignore[override]
+        self._check_payload(payload, numel, shape)
+        y = self._output(out, numel, payload.device)
+        if self.bucket:
+            return dispatch.onebit_decode_buckets(payload, numel, self.bucket, y)
+        return dispatch.onebit_decode_columns(payload, numel, self._rows(numel, shape), y)

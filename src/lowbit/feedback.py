@@ -1,0 +1,77 @@
+"""Error feedback (residual memory) for any codec: the sigma-delta trick of 1bitSGD.
+
+For each key (a tensor name, a DDP bucket index, a chunk of a collective)::
+
+    p = x + e          # compensate: add what previous steps failed to send
+    payload = encode(p)
+    e = p - decode(payload)   # remember what this step failed to send
+
+so the sum of everything delivered tracks the sum of everything produced, within one step's error.
+Residuals are float32 tensors on the input's device; ``state_dict()`` / ``load_state_dict()`` carry
+them through checkpoints so a resumed run continues bit-identically.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+
+from lowbit.codecs.base import Codec, get_codec
+
+
+class ErrorFeedback:
+    def __init__(self, codec: Codec | str) -> None:
+        self.codec = get_codec(codec) if isinstance(codec, str) else codec
+        self.residuals: dict[Hashable, torch.Tensor] = {}
+
+    def compensate(self, key: Hashable, x: torch.Tensor) -> torch.Tensor:
+        """x + e (float32, flat). Does not modify ``x``."""
+        flat = x.reshape(-1).to(torch.float32)
+        e = self.residuals.get(key)
+        if e is None:
+            return flat.clone() if flat.data_ptr() == x.data_ptr() else flat
+        if e.numel() != flat.numel():
+            raise ValueError(
+                f"error feedback for key {key!r}: residual has {e.numel()} elements but the tensor has "
+                f"{flat.numel()} (did the model or bucket layout change?)"
+            )
+        return flat + e
+
+    def update(self, key: Hashable, compensated: torch.Tensor, delivered: torch.Tensor) -> None:
+        """e = compensated - delivered (both flat float32)."""
+        self.residuals[key] = compensated - delivered
+
+    def encode(
+        self, key: Hashable, x: torch.Tensor, seed: int = 0, shape: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """Compensate, encode, and remember the new residual; returns the payload."""
+        p = self.compensate(key, x)
+        src = p.view(tuple(shape)) if shape is not None else p.view(x.shape) if x.dim() else p
+        payload = self.codec.encode(src, seed=seed)
+        delivered = self.codec.decode(payload, p.numel(), shape=shape if shape is not None else tuple(x.shape))
+        self.update(key, p, delivered)
+        return payload
+
+    def reset(self) -> None:
+        self.residuals.clear()
+
+    def residual_norm(self) -> float:
+        return float(sum(float(e.double().pow(2).sum()) for e in self.residuals.values()) ** 0.5)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "codec": self.codec.spec,
+            "residuals": {k: v.detach().cpu().clone() for k, v in self.residuals.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device | str | None = None) -> None:
+        if state.get("codec") != self.codec.spec:
+            raise ValueError(
+                f"error-feedback checkpoint was saved for codec {state.get('codec')!r}, "
+                f"but this state uses {self.codec.spec!r}"
+            )
+        self.residuals = {
+            k: (v.to(device) if device is not None else v).clone() for k, v in state["residuals"].items()
+        }

@@ -1,0 +1,1 @@
+"""Packing and fused quantise/dequantise kernels: a torch reference (any device) plus fast backends."""

@@ -1,0 +1,82 @@
+"""Choose a kernel backend per call.
+
+* CUDA tensors: the Triton kernels (:mod:`lowbit.kernels.triton_kernels`); if Triton cannot be imported,
+  the torch reference, with one warning.
+* CPU tensors: the numba kernels (:mod:`lowbit.kernels.numba_cpu`) when numba is installed and the tensor
+  is large enough to repay the call overhead; otherwise the torch reference.
+
+``LOWBIT_KERNELS=reference|numba|triton`` forces a backend (tests use it to compare backends). Every
+backend produces the same wire format as :mod:`lowbit.kernels.reference`, the executable specification.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import warnings
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from lowbit.kernels import reference as ref
+
+#: Below this many elements the reference is used on CPU (a numba call costs a few microseconds).
+NUMBA_MIN_NUMEL = 4096
+
+
+@functools.lru_cache(maxsize=None)
+def _load(modname: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(modname)
+    except Exception as exc:  # ImportError, or a backend that fails to initialise
+        if modname.endswith("triton_kernels"):
+            warnings.warn(
+                f"lowbit: Triton kernels unavailable ({type(exc).__name__}: {exc}); CUDA tensors use the "
+                "slower torch reference kernels",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return None
+
+
+def backend_for(x: torch.Tensor, op: str) -> Any:
+    """The module that implements ``op`` for tensor ``x`` (the reference module if no faster one does)."""
+    forced = os.environ.get("LOWBIT_KERNELS", "").strip().lower()
+    if forced == "reference":
+        return ref
+    if x.is_cuda or forced == "triton":
+        mod = _load("lowbit.kernels.triton_kernels") if (x.is_cuda or forced == "triton") else None
+        if mod is not None and hasattr(mod, op):
+            return mod
+        return ref
+    if x.device.type == "cpu" and (forced == "numba" or x.numel() >= NUMBA_MIN_NUMEL):
+        mod = _load("lowbit.kernels.numba_cpu")
+        if mod is not None and hasattr(mod, op):
+            return mod
+    return ref
+
+
+def qsgd_encode(x: torch.Tensor, bits: int, bucket: int, norm: str, stochastic: bool, seed: int) -> torch.Tensor:
+    return backend_for(x, "qsgd_encode").qsgd_encode(x, bits, bucket, norm, stochastic, seed)
+
+
+def qsgd_decode(payload: torch.Tensor, n: int, bits: int, bucket: int, out: torch.Tensor) -> torch.Tensor:
+    return backend_for(out, "qsgd_decode").qsgd_decode(payload, n, bits, bucket, out)
+
+
+def onebit_encode_buckets(x: torch.Tensor, bucket: int) -> torch.Tensor:
+    return backend_for(x, "onebit_encode_buckets").onebit_encode_buckets(x, bucket)
+
+
+def onebit_decode_buckets(payload: torch.Tensor, n: int, bucket: int, out: torch.Tensor) -> torch.Tensor:
+    return backend_for(out, "onebit_decode_buckets").onebit_decode_buckets(payload, n, bucket, out)
+
+
+def onebit_encode_columns(x: torch.Tensor, rows: int) -> torch.Tensor:
+    return backend_for(x, "onebit_encode_columns").onebit_encode_columns(x, rows)
+
+
+def onebit_decode_columns(payload: torch.Tensor, n: int, rows: int, out: torch.Tensor) -> torch.Tensor:
+    return backend_for(out, "onebit_decode_columns").onebit_decode_columns(payload, n, rows, out)

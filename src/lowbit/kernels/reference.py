@@ -1,0 +1,235 @@
+"""Reference kernels in plain PyTorch: the executable specification of lowbit's wire format.
+
+They run on any device. Faster backends (numba on CPU, Triton on CUDA) must agree with them: bit for
+bit in deterministic modes, and for stochastic rounding they use the same counter-based generator, so
+they agree bit for bit there too unless documented otherwise.
+
+Bit packing
+    ``bits``-bit codes form one LSB-first bit stream: code ``i`` occupies bits ``[i*bits, (i+1)*bits)``
+    of the stream and byte ``j`` holds stream bits ``[8j, 8j+8)``. The stream is ``ceil(n*bits/8)``
+    bytes long; nothing is padded to a byte per value.
+
+Counter-based uniforms
+    ``u(seed, i) = (fmix32(((i * 0x9E3779B1) mod 2^32) XOR key(seed)) >> 8) * 2^-24`` with murmur3's
+    finaliser ``fmix32`` and ``key(seed) = fmix32((seed * 0x85EBCA77 + 0x165667B1) mod 2^32)``.
+    Reproducible, independent of thread scheduling, and it never touches torch's global RNG.
+"""
+
+from __future__ import annotations
+
+import torch
+
+M32 = 0xFFFFFFFF
+
+
+def _fmix32_py(h: int) -> int:
+    h &= M32
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & M32
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & M32
+    h ^= h >> 16
+    return h
+
+
+def seed_key(seed: int) -> int:
+    """The 32-bit key that ``seed`` contributes to every element's hash."""
+    return _fmix32_py((int(seed) * 0x85EBCA77 + 0x165667B1) & M32)
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    # h: int64 tensor holding values in [0, 2^32). Products wrap mod 2^64; the low 32 bits are exact.
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & M32
+    h = h ^ (h >> 16)
+    return h
+
+
+def uniform(seed: int, start: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``n`` float32 uniforms in [0, 1) for element indices ``start .. start+n-1``."""
+    idx = torch.arange(start, start + n, dtype=torch.int64, device=device)
+    h = ((idx * 0x9E3779B1) & M32) ^ seed_key(seed)
+    h = _fmix32(h)
+    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+# --------------------------------------------------------------------------------- bit packing
+def packed_nbytes(n: int, bits: int) -> int:
+    return (n * bits + 7) // 8
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack integer codes in ``[0, 2^bits)`` densely into an LSB-first byte stream (uint8)."""
+    n = codes.numel()
+    nbytes = packed_nbytes(n, bits)
+    if bits == 8:
+        return codes.reshape(-1).to(torch.uint8)
+    if bits == 16:
+        c = codes.reshape(-1).to(torch.int32)
+        return torch.stack([(c & 0xFF), (c >> 8) & 0xFF], dim=1).reshape(-1).to(torch.uint8)
+    if not 1 <= bits <= 7:
+        raise ValueError(f"pack_bits: bits must be 1..8 or 16, got {bits}")
+    groups = (n + 7) // 8
+    c = codes.reshape(-1).to(torch.int64)
+    if groups * 8 != n:
+        c = torch.nn.functional.pad(c, (0, groups * 8 - n))
+    c = c.view(groups, 8)
+    shifts = torch.arange(8, device=c.device, dtype=torch.int64) * bits
+    word = (c << shifts).sum(dim=1)  # (groups,) holds 8*bits <= 56 bits
+    byte_shifts = torch.arange(bits, device=c.device, dtype=torch.int64) * 8
+    out = ((word[:, None] >> byte_shifts) & 0xFF).to(torch.uint8).reshape(-1)
+    return out[:nbytes]
+
+
+def unpack_bits(stream: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: ``n`` codes as int64."""
+    if bits == 8:
+        return stream[:n].to(torch.int64)
+    if bits == 16:
+        s = stream[: 2 * n].to(torch.int64).view(n, 2)
+        return s[:, 0] | (s[:, 1] << 8)
+    if not 1 <= bits <= 7:
+        raise ValueError(f"unpack_bits: bits must be 1..8 or 16, got {bits}")
+    groups = (n + 7) // 8
+    s = stream.to(torch.int64)
+    if s.numel() != groups * bits:
+        s = torch.nn.functional.pad(s, (0, groups * bits - s.numel()))
+    s = s.view(groups, bits)
+    byte_shifts = torch.arange(bits, device=s.device, dtype=torch.int64) * 8
+    word = (s << byte_shifts).sum(dim=1)
+    shifts = torch.arange(8, device=s.device, dtype=torch.int64) * bits
+    codes = (word[:, None] >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(-1)[:n]
+
+
+# --------------------------------------------------------------------------------- buckets
+def to_buckets(x: torch.Tensor, bucket: int) -> torch.Tensor:
+    """(n,) -> (ceil(n/bucket), bucket), zero-padded at the end."""
+    n = x.numel()
+    nb = (n + bucket - 1) // bucket
+    if nb * bucket != n:
+        x = torch.nn.functional.pad(x, (0, nb * bucket - n))
+    return x.view(nb, bucket)
+
+
+def bucket_absmax(xb: torch.Tensor) -> torch.Tensor:
+    """Per-row max |x|; NaN propagates (a NaN anywhere in a bucket makes its scale NaN)."""
+    a = xb.abs()
+    m = a.amax(dim=1) if a.numel() else a.new_zeros(a.shape[0])
+    has_nan = torch.isnan(a).any(dim=1)
+    return torch.where(has_nan, torch.full_like(m, float("nan")), m)
+
+
+def bucket_l2(xb: torch.Tensor) -> torch.Tensor:
+    """Per-row L2 norm, computed as max * ||x/max|| so finite inputs never overflow to inf."""
+    m = bucket_absmax(xb)
+    safe = torch.where(m > 0, m, torch.ones_like(m))
+    return m * torch.linalg.vector_norm(xb / safe[:, None], dim=1)
+
+
+# --------------------------------------------------------------------------------- qsgd
+def qsgd_levels(bits: int) -> float:
+    """Half the number of quantisation steps ``s``: codes 0..2s map to scale*(code-s)/s.
+
+    b >= 2: s = 2^(b-1) - 1, a symmetric grid with an exact zero (2-bit is ternary {-1, 0, 1}).
+    b == 1: s = 1/2, the grid {-scale, +scale} (stochastic sign, still unbiased).
+    """
+    return 0.5 if bits == 1 else float((1 << (bits - 1)) - 1)
+
+
+def qsgd_encode(
+    x: torch.Tensor, bits: int, bucket: int, norm: str, stochastic: bool, seed: int
+) -> torch.Tensor:
+    """x: (n,) float32 contiguous -> payload uint8: [scales (nb,) f32][codes packed at ``bits``]."""
+    n = x.numel()
+    xb = to_buckets(x, bucket)  # (nb, bucket)
+    scale = bucket_absmax(xb) if norm == "max" else bucket_l2(xb)  # (nb,)
+    s = qsgd_levels(bits)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (xb / safe[:, None]) * s + s  # in [0, 2s]
+    if stochastic:
+        u = uniform(seed, 0, xb.numel(), x.device).view_as(q)
+        q = torch.floor(q + u)
+    else:
+        q = torch.floor(q + 0.5)
+    codes = torch.nan_to_num(q, nan=0.0).clamp_(0.0, 2 * s).to(torch.int64).reshape(-1)[:n]
+    return torch.cat([scale.contiguous().view(torch.uint8), pack_bits(codes, bits)])
+
+
+def qsgd_decode(payload: torch.Tensor, n: int, bits: int, bucket: int, out: torch.Tensor) -> torch.Tensor:
+    nb = (n + bucket - 1) // bucket
+    scale = payload[: 4 * nb].view(torch.float32)
+    codes = unpack_bits(payload[4 * nb :], bits, n)
+    s = qsgd_levels(bits)
+    step = scale / s  # (nb,)
+    lv = codes.to(torch.float32) - s
+    if nb:
+        pad = nb * bucket - n
+        lv = torch.nn.functional.pad(lv, (0, pad)).view(nb, bucket) * step[:, None]
+        out.copy_(lv.reshape(-1)[:n])
+    return out
+
+
+# --------------------------------------------------------------------------------- onebit
+def onebit_stats(xg: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """xg: (groups, m) float32. Returns (positive mask, mean of x >= 0, mean of x < 0) per group.
+
+    NaN counts as non-negative so it lands in a mean and comes out non-finite.
+    """
+    pos = ~(xg < 0)
+    neg = ~pos
+    if valid is not None:
+        pos_v, neg_v = pos & valid, neg & valid
+    else:
+        pos_v, neg_v = pos, neg
+    zero = torch.zeros((), dtype=xg.dtype, device=xg.device)
+    sum_pos = torch.where(pos_v, xg, zero).sum(dim=1)
+    sum_neg = torch.where(neg_v, xg, zero).sum(dim=1)
+    cnt_pos = pos_v.sum(dim=1).clamp_min(1).to(xg.dtype)
+    cnt_neg = neg_v.sum(dim=1).clamp_min(1).to(xg.dtype)
+    return pos, sum_pos / cnt_pos, sum_neg / cnt_neg
+
+
+def onebit_encode_buckets(x: torch.Tensor, bucket: int) -> torch.Tensor:
+    """x: (n,) -> [(mean_pos, mean_neg) per bucket: float32 x 2nb][sign bits: 1 = non-negative]."""
+    n = x.numel()
+    xb = to_buckets(x, bucket)
+    nb = xb.shape[0]
+    valid = None
+    if nb * bucket != n:
+        valid = (torch.arange(nb * bucket, device=x.device) < n).view(nb, bucket)
+    pos, mp, mn = onebit_stats(xb, valid)
+    scales = torch.stack([mp, mn], dim=1).reshape(-1).contiguous()
+    return torch.cat([scales.view(torch.uint8), pack_bits(pos.reshape(-1)[:n], 1)])
+
+
+def onebit_decode_buckets(payload: torch.Tensor, n: int, bucket: int, out: torch.Tensor) -> torch.Tensor:
+    nb = (n + bucket - 1) // bucket
+    scales = payload[: 8 * nb].view(torch.float32).view(nb, 2)
+    bits = unpack_bits(payload[8 * nb :], 1, n).to(torch.bool)
+    if nb:
+        b = torch.nn.functional.pad(bits, (0, nb * bucket - n)).view(nb, bucket)
+        vals = torch.where(b, scales[:, :1], scales[:, 1:])
+        out.copy_(vals.reshape(-1)[:n])
+    return out
+
+
+def onebit_encode_columns(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """Per column of the (rows, n/rows) view: [(mean_pos, mean_neg) per column][sign bits, row-major]."""
+    n = x.numel()
+    cols = n // rows if rows else 0
+    x2 = x.view(rows, cols)
+    pos, mp, mn = onebit_stats(x2.t(), None)  # groups = columns
+    scales = torch.stack([mp, mn], dim=1).reshape(-1).contiguous()
+    return torch.cat([scales.view(torch.uint8), pack_bits(pos.t().reshape(-1), 1)])
+
+
+def onebit_decode_columns(payload: torch.Tensor, n: int, rows: int, out: torch.Tensor) -> torch.Tensor:
+    cols = n // rows if rows else 0
+    scales = payload[: 8 * cols].view(torch.float32).view(cols, 2)
+    bits = unpack_bits(payload[8 * cols :], 1, n).to(torch.bool).view(rows, cols)
+    if n:
+        out.view(rows, cols).copy_(torch.where(bits, scales[:, 0][None, :], scales[:, 1][None, :]))
+    return out
