@@ -1,0 +1,197 @@
+"""``lowbit codecs``: one table row per codec configuration.
+
+Columns: bits per value on the wire (scales included), compression vs fp32, mean relative error and
+RMSE on the four distributions of Dettmers' Table 2 (with the paper's figure beside ours where the paper
+has one) and on real gradients of a small MLP trained on scikit-learn's digits (offline), and encode /
+decode throughput on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lowbit.codecs.base import Codec, get_codec
+
+DEFAULT_SPECS = [
+    "fp32",
+    "fp16",
+    "bf16",
+    "qsgd:bits=16,bucket=8192",
+    "qsgd:bits=8,bucket=512",
+    "qsgd:bits=4,bucket=512",
+    "qsgd:bits=2,bucket=128",
+    "qsgd:bits=1,bucket=512",
+    "onebit:bucket=64",
+    "onebit:bucket=0",
+    "dettmers:type=dynamic",
+    "dettmers:type=dynamic,search=paper",
+    "dettmers:type=linear",
+    "dettmers:type=linear,search=paper",
+    "dettmers:type=static,offset=1",
+    "dettmers:type=static,search=paper,offset=1",
+    "dettmers:type=mantissa,offset=2",
+    "dettmers:type=mantissa,search=paper,offset=2",
+    "dettmers:type=dynamic_bnb",
+    "topk:ratio=0.01",
+]
+
+DISTRIBUTIONS: dict[str, Callable[[int, torch.Generator], torch.Tensor]] = {
+    "U(0,1)": lambda n, g: torch.rand(n, generator=g),
+    "N(0,1)": lambda n, g: torch.randn(n, generator=g),
+    "N(0,10^2)": lambda n, g: 10 * torch.randn(n, generator=g),
+    "N(0,0.2^2)": lambda n, g: 0.2 * torch.randn(n, generator=g),
+}
+
+#: Dettmers 2016, Table 2: mean relative error in %, per data type and distribution.
+PAPER_TABLE2 = {
+    "dynamic": {"U(0,1)": 1.39, "N(0,1)": 2.46, "N(0,10^2)": 2.49, "N(0,0.2^2)": 2.45},
+    "linear": {"U(0,1)": 2.16, "N(0,1)": 6.47, "N(0,10^2)": 6.44, "N(0,0.2^2)": 6.15},
+    "mantissa": {"U(0,1)": 7.22, "N(0,1)": 6.89, "N(0,10^2)": 7.19, "N(0,0.2^2)": 8.26},
+    "static": {"U(0,1)": 4.82, "N(0,1)": 6.3, "N(0,10^2)": 6.28, "N(0,0.2^2)": 6.58},
+}
+
+
+def real_gradients(steps: int = 30, seed: int = 0) -> torch.Tensor:
+    """Flattened gradients of a 64-256-256-10 MLP trained on scikit-learn's digits (offline)."""
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(data.target, dtype=torch.int64)
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(),
+        torch.nn.Linear(256, 10),
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    grads = []
+    for _ in range(steps):
+        idx = torch.randint(0, len(x), (64,), generator=g)
+        loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
+        opt.zero_grad()
+        loss.backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+        opt.step()
+    return torch.cat(grads[-5:])  # gradients from late in training
+
+
+def _errors(codec: Codec, x: torch.Tensor) -> tuple[float, float]:
+    y = codec.decode(codec.encode(x, seed=1), x.numel())
+    nz = x != 0
+    mre = float(((y - x).abs()[nz] / x.abs()[nz]).double().mean()) * 100.0
+    rmse = float((y - x).double().pow(2).mean().sqrt())
+    return mre, rmse
+
+
+def _throughput(codec: Codec, x: torch.Tensor, reps: int) -> tuple[float, float]:
+    """GB/s of fp32 input for encode and for decode (median of ``reps`` after one warm-up)."""
+    n = x.numel()
+    payload = codec.encode(x)
+    out = torch.empty(n)
+    codec.decode(payload, n, out=out)
+    enc, dec = [], []
+    for r in range(reps):
+        t0 = time.perf_counter()
+        payload = codec.encode(x, seed=r)
+        t1 = time.perf_counter()
+        codec.decode(payload, n, out=out)
+        t2 = time.perf_counter()
+        enc.append(t1 - t0)
+        dec.append(t2 - t1)
+    enc.sort()
+    dec.sort()
+    gb = 4 * n / 1e9
+    return gb / enc[len(enc) // 2], gb / dec[len(dec) // 2]
+
+
+def measure(specs: list[str], samples: int, bench_numel: int, reps: int, progress: bool = True) -> list[dict[str, Any]]:
+    from tqdm import tqdm
+
+    codecs = [get_codec(s) for s in specs]  # fail on a bad spec before measuring anything
+    g = torch.Generator().manual_seed(2016)
+    data = {name: make(samples, g) for name, make in DISTRIBUTIONS.items()}
+    data["gradients"] = real_gradients()
+    bench_x = torch.randn(bench_numel, generator=g)
+    rows = []
+    for codec in tqdm(codecs, desc="measuring codecs", disable=not progress, unit="codec"):
+        row: dict[str, Any] = {
+            "codec": codec.spec,
+            "bits_per_value": round(codec.bits_per_value(bench_numel), 4),
+            "compression": round(32.0 / codec.bits_per_value(bench_numel), 2),
+        }
+        for name, x in data.items():
+            mre, rmse = _errors(codec, x)
+            row[f"mre%:{name}"] = round(mre, 3)
+            row[f"rmse:{name}"] = float(f"{rmse:.4g}")
+            dtype = getattr(codec, "type", None)
+            paper_search = getattr(codec, "search", None) == "paper"
+            if paper_search and dtype in PAPER_TABLE2 and name in PAPER_TABLE2[dtype]:
+                row[f"paper_mre%:{name}"] = PAPER_TABLE2[dtype][name]
+        enc, dec = _throughput(codec, bench_x, reps)
+        row["encode_GBps"] = round(enc, 3)
+        row["decode_GBps"] = round(dec, 3)
+        rows.append(row)
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    dists = list(DISTRIBUTIONS) + ["gradients"]
+    head = ["codec", "bits/val", "x fp32"] + [f"MRE% {d}" for d in dists] + ["RMSE grad", "enc GB/s", "dec GB/s"]
+    lines = []
+    for r in rows:
+        cells = [r["codec"], f"{r['bits_per_value']:.3f}", f"{r['compression']:.1f}"]
+        for d in dists:
+            c = f"{r[f'mre%:{d}']:.2f}"
+            if f"paper_mre%:{d}" in r:
+                c += f" ({r[f'paper_mre%:{d}']:.2f})"
+            cells.append(c)
+        cells += [f"{r['rmse:gradients']:.3g}", f"{r['encode_GBps']:.2f}", f"{r['decode_GBps']:.2f}"]
+        lines.append(cells)
+    widths = [max(len(h), *(len(c[i]) for c in lines)) for i, h in enumerate(head)]
+    fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
+    out = [fmt.format(*head), fmt.format(*("-" * w for w in widths))]
+    out += [fmt.format(*c) for c in lines]
+    out.append("MRE = mean relative error over nonzero inputs; (paper) = Dettmers 2016 Table 2. "
+               "Throughput: GB/s of fp32 input on this machine.")
+    return "\n".join(out)
+
+
+def run(args: argparse.Namespace) -> int:
+    specs = args.codec or DEFAULT_SPECS
+    rows = measure(specs, args.samples, args.bench_numel, args.reps, progress=not args.quiet)
+    meta = {
+        "machine": platform.node(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "samples": args.samples,
+        "bench_numel": args.bench_numel,
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print(format_table(rows))
+    print(f"machine: {meta['machine']} ({meta['processor']}, {meta['threads']} threads, torch {meta['torch']})")
+    if args.json:
+        print(f"rows written to {args.json}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("codecs", help="table of every codec: bits on the wire, error, throughput")
+    p.add_argument("--codec", action="append", help="codec spec to measure (repeatable; default: a standard set)")
+    p.add_argument("--samples", type=int, default=1_000_000, help="samples per distribution (default 1M)")
+    p.add_argument("--bench-numel", type=int, default=1 << 22, help="elements for the throughput runs")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions (median reported)")
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
