@@ -1,0 +1,66 @@
+"""Data sets that work offline, synthetic inputs, and loaders that shard across ranks.
+
+    data = load_dataset("digits", seed=0)      # a Dataset bundle of in-memory tensors
+    data.x_train.shape, data.num_classes, data.in_shape, data.synthetic, data.label
+    loader = data.loader("train", batch_size=32, rank=r, world_size=w, seed=0)  # this rank's shard
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        for x, y in loader:
+            ...
+
+========= ======================================================= ========== =======
+name      what                                                    sample     classes
+========= ======================================================= ========== =======
+digits    scikit-learn's bundled 8x8 digits, split by ``seed``    (1, 8, 8)  10
+mnist1d   MNIST-1D, generated locally by the ``mnist1d`` package  (1, 40)    10
+text      char-level LM over Python's stdlib docstrings           (seq_len,) ~100
+synthetic random inputs of any model's shape, flagged synthetic   model's    model's
+========= ======================================================= ========== =======
+
+Nothing here downloads. Options beyond ``seed`` go to the loader (``load_dataset("text",
+seq_len=16)``, ``load_dataset("synthetic", model="resnet50", n_train=256)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from lowbit.data.bundle import Dataset
+from lowbit.data.digits import load_digits
+from lowbit.data.mnist1d import load_mnist1d
+from lowbit.data.sharding import ShardedLoader, ShardedSampler, shard_indices
+from lowbit.data.synthetic import load_synthetic
+from lowbit.data.text import load_text
+
+__all__ = [
+    "Dataset",
+    "ShardedLoader",
+    "ShardedSampler",
+    "available_datasets",
+    "load_dataset",
+    "shard_indices",
+]
+
+_LOADERS: dict[str, Callable[..., Dataset]] = {
+    "digits": load_digits,
+    "mnist1d": load_mnist1d,
+    "text": load_text,
+    "synthetic": load_synthetic,
+}
+
+
+def available_datasets() -> list[str]:
+    """Names accepted by :func:`load_dataset`, sorted."""
+    return sorted(_LOADERS)
+
+
+def load_dataset(name: str, seed: int = 0, **options: Any) -> Dataset:
+    """Load data set ``name`` into memory; ``options`` go to its loader (see the module doc)."""
+    try:
+        loader = _LOADERS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown data set {name!r}; known data sets: {', '.join(available_datasets())}"
+        ) from None
+    return loader(seed=seed, **options)

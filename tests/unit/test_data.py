@@ -1,0 +1,171 @@
+"""Offline data sets, synthetic inputs and rank sharding."""
+
+from __future__ import annotations
+
+import random
+import socket
+
+import numpy as np
+import pytest
+import torch
+
+from lowbit.data import (
+    ShardedLoader,
+    ShardedSampler,
+    available_datasets,
+    load_dataset,
+    shard_indices,
+)
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any attempt to open a connection fails the test."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("network access attempted")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+def test_registry():
+    assert available_datasets() == ["digits", "mnist1d", "synthetic", "text"]
+    with pytest.raises(ValueError, match="unknown data set 'cifar10'.*digits.*mnist1d"):
+        load_dataset("cifar10")
+
+
+def test_digits_offline_shapes_and_split(no_network):
+    d = load_dataset("digits", seed=0)
+    assert (d.n_train, d.n_test) == (1437, 360)
+    assert d.x_train.shape == (1437, 1, 8, 8) and d.x_train.dtype == torch.float32
+    assert d.in_shape == (1, 8, 8) and d.num_classes == 10 and not d.synthetic
+    assert d.y_train.dtype == torch.int64
+    # stratified: every class in both splits
+    assert torch.bincount(d.y_train, minlength=10).min() > 100
+    assert torch.bincount(d.y_test, minlength=10).min() >= 35
+    # standardised on the training split
+    assert abs(float(d.x_train.mean())) < 1e-4 and abs(float(d.x_train.std()) - 1) < 1e-3
+    # the split is a function of the seed
+    again, other = load_dataset("digits", seed=0), load_dataset("digits", seed=1)
+    assert torch.equal(again.x_test, d.x_test)
+    assert not torch.equal(other.x_test, d.x_test)
+
+
+def test_mnist1d_generates_offline_and_keeps_global_rng(no_network):
+    from lowbit.data import mnist1d as m
+
+    m._generate.cache_clear()  # really generate inside this test, with the network blocked
+    np.random.seed(123)
+    random.seed(123)
+    np_before, py_before = np.random.get_state()[1].copy(), random.getstate()
+    d = load_dataset("mnist1d")
+    assert np.array_equal(np.random.get_state()[1], np_before) and random.getstate() == py_before
+    assert d.x_train.shape == (4000, 1, 40) and d.x_test.shape == (1000, 1, 40)
+    assert d.in_shape == (1, 40) and d.num_classes == 10 and not d.synthetic
+    assert set(d.y_train.tolist()) == set(range(10)) and set(d.y_test.tolist()) == set(range(10))
+    assert abs(float(d.x_train.mean())) < 0.1 and 0.8 < float(d.x_train.std()) < 1.2
+    # canonical: the same arrays whatever seed we pass
+    assert torch.equal(load_dataset("mnist1d", seed=5).x_train, d.x_train)
+
+
+@pytest.mark.parametrize("n, world", [(12, 3), (10, 1), (64, 8)])
+def test_shards_are_disjoint_and_cover_when_divisible(n, world):
+    for drop_last in (False, True):
+        shards = [shard_indices(n, r, world, seed=7, epoch=2, drop_last=drop_last) for r in range(world)]
+        flat = torch.cat(shards).tolist()
+        assert sorted(flat) == list(range(n))  # covering and disjoint
+        assert len({len(s) for s in shards}) == 1
+
+
+def test_shards_uneven_pad_or_drop():
+    n, world = 10, 4
+    padded = [shard_indices(n, r, world, seed=0) for r in range(world)]
+    assert [len(s) for s in padded] == [3, 3, 3, 3]
+    assert set(torch.cat(padded).tolist()) == set(range(n))  # covers; 2 samples repeat
+    dropped = [shard_indices(n, r, world, seed=0, drop_last=True) for r in range(world)]
+    flat = torch.cat(dropped).tolist()
+    assert [len(s) for s in dropped] == [2, 2, 2, 2] and len(set(flat)) == 8  # disjoint
+    # more ranks than samples still gives every rank a (repeated) sample
+    tiny = [shard_indices(2, r, 5) for r in range(5)]
+    assert all(len(s) == 1 for s in tiny)
+
+
+def test_shards_deterministic_by_seed_and_epoch():
+    a = shard_indices(100, 1, 4, seed=3, epoch=0)
+    assert torch.equal(a, shard_indices(100, 1, 4, seed=3, epoch=0))
+    assert not torch.equal(a, shard_indices(100, 1, 4, seed=3, epoch=1))
+    assert not torch.equal(a, shard_indices(100, 1, 4, seed=4, epoch=0))
+    swapped = shard_indices(100, 1, 4, seed=0, epoch=1), shard_indices(100, 1, 4, seed=1, epoch=0)
+    assert not torch.equal(*swapped)
+    assert shard_indices(8, 1, 2, shuffle=False).tolist() == [1, 3, 5, 7]
+    with pytest.raises(ValueError, match="rank"):
+        shard_indices(10, 2, 2)
+    with pytest.raises(ValueError, match="world_size"):
+        shard_indices(10, 0, 0)
+
+
+def test_sampler_works_with_dataloader_and_set_epoch():
+    data = torch.utils.data.TensorDataset(torch.arange(20))
+    seen = []
+    for rank in range(2):
+        sampler = ShardedSampler(20, rank, 2, seed=1)
+        sampler.set_epoch(3)
+        assert len(sampler) == 10
+        loader = torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler)
+        seen += [int(v) for (batch,) in loader for v in batch]
+    assert sorted(seen) == list(range(20))
+
+
+def test_loader_batches_cover_the_data_across_ranks():
+    d = load_dataset("digits")
+    world, bs = 3, 64
+    labels = []
+    for rank in range(world):
+        loader = d.loader("train", batch_size=bs, rank=rank, world_size=world, seed=0, drop_last=True)
+        loader.set_epoch(1)
+        batches = list(loader)
+        assert len(batches) == len(loader) == (1437 // world) // bs
+        assert all(x.shape == (bs, 1, 8, 8) and y.shape == (bs,) for x, y in batches)
+        labels += [y for _, y in batches]
+    # all ranks together saw distinct samples (drop_last: disjoint shards)
+    test = d.loader("test", batch_size=50, rank=0, world_size=1)
+    xs = torch.cat([x for x, _ in test])
+    assert torch.equal(xs, d.x_test)  # test split: unshuffled, whole
+    with pytest.raises(ValueError, match="batch_size"):
+        ShardedLoader(d.x_test, d.y_test, batch_size=0)
+
+
+def test_text_corpus_yields_language_model_batches(no_network):
+    d = load_dataset("text", seq_len=32)
+    assert d.task == "sequence" and not d.synthetic
+    assert d.in_shape == (32,) and d.x_train.dtype == torch.int64
+    assert d.num_classes == len(d.meta["vocab"]) >= 60
+    assert d.meta["chars"] > 100_000 and len(d.meta["sha256"]) == 64
+    assert d.n_train > 2000 and d.n_test > 200
+    # targets are the inputs shifted by one character, across window boundaries too
+    assert torch.equal(d.x_train[:, 1:], d.y_train[:, :-1])
+    assert torch.equal(d.y_train[:-1, -1], d.x_train[1:, 0])
+    assert int(d.x_train.max()) < d.num_classes and int(d.x_train.min()) >= 0
+    text = "".join(d.meta["vocab"][i] for i in d.x_train[:20].flatten().tolist())
+    assert sum(c.isalpha() or c == " " for c in text) > 0.7 * len(text)  # prose, not noise
+    x, y = next(iter(d.loader("train", batch_size=16, rank=1, world_size=2)))
+    assert x.shape == y.shape == (16, 32)
+
+
+def test_synthetic_is_flagged_and_shaped_for_models():
+    state = torch.get_rng_state()
+    d = load_dataset("synthetic", model="resnet50", n_train=2, n_test=1)
+    assert torch.equal(torch.get_rng_state(), state)  # private generator
+    assert d.synthetic and d.label.startswith("SYNTHETIC")
+    assert d.x_train.shape == (2, 3, 224, 224) and d.num_classes == 1000
+    again = load_dataset("synthetic", model="resnet50", n_train=2, n_test=1)
+    assert torch.equal(d.x_train, again.x_train)
+    lstm = load_dataset("synthetic", model="lstm", n_train=4)
+    assert lstm.synthetic and lstm.x_train.shape == (4, 16, 363) and lstm.y_train.shape == (4, 16)
+    tokens = load_dataset("synthetic", model="lstm", in_shape=(8,), num_classes=50, n_train=4)
+    assert tokens.x_train.dtype == torch.int64 and int(tokens.x_train.max()) < 50
+    plain = load_dataset("synthetic", in_shape=(1, 40), num_classes=10, n_train=8)
+    assert plain.synthetic and plain.x_train.shape == (8, 1, 40)
+    assert not any(load_dataset(n).synthetic for n in ("digits", "text"))
