@@ -1,0 +1,255 @@
+"""``lowbit predict``: the speed model from the command line.
+
+    lowbit predict --network vgg19 --gpus 64 --gpus-per-node 8 --intra nvlink --inter 100gbit \\
+                   --codec qsgd:bits=4 [--algorithm scatter_gather] [--batch 64] [--device-tflops 100]
+    lowbit predict --network resnet50 --sweep --out sweep.png     # GPUs 1, 2, 4, ..., 1024 + a plot
+    lowbit predict --network alexnet --json                       # machine-readable
+    lowbit predict --dettmers                                     # Dettmers' two tables vs the paper
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+from typing import Any
+
+from lowbit.perfmodel import dettmers
+from lowbit.perfmodel.codecbits import bits_per_value
+from lowbit.perfmodel.collectives import ALGORITHMS
+from lowbit.perfmodel.links import PRESETS
+from lowbit.perfmodel.model import Cluster, Prediction, predict_network
+from lowbit.perfmodel.networks import NETWORKS, get_network
+
+__all__ = ["register", "run_predict", "format_prediction", "format_sweep", "format_dettmers", "sweep"]
+
+
+def register(subparsers: Any) -> None:
+    """Add ``predict`` to the ``lowbit`` command."""
+    p = subparsers.add_parser(
+        "predict",
+        help="predict step time, samples/s and speedup of low-precision communication",
+        description="Alpha-beta speed model of data-parallel training with compressed gradients "
+        "(docs/perfmodel.md). Known networks: " + ", ".join(NETWORKS) + ". Link presets: "
+        + ", ".join(sorted(PRESETS)) + " (or bw=5GB/s,lat=10us).",
+    )
+    p.add_argument("--network", help="a known network (" + ", ".join(NETWORKS) + ")")
+    p.add_argument("--gpus", type=int, default=8, help="number of GPUs (default 8)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--intra", default="nvlink", help="intra-node link (default nvlink)")
+    p.add_argument("--inter", default="100gbit", help="inter-node link (default 100gbit)")
+    p.add_argument("--nics-per-node", type=int, default=1, help="inter-node links per node (default 1)")
+    p.add_argument("--codec", default="qsgd:bits=8,bucket=512",
+                   help="codec spec (default qsgd:bits=8,bucket=512)")
+    p.add_argument("--bits", type=float, default=None, help="bits per value; overrides what --codec implies")
+    p.add_argument("--algorithm", default="auto", choices=("auto",) + ALGORITHMS,
+                   help="auto: allreduce for 16/32-bit floats, scatter_gather below")
+    p.add_argument("--batch", type=int, default=64, help="samples per GPU per step (default 64)")
+    p.add_argument("--device-tflops", type=float, default=100.0,
+                   help="sustained TFLOP/s of one GPU on this network (default 100)")
+    p.add_argument("--encode-gbps", type=float, default=200.0,
+                   help="encode throughput, GB/s of float32 input (default 200; 0 = free)")
+    p.add_argument("--decode-gbps", type=float, default=200.0,
+                   help="decode throughput, GB/s of float32 output (default 200; 0 = free)")
+    p.add_argument("--bucket-mb", type=float, default=25.0,
+                   help="gradient bucket size in MiB (default 25; 0 = per layer)")
+    p.add_argument("--no-overlap", action="store_true", help="communicate only after the backward pass")
+    p.add_argument("--sweep", action="store_true",
+                   help="table over GPUs 1, 2, 4, ..., --max-gpus and a PNG plot")
+    p.add_argument("--max-gpus", type=int, default=1024, help="largest GPU count of --sweep (default 1024)")
+    p.add_argument("--out", default="predict_sweep.png",
+                   help="PNG written by --sweep (default predict_sweep.png)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--dettmers", action="store_true",
+                   help="print Dettmers' 4-GPU and 96-GPU tables vs the paper")
+    p.set_defaults(func=run_predict)
+
+
+# ------------------------------------------------------------------------------------------ running
+def _rate(gbps: float, what: str) -> float | None:
+    if gbps < 0 or math.isnan(gbps):
+        raise ValueError(f"--{what}-gbps must be >= 0, got {gbps}")
+    return None if gbps == 0 else gbps * 1e9
+
+
+def _predict(args: argparse.Namespace, gpus: int) -> Prediction:
+    cluster = Cluster(gpus=gpus, gpus_per_node=args.gpus_per_node, intra=args.intra,
+                      inter=args.inter, nics_per_node=args.nics_per_node)
+    codec: str | float = args.codec if args.bits is None else args.bits
+    return predict_network(
+        args.network, cluster, batch_per_gpu=args.batch, device_tflops=args.device_tflops, codec=codec,
+        algorithm=args.algorithm, encode_Bps=_rate(args.encode_gbps, "encode"),
+        decode_Bps=_rate(args.decode_gbps, "decode"), overlap=not args.no_overlap,
+        bucket_bytes=args.bucket_mb * 2**20,
+    )
+
+
+def _validate(args: argparse.Namespace) -> None:
+    if not args.network:
+        raise ValueError(f"--network is required (known networks: {', '.join(NETWORKS)}) unless --dettmers")
+    get_network(args.network)  # unknown network -> ValueError with the list
+    if args.gpus < 1:
+        raise ValueError(f"--gpus must be a positive integer, got {args.gpus}")
+    if args.gpus_per_node < 1:
+        raise ValueError(f"--gpus-per-node must be a positive integer, got {args.gpus_per_node}")
+    if args.batch < 1:
+        raise ValueError(f"--batch must be a positive integer, got {args.batch}")
+    if not args.device_tflops > 0:
+        raise ValueError(f"--device-tflops must be > 0, got {args.device_tflops}")
+    if args.max_gpus < 1:
+        raise ValueError(f"--max-gpus must be a positive integer, got {args.max_gpus}")
+    if args.bits is None:
+        bits_per_value(args.codec)  # unknown codec -> ValueError before any work
+
+
+def sweep(args: argparse.Namespace) -> list[Prediction]:
+    """Predictions at 1, 2, 4, ... up to ``--max-gpus`` GPUs."""
+    counts, g = [], 1
+    while g <= args.max_gpus:
+        counts.append(g)
+        g *= 2
+    return [_predict(args, k) for k in counts]
+
+
+def run_predict(args: argparse.Namespace) -> int:
+    if args.dettmers:
+        print(json.dumps(_dettmers_json(), indent=2) if args.json else format_dettmers())
+        return 0
+    _validate(args)
+    if args.sweep:
+        rows = sweep(args)
+        path = plot_sweep(rows, args.out)
+        if args.json:
+            print(json.dumps({"sweep": [r.to_dict() for r in rows], "plot": path}, indent=2))
+        else:
+            print(format_sweep(rows, args))
+            print(f"plot written to {path}")
+        return 0
+    pred = _predict(args, args.gpus)
+    print(json.dumps(pred.to_dict(), indent=2) if args.json else format_prediction(pred, args))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ output
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.2f} ms"
+
+
+def _mb(b: float) -> str:
+    return f"{b / 1e6:.1f} MB"
+
+
+def _header(args: argparse.Namespace, bits: float) -> str:
+    cluster = Cluster(gpus=max(args.gpus, 1), gpus_per_node=args.gpus_per_node, intra=args.intra,
+                      inter=args.inter)
+    net = get_network(args.network)
+    return (
+        f"network {net.name}: {net.params / 1e6:.1f}M params, {net.fwd_bwd_gflops:.3g} GFLOP/sample fwd+bwd; "
+        f"batch {args.batch}/GPU at {args.device_tflops:g} TFLOP/s\n"
+        f"links: intra {cluster.intra.describe()}, inter {cluster.inter.describe() if cluster.inter else '-'}, "
+        f"{args.gpus_per_node} GPUs/node\n"
+        f"codec {args.codec if args.bits is None else f'{args.bits:g} bits'} ({bits:.4g} bits/value)"
+    )
+
+
+def format_prediction(pred: Prediction, args: argparse.Namespace) -> str:
+    b = pred.breakdown
+    nodes = math.ceil(pred.gpus / pred.gpus_per_node)
+    lines = [
+        _header(args, pred.bits_per_value),
+        f"{pred.gpus} GPUs on {nodes} node(s), algorithm {pred.algorithm}, {pred.buckets} buckets",
+        f"  step time            {_ms(pred.step_s)}",
+        f"  samples/s            {pred.samples_per_s:,.1f}   (1 GPU: {pred.single_gpu_samples_per_s:,.1f})",
+        f"  scaling efficiency   {100 * pred.scaling_efficiency:.1f}%",
+        f"  speedup over 32-bit  {pred.speedup_vs_fp32:.2f}x   (32-bit step {_ms(pred.fp32_step_s)})",
+        f"  breakdown: compute {_ms(b.compute_s)} | exposed comm {_ms(b.exposed_comm_s)} | "
+        f"encode {_ms(b.encode_s)} | decode {_ms(b.decode_s)}",
+        f"  comm stream busy {_ms(b.comm_s)}; {_mb(pred.bytes_per_rank)} sent per rank per step",
+    ]
+    return "\n".join(lines)
+
+
+def format_sweep(rows: list[Prediction], args: argparse.Namespace) -> str:
+    head = f"{'GPUs':>5} {'nodes':>5} {'step ms':>9} {'samples/s':>12} {'eff %':>6} " \
+           f"{'32-bit s/s':>12} {'speedup':>8} {'exposed ms':>10} {'enc+dec ms':>10}"
+    out = [_header(args, rows[0].bits_per_value if rows else 32.0), head, "-" * len(head)]
+    for r in rows:
+        fp32_sps = r.gpus * r.batch_per_gpu / r.fp32_step_s
+        b = r.breakdown
+        out.append(
+            f"{r.gpus:>5} {math.ceil(r.gpus / r.gpus_per_node):>5} {r.step_s * 1e3:>9.2f} "
+            f"{r.samples_per_s:>12,.0f} {100 * r.scaling_efficiency:>6.1f} {fp32_sps:>12,.0f} "
+            f"{r.speedup_vs_fp32:>7.2f}x {b.exposed_comm_s * 1e3:>10.2f} "
+            f"{(b.encode_s + b.decode_s) * 1e3:>10.2f}"
+        )
+    return "\n".join(out)
+
+
+def plot_sweep(rows: list[Prediction], path: str) -> str:
+    """Samples/s (model, 32-bit, ideal) and speedup over 32-bit against GPUs; PNG at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gpus = [r.gpus for r in rows]
+    sps = [r.samples_per_s for r in rows]
+    fp32 = [r.gpus * r.batch_per_gpu / r.fp32_step_s for r in rows]
+    ideal = [r.gpus * r.single_gpu_samples_per_s for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    label = f"{rows[0].codec} ({rows[0].bits_per_value:.3g} bits, {rows[0].algorithm})" if rows else ""
+    ax1.plot(gpus, ideal, "k:", label="linear scaling")
+    ax1.plot(gpus, fp32, "o-", color="tab:cyan", label="32-bit allreduce")
+    ax1.plot(gpus, sps, "s-", color="tab:red", label=label)
+    ax1.set_xscale("log", base=2)
+    ax1.set_yscale("log")
+    ax1.set_xlabel("GPUs")
+    ax1.set_ylabel("samples/s")
+    ax1.set_title(f"{rows[0].network if rows else ''}: predicted throughput")
+    ax1.legend(fontsize=8)
+    ax1.grid(True, which="both", alpha=0.3)
+    ax2.plot(gpus, [r.speedup_vs_fp32 for r in rows], "s-", color="tab:red")
+    ax2.axhline(1.0, color="k", lw=0.8)
+    if rows:
+        ax2.axhline(32.0 / rows[0].bits_per_value, color="gray", ls="--", lw=0.8, label="32/b bound")
+        ax2.legend(fontsize=8)
+    ax2.set_xscale("log", base=2)
+    ax2.set_xlabel("GPUs")
+    ax2.set_ylabel("speedup over 32-bit")
+    ax2.set_title("speedup of low-precision communication")
+    ax2.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def format_dettmers() -> str:
+    out = ["Dettmers (ICLR 2016), Appendix 5.1: AlexNet, 1 node x 4 GPUs (model vs paper)",
+           f"{'baseline':<11} {'bits':>4} {'model':>8} {'paper':>6}  detail"]
+    for r in dettmers.single_node_table():
+        out.append(f"{r.baseline:<11} {r.bits:>4} {r.speedup:>7.3f}x {r.paper:>5.2f}x  {r.detail}")
+    out += ["", "Dettmers (ICLR 2016), Appendix 5.2: AlexNet, 32 nodes x 3 GPUs = 96 GPUs, speedup over 1 GPU",
+            "NervanaGPU baseline (96 x 104.1 ms); convnet2 baseline (96 x 177 ms) in parentheses",
+            f"{'sub-batch':>9} {'bits':>4}  {'Table 6 chain':>18}  {'exact formula':>18}  {'paper':>16}"]
+    chain = {(r.sub_batch, r.bits, r.baseline): r for r in dettmers.cluster_table(source="table6")}
+    exact = {(r.sub_batch, r.bits, r.baseline): r for r in dettmers.cluster_table(source="formula")}
+    for b in sorted({k[0] for k in chain}):
+        for bits in (32, 8):
+            def cell(rows: dict, b: int = b, bits: int = bits) -> str:
+                n, c = rows[(b, bits, "nervanagpu")].speedup, rows[(b, bits, "convnet2")].speedup
+                return f"{n:6.2f}x ({c:6.2f}x)"
+            p = dettmers.PAPER_CLUSTER[(b, bits)]
+            out.append(f"{b:>9} {bits:>4}  {cell(chain):>18}  {cell(exact):>18}  {p[0]:>5}x ({p[1]:>5}x)")
+    out.append("Table 6 chain: Dettmers' printed fc-stage totals; "
+               "exact formula: forward + 31*max(0, t_sync - 1.3 ms).")
+    return "\n".join(out)
+
+
+def _dettmers_json() -> dict[str, Any]:
+    return {
+        "single_node": [dataclasses.asdict(r) for r in dettmers.single_node_table()],
+        "cluster_table6": [dataclasses.asdict(r) for r in dettmers.cluster_table(source="table6")],
+        "cluster_formula": [dataclasses.asdict(r) for r in dettmers.cluster_table(source="formula")],
+    }

@@ -1,0 +1,208 @@
+"""Alpha-beta cost of the collectives lowbit uses, on a cluster of nodes.
+
+Notation: ``M`` bytes per rank (the payload: encoded size for compressed algorithms), ``K`` ranks,
+``G`` GPUs per node, ``N = ceil(K / G)`` nodes. A link costs ``alpha + n * beta`` per message
+(``alpha`` = latency, ``beta`` = 1 / bandwidth). Every collective is a sequence of *steps*; a step's
+time is set by the slowest link it uses (the *bottleneck*):
+
+* all ranks in one node: the intra-node link;
+* ranks on several nodes: a ring ordered node by node crosses each node boundary once per
+  direction, so its bottleneck is one inter-node link carrying one block per step;
+* an all-to-all on several nodes pushes ``G (K - G) / K * M`` bytes out of every node at once, over the
+  node's ``nics`` inter-node links.
+
+Formulas (bytes are those each rank *sends*; it receives as many):
+
+==================  ===========================================  ================================
+algorithm           time                                          bytes sent per rank
+==================  ===========================================  ================================
+ring allreduce      ``2 (K-1) (alpha + M/K beta)``                 ``2 (K-1)/K M``
+allgather (ring)    ``(K-1) (alpha + M beta)``                     ``(K-1) M``  (receives K-1 payloads)
+scatter_gather      all_to_all + ring allgather of ``M/K`` chunks   ``2 (K-1)/K M``
+hierarchical        intra reduce-scatter + inter allreduce of       ``2 (G-1)/G M + 2 (N-1)/N M/G``
+                    ``M/G`` (G rings share the node's NICs) +
+                    intra allgather
+==================  ===========================================  ================================
+
+The all_to_all is pairwise exchange: ``(K-1) alpha + max(intra bytes * beta_intra, node-out bytes *
+beta_inter / nics)``. ``scatter_gather`` is the seed's MPI reduce-and-broadcast and what
+``lowbit.all_reduce(..., algorithm="scatter_gather")`` does: encode K chunks, all_to_all, decode and
+sum the own chunk, re-encode, all_gather.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from lowbit.perfmodel.links import Link
+
+__all__ = [
+    "ALGORITHMS",
+    "CommCost",
+    "Topology",
+    "ring_allreduce",
+    "ring_allgather",
+    "all_to_all",
+    "scatter_gather",
+    "allgather",
+    "hierarchical",
+    "collective",
+]
+
+ALGORITHMS = ("allreduce", "scatter_gather", "allgather", "hierarchical")
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """Ranks, how they sit on nodes, and the links between them."""
+
+    world: int
+    gpus_per_node: int
+    intra: Link
+    inter: Link | None = None
+    nics_per_node: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.world, bool) or not isinstance(self.world, int) or self.world < 1:
+            raise ValueError(f"number of GPUs must be a positive integer, got {self.world!r}")
+        if (isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int)
+                or self.gpus_per_node < 1):
+            raise ValueError(f"gpus per node must be a positive integer, got {self.gpus_per_node!r}")
+        if not isinstance(self.nics_per_node, int) or self.nics_per_node < 1:
+            raise ValueError(f"nics per node must be a positive integer, got {self.nics_per_node!r}")
+        if self.nodes > 1 and self.inter is None:
+            raise ValueError(
+                f"{self.world} GPUs at {self.gpus_per_node} per node span {self.nodes} nodes: "
+                "an inter-node link is needed"
+            )
+
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.world / self.gpus_per_node)
+
+    @property
+    def local(self) -> int:
+        """GPUs per node actually used (the world may fit in less than one node)."""
+        return min(self.world, self.gpus_per_node)
+
+    @property
+    def ring_link(self) -> Link:
+        """The bottleneck link of a flat ring over all ranks."""
+        return self.intra if self.nodes == 1 else self._inter
+
+    @property
+    def _inter(self) -> Link:
+        assert self.inter is not None
+        return self.inter
+
+
+@dataclasses.dataclass(frozen=True)
+class CommCost:
+    """Time of one collective and the bytes each rank sends."""
+
+    time_s: float
+    bytes_per_rank: float
+    steps: int = 0
+
+    def __add__(self, other: CommCost) -> CommCost:
+        return CommCost(self.time_s + other.time_s, self.bytes_per_rank + other.bytes_per_rank,
+                        self.steps + other.steps)
+
+
+_ZERO = CommCost(0.0, 0.0, 0)
+
+
+def _check_bytes(nbytes: float) -> None:
+    if not (nbytes >= 0 and math.isfinite(nbytes)):
+        raise ValueError(f"message size must be a finite number of bytes >= 0, got {nbytes!r}")
+
+
+def ring_allreduce(nbytes: float, topo: Topology) -> CommCost:
+    """Ring allreduce: reduce-scatter then allgather, ``2(K-1)`` steps of ``M/K`` bytes each."""
+    _check_bytes(nbytes)
+    k = topo.world
+    if k == 1:
+        return _ZERO
+    link = topo.ring_link
+    steps = 2 * (k - 1)
+    return CommCost(steps * link.time(nbytes / k), steps * nbytes / k, steps)
+
+
+def ring_allgather(block_bytes: float, topo: Topology) -> CommCost:
+    """Ring allgather of one ``block_bytes`` block per rank: ``K-1`` steps forwarding one block."""
+    _check_bytes(block_bytes)
+    k = topo.world
+    if k == 1:
+        return _ZERO
+    link = topo.ring_link
+    return CommCost((k - 1) * link.time(block_bytes), (k - 1) * block_bytes, k - 1)
+
+
+def all_to_all(nbytes: float, topo: Topology) -> CommCost:
+    """Pairwise all_to_all of ``M`` bytes per rank cut in K chunks (each rank sends ``(K-1)/K M``)."""
+    _check_bytes(nbytes)
+    k, g = topo.world, topo.local
+    if k == 1:
+        return _ZERO
+    chunk = nbytes / k
+    intra_time = (g - 1) * chunk / topo.intra.bandwidth_Bps
+    if topo.nodes == 1:
+        latency = (k - 1) * topo.intra.latency_s
+        inter_time = 0.0
+    else:
+        inter = topo._inter
+        latency = (k - 1) * max(inter.latency_s, topo.intra.latency_s)
+        node_out = g * (k - g) * chunk  # bytes leaving one node
+        inter_time = node_out / (inter.bandwidth_Bps * min(topo.nics_per_node, g))
+    return CommCost(latency + max(intra_time, inter_time), (k - 1) * chunk, k - 1)
+
+
+def scatter_gather(nbytes: float, topo: Topology) -> CommCost:
+    """all_to_all of encoded chunks, then ring allgather of the re-encoded own chunk: ``2(K-1)/K M``."""
+    return all_to_all(nbytes, topo) + ring_allgather(nbytes / topo.world, topo)
+
+
+def allgather(nbytes: float, topo: Topology) -> CommCost:
+    """The seed's Algorithm 1: every rank's whole payload to every rank; each receives ``K-1`` payloads."""
+    return ring_allgather(nbytes, topo)
+
+
+def hierarchical(nbytes: float, topo: Topology) -> CommCost:
+    """Intra-node reduce-scatter, inter-node ring allreduce of each ``M/G`` shard, intra-node allgather.
+
+    The ``G`` shards travel as ``G`` concurrent inter-node rings that share the node's
+    ``nics_per_node`` links, so each ring sees ``bandwidth * min(nics, G) / G``.
+    """
+    _check_bytes(nbytes)
+    g, n = topo.local, topo.nodes
+    if topo.world == 1:
+        return _ZERO
+    if n == 1:
+        return ring_allreduce(nbytes, topo)
+    intra = topo.intra
+    shard = nbytes / g
+    half_intra = CommCost((g - 1) * intra.time(shard), (g - 1) * shard, g - 1)  # RS or AG inside node
+    inter = topo._inter
+    ring_bw = inter.bandwidth_Bps * min(topo.nics_per_node, g) / g
+    ring_link = Link(inter.latency_s, ring_bw, inter.name)
+    steps = 2 * (n - 1)
+    across = CommCost(steps * ring_link.time(shard / n), steps * shard / n, steps)
+    return half_intra + across + half_intra
+
+
+_DISPATCH = {
+    "allreduce": ring_allreduce,
+    "scatter_gather": scatter_gather,
+    "allgather": allgather,
+    "hierarchical": hierarchical,
+}
+
+
+def collective(algorithm: str, nbytes: float, topo: Topology) -> CommCost:
+    """Cost of ``algorithm`` (one of :data:`ALGORITHMS`) on ``nbytes`` of payload per rank."""
+    try:
+        fn = _DISPATCH[algorithm]
+    except KeyError:
+        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}") from None
+    return fn(nbytes, topo)

@@ -1,0 +1,191 @@
+"""Links of the alpha-beta (latency-bandwidth) model, named presets, and a spec parser.
+
+A link moves ``n`` bytes in ``latency_s + n / bandwidth_Bps`` seconds (Hockney's alpha-beta model:
+alpha = latency, beta = 1 / bandwidth). ``bandwidth_Bps`` is the *effective* one-direction rate a
+collective achieves per step (protocol, encoding and software overheads included); ``latency_s`` is
+the per-message (per ring step) cost, software included.
+
+Spec strings::
+
+    "nvlink"                      a named preset (see PRESETS)
+    "10gbit:latency=50us"         a preset with an override (keys: latency|lat, bandwidth|bw)
+    "bw=5GB/s,lat=10us"           a custom link; latency defaults to 0 when left out
+
+Bandwidth units: B/s, KB/s, MB/s, GB/s, TB/s (decimal), KiB/s, MiB/s, GiB/s (binary), and bits per
+second written with ``bit``/``b`` (``100Gbit/s``, ``100Gb/s``, ``100gbit``, ``100Gbps``); a bare number
+is bytes/s. Latency units: s, ms, us (or µs), ns; a bare number is seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+__all__ = ["Link", "PRESETS", "PRESET_NOTES", "parse_link", "parse_bandwidth", "parse_latency"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One hop of the alpha-beta model: ``time(n) = latency_s + n / bandwidth_Bps``."""
+
+    latency_s: float
+    bandwidth_Bps: float
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.latency_s, (int, float)) and math.isfinite(self.latency_s)):
+            raise ValueError(f"link latency must be a finite number of seconds, got {self.latency_s!r}")
+        if self.latency_s < 0:
+            raise ValueError(f"link latency must be >= 0, got {self.latency_s!r} s")
+        if not (isinstance(self.bandwidth_Bps, (int, float)) and self.bandwidth_Bps > 0):
+            raise ValueError(f"link bandwidth must be > 0 bytes/s, got {self.bandwidth_Bps!r}")
+        if math.isnan(self.bandwidth_Bps):
+            raise ValueError("link bandwidth must not be NaN")
+
+    def time(self, nbytes: float, messages: float = 1.0) -> float:
+        """Seconds to send ``nbytes`` as ``messages`` messages: ``messages * alpha + nbytes * beta``."""
+        return messages * self.latency_s + nbytes / self.bandwidth_Bps
+
+    def describe(self) -> str:
+        """Human-readable ``name (12 GB/s, 5 us)``."""
+        bw = self.bandwidth_Bps
+        bw_txt = f"{bw / 1e9:.3g} GB/s" if bw >= 1e8 else f"{bw / 1e6:.3g} MB/s"
+        lat_txt = f"{self.latency_s * 1e6:.3g} us"
+        return f"{self.name or 'custom'} ({bw_txt}, {lat_txt})"
+
+
+# --------------------------------------------------------------------------------------- presets
+# Effective per-direction bandwidth and per-message latency. Theoretical rates are the published
+# signalling rates; the effective rates are assumptions stated next to each one. Calibrate with
+# `lowbit.perfmodel.calibrate.fit_link` on measured allreduce timings to replace them.
+_PRESET_TABLE: dict[str, tuple[float, float, str]] = {
+    # name: (latency_s, bandwidth_Bps, source / assumption)
+    "nvlink": (2e-6, 230e9,
+               "NVLink 3 (A100 SXM): 12 links x 25 GB/s = 300 GB/s per direction; ~230 GB/s is the "
+               "all-reduce bus bandwidth nccl-tests reports on 8xA100 (assumed)"),
+    "nvlink4": (2e-6, 360e9,
+                "NVLink 4 (H100 SXM): 18 links x 25 GB/s = 450 GB/s per direction; 80% assumed"),
+    "nvlink-v100": (3e-6, 130e9,
+                    "NVLink 2 (DGX-1V, V100): 6 links x 25 GB/s = 150 GB/s per direction; ~130 assumed"),
+    "pcie3": (5e-6, 12e9,
+              "PCIe 3.0 x16: 16 lanes x 985 MB/s = 15.75 GB/s; ~12 GB/s device-to-device measured "
+              "by bandwidthTest-class tools (assumed)"),
+    "pcie3-switch": (5e-6, 5e9,
+                     "PCIe 3.0 behind shared switches, 4 GPUs: Dettmers (2016, App. 5.1) measured "
+                     "about 5 GB/s (saturating at 5.25 GB/s)"),
+    "pcie4": (5e-6, 24e9, "PCIe 4.0 x16: 31.5 GB/s theoretical; ~24 GB/s achieved (assumed)"),
+    "pcie5": (5e-6, 48e9, "PCIe 5.0 x16: 63 GB/s theoretical; ~48 GB/s achieved (assumed)"),
+    "ethernet": (50e-6, 0.117e9,
+                 "1 GbE: 125 MB/s raw, ~941 Mbit/s TCP goodput; ~50 us TCP round through the kernel"),
+    "10gbit": (30e-6, 1.15e9, "10 GbE: 1.25 GB/s raw; ~9.2 Gbit/s TCP goodput (assumed); TCP latency"),
+    "25gbit": (20e-6, 2.9e9, "25 GbE: 3.125 GB/s raw; ~93% goodput assumed"),
+    "100gbit": (5e-6, 11.5e9, "100 GbE with RDMA (RoCE): 12.5 GB/s raw; ~92% goodput assumed"),
+    "ib-qdr": (2e-6, 3.2e9,
+               "InfiniBand QDR 4x: 40 Gbit/s signalling, 32 Gbit/s data (8b/10b) = 4 GB/s; Dettmers "
+               "(2016) quotes 3 GB/s practical; 3.2 GB/s assumed"),
+    "ib-fdr": (1e-6, 6e9,
+               "InfiniBand FDR 4x: 56 Gbit/s signalling, 54.5 Gbit/s data (64b/66b) = 6.8 GB/s; "
+               "Dettmers (2016, App. 5.2) uses 6 GB/s from public MPI charts"),
+    "ib-edr": (1e-6, 12e9,
+               "InfiniBand EDR 4x: 100 Gbit/s = 12.5 GB/s; osu_bw peaks near 12 GB/s (assumed)"),
+    "ib-hdr": (1e-6, 24e9, "InfiniBand HDR 4x: 200 Gbit/s = 25 GB/s; ~24 GB/s assumed"),
+}
+
+PRESETS: dict[str, Link] = {
+    name: Link(latency_s=lat, bandwidth_Bps=bw, name=name) for name, (lat, bw, _) in _PRESET_TABLE.items()
+}
+PRESET_NOTES: dict[str, str] = {name: note for name, (_, _, note) in _PRESET_TABLE.items()}
+
+_ALIASES = {
+    "nvlink3": "nvlink", "nvlink-a100": "nvlink", "nvlink-h100": "nvlink4", "nvlink2": "nvlink-v100",
+    "pcie": "pcie3", "pcie-3": "pcie3", "pcie-4": "pcie4", "pcie-5": "pcie5",
+    "1gbit": "ethernet", "gige": "ethernet", "10gbe": "10gbit", "25gbe": "25gbit", "100gbe": "100gbit",
+    "fdr": "ib-fdr", "edr": "ib-edr", "qdr": "ib-qdr", "hdr": "ib-hdr",
+}
+
+# --------------------------------------------------------------------------------------- parsing
+_NUM = r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
+_BW_RE = re.compile(rf"^{_NUM}\s*([A-Za-z/]*)$")
+_LAT_RE = re.compile(rf"^{_NUM}\s*([a-zA-Zµ]*)$")
+
+_PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
+           "ki": 2.0**10, "mi": 2.0**20, "gi": 2.0**30, "ti": 2.0**40}
+_LAT_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def parse_bandwidth(text: str) -> float:
+    """``"5GB/s"`` -> 5e9 bytes/s; ``"100Gbit/s"`` / ``"100Gb/s"`` / ``"100gbit"`` -> 12.5e9 bytes/s."""
+    m = _BW_RE.match(text.strip())
+    if not m:
+        raise ValueError(f"cannot parse bandwidth {text!r}; write e.g. 5GB/s, 800MiB/s or 100Gbit/s")
+    value, unit = float(m.group(1)), m.group(2)
+    for suffix in ("/s", "ps"):
+        if unit.endswith(suffix):
+            unit = unit[: -len(suffix)]
+            break
+    low = unit.lower()
+    if low.endswith("bit"):
+        prefix, per_unit = low[:-3], 1 / 8  # bits
+    elif unit.endswith("b"):  # lower-case b: bits (Gb/s)
+        prefix, per_unit = low[:-1], 1 / 8
+    elif unit.endswith("B"):
+        prefix, per_unit = low[:-1], 1.0
+    elif unit == "":
+        prefix, per_unit = "", 1.0
+    else:
+        raise ValueError(f"unknown bandwidth unit in {text!r}; use B/s, KB/s, MB/s, GB/s, GiB/s, Gbit/s")
+    if prefix not in _PREFIX:
+        raise ValueError(f"unknown bandwidth unit prefix in {text!r}")
+    bw = value * _PREFIX[prefix] * per_unit
+    if bw <= 0:
+        raise ValueError(f"bandwidth must be > 0, got {text!r}")
+    return bw
+
+
+def parse_latency(text: str) -> float:
+    """``"10us"`` -> 1e-5 s; units s, ms, us, µs, ns; a bare number is seconds."""
+    m = _LAT_RE.match(text.strip())
+    if not m or m.group(2).lower() not in _LAT_UNITS:
+        raise ValueError(f"cannot parse latency {text!r}; write e.g. 10us, 0.5ms or 2e-6s")
+    return float(m.group(1)) * _LAT_UNITS[m.group(2).lower()]
+
+
+def parse_link(spec: str | Link) -> Link:
+    """Build a :class:`Link` from a preset name, ``preset:key=value,...`` or ``bw=...,lat=...``."""
+    if isinstance(spec, Link):
+        return spec
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"link spec must be a non-empty string, got {spec!r}")
+    text = spec.strip()
+    head, sep, rest = text.partition(":")
+    if "=" in head:  # no preset: "bw=5GB/s,lat=10us"
+        base, params_txt = None, text
+    else:
+        key = _ALIASES.get(head.strip().lower(), head.strip().lower())
+        if key not in PRESETS:
+            raise ValueError(
+                f"unknown link {spec!r}; known presets: {', '.join(sorted(PRESETS))}; "
+                f"or give bw=...,lat=... (e.g. 'bw=5GB/s,lat=10us')"
+            )
+        base, params_txt = PRESETS[key], (rest if sep else "")
+    latency = base.latency_s if base else None
+    bandwidth = base.bandwidth_Bps if base else None
+    for item in filter(None, (p.strip() for p in params_txt.split(","))):
+        k, eq, v = item.partition("=")
+        k = k.strip().lower()
+        if not eq or not v.strip():
+            raise ValueError(f"link spec {spec!r}: {item!r} is not of the form key=value")
+        try:
+            if k in ("lat", "latency"):
+                latency = parse_latency(v)
+            elif k in ("bw", "bandwidth"):
+                bandwidth = parse_bandwidth(v)
+            else:
+                raise ValueError(f"unknown key {k!r} (use latency|lat, bandwidth|bw)")
+        except ValueError as exc:
+            raise ValueError(f"link spec {spec!r}: {exc}") from None
+    if bandwidth is None:
+        raise ValueError(f"link spec {spec!r} gives no bandwidth; add bw=..., e.g. bw=5GB/s")
+    name = base.name if base and not params_txt else text
+    return Link(latency_s=latency or 0.0, bandwidth_Bps=bandwidth, name=name)

@@ -1,0 +1,366 @@
+"""Step time of synchronous data-parallel training with (compressed) gradient exchange.
+
+Inputs: the network as layers in forward order, each with its parameter count and its forward +
+backward time for the per-GPU batch (measured, or FLOPs / device rate); the cluster (GPUs, GPUs per
+node, intra- and inter-node :class:`~lowbit.perfmodel.links.Link`); the algorithm; the codec's bits
+per value; encode/decode throughput; and whether communication overlaps the backward pass.
+
+The timeline of one step (two resources: the GPU's compute stream and one communication stream)::
+
+    compute:  | forward | bwd L_n | enc B1 | bwd L_n-1 ... | enc Bm | ...decode B1..Bm... |
+    comm:                          | xfer B1 |    ...      | xfer Bm |
+
+1. Forward takes ``(1 - f) * sum(c_i)`` and backward ``f * c_i`` per layer (``f = 2/3``: the backward
+   computes gradients for inputs and weights, each about one forward).
+2. Gradients are grouped into buckets in backward order (as DDP does, ``bucket_bytes`` of fp32 each;
+   0 = one bucket per layer). A bucket is ready when the backward of its last layer ends.
+3. A ready bucket is encoded on the compute stream (delaying the rest of the backward), then sent on
+   the comm stream as soon as the previous transfer is done: communication of layer i's gradients
+   overlaps the backward of the layers before it. Without overlap, transfers start after the backward.
+4. Decoding runs on the compute stream after the backward, bucket by bucket as transfers finish.
+
+Per bucket of ``n`` values, with ``K`` ranks and ``G`` GPUs per node (values encoded / decoded):
+
+==================  ================  =================  ===================================
+algorithm           encode            decode             payload per rank
+==================  ================  =================  ===================================
+allreduce           n (cast)          n (cast)           ``n * bits / 8`` through a ring
+scatter_gather      ``n (1 + 1/K)``   ``2 n``            all_to_all + allgather of chunks
+allgather           ``n``             ``K n``            every rank decodes every payload
+hierarchical        ``n (1 + 2/G)``   ``n (2 + 2/G)``    re-encoded at each stage
+==================  ================  =================  ===================================
+
+fp32 (32 bits per value) is never encoded. Encode/decode seconds = ``4 * values / throughput``
+(throughput in bytes of float32 per second). The step time is the end of the last decode (or the
+last transfer, or the backward, whichever is later). From it::
+
+    samples/s            = K * batch / step
+    scaling efficiency   = samples/s / (K * batch / compute) = compute / step
+    speedup over 32-bit  = step(fp32 allreduce, same cluster) / step
+
+Calibration plugs in through the links: :func:`lowbit.perfmodel.calibrate.fit_link` returns a
+:class:`Link` fitted to measured collective timings, which :class:`Cluster` takes as ``intra``/``inter``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from lowbit.perfmodel.codecbits import bits_per_value as _bits_per_value
+from lowbit.perfmodel.collectives import ALGORITHMS, Topology, collective
+from lowbit.perfmodel.links import Link, parse_link
+from lowbit.perfmodel.networks import Network, get_network
+
+__all__ = [
+    "Layer",
+    "Cluster",
+    "Breakdown",
+    "Prediction",
+    "layers_from_dict",
+    "layers_from_flops",
+    "layers_for_network",
+    "make_buckets",
+    "codec_work",
+    "simulate_step",
+    "resolve_algorithm",
+    "predict",
+    "predict_network",
+]
+
+FP32_BITS = 32.0
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb = 25
+
+
+# ------------------------------------------------------------------------------------------ inputs
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """A layer (or bucket of layers): parameters and forward + backward seconds for the per-GPU batch."""
+
+    name: str
+    params: int
+    compute_s: float
+
+    def __post_init__(self) -> None:
+        if self.params < 0:
+            raise ValueError(f"layer {self.name!r}: params must be >= 0, got {self.params}")
+        if not (self.compute_s >= 0 and math.isfinite(self.compute_s)):
+            raise ValueError(f"layer {self.name!r}: compute time must be finite and >= 0, got {self.compute_s}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """GPUs, how many per node, and the links (a :class:`Link` or a spec string such as ``"nvlink"``)."""
+
+    gpus: int
+    gpus_per_node: int = 8
+    intra: Link | str = "nvlink"
+    inter: Link | str | None = None
+    nics_per_node: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 1:
+            raise ValueError(f"number of GPUs must be a positive integer, got {self.gpus!r}")
+        gpn = self.gpus_per_node
+        if isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1:
+            raise ValueError(f"GPUs per node must be a positive integer, got {self.gpus_per_node!r}")
+        object.__setattr__(self, "intra", parse_link(self.intra))
+        if self.inter is not None:
+            object.__setattr__(self, "inter", parse_link(self.inter))
+
+    def with_gpus(self, gpus: int) -> Cluster:
+        return dataclasses.replace(self, gpus=gpus)
+
+    def topology(self) -> Topology:
+        assert isinstance(self.intra, Link)
+        inter = self.inter if isinstance(self.inter, Link) else None
+        return Topology(self.gpus, self.gpus_per_node, self.intra, inter, self.nics_per_node)
+
+
+def layers_from_dict(layers: Mapping[str, tuple[int, float]]) -> list[Layer]:
+    """``{name: (params, fwd+bwd seconds)}`` in forward order -> layers."""
+    return [Layer(name, int(p), float(t)) for name, (p, t) in layers.items()]
+
+
+def layers_from_flops(
+    layers: Mapping[str, tuple[int, float]] | Iterable[tuple[str, int, float]],
+    batch_per_gpu: int,
+    device_flops: float,
+) -> list[Layer]:
+    """``{name: (params, fwd+bwd FLOPs per sample)}`` -> layers with ``time = FLOPs * batch / rate``."""
+    if device_flops <= 0:
+        raise ValueError(f"device rate must be > 0 FLOP/s, got {device_flops!r}")
+    if batch_per_gpu < 1:
+        raise ValueError(f"batch per GPU must be >= 1, got {batch_per_gpu!r}")
+    items = layers.items() if isinstance(layers, Mapping) else ((n, (p, f)) for n, p, f in layers)
+    return [Layer(name, int(p), float(f) * batch_per_gpu / device_flops) for name, (p, f) in items]
+
+
+def layers_for_network(network: str | Network, batch_per_gpu: int, device_tflops: float) -> list[Layer]:
+    """The per-layer profile of a known network (see :mod:`networks`) at a device rate in TFLOP/s."""
+    net = get_network(network) if isinstance(network, str) else network
+    return layers_from_flops(net.layers(), batch_per_gpu, device_tflops * 1e12)
+
+
+# ------------------------------------------------------------------------------------------ pieces
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """Gradients sent together; ``layers`` are indices in forward order, listed in backward order."""
+
+    layers: tuple[int, ...]
+    params: int
+
+
+def make_buckets(layers: Sequence[Layer], bucket_bytes: float = DEFAULT_BUCKET_BYTES) -> list[Bucket]:
+    """Group layers in backward order until a bucket holds ``bucket_bytes`` of fp32 gradients.
+
+    ``bucket_bytes = 0`` gives one bucket per layer. Layers without parameters join the next bucket
+    (they produce no gradient but their backward still has to finish first).
+    """
+    if bucket_bytes < 0:
+        raise ValueError(f"bucket size must be >= 0 bytes, got {bucket_bytes!r}")
+    buckets, current, params = [], [], 0
+    for i in reversed(range(len(layers))):
+        current.append(i)
+        params += layers[i].params
+        if params > 0 and 4 * params >= bucket_bytes:
+            buckets.append(Bucket(tuple(current), params))
+            current, params = [], 0
+    if current:
+        if params > 0 or not buckets:
+            buckets.append(Bucket(tuple(current), params))
+        else:  # trailing parameter-free layers (the input side): nothing to send after them
+            last = buckets[-1]
+            buckets[-1] = Bucket(last.layers + tuple(current), last.params)
+    return buckets
+
+
+def codec_work(algorithm: str, numel: int, world: int, gpus_per_node: int, bits: float) -> tuple[float, float]:
+    """Values ``(encoded, decoded)`` per rank for one bucket (see the table in the module doc)."""
+    if world == 1 or bits >= FP32_BITS:
+        return 0.0, 0.0
+    n, k, g = float(numel), world, min(gpus_per_node, world)
+    if algorithm == "allreduce":
+        return n, n
+    if algorithm == "scatter_gather":
+        return n * (1 + 1 / k), 2 * n
+    if algorithm == "allgather":
+        return n, k * n
+    if algorithm == "hierarchical":
+        return n * (1 + 2 / g), n * (2 + 2 / g)
+    raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Breakdown:
+    """Where a step's time goes. ``compute + exposed_comm + encode + decode = step``."""
+
+    compute_s: float
+    exposed_comm_s: float
+    encode_s: float
+    decode_s: float
+    comm_s: float  # total time the comm stream is busy (hidden or not)
+
+
+def simulate_step(
+    layers: Sequence[Layer],
+    topo: Topology,
+    *,
+    algorithm: str,
+    bits: float,
+    encode_Bps: float | None = None,
+    decode_Bps: float | None = None,
+    overlap: bool = True,
+    bucket_bytes: float = DEFAULT_BUCKET_BYTES,
+    backward_fraction: float = 2 / 3,
+) -> tuple[float, Breakdown, float, int]:
+    """One step on the two-stream timeline of the module doc -> (step_s, breakdown, bytes/rank, buckets)."""
+    if not layers:
+        raise ValueError("the network has no layers")
+    if not 0 <= backward_fraction <= 1:
+        raise ValueError(f"backward fraction must be in [0, 1], got {backward_fraction!r}")
+    enc_rate = math.inf if encode_Bps is None else float(encode_Bps)
+    dec_rate = math.inf if decode_Bps is None else float(decode_Bps)
+    if enc_rate <= 0 or dec_rate <= 0:
+        raise ValueError("encode/decode throughput must be > 0 bytes/s")
+    compute = sum(layer.compute_s for layer in layers)
+    t = (1 - backward_fraction) * compute                 # compute stream: forward done
+    buckets = make_buckets(layers, bucket_bytes) if topo.world > 1 else []
+    comm_free, comm_busy, encode_total, sent = 0.0, 0.0, 0.0, 0.0
+    transfers: list[tuple[float, float]] = []              # (start-ready time, duration) per bucket
+    decode_times: list[float] = []
+    for b in buckets:
+        for i in b.layers:
+            t += backward_fraction * layers[i].compute_s
+        enc_vals, dec_vals = codec_work(algorithm, b.params, topo.world, topo.gpus_per_node, bits)
+        enc = 4 * enc_vals / enc_rate
+        t += enc
+        encode_total += enc
+        cost = collective(algorithm, b.params * bits / 8, topo)
+        transfers.append((t, cost.time_s))
+        decode_times.append(4 * dec_vals / dec_rate)
+        comm_busy += cost.time_s
+        sent += cost.bytes_per_rank
+    if not buckets:
+        t = compute
+    backward_end = t
+    ends = []
+    for ready, duration in transfers:
+        start = max(ready if overlap else backward_end, comm_free)
+        comm_free = start + duration
+        ends.append(comm_free)
+    d = backward_end
+    for end, dec in zip(ends, decode_times):
+        d = max(d, end) + dec
+    step = max(d, comm_free, backward_end)
+    decode_total = sum(decode_times)
+    exposed = max(0.0, step - compute - encode_total - decode_total)
+    return step, Breakdown(compute, exposed, encode_total, decode_total, comm_busy), sent, len(buckets)
+
+
+def resolve_algorithm(algorithm: str, bits: float) -> str:
+    """``auto`` -> native ``allreduce`` for 16/32-bit floats, ``scatter_gather`` below 16 bits."""
+    if algorithm == "auto":
+        return "allreduce" if bits >= 16 else "scatter_gather"
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; choose auto or one of {', '.join(ALGORITHMS)}")
+    return algorithm
+
+
+# ------------------------------------------------------------------------------------------ result
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """The model's answer for one configuration."""
+
+    network: str
+    gpus: int
+    gpus_per_node: int
+    batch_per_gpu: int
+    algorithm: str
+    codec: str
+    bits_per_value: float
+    step_s: float
+    samples_per_s: float
+    single_gpu_samples_per_s: float
+    scaling_efficiency: float
+    fp32_step_s: float
+    speedup_vs_fp32: float
+    breakdown: Breakdown
+    bytes_per_rank: float
+    buckets: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def predict(
+    layers: Sequence[Layer] | Mapping[str, tuple[int, float]],
+    cluster: Cluster,
+    *,
+    batch_per_gpu: int,
+    codec: str | float = FP32_BITS,
+    algorithm: str = "auto",
+    encode_Bps: float | None = None,
+    decode_Bps: float | None = None,
+    overlap: bool = True,
+    bucket_bytes: float = DEFAULT_BUCKET_BYTES,
+    backward_fraction: float = 2 / 3,
+    network: str = "",
+) -> Prediction:
+    """Predict one step for ``codec`` (bits per value or a codec spec) and for fp32 on the same cluster.
+
+    The fp32 baseline uses the native ring allreduce (hierarchical when ``algorithm`` is hierarchical),
+    no encode/decode, and the same buckets and overlap.
+    """
+    if isinstance(batch_per_gpu, bool) or not isinstance(batch_per_gpu, int) or batch_per_gpu < 1:
+        raise ValueError(f"batch per GPU must be a positive integer, got {batch_per_gpu!r}")
+    layer_list = layers_from_dict(layers) if isinstance(layers, Mapping) else list(layers)
+    bits = _bits_per_value(codec)
+    algo = resolve_algorithm(algorithm, bits)
+    topo = cluster.topology()
+    common = dict(overlap=overlap, bucket_bytes=bucket_bytes, backward_fraction=backward_fraction)
+    step, breakdown, sent, nb = simulate_step(
+        layer_list, topo, algorithm=algo, bits=bits, encode_Bps=encode_Bps, decode_Bps=decode_Bps, **common
+    )
+    base_algo = "hierarchical" if algo == "hierarchical" else "allreduce"
+    fp32_step, _, _, _ = simulate_step(layer_list, topo, algorithm=base_algo, bits=FP32_BITS, **common)
+    compute = breakdown.compute_s
+    if compute <= 0:
+        raise ValueError("total compute time must be > 0 (give layer times or a device rate)")
+    k = cluster.gpus
+    return Prediction(
+        network=network,
+        gpus=k,
+        gpus_per_node=cluster.gpus_per_node,
+        batch_per_gpu=batch_per_gpu,
+        algorithm=algo,
+        codec=str(codec),
+        bits_per_value=bits,
+        step_s=step,
+        samples_per_s=k * batch_per_gpu / step,
+        single_gpu_samples_per_s=batch_per_gpu / compute,
+        scaling_efficiency=compute / step,
+        fp32_step_s=fp32_step,
+        speedup_vs_fp32=fp32_step / step,
+        breakdown=breakdown,
+        bytes_per_rank=sent,
+        buckets=nb,
+    )
+
+
+def predict_network(
+    network: str | Network,
+    cluster: Cluster,
+    *,
+    batch_per_gpu: int,
+    device_tflops: float,
+    **kwargs: Any,
+) -> Prediction:
+    """:func:`predict` for a known network whose layer times are FLOPs / ``device_tflops``."""
+    if not (device_tflops > 0 and math.isfinite(device_tflops)):
+        raise ValueError(f"device rate must be > 0 TFLOP/s, got {device_tflops!r}")
+    net = get_network(network) if isinstance(network, str) else network
+    layers = layers_for_network(net, batch_per_gpu, device_tflops)
+    return predict(layers, cluster, batch_per_gpu=batch_per_gpu, network=net.name, **kwargs)
