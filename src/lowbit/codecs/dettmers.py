@@ -37,7 +37,7 @@ import torch
 
 from lowbit.codecs import _dettmers_tables as tables
 from lowbit.codecs.base import Codec, ceil_div, check_choice, check_int, register_codec
-from lowbit.kernels.reference import to_buckets, bucket_absmax
+from lowbit.kernels.reference import bucket_absmax, to_buckets, view_as
 
 TYPES = ("dynamic", "linear", "static", "mantissa", "dynamic_bnb")
 NORMALISED = ("dynamic", "linear", "dynamic_bnb")
@@ -211,7 +211,7 @@ class Dettmers(Codec):
         lut = _table(decode_table(self.type, self.offset), payload.device)
         vals = lut[payload[4 * ns :].to(torch.int64)]
         if ns:
-            scale = payload[: 4 * ns].view(torch.float32)
+            scale = view_as(payload[: 4 * ns], torch.float32)
             if self.bucket:
                 vals = (to_buckets(vals, self.bucket) * scale[:, None]).reshape(-1)[:numel]
             else:

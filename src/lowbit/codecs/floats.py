@@ -9,6 +9,7 @@ from typing import ClassVar
 import torch
 
 from lowbit.codecs.base import Codec, register_codec
+from lowbit.kernels.reference import view_as
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +32,7 @@ class _FloatCodec(Codec):
         self._check_payload(payload, numel, shape)
         y = self._output(out, numel, payload.device)
         if numel:
-            y.copy_(payload.view(self.dtype))
+            y.copy_(view_as(payload, self.dtype))
         return y
 
 

@@ -15,6 +15,7 @@ from typing import ClassVar
 import torch
 
 from lowbit.codecs.base import Codec, register_codec
+from lowbit.kernels.reference import view_as
 
 
 @register_codec
@@ -50,8 +51,8 @@ class TopK(Codec):
         k = self.k(numel)
         y.zero_()
         if k:
-            idx = payload[: 4 * k].view(torch.int32).to(torch.int64)
-            vals = payload[4 * k :].view(torch.float32)
+            idx = view_as(payload[: 4 * k], torch.int32).to(torch.int64)
+            vals = view_as(payload[4 * k :], torch.float32)
             if int(idx.min()) < 0 or int(idx.max()) >= numel:
                 raise ValueError(f"topk: payload holds an index outside [0, {numel})")
             y.index_copy_(0, idx, vals)

@@ -55,6 +55,15 @@ def uniform(seed: int, start: int, n: int, device: torch.device | str = "cpu") -
     return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
 
 
+def view_as(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Reinterpret uint8 bytes as ``dtype``; copies first when the slice is not aligned for it
+    (payload slices of a received buffer can start at any byte)."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    if b.storage_offset() % size:
+        b = b.clone()
+    return b.view(dtype)
+
+
 # --------------------------------------------------------------------------------- bit packing
 def packed_nbytes(n: int, bits: int) -> int:
     return (n * bits + 7) // 8
@@ -160,7 +169,7 @@ def qsgd_encode(
 
 def qsgd_decode(payload: torch.Tensor, n: int, bits: int, bucket: int, out: torch.Tensor) -> torch.Tensor:
     nb = (n + bucket - 1) // bucket
-    scale = payload[: 4 * nb].view(torch.float32)
+    scale = view_as(payload[: 4 * nb], torch.float32)
     codes = unpack_bits(payload[4 * nb :], bits, n)
     s = qsgd_levels(bits)
     step = scale / s  # (nb,)
@@ -207,7 +216,7 @@ def onebit_encode_buckets(x: torch.Tensor, bucket: int) -> torch.Tensor:
 
 def onebit_decode_buckets(payload: torch.Tensor, n: int, bucket: int, out: torch.Tensor) -> torch.Tensor:
     nb = (n + bucket - 1) // bucket
-    scales = payload[: 8 * nb].view(torch.float32).view(nb, 2)
+    scales = view_as(payload[: 8 * nb], torch.float32).view(nb, 2)
     bits = unpack_bits(payload[8 * nb :], 1, n).to(torch.bool)
     if nb:
         b = torch.nn.functional.pad(bits, (0, nb * bucket - n)).view(nb, bucket)
@@ -228,7 +237,7 @@ def onebit_encode_columns(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 def onebit_decode_columns(payload: torch.Tensor, n: int, rows: int, out: torch.Tensor) -> torch.Tensor:
     cols = n // rows if rows else 0
-    scales = payload[: 8 * cols].view(torch.float32).view(cols, 2)
+    scales = view_as(payload[: 8 * cols], torch.float32).view(cols, 2)
     bits = unpack_bits(payload[8 * cols :], 1, n).to(torch.bool).view(rows, cols)
     if n:
         out.view(rows, cols).copy_(torch.where(bits, scales[:, 0][None, :], scales[:, 1][None, :]))
