@@ -80,8 +80,12 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | No
             errors = sorted(Path(tmp).glob("error.*"))
             detail = "\n".join(f"--- rank {p.name.split('.')[1]} ---\n{p.read_text()}" for p in errors)
             raise WorkerError(f"a worker failed:\n{detail or exc}") from None
-        results = []
+        results: list[Any] = []
         for r in range(world_size):
-            with open(os.path.join(tmp, f"result.{r}"), "rb") as f:
+            path = os.path.join(tmp, f"result.{r}")
+            if not os.path.exists(path):  # the rank exited without returning (os._exit in a fault test)
+                results.append(None)
+                continue
+            with open(path, "rb") as f:
                 results.append(pickle.load(f))
         return results

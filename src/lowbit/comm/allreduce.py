@@ -127,6 +127,39 @@ def _check_args(tensor: torch.Tensor, codec: Codec, algorithm: str, op: str) -> 
         )
 
 
+Finish = Callable[[], "tuple[torch.Tensor, torch.Tensor | None]"]
+
+
+def prepare_flat(
+    x: torch.Tensor,
+    codec: Codec,
+    group: dist.ProcessGroup | None,
+    algorithm: str,
+    op: str,
+    residual: torch.Tensor | None,
+    seed: int,
+    stats: CommStats | None = None,
+) -> Finish:
+    """Stage 1 (runs on the caller's thread): compensate and encode. Returns stage 2, which communicates
+    and decodes and returns (reduced (n,) float32, new residual or None). Splitting the two lets the
+    encode of the next tensor overlap the communication of this one (the seed's double buffering).
+
+    x: (n,) float32. ``residual`` (same shape) enables error feedback: x + residual is what gets sent.
+    """
+    rank, k = C.world(group)
+    n = x.numel()
+    if stats is not None:
+        stats.calls += 1
+    if algorithm == "allreduce":
+        return _native(x, codec, group, op, k, stats)
+    comp = x if residual is None else x + residual
+    if n == 0:
+        return lambda: (comp.clone(), (comp.clone() if residual is not None else None))
+    if algorithm == "allgather":
+        return _allgather(comp, codec, group, op, rank, k, residual is not None, seed, stats)
+    return _scatter_gather(comp, codec, group, op, rank, k, residual is not None, seed, stats)
+
+
 def reduce_flat(
     x: torch.Tensor,
     codec: Codec,
@@ -137,62 +170,56 @@ def reduce_flat(
     seed: int,
     stats: CommStats | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The synchronous core. x: (n,) float32. Returns (reduced (n,) float32, new residual or None).
-
-    ``residual`` (same shape as x) enables error feedback: x + residual is what gets sent.
-    """
-    rank, k = C.world(group)
-    n = x.numel()
-    if stats is not None:
-        stats.calls += 1
-    if algorithm == "allreduce":
-        return _native(x, codec, group, op, k, stats), None
-    comp = x if residual is None else x + residual
-    if n == 0:
-        return comp.clone(), (comp.clone() if residual is not None else None)
-    if algorithm == "allgather":
-        return _allgather(comp, codec, group, op, rank, k, residual is not None, seed, stats)
-    return _scatter_gather(comp, codec, group, op, rank, k, residual is not None, seed, stats)
+    """The synchronous core: :func:`prepare_flat` followed by its stage 2."""
+    return prepare_flat(x, codec, group, algorithm, op, residual, seed, stats)()
 
 
-def _native(x: torch.Tensor, codec: Codec, group, op: str, k: int, stats: CommStats | None) -> torch.Tensor:
+def _native(x: torch.Tensor, codec: Codec, group, op: str, k: int, stats: CommStats | None) -> Finish:
     dt = NATIVE[codec.name]
     with _Timer(stats, "t_encode", x):
         buf = x.to(dt) if dt != torch.float32 else x.clone()
-    with _Timer(stats, "t_comm", x):
-        C.all_reduce_sum(buf, group)
-    if stats is not None:
-        stats.bytes_sent += bytes_sent_per_rank(codec, x.numel(), k, "allreduce")
-    with _Timer(stats, "t_decode", x):
-        out = buf.to(torch.float32)
-        if op == "mean" and k > 1:
-            out.div_(k)
-    return out
+
+    def finish() -> tuple[torch.Tensor, None]:
+        with _Timer(stats, "t_comm", x):
+            C.all_reduce_sum(buf, group)
+        if stats is not None:
+            stats.bytes_sent += bytes_sent_per_rank(codec, x.numel(), k, "allreduce")
+        with _Timer(stats, "t_decode", x):
+            out = buf.to(torch.float32)
+            if op == "mean" and k > 1:
+                out.div_(k)
+        return out, None
+
+    return finish
 
 
-def _allgather(comp, codec, group, op, rank, k, feedback, seed, stats):
+def _allgather(comp, codec, group, op, rank, k, feedback, seed, stats) -> Finish:
     n = comp.numel()
     with _Timer(stats, "t_encode", comp):
         payload = codec.encode(comp, seed=_seed(seed, rank, 0, 0))
         residual = comp - codec.decode(payload, n) if feedback else None
-    with _Timer(stats, "t_comm", comp):
-        gathered = C.all_gather(payload, group)
-    if stats is not None:
-        stats.bytes_sent += (k - 1) * payload.numel()
-    with _Timer(stats, "t_decode", comp):
-        p = payload.numel()
-        out = codec.decode_sum([gathered[i * p : (i + 1) * p] for i in range(k)], n)
-        if op == "mean" and k > 1:
-            out.div_(k)
-    return out, residual
+
+    def finish():
+        with _Timer(stats, "t_comm", comp):
+            gathered = C.all_gather(payload, group)
+        if stats is not None:
+            stats.bytes_sent += (k - 1) * payload.numel()
+        with _Timer(stats, "t_decode", comp):
+            p = payload.numel()
+            out = codec.decode_sum([gathered[i * p : (i + 1) * p] for i in range(k)], n)
+            if op == "mean" and k > 1:
+                out.div_(k)
+        return out, residual
+
+    return finish
 
 
-def _scatter_gather(comp, codec, group, op, rank, k, feedback, seed, stats):
+def _scatter_gather(comp, codec, group, op, rank, k, feedback, seed, stats) -> Finish:
     n = comp.numel()
     sizes = chunk_sizes(n, k)
     starts = [sum(sizes[:i]) for i in range(k)]
     nbytes = [codec.nbytes(s) for s in sizes]
-    # Phase 1: encode my copy of every chunk (worker quantisation) and send chunk i to rank i.
+    # Phase 1: encode my copy of every chunk (worker quantisation); chunk i goes to rank i.
     with _Timer(stats, "t_encode", comp):
         payloads = [codec.encode(comp[starts[i] : starts[i] + sizes[i]], seed=_seed(seed, rank, i, 0)) for i in range(k)]
         residual = None
@@ -202,36 +229,40 @@ def _scatter_gather(comp, codec, group, op, rank, k, feedback, seed, stats):
                 chunk = comp[starts[i] : starts[i] + sizes[i]]
                 torch.sub(chunk, codec.decode(payloads[i], sizes[i]), out=residual[starts[i] : starts[i] + sizes[i]])
         send = torch.cat(payloads)
-    with _Timer(stats, "t_comm", comp):
-        recv = C.all_to_all(send, nbytes, [nbytes[rank]] * k, group)
-    # Phase 2: decode and sum my chunk in rank order, then re-encode it (server quantisation).
-    mine, nb = sizes[rank], nbytes[rank]
-    with _Timer(stats, "t_decode", comp):
-        reduced = codec.decode_sum([recv[i * nb : (i + 1) * nb] for i in range(k)], mine)
-        if op == "mean" and k > 1:
-            reduced.div_(k)
-    with _Timer(stats, "t_encode", comp):
-        own = codec.encode(reduced, seed=_seed(seed, rank, rank, 1))
-        if feedback and mine:
-            # Fold the server's error into my residual; it re-enters next step's sum (x K for a mean).
-            server_err = reduced - codec.decode(own, mine)
-            if op == "mean":
-                server_err.mul_(k)
-            residual[starts[rank] : starts[rank] + mine].add_(server_err)
-        pmax = max(nbytes)
-        if own.numel() < pmax:  # all_gather needs equal sizes; the pad bytes are counted as sent
-            own = torch.cat([own, own.new_zeros(pmax - own.numel())])
-    # Phase 3: every rank gets every re-encoded chunk and decodes it.
-    with _Timer(stats, "t_comm", comp):
-        gathered = C.all_gather(own, group)
-    if stats is not None:
-        stats.bytes_sent += bytes_sent_per_rank(codec, n, k, "scatter_gather", rank)
-    with _Timer(stats, "t_decode", comp):
-        out = torch.empty_like(comp)
-        for i in range(k):
-            if sizes[i]:
-                codec.decode(gathered[i * pmax : i * pmax + nbytes[i]], sizes[i], out=out[starts[i] : starts[i] + sizes[i]])
-    return out, residual
+
+    def finish():
+        with _Timer(stats, "t_comm", comp):
+            recv = C.all_to_all(send, nbytes, [nbytes[rank]] * k, group)
+        # Phase 2: decode and sum my chunk in rank order, then re-encode it (server quantisation).
+        mine, nb = sizes[rank], nbytes[rank]
+        with _Timer(stats, "t_decode", comp):
+            reduced = codec.decode_sum([recv[i * nb : (i + 1) * nb] for i in range(k)], mine)
+            if op == "mean" and k > 1:
+                reduced.div_(k)
+        with _Timer(stats, "t_encode", comp):
+            own = codec.encode(reduced, seed=_seed(seed, rank, rank, 1))
+            if feedback and mine:
+                # Fold the server's error into my residual; it re-enters next step's sum (x K for a mean).
+                server_err = reduced - codec.decode(own, mine)
+                if op == "mean":
+                    server_err.mul_(k)
+                residual[starts[rank] : starts[rank] + mine].add_(server_err)
+            pmax = max(nbytes)
+            if own.numel() < pmax:  # all_gather needs equal sizes; the pad bytes are counted as sent
+                own = torch.cat([own, own.new_zeros(pmax - own.numel())])
+        # Phase 3: every rank gets every re-encoded chunk and decodes it.
+        with _Timer(stats, "t_comm", comp):
+            gathered = C.all_gather(own, group)
+        if stats is not None:
+            stats.bytes_sent += bytes_sent_per_rank(codec, n, k, "scatter_gather", rank)
+        with _Timer(stats, "t_decode", comp):
+            out = torch.empty_like(comp)
+            for i in range(k):
+                if sizes[i]:
+                    codec.decode(gathered[i * pmax : i * pmax + nbytes[i]], sizes[i], out=out[starts[i] : starts[i] + sizes[i]])
+        return out, residual
+
+    return finish
 
 
 # ------------------------------------------------------------------------------------- async engine
@@ -325,16 +356,18 @@ def all_reduce(
     if algorithm == "allreduce" and feedback is not None:
         raise ValueError("algorithm 'allreduce' is lossless up to the cast; it takes no error feedback")
 
+    x = tensor.detach().reshape(-1).to(torch.float32)
+    residual = None
+    if feedback is not None:
+        residual = feedback.residuals.get(key)
+        if residual is None:
+            residual = torch.zeros_like(x)
+        elif residual.numel() != x.numel():
+            raise ValueError(f"error feedback for key {key!r} holds {residual.numel()} values, tensor has {x.numel()}")
+    finish = prepare_flat(x, codec, group, algorithm, op, residual, seed, stats)
+
     def job() -> torch.Tensor:
-        x = tensor.detach().reshape(-1).to(torch.float32)
-        residual = None
-        if feedback is not None:
-            residual = feedback.residuals.get(key)
-            if residual is None:
-                residual = torch.zeros_like(x)
-            elif residual.numel() != x.numel():
-                raise ValueError(f"error feedback for key {key!r} holds {residual.numel()} values, tensor has {x.numel()}")
-        out, new_res = reduce_flat(x, codec, group, algorithm, op, residual, seed, stats)
+        out, new_res = finish()
         if feedback is not None and new_res is not None:
             feedback.residuals[key] = new_res
         with torch.no_grad():
