@@ -45,7 +45,7 @@ from lowbit.comm import collectives as C
 from lowbit.comm.allreduce import ALGORITHMS, CommStats, engine_for, prepare_flat
 from lowbit.policy import Policy
 
-__all__ = ["LowbitState", "hook", "register", "ConfigMismatchError"]
+__all__ = ["LowbitState", "hook", "make_state", "register", "ConfigMismatchError"]
 
 BIASED = ("onebit", "topk", "dettmers")
 
@@ -212,6 +212,33 @@ def _check_same_config(state: LowbitState, group: Optional[dist.ProcessGroup]) -
         raise ConfigMismatchError("lowbit: ranks registered different compression settings:\n" + "\n".join(lines))
 
 
+def make_state(
+    module: nn.Module,
+    codec: Union[str, Codec, None] = None,
+    algorithm: str = "scatter_gather",
+    policy: Union[Policy, str, None] = None,
+    error_feedback: Union[bool, str] = "auto",
+    start_iter: int = 2,
+    seed: int = 0,
+    process_group: Optional[dist.ProcessGroup] = None,
+) -> LowbitState:
+    """Build the hook's state for ``module`` (the model *inside* DDP) without registering it.
+
+    For frameworks that register the hook themselves, e.g. PyTorch Lightning::
+
+        state = lowbit.ddp.make_state(lightning_module, codec="qsgd:bits=4")
+        Trainer(strategy=DDPStrategy(ddp_comm_state=state, ddp_comm_hook=lowbit.ddp.hook))
+    """
+    if codec is not None and policy is not None:
+        raise ValueError("pass codec= or policy=, not both (a Policy carries its default codec)")
+    pol = Policy.coerce(policy, codec)
+    plan = pol.resolve(module)
+    params = {id(p): name for name, p in module.named_parameters() if p.requires_grad}
+    state = LowbitState(process_group, plan, params, algorithm, error_feedback, start_iter, seed, pol.fingerprint())
+    state._devices = {name: p.device for name, p in module.named_parameters()}
+    return state
+
+
 def register(
     ddp_model: nn.Module,
     codec: Union[str, Codec, None] = None,
@@ -231,14 +258,8 @@ def register(
     module = getattr(ddp_model, "module", None)
     if module is None or not hasattr(ddp_model, "register_comm_hook"):
         raise ValueError("lowbit.ddp.register expects a torch.nn.parallel.DistributedDataParallel model")
-    if codec is not None and policy is not None:
-        raise ValueError("pass codec= or policy=, not both (a Policy carries its default codec)")
-    pol = Policy.coerce(policy, codec)
-    plan = pol.resolve(module)
-    params = {id(p): name for name, p in module.named_parameters() if p.requires_grad}
     group = process_group if process_group is not None else getattr(ddp_model, "process_group", None)
-    state = LowbitState(group, plan, params, algorithm, error_feedback, start_iter, seed, pol.fingerprint())
-    state._devices = {name: p.device for name, p in module.named_parameters()}
+    state = make_state(module, codec, algorithm, policy, error_feedback, start_iter, seed, group)
     _check_same_config(state, group)
     ddp_model.register_comm_hook(state, hook)
     return state
