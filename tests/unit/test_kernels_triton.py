@@ -1,0 +1,221 @@
+"""Triton kernels against the reference kernels (the wire-format specification).
+
+Without CUDA this runs the kernels in Triton's interpreter (TRITON_INTERPRET=1, set before the
+kernels are defined), so CI checks the kernel arithmetic on CPU. The interpreter is slow: sizes are
+small and the tile is shrunk (CONFIG) so that both the full-tile and the masked last-tile variants,
+and both the fused and the general bucket paths, run at these sizes. The same tests run compiled on a
+GPU; tests/gpu/test_triton_gpu.py repeats the comparisons at large sizes there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+import lowbit  # noqa: E402
+from lowbit.kernels import reference as ref  # noqa: E402
+from lowbit.kernels import triton_kernels as tk  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# The interpreter evaluates NaN/inf inputs with numpy, which warns; the results are what we check.
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+SIZES = (0, 1, 7, 513, 3000)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def small_tiles():
+    """Tiles of 256 elements and fused buckets up to 256, so small tensors take every code path."""
+    saved = dict(tk.CONFIG)
+    tk.CONFIG.update(elems=256, max_fused_bucket=256)
+    yield
+    tk.CONFIG.clear()
+    tk.CONFIG.update(saved)
+
+
+def _x(n: int, seed: int, special: bool = True) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g))
+    if special and n > 600:
+        x[100:164] = 0.0  # an all-zero bucket (scale 0)
+        x[5] = float("nan")
+        x[300] = float("inf")
+        x[520] = -float("inf")
+    return x.to(DEV)
+
+
+def _nb(n: int, bucket: int) -> int:
+    return (n + bucket - 1) // bucket
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality of float tensors (NaN == NaN)."""
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+# ------------------------------------------------------------------------------------- qsgd
+@pytest.mark.parametrize("bits", [1, 2, 4, 8, 16])
+def test_qsgd_encode_decode_bit_identical_max_norm(bits: int) -> None:
+    # bucket 64: fused tiles; 100 (odd) and 512 (> max_fused_bucket, a multiple of the tile): general path
+    for n in SIZES:
+        x = _x(n, seed=n + bits)
+        for bucket in (64, 100, 512):
+            for stochastic in (False, True):
+                want = ref.qsgd_encode(x, bits, bucket, "max", stochastic, seed=n + 11)
+                got = tk.qsgd_encode(x, bits, bucket, "max", stochastic, seed=n + 11)
+                assert got.dtype == torch.uint8 and got.shape == want.shape
+                assert torch.equal(got, want), (n, bits, bucket, stochastic)
+            out = torch.full((n,), 12345.0, device=DEV)  # poisoned: every element must be written
+            dec = tk.qsgd_decode(want, n, bits, bucket, out)
+            assert dec is out
+            assert _same(dec, ref.qsgd_decode(want, n, bits, bucket, torch.empty(n, device=DEV)))
+
+
+def test_qsgd_l2_norm_matches_up_to_summation_order() -> None:
+    """L2 scales are a float32 sum in Triton's order (torch's differs): a few ulps apart, and a code
+    moves by at most one level, only in buckets whose scale differs."""
+    for n in (513, 3000):
+        x = _x(n, seed=7, special=False)
+        for bits, bucket, stochastic in ((2, 64, True), (4, 100, False), (8, 256, True), (16, 64, False)):
+            nb = _nb(n, bucket)
+            want = ref.qsgd_encode(x, bits, bucket, "l2", stochastic, seed=3)
+            got = tk.qsgd_encode(x, bits, bucket, "l2", stochastic, seed=3)
+            sw, sg = want[: 4 * nb].view(torch.float32), got[: 4 * nb].view(torch.float32)
+            torch.testing.assert_close(sg, sw, rtol=2e-6, atol=0)
+            cw = ref.unpack_bits(want[4 * nb :], bits, n)
+            cg = ref.unpack_bits(got[4 * nb :], bits, n)
+            same_scale = torch.repeat_interleave(sw == sg, bucket)[:n]
+            assert torch.equal(cw[same_scale], cg[same_scale])
+            assert (cw - cg).abs().max().item() <= 1
+
+
+def test_qsgd_decode_sum_bit_identical_in_order() -> None:
+    for n in (7, 3000):
+        for bits, bucket in ((4, 64), (2, 100), (8, 512), (16, 256)):
+            ps = [ref.qsgd_encode(_x(n, seed=k, special=False), bits, bucket, "max", True, k) for k in range(11)]
+            for k in (1, 3, 11):  # 11 > MAX_SUM: a second launch accumulates onto the first
+                want = ref.qsgd_decode(ps[0], n, bits, bucket, torch.empty(n, device=DEV))
+                for p in ps[1:k]:
+                    want = want + ref.qsgd_decode(p, n, bits, bucket, torch.empty(n, device=DEV))
+                got = tk.qsgd_decode_sum(ps[:k], n, bits, bucket, torch.full((n,), 7.0, device=DEV))
+                assert _same(got, want), (n, bits, bucket, k)
+    with pytest.raises(ValueError):
+        tk.qsgd_decode_sum([], 4, 4, 64, torch.empty(4, device=DEV))
+
+
+def test_qsgd_unaligned_payload_and_fallback_bits() -> None:
+    n, bits, bucket = 1000, 4, 64
+    x = _x(n, seed=1)
+    p = ref.qsgd_encode(x, bits, bucket, "max", True, 5)
+    buf = torch.zeros(p.numel() + 1, dtype=torch.uint8, device=DEV)
+    buf[1:].copy_(p)  # a payload that starts at an odd address, as a slice of a received buffer may
+    want = ref.qsgd_decode(p, n, bits, bucket, torch.empty(n, device=DEV))
+    assert _same(tk.qsgd_decode(buf[1:], n, bits, bucket, torch.empty(n, device=DEV)), want)
+    assert _same(tk.qsgd_decode_sum([buf[1:], p], n, bits, bucket, torch.empty(n, device=DEV)), want + want)
+    for b in (3, 5):  # no packed Triton path: the reference runs
+        q = tk.qsgd_encode(x, b, 33, "max", True, 2)
+        assert torch.equal(q, ref.qsgd_encode(x, b, 33, "max", True, 2))
+        assert _same(tk.qsgd_decode(q, n, b, 33, torch.empty(n, device=DEV)),
+                     ref.qsgd_decode(q, n, b, 33, torch.empty(n, device=DEV)))
+
+
+# ------------------------------------------------------------------------------------- onebit
+def test_onebit_buckets() -> None:
+    """Sign bits identical; means within float32 summation-order rounding; decode identical."""
+    for n in SIZES:
+        x = _x(n, seed=n)
+        for bucket in (64, 5, 100):  # fused, and general (means from torch)
+            nb = _nb(n, bucket)
+            want = ref.onebit_encode_buckets(x, bucket)
+            got = tk.onebit_encode_buckets(x, bucket)
+            assert got.shape == want.shape
+            assert torch.equal(got[8 * nb :], want[8 * nb :]), (n, bucket)
+            torch.testing.assert_close(got[: 8 * nb].view(torch.float32), want[: 8 * nb].view(torch.float32),
+                                       rtol=1e-6, atol=0, equal_nan=True)
+            out = torch.full((n,), 12345.0, device=DEV)
+            dec = tk.onebit_decode_buckets(want, n, bucket, out)
+            assert _same(dec, ref.onebit_decode_buckets(want, n, bucket, torch.empty(n, device=DEV)))
+
+
+# ------------------------------------------------------------------------------------- dettmers
+DETTMERS = [
+    "dettmers",  # dynamic, one scale for the tensor
+    "dettmers:bucket=64",
+    "dettmers:bucket=100",
+    "dettmers:type=linear",
+    "dettmers:type=dynamic_bnb,bucket=256",
+    "dettmers:type=dynamic_bnb",
+    "dettmers:type=static",
+    "dettmers:type=mantissa,offset=-2",
+    "dettmers:type=dynamic,search=paper",
+    "dettmers:type=linear,search=paper,bucket=128",
+    "dettmers:type=static,search=paper,offset=1",
+    "dettmers:type=mantissa,search=paper",
+]
+
+
+def test_dettmers_bit_identical_to_codec(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOWBIT_KERNELS", "reference")
+    for spec in DETTMERS:
+        codec = lowbit.get_codec(spec)
+        for n in SIZES:
+            x = _x(n, seed=n + 1)
+            if not codec.normalised:
+                x = x * 10.0 ** (codec.offset - 2)
+            want = codec.encode(x)
+            got = tk.dettmers_encode(x, codec.type, codec.search, codec.bucket, codec.offset)
+            assert torch.equal(got, want), (spec, n, int((got != want).sum()))
+            out = torch.full((n,), 12345.0, device=DEV)
+            dec = tk.dettmers_decode(want, n, codec.type, codec.bucket, codec.offset, out)
+            assert _same(dec, codec.decode(want, n)), (spec, n)
+
+
+def test_dettmers_nearest_on_every_midpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Values at, just below and just above every midpoint of each table: ties and cell edges."""
+    from lowbit.codecs import dettmers as dm
+
+    monkeypatch.setenv("LOWBIT_KERNELS", "reference")
+    for spec in ("dettmers", "dettmers:type=linear", "dettmers:type=dynamic_bnb", "dettmers:type=mantissa"):
+        codec = lowbit.get_codec(spec)
+        vals = dm.bnb_dynamic_map() if codec.type == "dynamic_bnb" else dm.magnitudes(codec.type, codec.offset)
+        sv = torch.tensor(sorted(set(vals)), dtype=torch.float64)
+        mids = ((sv[1:] + sv[:-1]) / 2).to(torch.float32)
+        up = torch.nextafter(mids, torch.full_like(mids, float("inf")))
+        down = torch.nextafter(mids, torch.full_like(mids, -float("inf")))
+        x = torch.cat([torch.tensor([1.0, -1.0, 0.0, -0.0]), mids, up, down, -mids, -up, -down]).to(DEV)
+        want = codec.encode(x)
+        got = tk.dettmers_encode(x, codec.type, codec.search, codec.bucket, codec.offset)
+        assert torch.equal(got, want), spec
+
+
+# ------------------------------------------------------------------------------------- plumbing
+def test_dispatch_forced_triton_matches_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    n = 3000
+    x = _x(n, seed=9)
+    for spec in ("qsgd:bits=4,bucket=64", "qsgd:bits=8,rounding=nearest,bucket=128", "onebit"):
+        codec = lowbit.get_codec(spec)
+        monkeypatch.setenv("LOWBIT_KERNELS", "reference")
+        want, want_dec = codec.encode(x, seed=4), codec.decode(codec.encode(x, seed=4), n)
+        monkeypatch.setenv("LOWBIT_KERNELS", "triton")
+        got = codec.encode(x, seed=4)
+        if spec == "onebit":  # means: summation order; sign bits exact
+            assert torch.equal(got[-(n // 8) :], want[-(n // 8) :])
+        else:
+            assert torch.equal(got, want), spec
+        assert _same(codec.decode(want, n), want_dec), spec
+
+
+def test_import_raises_importerror_without_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "triton", None)
+    monkeypatch.setitem(sys.modules, "triton.language", None)
+    spec = importlib.util.spec_from_file_location("_lowbit_tk_probe", tk.__file__)
+    mod = importlib.util.module_from_spec(spec)
+    with pytest.raises(ImportError):
+        spec.loader.exec_module(mod)
