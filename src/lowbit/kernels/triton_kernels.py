@@ -257,18 +257,30 @@ def _block_absmax(x_ptr, part_ptr, n, BLOCK: tl.constexpr, I64: tl.constexpr):
 
 
 @triton.jit
+def _step(scale, S: tl.constexpr, INV: tl.constexpr):
+    """scale / S as the reference computes it on this device: torch divides by a Python scalar as a
+    true division on CPU but as a multiplication by float32(1/S) on CUDA (INV != 0 then)."""
+    if INV == 0.0:
+        step = tl.div_rn(scale, S)
+    else:
+        step = scale * INV
+    return step
+
+
+@triton.jit
 def _qsgd_dec_one(sp, cp, cp16, pid, n, nb, bucket, nbytes, BUCKET: tl.constexpr, ROWS: tl.constexpr,
-                  FUSED: tl.constexpr, BITS: tl.constexpr, S: tl.constexpr, MASKED: tl.constexpr):
+                  FUSED: tl.constexpr, BITS: tl.constexpr, S: tl.constexpr, INV: tl.constexpr,
+                  MASKED: tl.constexpr):
     """Decoded values of one payload for this program's tile."""
     BLOCK: tl.constexpr = ROWS * BUCKET
     c = _load_codes(cp, cp16, pid * BLOCK, nbytes, n, BLOCK, BITS, MASKED)
     if FUSED:
         rows = pid * ROWS + tl.arange(0, ROWS)
-        step = tl.div_rn(_ld(sp + rows, rows < nb, 0.0, MASKED), S)
+        step = _step(_ld(sp + rows, rows < nb, 0.0, MASKED), S, INV)
         v = (tl.reshape(c, (ROWS, BUCKET)).to(tl.float32) - S) * step[:, None]
     else:
         offs = pid * BLOCK + tl.arange(0, BLOCK)
-        step = tl.div_rn(_ld(sp + offs // bucket, offs < n, 0.0, MASKED), S)
+        step = _step(_ld(sp + offs // bucket, offs < n, 0.0, MASKED), S, INV)
         v = (c.to(tl.float32) - S) * step
     return v
 
@@ -278,30 +290,31 @@ def _qsgd_decode_body(out_ptr, n, nb, bucket, nbytes, pid,
                       s0, c0, h0, s1, c1, h1, s2, c2, h2, s3, c3, h3,
                       s4, c4, h4, s5, c5, h5, s6, c6, h6, s7, c7, h7,
                       K: tl.constexpr, ACC: tl.constexpr, FUSED: tl.constexpr, BUCKET: tl.constexpr,
-                      ROWS: tl.constexpr, BITS: tl.constexpr, S: tl.constexpr, MASKED: tl.constexpr):
+                      ROWS: tl.constexpr, BITS: tl.constexpr, S: tl.constexpr, INV: tl.constexpr,
+                      MASKED: tl.constexpr):
     if FUSED:
         rows = pid * ROWS + tl.arange(0, ROWS)
         offs = rows[:, None] * BUCKET + tl.arange(0, BUCKET)[None, :]
     else:
         offs = pid * (ROWS * BUCKET) + tl.arange(0, ROWS * BUCKET)
     inb = offs < n
-    acc = _qsgd_dec_one(s0, c0, h0, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, MASKED)
+    acc = _qsgd_dec_one(s0, c0, h0, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
     if ACC:
         acc = _ld(out_ptr + offs, inb, 0.0, MASKED) + acc
     if K > 1:
-        acc = acc + _qsgd_dec_one(s1, c1, h1, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, MASKED)
+        acc = acc + _qsgd_dec_one(s1, c1, h1, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
     if K > 2:
-        acc = acc + _qsgd_dec_one(s2, c2, h2, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, MASKED)
+        acc = acc + _qsgd_dec_one(s2, c2, h2, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
     if K > 3:
-        acc = acc + _qsgd_dec_one(s3, c3, h3, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, MASKED)
+        acc = acc + _qsgd_dec_one(s3, c3, h3, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
     if K > 4:
-        acc = acc + _qsgd_dec_one(s4, c4, h4, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, MASKED)
+        acc = acc + _qsgd_dec_one(s4, c4, h4, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
     if K > 5:
-        acc = acc + _qsgd_dec_one(s5, c5, h5, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, MASKED)
+        acc = acc + _qsgd_dec_one(s5, c5, h5, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
     if K > 6:
-        acc = acc + _qsgd_dec_one(s6, c6, h6, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, MASKED)
+        acc = acc + _qsgd_dec_one(s6, c6, h6, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
     if K > 7:
-        acc = acc + _qsgd_dec_one(s7, c7, h7, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, MASKED)
+        acc = acc + _qsgd_dec_one(s7, c7, h7, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
     _st(out_ptr + offs, acc, inb, MASKED)
 
 
@@ -310,7 +323,8 @@ def _qsgd_decode_kernel(out_ptr, n, nb, bucket, nbytes,
                         s0, c0, h0, s1, c1, h1, s2, c2, h2, s3, c3, h3,
                         s4, c4, h4, s5, c5, h5, s6, c6, h6, s7, c7, h7,
                         K: tl.constexpr, ACC: tl.constexpr, FUSED: tl.constexpr, BUCKET: tl.constexpr,
-                        ROWS: tl.constexpr, BITS: tl.constexpr, S: tl.constexpr, I64: tl.constexpr):
+                        ROWS: tl.constexpr, BITS: tl.constexpr, S: tl.constexpr, INV: tl.constexpr,
+                        I64: tl.constexpr):
     """out = [out +] dec(p0) + dec(p1) + ... + dec(p_{K-1}), added left to right in float32.
 
     FUSED: a (ROWS, BUCKET) tile of whole buckets (BUCKET a power of two), one scale load per row;
@@ -319,11 +333,11 @@ def _qsgd_decode_kernel(out_ptr, n, nb, bucket, nbytes,
     if (pid + 1) * (ROWS * BUCKET) <= n:
         _qsgd_decode_body(out_ptr, n, nb, bucket, nbytes, pid, s0, c0, h0, s1, c1, h1, s2, c2, h2,
                           s3, c3, h3, s4, c4, h4, s5, c5, h5, s6, c6, h6, s7, c7, h7,
-                          K, ACC, FUSED, BUCKET, ROWS, BITS, S, False)
+                          K, ACC, FUSED, BUCKET, ROWS, BITS, S, INV, False)
     else:
         _qsgd_decode_body(out_ptr, n, nb, bucket, nbytes, pid, s0, c0, h0, s1, c1, h1, s2, c2, h2,
                           s3, c3, h3, s4, c4, h4, s5, c5, h5, s6, c6, h6, s7, c7, h7,
-                          K, ACC, FUSED, BUCKET, ROWS, BITS, S, True)
+                          K, ACC, FUSED, BUCKET, ROWS, BITS, S, INV, True)
 
 
 # ===================================================================================== onebit kernels
@@ -668,6 +682,27 @@ def qsgd_encode(
     return payload
 
 
+@functools.lru_cache(maxsize=None)
+def _scalar_inverse(device: torch.device, bits: int) -> float:
+    """0.0 if torch computes ``t / s`` (a float32 tensor by a Python float) as a true division on
+    ``device``, else float32(1/s), the reciprocal it multiplies by (torch's CUDA kernel does that for
+    a CPU-scalar divisor). Probed once per device and bit width, so qsgd decode matches the reference
+    bit for bit on whichever device it runs."""
+    s = ref.qsgd_levels(bits)
+    inv = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(s, dtype=torch.float32))
+    if inv * s == 1.0:  # exact reciprocal (s = 0.5, 1): both ways agree
+        return 0.0
+    g = torch.Generator().manual_seed(0)
+    t = (torch.rand(1 << 14, generator=g) * 2.0**torch.randint(-20, 20, (1 << 14,), generator=g)).to(device)
+    torch_way = t / s
+    true_div = t / torch.full_like(t, s)  # tensor / tensor: a true division everywhere
+    if torch.equal(torch_way, true_div):
+        return 0.0
+    if torch.equal(torch_way, t * inv):
+        return inv
+    raise RuntimeError(f"lowbit: cannot tell how torch divides by a scalar on {device}")
+
+
 def _qsgd_decode_into(payloads: Sequence[torch.Tensor], n: int, bits: int, bucket: int,
                       out: torch.Tensor) -> torch.Tensor:
     nb = (n + bucket - 1) // bucket
@@ -684,8 +719,8 @@ def _qsgd_decode_into(payloads: Sequence[torch.Tensor], n: int, bits: int, bucke
         args = [t for v in chunk for t in v] + [t for _ in range(MAX_SUM - len(chunk)) for t in chunk[0]]
         _qsgd_decode_kernel[(triton.cdiv(n, block),)](
             out, n, nb, bucket, nbytes, *args, K=len(chunk), ACC=start > 0, FUSED=fused, BUCKET=bsize,
-            ROWS=rows, BITS=bits, S=ref.qsgd_levels(bits), I64=_i64(n, block), num_warps=_warps(block),
-            **_LAUNCH)
+            ROWS=rows, BITS=bits, S=ref.qsgd_levels(bits), INV=_scalar_inverse(out.device, bits),
+            I64=_i64(n, block), num_warps=_warps(block), **_LAUNCH)
     return out
 
 
