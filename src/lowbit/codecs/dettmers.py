@@ -37,6 +37,7 @@ import torch
 
 from lowbit.codecs import _dettmers_tables as tables
 from lowbit.codecs.base import Codec, ceil_div, check_choice, check_int, register_codec
+from lowbit.kernels import dispatch
 from lowbit.kernels.reference import bucket_absmax, to_buckets, view_as
 
 TYPES = ("dynamic", "linear", "static", "mantissa", "dynamic_bnb")
@@ -182,6 +183,9 @@ class Dettmers(Codec):
     def encode(self, x: torch.Tensor, seed: int = 0) -> torch.Tensor:
         flat = self._flat_input(x)
         n = flat.numel()
+        fast = dispatch.dettmers_backend(flat, "dettmers_encode") if n else None
+        if fast is not None:
+            return fast.dettmers_encode(flat, self.type, self.search, self.bucket, self.offset)
         if n == 0:
             return torch.empty(0, dtype=torch.uint8, device=flat.device)
         if self.normalised:
@@ -207,6 +211,9 @@ class Dettmers(Codec):
         y = self._output(out, numel, payload.device)
         if numel == 0:
             return y
+        fast = dispatch.dettmers_backend(y, "dettmers_decode")
+        if fast is not None:
+            return fast.dettmers_decode(payload, numel, self.type, self.bucket, self.offset, y)
         ns = self._nscales(numel)
         lut = _table(decode_table(self.type, self.offset), payload.device)
         vals = lut[payload[4 * ns :].to(torch.int64)]

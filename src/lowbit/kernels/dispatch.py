@@ -80,3 +80,17 @@ def onebit_encode_columns(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 def onebit_decode_columns(payload: torch.Tensor, n: int, rows: int, out: torch.Tensor) -> torch.Tensor:
     return backend_for(out, "onebit_decode_columns").onebit_decode_columns(payload, n, rows, out)
+
+
+def qsgd_decode_sum(payloads: list[torch.Tensor], n: int, bits: int, bucket: int, out: torch.Tensor) -> torch.Tensor | None:
+    """Fused decode-and-accumulate when a backend has one; None means "decode one by one"."""
+    mod = backend_for(out, "qsgd_decode_sum")
+    if mod is ref:
+        return None
+    return mod.qsgd_decode_sum(payloads, n, bits, bucket, out)
+
+
+def dettmers_backend(x: torch.Tensor, op: str) -> Any | None:
+    """The Triton module for Dettmers' codec on CUDA (None: use the codec's torch path)."""
+    mod = backend_for(x, op)
+    return None if mod is ref else mod
