@@ -88,7 +88,8 @@ def main() -> None:
     ap.add_argument("--out", default="kernels_gpu.json")
     ap.add_argument("--sizes-mib", default="4,16,64,256,1024")
     ap.add_argument("--no-reference", action="store_true", help="skip the torch reference timings")
-    ap.add_argument("--sweep", action="store_true", help="also sweep tile size / warps at 256 MiB")
+    ap.add_argument("--sweep", action="store_true", help="also sweep tile size / warps")
+    ap.add_argument("--sweep-mib", type=int, default=64)
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new work after this")
     ap.add_argument("--extra-mib", type=int, default=64, help="size of the odd-n / decode_sum rows")
     ap.add_argument("--device", default="cuda", help="cpu: functional dry run (TRITON_INTERPRET=1)")
@@ -183,19 +184,19 @@ def main() -> None:
         del x, dst, out
         torch.cuda.empty_cache()
 
-    if args.sweep:
-        mib = 256 if not DRY_RUN else sizes[0]
+    if args.sweep:  # tile size / warps per program, at the size where the targets are tightest
+        mib = args.sweep_mib if not DRY_RUN else sizes[0]
         n = mib * MiB // 4
         x = torch.randn(n, device=dev, generator=g)
         out = torch.empty_like(x)
         copy_gbps = next((c["GBps"] for c in copies if c["size_mib"] == mib), None)
         saved = dict(tk.CONFIG)
-        for elems, warps in ((2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16)):
+        for elems, warps in ((1024, 2), (1024, 4), (2048, 2), (2048, 4), (4096, 4), (4096, 8)):
             if time.time() - t_start > args.budget_s:
                 print("time budget reached; sweep cut short", flush=True)
                 break
             tk.CONFIG.update(elems=elems, warps=warps)
-            for label, spec in (CASES[0], CASES[2], CASES[5]):
+            for label, spec in CASES:
                 enc, dec, _, _, _ = ops(spec)
                 p = enc(x)
                 s = {"case": label, "elems": elems, "warps": warps, "size_mib": mib,
@@ -209,6 +210,24 @@ def main() -> None:
         tk.CONFIG.update(saved)
         save()
 
+    # Host cost of one call (Python, argument handling, launch): back-to-back calls on 1 MiB.
+    if not DRY_RUN:
+        n = MiB // 4
+        x = torch.randn(n, device=dev, generator=g)
+        out = torch.empty_like(x)
+        for label, spec in CASES:
+            enc, dec, _, _, _ = ops(spec)
+            p = enc(x)
+            for op, fn in (("encode", lambda: enc(x)), ("decode", lambda: dec(p, out))):
+                fn()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(200):
+                    fn()
+                torch.cuda.synchronize()
+                extra.append({"case": label, "op": op, "host_us_per_call_1MiB": (time.perf_counter() - t0) / 200 * 1e6})
+        save()
+
     save()
     # ---------------------------------------------------------------- short table, last
     print(f"\n{info['device']}  torch {info['torch']}  triton {info['triton']}  ({time.time() - t_start:.0f} s)")
@@ -219,9 +238,14 @@ def main() -> None:
               f"{r.get('encode_speedup', float('nan')):6.1f} {r['decode_GBps']:9.0f} {r['decode_pct_copy']:6.1f} "
               f"{r.get('decode_speedup', float('nan')):6.1f}")
     for e in extra:
+        if "host_us_per_call_1MiB" in e:
+            continue
         print(f"{e['case']:20s} enc {e['encode_pct_copy']:.0f}% dec {e['decode_aligned_pct_copy']:.0f}% "
               f"dec(received) {e['decode_received_pct_copy']:.0f}% sum8 {e['decode_sum8_pct_copy']:.0f}% "
               f"(x{e['decode_sum8_ref_ms'] / e['decode_sum8_ms']:.1f} ref)")
+    host = [f"{e['case']} {e['op'][:3]} {e['host_us_per_call_1MiB']:.0f}" for e in extra if "host_us_per_call_1MiB" in e]
+    if host:
+        print("us per call, back to back at 1 MiB: " + ", ".join(host))
     for s in sweep:
         print(f"sweep {s['case']:18s} elems={s['elems']:5d} warps={s['warps']:2d} enc {s.get('encode_pct_copy', 0):.0f}% "
               f"dec {s.get('decode_pct_copy', 0):.0f}%")

@@ -49,6 +49,7 @@ def _x(n: int, seed: int) -> torch.Tensor:
         x[17] = float("nan")
         x[3000] = float("inf")
         x[4000] = -float("inf")
+        x.view(torch.int32)[4500] = -0x3EDCBB  # 0xFFC12345: a negative NaN with a payload
     return x
 
 

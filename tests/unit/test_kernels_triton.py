@@ -48,6 +48,7 @@ def _x(n: int, seed: int, special: bool = True) -> torch.Tensor:
         x[5] = float("nan")
         x[300] = float("inf")
         x[520] = -float("inf")
+        x.view(torch.int32)[900] = -0x3EDCBB  # 0xFFC12345: a negative NaN with a payload
     return x.to(DEV)
 
 

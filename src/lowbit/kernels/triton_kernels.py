@@ -67,7 +67,7 @@ __all__ = [
 ]
 
 #: Tuning knobs: elements per program and warps per program (the benchmark sweeps them).
-CONFIG: dict[str, int] = {"elems": 4096, "warps": 8, "max_fused_bucket": 8192}
+CONFIG: dict[str, int] = {"elems": 2048, "warps": 4, "max_fused_bucket": 8192}
 
 #: Bit widths with a packed Triton path; others run the reference.
 PACKED_BITS = (1, 2, 4, 8, 16)
@@ -110,11 +110,18 @@ def _uniform(idx, key):
 
 
 @triton.jit
+def _absmax_bits(x, axis: tl.constexpr):
+    """Max |x| along axis as int32 bits, NaN-propagating: |x| has its sign bit clear, so its bits
+    order like the floats, with every NaN above +inf; NaNs come out as the canonical 0x7FC00000 (the
+    reference's NaN). One integer max per element instead of a float max plus a NaN test."""
+    m = tl.max(tl.abs(x).to(tl.int32, bitcast=True), axis=axis)
+    return tl.where(m > 0x7F800000, 0x7FC00000, m)
+
+
+@triton.jit
 def _row_absmax(x):
     """x: (R, C) float32 -> (R,) max |x|, NaN if the row holds a NaN (reference.bucket_absmax)."""
-    m = tl.max(tl.abs(x), axis=1)
-    has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
-    return tl.where(has_nan, float("nan"), m)
+    return _absmax_bits(x, 1).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -170,8 +177,12 @@ def _load_codes(code_ptr, code16_ptr, elem0, nbytes, n,
 
 
 @triton.jit
-def _pid(I64: tl.constexpr):
+def _pid(I64: tl.constexpr, REVERSE: tl.constexpr = False):
+    """This program's tile index. REVERSE (for a second pass over x) walks the tiles backwards, so it
+    starts on the end of x that the first pass left in L2."""
     pid = tl.program_id(0)
+    if REVERSE:
+        pid = tl.num_programs(0) - 1 - pid
     if I64:
         pid = pid.to(tl.int64)
     return pid
@@ -211,7 +222,7 @@ def _qsgd_encode_body(x_ptr, scale_ptr, code_ptr, code16_ptr, n, nb, bucket, nby
 def _qsgd_encode_kernel(x_ptr, scale_ptr, code_ptr, code16_ptr, n, nb, bucket, nbytes, key,
                         BUCKET: tl.constexpr, ROWS: tl.constexpr, FUSED: tl.constexpr, BITS: tl.constexpr,
                         S: tl.constexpr, L2: tl.constexpr, STOCH: tl.constexpr, I64: tl.constexpr):
-    pid = _pid(I64)
+    pid = _pid(I64, not FUSED)
     ukey = key.to(tl.uint32, bitcast=True)
     if (pid + 1) * (ROWS * BUCKET) <= n:
         _qsgd_encode_body(x_ptr, scale_ptr, code_ptr, code16_ptr, n, nb, bucket, nbytes, ukey, pid,
@@ -238,22 +249,21 @@ def _partial_absmax(x_ptr, part_ptr, n, bucket, cpb, nunits,
 
 
 @triton.jit
-def _block_absmax_body(x_ptr, part_ptr, n, pid, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+def _absmax_atomic_body(x_ptr, scale_bits_ptr, n, bucket, pid, BLOCK: tl.constexpr, MASKED: tl.constexpr):
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     x = _ld(x_ptr + offs, offs < n, 0.0, MASKED)
-    m = tl.max(tl.abs(x), axis=0)
-    has_nan = tl.max((x != x).to(tl.int32), axis=0) > 0
-    tl.store(part_ptr + pid, tl.where(has_nan, float("nan"), m))
+    # Integer max of the bits (see _absmax_bits), so the atomic max over blocks is exact too.
+    tl.atomic_max(scale_bits_ptr + (pid * BLOCK) // bucket, _absmax_bits(x, 0))
 
 
 @triton.jit
-def _block_absmax(x_ptr, part_ptr, n, BLOCK: tl.constexpr, I64: tl.constexpr):
-    """Max |x| (NaN-propagating) of each block of BLOCK consecutive elements."""
+def _absmax_atomic(x_ptr, scale_bits_ptr, n, bucket, BLOCK: tl.constexpr, I64: tl.constexpr):
+    """scale[b] = max(scale[b], max |x| of this block), as int32 bits; every block lies in one bucket."""
     pid = _pid(I64)
     if (pid + 1) * BLOCK <= n:
-        _block_absmax_body(x_ptr, part_ptr, n, pid, BLOCK, False)
+        _absmax_atomic_body(x_ptr, scale_bits_ptr, n, bucket, pid, BLOCK, False)
     else:
-        _block_absmax_body(x_ptr, part_ptr, n, pid, BLOCK, True)
+        _absmax_atomic_body(x_ptr, scale_bits_ptr, n, bucket, pid, BLOCK, True)
 
 
 @triton.jit
@@ -372,7 +382,7 @@ def _onebit_encode_body(x_ptr, scale_ptr, code_ptr, n, nb, pid, nbytes,
 def _onebit_encode_kernel(x_ptr, scale_ptr, code_ptr, n, nb, nbytes,
                           BUCKET: tl.constexpr, ROWS: tl.constexpr, FUSED: tl.constexpr, I64: tl.constexpr):
     """FUSED: means and sign bits of whole buckets; otherwise sign bits only (means come from torch)."""
-    pid = _pid(I64)
+    pid = _pid(I64, not FUSED)
     if (pid + 1) * (ROWS * BUCKET) <= n:
         _onebit_encode_body(x_ptr, scale_ptr, code_ptr, n, nb, pid, nbytes, BUCKET, ROWS, FUSED, False)
     else:
@@ -411,21 +421,23 @@ def _onebit_decode_kernel(scale_ptr, code_ptr, out_ptr, n, nb, bucket, nbytes,
 
 # ===================================================================================== dettmers kernels
 @triton.jit
-def _dm_nearest(v, cell_ptr, map_ptr, SHIFT: tl.constexpr, KBASE: tl.constexpr, NCELL: tl.constexpr,
-                MAP: tl.constexpr):
-    """Position of v among the sorted unique table values (count of midpoints < v), mapped to its code."""
+def _dm_nearest(v, cell_ptr, SHIFT: tl.constexpr, KBASE: tl.constexpr, NCELL: tl.constexpr,
+                SIGNED: tl.constexpr):
+    """Code of the table value nearest to v: the count of midpoints below v, read off the cell table.
+
+    SIGNED (dynamic_bnb, codes = sorted positions): entry = positions below the cell << 24 | offset
+    of the cell's midpoint. Magnitudes (v >= +0, whose float bits already order like the values):
+    entry = code below the midpoint << 25 | code above it << SHIFT | offset of the midpoint."""
     b = v.to(tl.int32, bitcast=True)
-    key = tl.where(b >= 0, b, b ^ 0x7FFFFFFF)  # order-preserving integer key of a float
-    cell = tl.minimum(tl.maximum((key >> SHIFT) - KBASE, 0), NCELL - 1)
-    off = key & ((1 << SHIFT) - 1)
-    e = tl.load(cell_ptr + cell)
-    p = ((e >> 24) & 0xFF) + (off > (e & 0xFFFFFF)).to(tl.int32)
-    if MAP == 0:
-        code = p
-    elif MAP == 1:  # the dynamic tree: sorted = [0 (code 126), tree (codes 0..125), 1 (code 127)]
-        code = tl.where(p == 0, 126, tl.where(p == 127, 127, p - 1))
+    if SIGNED:
+        key = tl.where(b >= 0, b, b ^ 0x7FFFFFFF)  # order-preserving integer key of any float
+        cell = tl.minimum(tl.maximum((key >> SHIFT) - KBASE, 0), NCELL - 1)
+        e = tl.load(cell_ptr + cell)
+        code = ((e >> 24) & 0xFF) + ((key & ((1 << SHIFT) - 1)) > (e & 0xFFFFFF)).to(tl.int32)
     else:
-        code = tl.load(map_ptr + p)
+        e = tl.load(cell_ptr + (b >> SHIFT))
+        above = (b & ((1 << SHIFT) - 1)) > (e & ((1 << SHIFT) - 1))
+        code = tl.where(above, (e >> SHIFT) & 0x7F, (e >> 25) & 0x7F)
     return code
 
 
@@ -451,10 +463,9 @@ def _dm_paper(m, t_ptr, lo, hi, PIVOT0: tl.constexpr, DYN: tl.constexpr):
 
 
 @triton.jit
-def _dm_codes(x, scale, cell_ptr, map_ptr, t_ptr, lo, hi,
+def _dm_codes(x, scale, cell_ptr, t_ptr, lo, hi,
               NORM: tl.constexpr, SIGNED: tl.constexpr, PAPER: tl.constexpr, DYN: tl.constexpr,
-              PIVOT0: tl.constexpr, SHIFT: tl.constexpr, KBASE: tl.constexpr, NCELL: tl.constexpr,
-              MAP: tl.constexpr):
+              PIVOT0: tl.constexpr, SHIFT: tl.constexpr, KBASE: tl.constexpr, NCELL: tl.constexpr):
     """Code byte of each x (scale broadcast to x's shape; ignored unless NORM)."""
     if NORM:
         safe = tl.where(scale > 0, scale, 1.0)
@@ -467,13 +478,13 @@ def _dm_codes(x, scale, cell_ptr, map_ptr, t_ptr, lo, hi,
         finite = tl.abs(x) < float("inf")  # False for NaN and +-inf
         r = tl.where(finite, x, 0.0)
     if SIGNED:
-        codes = _dm_nearest(r, cell_ptr, map_ptr, SHIFT, KBASE, NCELL, MAP)
+        codes = _dm_nearest(r, cell_ptr, SHIFT, KBASE, NCELL, True)
     else:
         m = tl.abs(r)
         if PAPER:
             codes = _dm_paper(m, t_ptr, lo, hi, PIVOT0, DYN)
         else:
-            codes = _dm_nearest(m, cell_ptr, map_ptr, SHIFT, KBASE, NCELL, MAP)
+            codes = _dm_nearest(m, cell_ptr, SHIFT, KBASE, NCELL, False)
         if NORM:
             codes = tl.where((r < 0) & (codes != 0), codes | 128, codes)
         else:
@@ -483,11 +494,10 @@ def _dm_codes(x, scale, cell_ptr, map_ptr, t_ptr, lo, hi,
 
 
 @triton.jit
-def _dm_encode_body(x_ptr, scale_ptr, code_ptr, cell_ptr, map_ptr, t_ptr, lo, hi, n, nb, bucket, pid,
+def _dm_encode_body(x_ptr, scale_ptr, code_ptr, cell_ptr, t_ptr, lo, hi, n, nb, bucket, pid,
                     BUCKET: tl.constexpr, ROWS: tl.constexpr, FUSED: tl.constexpr, NORM: tl.constexpr,
                     SIGNED: tl.constexpr, PAPER: tl.constexpr, DYN: tl.constexpr, PIVOT0: tl.constexpr,
-                    SHIFT: tl.constexpr, KBASE: tl.constexpr, NCELL: tl.constexpr, MAP: tl.constexpr,
-                    ONE_SCALE: tl.constexpr, MASKED: tl.constexpr):
+                    SHIFT: tl.constexpr, KBASE: tl.constexpr, NCELL: tl.constexpr, ONE_SCALE: tl.constexpr, MASKED: tl.constexpr):
     if FUSED:
         rows = pid * ROWS + tl.arange(0, ROWS)
         offs = rows[:, None] * BUCKET + tl.arange(0, BUCKET)[None, :]
@@ -504,25 +514,24 @@ def _dm_encode_body(x_ptr, scale_ptr, code_ptr, cell_ptr, map_ptr, t_ptr, lo, hi
             scale = _ld(scale_ptr + offs // bucket, offs < n, 1.0, MASKED)
         else:
             scale = x
-    codes = _dm_codes(x, scale, cell_ptr, map_ptr, t_ptr, lo, hi, NORM, SIGNED, PAPER, DYN,
-                      PIVOT0, SHIFT, KBASE, NCELL, MAP)
+    codes = _dm_codes(x, scale, cell_ptr, t_ptr, lo, hi, NORM, SIGNED, PAPER, DYN,
+                      PIVOT0, SHIFT, KBASE, NCELL)
     _st(code_ptr + offs, codes.to(tl.uint8), offs < n, MASKED)
 
 
 @triton.jit
-def _dm_encode_kernel(x_ptr, scale_ptr, code_ptr, cell_ptr, map_ptr, t_ptr, lo, hi, n, nb, bucket,
+def _dm_encode_kernel(x_ptr, scale_ptr, code_ptr, cell_ptr, t_ptr, lo, hi, n, nb, bucket,
                       BUCKET: tl.constexpr, ROWS: tl.constexpr, FUSED: tl.constexpr, NORM: tl.constexpr,
                       SIGNED: tl.constexpr, PAPER: tl.constexpr, DYN: tl.constexpr, PIVOT0: tl.constexpr,
-                      SHIFT: tl.constexpr, KBASE: tl.constexpr, NCELL: tl.constexpr, MAP: tl.constexpr,
-                      ONE_SCALE: tl.constexpr, I64: tl.constexpr):
-    pid = _pid(I64)
+                      SHIFT: tl.constexpr, KBASE: tl.constexpr, NCELL: tl.constexpr, ONE_SCALE: tl.constexpr, I64: tl.constexpr):
+    pid = _pid(I64, not FUSED)
     if (pid + 1) * (ROWS * BUCKET) <= n:
-        _dm_encode_body(x_ptr, scale_ptr, code_ptr, cell_ptr, map_ptr, t_ptr, lo, hi, n, nb, bucket, pid,
-                        BUCKET, ROWS, FUSED, NORM, SIGNED, PAPER, DYN, PIVOT0, SHIFT, KBASE, NCELL, MAP, ONE_SCALE,
+        _dm_encode_body(x_ptr, scale_ptr, code_ptr, cell_ptr, t_ptr, lo, hi, n, nb, bucket, pid,
+                        BUCKET, ROWS, FUSED, NORM, SIGNED, PAPER, DYN, PIVOT0, SHIFT, KBASE, NCELL, ONE_SCALE,
                         False)
     else:
-        _dm_encode_body(x_ptr, scale_ptr, code_ptr, cell_ptr, map_ptr, t_ptr, lo, hi, n, nb, bucket, pid,
-                        BUCKET, ROWS, FUSED, NORM, SIGNED, PAPER, DYN, PIVOT0, SHIFT, KBASE, NCELL, MAP, ONE_SCALE,
+        _dm_encode_body(x_ptr, scale_ptr, code_ptr, cell_ptr, t_ptr, lo, hi, n, nb, bucket, pid,
+                        BUCKET, ROWS, FUSED, NORM, SIGNED, PAPER, DYN, PIVOT0, SHIFT, KBASE, NCELL, ONE_SCALE,
                         True)
 
 
@@ -627,29 +636,26 @@ def _tiling(bucket: int, fused: bool) -> tuple[int, int, int]:
     return CONFIG["elems"], 1, CONFIG["elems"]
 
 
-def _bucket_scales_general(x: torch.Tensor, bucket: int) -> torch.Tensor:
-    """(nb,) per-bucket max |x| (NaN-propagating) for any bucket size, via chunk partials."""
+def _bucket_scales_general(x: torch.Tensor, bucket: int, scales: torch.Tensor) -> None:
+    """scales[b] = max |x| over bucket b (NaN-propagating, as reference.bucket_absmax), any bucket."""
     n = x.numel()
-    nb = (n + bucket - 1) // bucket
+    nb = scales.numel()
     block = CONFIG["elems"]
-    if nb == 1 or bucket % block == 0:  # buckets are whole runs of blocks: unmasked wide loads
-        nblocks = triton.cdiv(n, block)
-        upb = triton.cdiv(bucket, block) if nb > 1 else nblocks
-        part = torch.zeros(nb * upb, dtype=torch.float32, device=x.device)  # 0 never raises a max
-        _block_absmax[(nblocks,)](x, part, n, BLOCK=block, I64=_i64(n, block), num_warps=_warps(block),
-                                  **_LAUNCH)
-        return part.view(nb, upb).amax(dim=1)  # amax propagates NaN
+    if nb == 1 or bucket % block == 0:  # every block lies in one bucket: one pass, atomic max
+        scales.zero_()
+        _absmax_atomic[(triton.cdiv(n, block),)](x, scales.view(torch.int32), n, bucket, BLOCK=block,
+                                                 I64=_i64(n, block), num_warps=_warps(block), **_LAUNCH)
+        return
+    # Chunks of at most 4096 elements of one bucket each, UR chunks per program; then torch's amax.
     ch = min(1 << max(0, (bucket - 1).bit_length()), 4096)
     cpb = (bucket + ch - 1) // ch
     ur = max(1, 4096 // ch)
     nunits = nb * cpb
     part = torch.empty(nunits, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(nunits, ur),)
-    _partial_absmax[grid](x, part, n, bucket, cpb, nunits, CH=ch, UR=ur,
-                          I64=_i64(max(n, nunits * ch), ur * ch), num_warps=_warps(ur * ch), **_LAUNCH)
-    if cpb == 1:
-        return part
-    return part.view(nb, cpb).amax(dim=1)  # amax propagates NaN
+    _partial_absmax[(triton.cdiv(nunits, ur),)](x, part, n, bucket, cpb, nunits, CH=ch, UR=ur,
+                                                I64=_i64(max(n, nunits * ch), ur * ch),
+                                                num_warps=_warps(ur * ch), **_LAUNCH)
+    scales.copy_(part if cpb == 1 else part.view(nb, cpb).amax(dim=1))  # amax propagates NaN
 
 
 # ------------------------------------------------------------------------------------- qsgd
@@ -673,7 +679,7 @@ def qsgd_encode(
         if norm == "l2":
             scales.copy_(ref.bucket_l2(ref.to_buckets(x, bucket)))
         else:
-            scales.copy_(_bucket_scales_general(x, bucket))
+            _bucket_scales_general(x, bucket, scales)
     bsize, rows, block = _tiling(bucket, fused)
     _qsgd_encode_kernel[(triton.cdiv(n, block),)](
         x, scales, code8, code16, n, nb, bucket, nbytes, _signed_key(seed),
@@ -807,26 +813,32 @@ def _dm_host_tables(type_: str, offset: int) -> dict:
     sv = torch.tensor(uniq, dtype=torch.float64)
     mids = ((sv[1:] + sv[:-1]) / 2).to(torch.float32).numpy()
     bits = mids.view(np.int32).astype(np.int64)
-    mkeys = np.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    mkeys = np.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # order-preserving integer keys
     assert np.all(np.diff(mkeys) > 0)
-    shift = 23
+    # The coarsest cells (a power of two of keys each) holding at most one midpoint; magnitude entries
+    # keep the midpoint's offset in SHIFT <= 18 bits, beside two 7-bit codes.
+    shift = 18 if not signed else 23
     while shift > 8 and np.unique(mkeys >> shift, return_counts=True)[1].max() > 1:
         shift -= 1
     kmax = 0x7F800000  # +inf
-    kmin = (0xFF800000 - (1 << 32)) ^ 0x7FFFFFFF if signed else 0  # -inf, or 0 for magnitudes
+    kmin = (0xFF800000 - (1 << 32)) ^ 0x7FFFFFFF if signed else 0  # -inf, or +0 for magnitudes
     kbase = kmin >> shift
     ncell = (kmax >> shift) - kbase + 1
     starts = (np.arange(ncell, dtype=np.int64) + kbase) << shift
-    p_lo = np.searchsorted(mkeys, starts, side="left")
-    has_mid = (p_lo < len(mkeys)) & (mkeys[np.minimum(p_lo, len(mkeys) - 1)] < starts + (1 << shift))
-    mid_off = np.where(has_mid, mkeys[np.minimum(p_lo, len(mkeys) - 1)] - starts, (1 << shift) - 1)
-    cells = ((p_lo.astype(np.uint64) << 24) | mid_off.astype(np.uint64)).astype(np.uint32).view(np.int32)
-    if first_code == list(range(len(uniq))):
-        map_mode = 0
-    elif type_ == "dynamic" and first_code == [126] + list(range(126)) + [127]:
-        map_mode = 1
+    p_lo = np.searchsorted(mkeys, starts, side="left")  # midpoints below each cell
+    nxt = mkeys[np.minimum(p_lo, len(mkeys) - 1)]
+    has_mid = (p_lo < len(mkeys)) & (nxt < starts + (1 << shift))
+    mid_off = np.where(has_mid, nxt - starts, (1 << shift) - 1)  # none: no offset is above it
+    if signed:
+        if first_code != list(range(len(uniq))):
+            raise ValueError(f"dettmers {type_}: codes are not sorted positions")
+        entry = (p_lo.astype(np.uint64) << 24) | mid_off.astype(np.uint64)
     else:
-        map_mode = 2
+        codes = np.array(first_code, dtype=np.uint64)
+        lo_code = codes[p_lo]
+        hi_code = codes[np.minimum(p_lo + 1, len(codes) - 1)]
+        entry = (lo_code << 25) | (hi_code << shift) | mid_off.astype(np.uint64)
+    cells = entry.astype(np.uint32).view(np.int32)
     # The paper search reads a 130-entry table (index `size` = the 2015 kernel's overread).
     size, pivot0 = (126, 63) if type_ == "dynamic" else (128, 64)
     tbl = list(values[:size]) + [1.0] * (130 - size) if not signed else [0.0] * 130
@@ -835,10 +847,9 @@ def _dm_host_tables(type_: str, offset: int) -> dict:
               "mantissa": (5e-7 * scale10, 150 * scale10)}.get(type_, (0.0, 0.0))
     return {
         "cells": torch.from_numpy(cells.copy()),
-        "map": torch.tensor(first_code + [0] * (256 - len(first_code)), dtype=torch.int32),
         "paper": torch.tensor(tbl, dtype=torch.float32),
         "lut": torch.tensor(dm.decode_table(type_, offset), dtype=torch.float32),
-        "consts": dict(SHIFT=shift, KBASE=kbase, NCELL=ncell, MAP=map_mode, PIVOT0=pivot0,
+        "consts": dict(SHIFT=shift, KBASE=kbase, NCELL=ncell, PIVOT0=pivot0,
                        SIGNED=signed, DYN=type_ == "dynamic"),
         "lo": lo,
         "hi": hi,
@@ -849,7 +860,7 @@ def _dm_host_tables(type_: str, offset: int) -> dict:
 def _dm_tables(type_: str, offset: int, device: torch.device) -> dict:
     host = _dm_host_tables(type_, offset)
     out = dict(host)
-    for k in ("cells", "map", "paper", "lut"):
+    for k in ("cells", "paper", "lut"):
         out[k] = host[k].to(device)
     return out
 
@@ -871,10 +882,10 @@ def dettmers_encode(x: torch.Tensor, type_: str, search: str, bucket: int, offse
     t = _dm_tables(type_, offset, x.device)
     fused = norm and _fused(eff_bucket)
     if norm and not fused:
-        scales.copy_(_bucket_scales_general(x, eff_bucket))
+        _bucket_scales_general(x, eff_bucket, scales)
     bsize, rows, block = _tiling(eff_bucket, fused)
     _dm_encode_kernel[(triton.cdiv(n, block),)](
-        x, scales if norm else x, payload[4 * nb :], t["cells"], t["map"], t["paper"], float(t["lo"]),
+        x, scales if norm else x, payload[4 * nb :], t["cells"], t["paper"], float(t["lo"]),
         float(t["hi"]), n, max(nb, 1), eff_bucket, BUCKET=bsize, ROWS=rows, FUSED=fused, NORM=norm,
         PAPER=search == "paper", ONE_SCALE=nb == 1 and not fused, I64=_i64(n, block), num_warps=_warps(block), **t["consts"], **_LAUNCH)
     return payload
