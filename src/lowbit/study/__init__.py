@@ -1,0 +1,31 @@
+"""The study: run a grid of training runs and report accuracy, speed and scalability in the seed's style.
+
+    from lowbit.study import load_config, run_study, write_report
+    cfg = load_config(preset="default", overrides={"epochs": 2})
+    result = run_study(cfg, "study-results/")          # resumes: finished runs are skipped
+    html = write_report("study-results/")              # study-results/report/index.html + PNGs
+
+Modules: ``config`` (TOML / presets -> validated grid -> runs with stable keys), ``runner`` (local
+spawn or torchrun; DDP + lowbit per run), ``metrics`` (what is measured and how), ``store``
+(append-only JSON Lines), ``report`` (HTML + matplotlib PNGs), ``seed_data`` (the seed's Figure 4,
+10 and 11 numbers), ``cli`` (``lowbit study``, ``lowbit report``). See docs/study.md.
+"""
+
+from __future__ import annotations
+
+from lowbit.study.config import RunConfig, StudyConfig, expand_runs, load_config
+from lowbit.study.store import ResultStore
+
+__all__ = ["RunConfig", "StudyConfig", "ResultStore", "expand_runs", "load_config", "run_study", "write_report"]
+
+
+def __getattr__(name: str):  # lazy: the runner pulls in torch.distributed, the report matplotlib
+    if name == "run_study":
+        from lowbit.study.runner import run_study
+
+        return run_study
+    if name == "write_report":
+        from lowbit.study.report import write_report
+
+        return write_report
+    raise AttributeError(f"module 'lowbit.study' has no attribute {name!r}")

@@ -1,0 +1,153 @@
+"""``lowbit study`` and ``lowbit report``.
+
+    lowbit study                                   # the embedded default study, then its report
+    lowbit study --preset seeds --out benchmarks/results/study_cpu_default
+    lowbit study --config my.toml --codecs fp32 qsgd:bits=4,bucket=512 --epochs 2 --dry-run
+    lowbit report study-results/ --price-per-gpu-hour 0.9
+
+``study`` resumes: runs already in ``OUT/results.jsonl`` are skipped. Flags override the config's keys.
+Under torchrun every rank runs ``lowbit study`` (see docs/study.md); rank 0 writes results and report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+__all__ = ["register"]
+
+
+def _csv_or_list(values: list[str] | None) -> list[str] | None:
+    return values if values else None
+
+
+def _ints(values: list[str] | None, key: str) -> list[int] | None:
+    if not values:
+        return None
+    out = []
+    for v in values:
+        for part in v.split(","):
+            if not part.strip():
+                continue
+            try:
+                out.append(int(part))
+            except ValueError:
+                raise ValueError(f"--{key}: {part!r} is not an integer") from None
+    return out
+
+
+def _batches(values: list[str] | None) -> list[int | str] | None:
+    if not values:
+        return None
+    return [int(v) if v.isdigit() else v for v in values]
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "networks": _csv_or_list(args.networks),
+        "datasets": _csv_or_list(args.datasets),
+        "codecs": _csv_or_list(args.codecs),
+        "algorithms": _csv_or_list(args.algorithms),
+        "world_sizes": _ints(args.world_sizes, "world-sizes"),
+        "backends": _csv_or_list(args.backend),
+        "batch_sizes": _batches(args.batch_sizes),
+        "epochs": args.epochs,
+        "seeds": _ints(args.seeds, "seeds"),
+        "max_train_samples": args.max_train_samples,
+        "threads_per_worker": args.threads_per_worker,
+        "device": args.device,
+    }
+
+
+def _study(args: argparse.Namespace) -> int:
+    from lowbit.study.config import load_config
+    from lowbit.study.runner import StudyInterrupted, plan_study, run_study, under_torchrun
+
+    cfg = load_config(args.config, args.preset, _overrides(args))
+    if args.dry_run:
+        runs, finished, store = plan_study(cfg, args.out)
+        print(f"study {cfg.name!r}: {len(runs)} runs ({len(runs) - len(finished & {r.key() for r in runs})} to do), "
+              f"results in {store.path}")
+        for r in runs:
+            mark = "done" if r.key() in finished else "todo"
+            print(f"  {mark}  {r.key()}  {r.describe()}")
+        return 0
+    try:
+        result = run_study(cfg, args.out, launcher=args.launcher, progress=not args.no_progress)
+    except StudyInterrupted as exc:
+        print(f"lowbit study: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"\nlowbit study: interrupted; finished runs are saved in {args.out}. "
+              "Rerun the same command to resume.", file=sys.stderr)
+        return 130
+    torchrun_rank = int(os.environ.get("RANK", "0")) if (args.launcher == "torchrun" or under_torchrun()) else 0
+    if torchrun_rank != 0:
+        return 0
+    print(f"{result.ran} run(s) done, {result.skipped} already there, in {result.elapsed_s:.0f} s; "
+          f"results: {result.results_path}")
+    if args.no_report:
+        return 0
+    from lowbit.study.report import write_report
+
+    index = write_report(result.results_path, args.report_out, args.price_per_gpu_hour)
+    print(f"report: {index}")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from lowbit.study.report import write_report
+
+    index = write_report(args.results, args.out, args.price_per_gpu_hour)
+    print(f"report: {index}")
+    return 0
+
+
+def register(sub: Any) -> None:
+    from lowbit.study.config import PRESETS
+    from lowbit.study.report import DEFAULT_PRICE_PER_GPU_HOUR
+
+    p = sub.add_parser(
+        "study", help="run a study grid (resumable) and write its report",
+        description="Train every point of a study grid (networks x data x codecs x algorithms x world sizes x "
+                    "backends x batch sizes x seeds) with DDP + lowbit, append results as runs finish (an "
+                    "interrupted study resumes), then write the HTML report. Flags override config keys; "
+                    "list flags take space-separated values (codec specs contain commas).",
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--config", metavar="PATH", help="study config (TOML); see docs/study.md")
+    src.add_argument("--preset", choices=PRESETS, help="embedded preset (default: default)")
+    p.add_argument("--out", default="study-results/", metavar="DIR", help="results directory (default: %(default)s)")
+    p.add_argument("--networks", nargs="+", metavar="NET")
+    p.add_argument("--datasets", nargs="+", metavar="DATA")
+    p.add_argument("--codecs", nargs="+", metavar="SPEC", help="e.g. fp32 qsgd:bits=4,bucket=512 onebit:bucket=64")
+    p.add_argument("--algorithms", nargs="+", metavar="ALG", help="scatter_gather | allgather")
+    p.add_argument("--world-sizes", nargs="+", metavar="K")
+    p.add_argument("--backend", nargs="+", metavar="BACKEND", help="gloo | nccl | mpi")
+    p.add_argument("--batch-sizes", nargs="+", metavar="B", help="per worker: 32, fig4, fig4:resnet110, global:256")
+    p.add_argument("--epochs", type=int)
+    p.add_argument("--seeds", nargs="+", metavar="SEED", help="e.g. --seeds 0 1 2")
+    p.add_argument("--max-train-samples", type=int, metavar="N", help="train on the first N samples only")
+    p.add_argument("--threads-per-worker", type=int, metavar="T", help="CPU threads per worker (0: cores / workers)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--launcher", choices=["auto", "spawn", "torchrun"], default="auto",
+                   help="spawn local workers, or run as one rank of a torchrun launch (auto: torchrun if its "
+                        "environment is set)")
+    p.add_argument("--dry-run", action="store_true", help="list the runs (done / to do) and exit")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-report", action="store_true", help="do not write the report at the end")
+    p.add_argument("--report-out", metavar="DIR", help="report directory (default: OUT/report)")
+    p.add_argument("--price-per-gpu-hour", type=float, default=DEFAULT_PRICE_PER_GPU_HOUR, metavar="USD",
+                   help="price of a worker-hour for the price/accuracy plot (default: %(default)s, the seed's K80)")
+    p.set_defaults(func=_study)
+
+    r = sub.add_parser("report", help="write the HTML report of study results",
+                       description="Turn study results (a results directory or its results.jsonl) into an HTML "
+                                   "page with PNG plots in the seed's style.")
+    r.add_argument("results", metavar="RESULTS", help="results directory or .jsonl file")
+    r.add_argument("--out", metavar="DIR", help="report directory (default: report/ beside the results)")
+    r.add_argument("--price-per-gpu-hour", type=float, default=DEFAULT_PRICE_PER_GPU_HOUR, metavar="USD",
+                   help="price of a worker-hour for the price/accuracy plot (default: %(default)s)")
+    r.set_defaults(func=_report)

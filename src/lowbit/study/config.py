@@ -1,0 +1,517 @@
+"""Study configuration: a TOML file (or a named preset) plus command-line overrides -> runs.
+
+A study is the grid networks x datasets x codecs x algorithms x world sizes x backends x batch sizes x
+seeds, every point trained for ``epochs`` epochs. Example (every key is optional; the rest comes from
+:class:`StudyConfig`'s defaults, or from the preset named by ``extends``)::
+
+    extends = "default"                 # start from a preset (default, seeds, throughput, smoke)
+    networks = ["mlp", "small_cnn"]     # lowbit.models names
+    datasets = ["digits", "mnist1d"]    # lowbit.data names ("synthetic" = random inputs, throughput only)
+    codecs = ["fp32", "qsgd:bits=4,bucket=512", "onebit:bucket=64"]   # lowbit.get_codec specs
+    algorithms = ["scatter_gather"]     # for quantised codecs; fp32/fp16/bf16 always use the native allreduce
+    world_sizes = [1, 2]
+    backends = ["gloo"]                 # gloo | nccl | mpi
+    batch_sizes = [32]                  # PER WORKER; or "fig4", "fig4:resnet110", "global:256" (see below)
+    epochs = 4
+    seeds = [0, 1, 2]
+    error_feedback = "auto"             # auto: on for biased codecs (onebit, dettmers, topk), off for QSGD
+    [model_args.mlp]                    # keyword arguments for build_model, per network
+    hidden = [256, 256]
+
+Batch sizes are per worker (per GPU). Named presets resolve per run:
+
+* ``"fig4"`` — the seed's Figure 4 batch for the run's network and number of workers. Figure 4 lists
+  the *global* minibatch (CNTK's), so the per-worker batch is that divided by the number of workers
+  (VGG19 on 8 GPUs: 128 / 8 = 16 images per GPU, as the seed says).
+* ``"fig4:NET"`` — Figure 4's row of network NET (e.g. ResNet-110's 128 for a small CIFAR-sized net).
+* ``"global:N"`` — a fixed global batch of N, split over the workers.
+
+At world size 1 only fp32 runs (the single-worker baseline of the scalability plots; compressing
+nothing is meaningless there) unless ``compress_at_world_size_1 = true``.
+
+Every error names the key (and value) at fault and is raised before any run starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import os
+import tomllib
+from collections.abc import Iterable, Mapping
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from lowbit.codecs.base import get_codec
+from lowbit.study import seed_data
+
+__all__ = [
+    "StudyConfig",
+    "RunConfig",
+    "PRESETS",
+    "load_config",
+    "preset_names",
+    "expand_runs",
+    "check_runs",
+    "codec_label",
+    "NATIVE_CODECS",
+    "SCHEMA",
+]
+
+#: Version of the run-key recipe and the result rows; bump when either changes meaning.
+SCHEMA = 1
+
+NATIVE_CODECS = ("fp32", "fp16", "bf16")
+BIASED_CODECS = ("onebit", "topk", "dettmers")  # lowbit.ddp's "auto" turns error feedback on for these
+BACKENDS = ("gloo", "nccl", "mpi")
+ALGORITHMS = ("scatter_gather", "allgather", "allreduce")
+SCHEDULES = ("cosine", "constant")
+DEVICES = ("auto", "cpu", "cuda")
+OPTIMIZERS = ("sgd",)
+
+PRESETS = ("default", "seeds", "throughput", "smoke")
+
+_LIST_KEYS = ("networks", "datasets", "codecs", "algorithms", "world_sizes", "backends", "batch_sizes", "seeds")
+
+
+def _known_models() -> list[str]:
+    from lowbit.models import available_models
+
+    return available_models()
+
+
+def _known_datasets() -> list[str]:
+    from lowbit.data import available_datasets
+
+    return available_datasets()
+
+
+@dataclasses.dataclass(frozen=True)
+class StudyConfig:
+    """The whole grid and the training recipe shared by its runs. Validated on construction."""
+
+    name: str = "study"
+    description: str = ""
+    networks: tuple[str, ...] = ("mlp", "small_cnn")
+    datasets: tuple[str, ...] = ("digits",)
+    codecs: tuple[str, ...] = ("fp32", "qsgd:bits=8,bucket=512")
+    algorithms: tuple[str, ...] = ("scatter_gather",)
+    world_sizes: tuple[int, ...] = (1, 2)
+    backends: tuple[str, ...] = ("gloo",)
+    batch_sizes: tuple[int | str, ...] = (32,)
+    epochs: int = 3
+    seeds: tuple[int, ...] = (0,)
+    error_feedback: bool | str = "auto"
+    compress_at_world_size_1: bool = False
+    optimizer: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    lr_schedule: str = "cosine"
+    threads_per_worker: int = 1
+    max_train_samples: int = 0
+    max_test_samples: int = 0
+    max_steps_per_epoch: int = 0
+    device: str = "auto"
+    start_iter: int = 2
+    model_args: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    dataset_args: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for key in _LIST_KEYS:
+            value = getattr(self, key)
+            if isinstance(value, (str, int)) or not isinstance(value, Iterable):
+                raise ValueError(f"study config: {key!r} must be a list, got {value!r}")
+            value = tuple(value)
+            if not value:
+                raise ValueError(f"study config: {key!r} is empty")
+            if len(set(map(repr, value))) != len(value):
+                raise ValueError(f"study config: {key!r} lists a value twice: {list(value)}")
+            object.__setattr__(self, key, value)
+        _check_names("networks", self.networks, _known_models(), "model")
+        _check_names("datasets", self.datasets, _known_datasets(), "data set")
+        _check_names("algorithms", self.algorithms, ALGORITHMS, "algorithm")
+        _check_names("backends", self.backends, BACKENDS, "backend")
+        canon = []
+        for spec in self.codecs:
+            if not isinstance(spec, str):
+                raise ValueError(f"study config: 'codecs' entries are spec strings, got {spec!r}")
+            try:
+                canon.append(get_codec(spec).spec)
+            except ValueError as exc:
+                raise ValueError(f"study config: 'codecs': {spec!r}: {exc}") from None
+        if len(set(canon)) != len(canon):
+            raise ValueError(f"study config: 'codecs' lists the same codec twice: {list(self.codecs)}")
+        for ws in self.world_sizes:
+            _check_int("world_sizes", ws, 1)
+        for seed in self.seeds:
+            _check_int("seeds", seed, 0)
+        for b in self.batch_sizes:
+            _check_batch(b)
+        _check_int("epochs", self.epochs, 1)
+        _check_int("threads_per_worker", self.threads_per_worker, 0)
+        _check_int("max_train_samples", self.max_train_samples, 0)
+        _check_int("max_test_samples", self.max_test_samples, 0)
+        _check_int("max_steps_per_epoch", self.max_steps_per_epoch, 0)
+        _check_int("start_iter", self.start_iter, 0)
+        if self.error_feedback not in (True, False, "auto"):
+            raise ValueError(f"study config: 'error_feedback' must be true, false or \"auto\", got {self.error_feedback!r}")
+        if not isinstance(self.compress_at_world_size_1, bool):
+            raise ValueError(f"study config: 'compress_at_world_size_1' must be true or false, got {self.compress_at_world_size_1!r}")
+        _check_names("optimizer", (self.optimizer,), OPTIMIZERS, "optimizer")
+        _check_names("lr_schedule", (self.lr_schedule,), SCHEDULES, "schedule")
+        _check_names("device", (self.device,), DEVICES, "device")
+        for key in ("lr", "momentum", "weight_decay"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or v != v:
+                raise ValueError(f"study config: {key!r} must be a number >= 0, got {v!r}")
+            object.__setattr__(self, key, float(v))
+        if self.lr == 0:
+            raise ValueError("study config: 'lr' must be > 0")
+        for key, names, what in (("model_args", _known_models(), "model"), ("dataset_args", _known_datasets(), "data set")):
+            table = getattr(self, key)
+            if not isinstance(table, Mapping):
+                raise ValueError(f"study config: {key!r} must be a table of tables, got {table!r}")
+            for name, args in table.items():
+                if name not in names:
+                    raise ValueError(f"study config: '{key}.{name}': unknown {what} {name!r}; known: {', '.join(names)}")
+                if not isinstance(args, Mapping):
+                    raise ValueError(f"study config: '{key}.{name}' must be a table, got {args!r}")
+                try:
+                    json.dumps(dict(args))
+                except TypeError:
+                    raise ValueError(f"study config: '{key}.{name}' holds a value that is not plain data: {args!r}") from None
+            object.__setattr__(self, key, {k: dict(v) for k, v in table.items()})
+
+    # -------------------------------------------------------------------------------- dict view
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for key in _LIST_KEYS:
+            d[key] = list(d[key])
+        return d
+
+    def replace(self, **changes: Any) -> StudyConfig:
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise ValueError(f"study config: unknown key {unknown[0]!r} (known keys: {', '.join(_field_names())})")
+        return dataclasses.replace(self, **changes)
+
+
+def _field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(StudyConfig)]
+
+
+def _check_names(key: str, values: Iterable[Any], known: Iterable[str], what: str) -> None:
+    known = list(known)
+    for v in values:
+        if v not in known:
+            raise ValueError(f"study config: {key!r}: unknown {what} {v!r}; known: {', '.join(known)}")
+
+
+def _check_int(key: str, value: Any, lo: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"study config: {key!r} must be an integer >= {lo}, got {value!r}")
+
+
+def _check_batch(b: Any) -> None:
+    if isinstance(b, int) and not isinstance(b, bool):
+        if b < 1:
+            raise ValueError(f"study config: 'batch_sizes' must be >= 1, got {b}")
+        return
+    if isinstance(b, str):
+        if b == "fig4":
+            return
+        if b.startswith("fig4:"):
+            net = b.split(":", 1)[1]
+            if net not in seed_data.FIG4_BATCH:
+                raise ValueError(
+                    f"study config: 'batch_sizes': {b!r}: Figure 4 has no network {net!r} "
+                    f"(it has {', '.join(sorted(seed_data.FIG4_BATCH))})"
+                )
+            return
+        if b.startswith("global:"):
+            n = b.split(":", 1)[1]
+            if n.isdigit() and int(n) >= 1:
+                return
+    raise ValueError(
+        f"study config: 'batch_sizes': {b!r} is neither a per-worker size nor a preset "
+        "('fig4', 'fig4:NETWORK', 'global:N')"
+    )
+
+
+def resolve_batch(preset: int | str, network: str, world_size: int) -> int:
+    """Per-worker batch size of a ``batch_sizes`` entry for one run (see the module doc)."""
+    if isinstance(preset, int):
+        return preset
+    if preset == "fig4":
+        return seed_data.fig4_batch_per_worker(network, world_size)
+    if preset.startswith("fig4:"):
+        return seed_data.fig4_batch_per_worker(preset.split(":", 1)[1], world_size)
+    total = int(preset.split(":", 1)[1])
+    if total % world_size:
+        raise ValueError(f"batch preset {preset!r}: {total} samples do not split over {world_size} workers")
+    return total // world_size
+
+
+# ------------------------------------------------------------------------------------ loading
+def preset_names() -> list[str]:
+    return list(PRESETS)
+
+
+def _read_toml_text(text: str, where: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{where}: not valid TOML: {exc}") from None
+
+
+def _preset_table(name: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    if name not in PRESETS:
+        raise ValueError(f"unknown study preset {name!r}; presets: {', '.join(PRESETS)}")
+    text = resources.files("lowbit.study").joinpath("presets", f"{name}.toml").read_text()
+    return _resolve_extends(_read_toml_text(text, f"preset {name}"), f"preset {name}", seen + (name,))
+
+
+def _resolve_extends(table: dict[str, Any], where: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    parent = table.pop("extends", None)
+    if parent is None:
+        return table
+    if not isinstance(parent, str):
+        raise ValueError(f"{where}: 'extends' must be a preset name, got {parent!r}")
+    if parent in seen:
+        raise ValueError(f"{where}: 'extends' makes a cycle through preset {parent!r}")
+    base = _preset_table(parent, seen)
+    for key in ("model_args", "dataset_args"):  # tables merge per network / data set
+        if key in table and isinstance(table[key], dict) and isinstance(base.get(key), dict):
+            table[key] = {**base[key], **table[key]}
+    return {**base, **table}
+
+
+def _from_table(table: dict[str, Any], where: str) -> StudyConfig:
+    known = set(_field_names())
+    for key in table:
+        if key not in known:
+            raise ValueError(f"{where}: unknown key {key!r} (known keys: {', '.join(_field_names())})")
+    return StudyConfig(**table)
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    preset: str | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> StudyConfig:
+    """The study config of a TOML file or a preset (default: the ``default`` preset), then ``overrides``.
+
+    ``overrides`` are config keys (``{"epochs": 1, "codecs": [...]}``, as the command line's flags give
+    them); ``None`` values are ignored. Raises ``ValueError`` naming the key for anything wrong.
+    """
+    if path is not None and preset is not None:
+        raise ValueError("give a config file or a preset, not both")
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"study config file {str(p)!r} does not exist")
+        table = _resolve_extends(_read_toml_text(p.read_text(), str(p)), str(p))
+        where = str(p)
+    else:
+        name = preset or "default"
+        table = _preset_table(name)
+        where = f"preset {name}"
+    cfg = _from_table(table, where)
+    changes = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if changes:
+        cfg = cfg.replace(**changes)
+    return cfg
+
+
+# ------------------------------------------------------------------------------------ runs
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """One point of the grid: everything that determines what a run computes (and so its key)."""
+
+    network: str
+    dataset: str
+    codec: str              # canonical spec
+    algorithm: str          # effective: "allreduce" for native codecs, "none" at world size 1
+    error_feedback: bool    # resolved
+    world_size: int
+    backend: str
+    device: str             # cpu | cuda
+    batch_size: int         # per worker
+    epochs: int
+    seed: int
+    lr: float
+    momentum: float
+    weight_decay: float
+    lr_schedule: str
+    optimizer: str
+    threads_per_worker: int
+    max_train_samples: int
+    max_test_samples: int
+    max_steps_per_epoch: int
+    start_iter: int
+    model_args: Mapping[str, Any]
+    dataset_args: Mapping[str, Any]
+    batch_preset: str = ""  # how the batch size was chosen ("fig4", ...): a label, not part of the key
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["model_args"] = dict(self.model_args)
+        d["dataset_args"] = dict(self.dataset_args)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RunConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def key(self) -> str:
+        """Stable 16-hex-digit hash of what the run computes (the resume key of its result rows)."""
+        d = self.to_dict()
+        d.pop("batch_preset")
+        d["schema"] = SCHEMA
+        blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    @property
+    def codec_label(self) -> str:
+        return codec_label(self.codec, self.error_feedback)
+
+    def describe(self) -> str:
+        return (f"{self.network:<10} {self.dataset:<9} K={self.world_size} {self.backend:<5} "
+                f"b={self.batch_size:<4} {self.codec_label:<22} {self.algorithm:<14} "
+                f"seed={self.seed} epochs={self.epochs}")
+
+
+def codec_label(spec: str, error_feedback: bool = False) -> str:
+    """Short label in the seed's style: 32bit, 16bit, QSGD 4bit/512, 1bitSGD*/64 +EF, ..."""
+    codec = get_codec(spec)
+    p = dataclasses.asdict(codec) if dataclasses.is_dataclass(codec) else {}
+    name = codec.name
+    if name == "fp32":
+        label = "32bit"
+    elif name in ("fp16", "bf16"):
+        label = f"16bit ({name})"
+    elif name == "qsgd":
+        label = f"QSGD {p.get('bits')}bit/{p.get('bucket')}"
+        extra = [f"{k}={p[k]}" for k, d in (("norm", "max"), ("rounding", "stochastic")) if p.get(k, d) != d]
+        if extra:
+            label += " " + ",".join(extra)
+    elif name == "onebit":
+        label = "1bitSGD" if p.get("bucket") == 0 else f"1bitSGD*/{p.get('bucket')}"
+    elif name == "dettmers":
+        label = f"8bit {p.get('type')} (Dettmers)"
+    elif name == "topk":
+        label = f"top-k {p.get('ratio')}"
+    else:
+        label = spec
+    return label + (" +EF" if error_feedback else "")
+
+
+def _feedback(cfg: StudyConfig, codec_name: str) -> bool:
+    if codec_name in NATIVE_CODECS:
+        return False
+    if cfg.error_feedback == "auto":
+        return codec_name in BIASED_CODECS
+    return bool(cfg.error_feedback)
+
+
+def expand_runs(cfg: StudyConfig) -> list[RunConfig]:
+    """The grid's runs, ordered so runs of one (backend, world size) are contiguous (they share workers).
+
+    Order: backend, world size, seed, data set, network, batch, codec, algorithm. Duplicates (e.g. fp32
+    under two algorithms: it always uses the native allreduce) are dropped.
+    """
+    runs: list[RunConfig] = []
+    seen: set[str] = set()
+    for backend, ws, seed, dataset, network, batch, spec, algorithm in itertools.product(
+        cfg.backends, sorted(cfg.world_sizes), cfg.seeds, cfg.datasets, cfg.networks, cfg.batch_sizes,
+        cfg.codecs, cfg.algorithms,
+    ):
+        codec = get_codec(spec)
+        if ws == 1 and not cfg.compress_at_world_size_1 and codec.name != "fp32":
+            continue
+        if ws == 1 and codec.name == "fp32" and not cfg.compress_at_world_size_1:
+            eff = "none"
+        elif codec.name in NATIVE_CODECS:
+            eff = "allreduce"
+        else:
+            eff = algorithm
+            if algorithm == "allreduce":
+                if not any(a != "allreduce" for a in cfg.algorithms):
+                    raise ValueError(
+                        f"study config: 'algorithms': codec {spec!r} is quantised and 'allreduce' sums on the "
+                        "wire, so it needs 'scatter_gather' or 'allgather' in 'algorithms'"
+                    )
+                continue
+        try:
+            per_worker = resolve_batch(batch, network, ws)
+        except ValueError as exc:
+            raise ValueError(f"study config: 'batch_sizes': {exc}") from None
+        device = cfg.device if cfg.device != "auto" else ("cuda" if backend == "nccl" else "cpu")
+        run = RunConfig(
+            network=network, dataset=dataset, codec=codec.spec, algorithm=eff,
+            error_feedback=_feedback(cfg, codec.name) if ws > 1 or cfg.compress_at_world_size_1 else False,
+            world_size=ws, backend=backend, device=device, batch_size=per_worker, epochs=cfg.epochs,
+            seed=seed, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+            lr_schedule=cfg.lr_schedule, optimizer=cfg.optimizer, threads_per_worker=cfg.threads_per_worker,
+            max_train_samples=cfg.max_train_samples, max_test_samples=cfg.max_test_samples,
+            max_steps_per_epoch=cfg.max_steps_per_epoch, start_iter=cfg.start_iter,
+            model_args=dict(cfg.model_args.get(network, {})),
+            dataset_args=dict(cfg.dataset_args.get(dataset, {})),
+            batch_preset=batch if isinstance(batch, str) else "",
+        )
+        k = run.key()
+        if k not in seen:
+            seen.add(k)
+            runs.append(run)
+    return runs
+
+
+def check_runs(runs: Iterable[RunConfig]) -> None:
+    """Build every (network, data set) pair on the meta device and push one batch through it.
+
+    Catches a network that cannot take a data set's samples, or bad ``model_args`` / ``dataset_args``,
+    before any run starts. Loads each real data set once (a second or so).
+    """
+    import torch
+
+    from lowbit.data import load_dataset
+    from lowbit.models import build_model
+
+    checked: set[str] = set()
+    data_cache: dict[str, Any] = {}
+    for run in runs:
+        dkey = json.dumps([run.dataset, run.dataset_args, run.network if run.dataset == "synthetic" else ""], sort_keys=True)
+        pair = json.dumps([dkey, run.network, run.model_args], sort_keys=True)
+        if pair in checked:
+            continue
+        checked.add(pair)
+        if dkey not in data_cache:
+            args = dict(run.dataset_args)
+            if run.dataset == "synthetic":
+                args.setdefault("model", run.network)
+            try:
+                data_cache[dkey] = load_dataset(run.dataset, seed=0, **args)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"study config: 'dataset_args.{run.dataset}': {exc}") from None
+        data = data_cache[dkey]
+        try:
+            with torch.device("meta"):
+                model = build_model(run.network, num_classes=data.num_classes, in_shape=data.in_shape, **run.model_args)
+            x = data.x_train[:2].to("meta")
+            out = model(x)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise ValueError(
+                f"study config: network {run.network!r} (model_args {dict(run.model_args)}) cannot train on "
+                f"data set {run.dataset!r} (samples {tuple(data.in_shape)}): {exc}"
+            ) from None
+        want = 3 if data.task == "sequence" else 2
+        if out.dim() != want or out.shape[-1] != data.num_classes:
+            raise ValueError(
+                f"study config: network {run.network!r} gives outputs of shape {tuple(out.shape)} on data set "
+                f"{run.dataset!r}, which wants {data.num_classes} classes ({data.task})"
+            )

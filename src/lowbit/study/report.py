@@ -1,0 +1,676 @@
+"""``lowbit report``: study results -> one HTML page with PNG plots beside it, in the seed's style.
+
+Sections (seed figure in brackets):
+
+1. Which codecs match fp32 within 0.5 accuracy points, per network and data set (mean +- std over
+   seeds of the paired difference codec - fp32 at the same seed) [Sec. 5.1].
+2. Test accuracy and training loss per epoch [Figure 5].
+3. Time per epoch split into exposed communication and computation, per precision, and the thread
+   time of encoding / communicating / decoding [Figures 6-9].
+4. Scalability: samples/s relative to one worker at 32 bits, against the number of workers [12-15].
+5. Samples/s tables with the seed's numbers beside ours where the network, precision and number of
+   workers match [Figures 10-11] — on CPU they mostly won't, and the hardware never does.
+6. Price vs accuracy [Figure 16 left] and speedup over fp32 against the communication/computation
+   ratio with the seed's projection curve [Figure 16 right].
+
+Synthetic-data runs appear only in the speed sections, labelled SYNTHETIC everywhere; their accuracy
+means nothing and is never reported. Only finished runs are used; epochs of interrupted attempts are
+counted and mentioned. Plots are drawn with matplotlib's Agg canvas (no window, no pyplot state).
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import os
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from lowbit.codecs.base import get_codec
+from lowbit.study import seed_data
+from lowbit.study.config import codec_label
+from lowbit.study.store import ResultStore, resolve_results_path
+
+__all__ = ["write_report", "load_runs", "accuracy_matches", "MATCH_POINTS", "DEFAULT_PRICE_PER_GPU_HOUR"]
+
+MATCH_POINTS = 0.5
+#: The seed's p2.xlarge price (1 x K80), $ per GPU-hour (Figure 2): the default price of a worker-hour.
+DEFAULT_PRICE_PER_GPU_HOUR = 0.9
+
+_VARIANT = ("codec", "algorithm", "error_feedback")
+_NOT_SETTING = set(_VARIANT) | {"seed", "batch_preset"}
+
+
+# ------------------------------------------------------------------------------------ loading
+def load_runs(results: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Finished runs (flattened: config fields at top level, plus summary/epochs/labels/env) and notes."""
+    store = ResultStore(results)
+    if not store.path.exists():
+        raise ValueError(f"no results at {store.path}")
+    finished = store.finished()
+    runs = []
+    for key, row in finished.items():
+        cfg = dict(row.get("config", {}))
+        r = {**cfg, "key": key, "summary": row.get("summary", {}), "epoch_rows": row.get("epochs", []),
+             "labels": row.get("labels", {}), "env": row.get("env", {}), "study": row.get("study", ""),
+             "finished": row.get("finished", "")}
+        r["label"] = codec_label(cfg["codec"], bool(cfg.get("error_feedback")))
+        r["synthetic"] = bool(r["labels"].get("synthetic"))
+        r["bits"] = _bits(cfg["codec"])
+        runs.append(r)
+    incomplete = store.incomplete_attempts()
+    notes = {"path": str(store.path), "skipped_lines": store.skipped_lines, "incomplete_attempts": len(incomplete),
+             "incomplete_epochs": sum(len(v) for v in incomplete.values())}
+    return runs, notes
+
+
+def _bits(spec: str) -> float:
+    try:
+        return float(get_codec(spec).bits_per_value(1 << 20))
+    except Exception:  # noqa: BLE001
+        return math.nan
+
+
+def _order(label_bits: Iterable[tuple[str, float]]) -> list[str]:
+    """Labels from most to fewest bits (32bit first), as the seed orders its bars."""
+    seen: dict[str, float] = {}
+    for label, bits in label_bits:
+        seen.setdefault(label, bits)
+    return sorted(seen, key=lambda lab: (-seen[lab] if seen[lab] == seen[lab] else 0, lab))
+
+
+def _setting(r: dict[str, Any], drop: Iterable[str] = ()) -> tuple:
+    skip = _NOT_SETTING | set(drop)
+    return tuple(sorted((k, _hashable(v)) for k, v in r.items()
+                        if k not in skip and k in _CONFIG_FIELDS))
+
+
+def _hashable(v: Any) -> Any:
+    if isinstance(v, dict):
+        return tuple(sorted((k, _hashable(x)) for k, x in v.items()))
+    if isinstance(v, list):
+        return tuple(_hashable(x) for x in v)
+    return v
+
+
+_CONFIG_FIELDS = {
+    "network", "dataset", "codec", "algorithm", "error_feedback", "world_size", "backend", "device", "batch_size",
+    "epochs", "seed", "lr", "momentum", "weight_decay", "lr_schedule", "optimizer", "threads_per_worker",
+    "max_train_samples", "max_test_samples", "max_steps_per_epoch", "start_iter", "model_args", "dataset_args",
+}
+
+
+def _title(r: dict[str, Any], with_k: bool = True, with_batch: bool = True) -> str:
+    data = r["dataset"] + (" (SYNTHETIC)" if r["synthetic"] else "")
+    parts = [r["network"], data]
+    if with_k:
+        parts.append(f"K={r['world_size']}")
+    parts.append(r["backend"] + ("/cuda" if r.get("device") == "cuda" else "/cpu"))
+    if with_batch:
+        parts.append(f"b={r['batch_preset'] or r['batch_size']}/worker")
+    return ", ".join(parts)
+
+
+def _mean_std(xs: Sequence[float]) -> tuple[float, float, int]:
+    xs = [x for x in xs if x is not None and x == x]
+    if not xs:
+        return math.nan, math.nan, 0
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0), len(xs)
+
+
+def _fmt_ms(m: float, s: float, n: int, scale: float = 100.0, digits: int = 2) -> str:
+    if n == 0 or m != m:
+        return "—"
+    if n == 1:
+        return f"{m * scale:.{digits}f} (1 seed)"
+    return f"{m * scale:.{digits}f} ± {s * scale:.{digits}f} (n={n})"
+
+
+# ------------------------------------------------------------------------------------ analysis
+def _groups(runs: list[dict[str, Any]], drop: Iterable[str] = ()) -> dict[tuple, list[dict[str, Any]]]:
+    out: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for r in runs:
+        out[_setting(r, drop)].append(r)
+    return out
+
+
+def _groups_across_k(runs: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
+    """Settings that differ only in the number of workers (and the per-worker batch a preset derives
+    from it: "fig4" gives VGG19 32 per GPU at 1 GPU and 16 at 8)."""
+    out: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for r in runs:
+        out[_setting(r, ("world_size", "batch_size")) + (("batch", r.get("batch_preset") or r["batch_size"]),)].append(r)
+    return out
+
+
+def accuracy_matches(runs: list[dict[str, Any]], points: float = MATCH_POINTS) -> list[dict[str, Any]]:
+    """Per (setting, codec) of real-data multi-worker runs: accuracy mean/std over seeds, the paired
+    difference to fp32 (same seed), and whether the codec matches fp32 within ``points``."""
+    out = []
+    for _, rs in _groups([r for r in runs if not r["synthetic"] and r["world_size"] > 1]).items():
+        base = {r["seed"]: r["summary"].get("final_test_acc") for r in rs if r["codec"] == "fp32"}
+        by_label: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for r in rs:
+            by_label[r["label"]].append(r)
+        for label in _order((r["label"], r["bits"]) for r in rs):
+            group = by_label[label]
+            accs = [r["summary"].get("final_test_acc") for r in group]
+            m, s, n = _mean_std(accs)
+            diffs = [r["summary"].get("final_test_acc") - base[r["seed"]] for r in group
+                     if r["seed"] in base and base[r["seed"]] is not None and r["summary"].get("final_test_acc") is not None]
+            dm, ds, dn = _mean_std(diffs)
+            is_base = group[0]["codec"] == "fp32"
+            verdict = "baseline" if is_base else ("no fp32 run" if dn == 0 else
+                                                   ("matches" if dm * 100 >= -points else "does not match"))
+            out.append({
+                "setting": _title(group[0]), "network": group[0]["network"], "dataset": group[0]["dataset"],
+                "world_size": group[0]["world_size"], "label": label, "codec": group[0]["codec"],
+                "bits": group[0]["bits"], "acc_mean": m, "acc_std": s, "n": n, "diff_mean": dm, "diff_std": ds,
+                "n_pairs": dn, "verdict": verdict, "noisy": (not is_base and dn > 1 and ds * 100 > points),
+                "diverged": any(r["summary"].get("diverged") for r in group),
+            })
+    return out
+
+
+def _speedups(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """samples/s of each multi-worker run over fp32's at the same setting, world size and seed."""
+    out = []
+    for _, rs in _groups([r for r in runs if r["world_size"] > 1]).items():
+        base = {r["seed"]: r["summary"].get("samples_per_s") for r in rs if r["codec"] == "fp32"}
+        for r in rs:
+            b = base.get(r["seed"])
+            sps = r["summary"].get("samples_per_s")
+            if r["codec"] == "fp32" or not b or not sps:
+                continue
+            out.append({"run": r, "speedup": sps / b, "ratio": r["summary"].get("comm_comp_ratio")})
+    return out
+
+
+# ------------------------------------------------------------------------------------ plots
+_PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+            "#17becf", "#393b79", "#637939"]
+
+
+def _colors(labels: Sequence[str]) -> dict[str, str]:
+    out, i = {}, 0
+    for lab in labels:
+        if lab.startswith("32bit"):
+            out[lab] = "#00bcd4"  # the seed's "Cyan = 32bit"
+        else:
+            out[lab] = _PALETTE[i % len(_PALETTE)]
+            i += 1
+    return out
+
+
+def _figure(n_panels: int, width: float = 4.6, height: float = 3.4, max_cols: int = 3):
+    from matplotlib.figure import Figure
+
+    cols = min(max_cols, max(1, n_panels))
+    rows = max(1, math.ceil(n_panels / cols))
+    fig = Figure(figsize=(width * cols, height * rows), dpi=90)
+    axes = fig.subplots(rows, cols, squeeze=False).ravel().tolist()
+    for ax in axes[n_panels:]:
+        ax.set_visible(False)
+    return fig, axes[:n_panels]
+
+
+def _save(fig: Any, out: Path, name: str) -> str:
+    fig.tight_layout()
+    fig.savefig(out / name)
+    return name
+
+
+def _plot_accuracy(runs: list[dict[str, Any]], out: Path, field: str, ylabel: str, name: str) -> str | None:
+    groups = [rs for rs in _groups([r for r in runs if not r["synthetic"] and r["world_size"] > 1]).values()]
+    if not groups:
+        return None
+    groups.sort(key=lambda rs: _title(rs[0]))
+    labels = _order((r["label"], r["bits"]) for rs in groups for r in rs)
+    colors = _colors(labels)
+    fig, axes = _figure(len(groups))
+    for ax, rs in zip(axes, groups):
+        by: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for r in rs:
+            by[r["label"]].append(r)
+        for label in [lab for lab in labels if lab in by]:
+            curves = [[e.get(field) for e in r["epoch_rows"]] for r in by[label]]
+            n_ep = min(len(c) for c in curves)
+            xs = list(range(1, n_ep + 1))
+            scale = 100.0 if field == "test_acc" else 1.0
+            stats = [_mean_std([c[i] for c in curves]) for i in range(n_ep)]
+            m = [s[0] * scale for s in stats]
+            sd = [s[1] * scale for s in stats]
+            lw = 2.4 if label.startswith("32bit") else 1.3
+            ax.plot(xs, m, label=label, color=colors[label], lw=lw, marker="o", ms=2.5)
+            if len(curves) > 1:
+                ax.fill_between(xs, [a - b for a, b in zip(m, sd)], [a + b for a, b in zip(m, sd)],
+                                color=colors[label], alpha=0.12, lw=0)
+        ax.set_title(_title(rs[0]), fontsize=8.5)
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if field == "test_acc":
+            finals = [r["summary"].get("final_test_acc") or 0 for r in rs]
+            lo = max(0.0, min(finals) * 100 - 12)
+            ax.set_ylim(lo, min(100.0, max(finals) * 100 + 4))
+    axes[0].legend(fontsize=7, loc="lower right" if field == "test_acc" else "upper right")
+    return _save(fig, out, name)
+
+
+def _bar_groups(runs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Multi-worker settings at their largest world size (the seed's bars are for its largest machine)."""
+    groups = _groups([r for r in runs if r["world_size"] > 1]).values()
+    return sorted(groups, key=lambda rs: _title(rs[0]))
+
+
+def _per_label(rs: list[dict[str, Any]], fields: Sequence[str]) -> tuple[list[str], dict[str, dict[str, float]]]:
+    labels = _order((r["label"], r["bits"]) for r in rs)
+    vals: dict[str, dict[str, float]] = {}
+    for lab in labels:
+        group = [r for r in rs if r["label"] == lab]
+        vals[lab] = {f: _mean_std([r["summary"].get(f) for r in group])[0] for f in fields}
+    return labels, vals
+
+
+def _plot_breakdown(runs: list[dict[str, Any]], out: Path) -> str | None:
+    groups = _bar_groups(runs)
+    if not groups:
+        return None
+    fig, axes = _figure(len(groups), width=5.2, height=3.6)
+    for ax, rs in zip(axes, groups):
+        labels, v = _per_label(rs, ("epoch_exposed_comm_s", "epoch_compute_s"))
+        comm = [v[lab]["epoch_exposed_comm_s"] for lab in labels]
+        comp = [v[lab]["epoch_compute_s"] for lab in labels]
+        xs = range(len(labels))
+        ax.bar(xs, comm, color="#37474f", label="communication (exposed)")
+        ax.bar(xs, comp, bottom=comm, color="#90caf9", label="computation (incl. overlapped encode/decode)")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(labels, rotation=35, ha="right", fontsize=7)
+        ax.set_ylabel("seconds per epoch")
+        ax.set_title(_title(rs[0]), fontsize=8.5)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    return _save(fig, out, "fig6_9_time_breakdown.png")
+
+
+def _plot_phases(runs: list[dict[str, Any]], out: Path) -> str | None:
+    groups = _bar_groups(runs)
+    if not groups:
+        return None
+    fig, axes = _figure(len(groups), width=5.2, height=3.6)
+    fields = (("epoch_encode_s", "encode", "#ffb74d"), ("epoch_comm_s", "communicate", "#37474f"),
+              ("epoch_decode_s", "decode", "#81c784"))
+    for ax, rs in zip(axes, groups):
+        labels, v = _per_label(rs, [f for f, _, _ in fields])
+        w = 0.27
+        for j, (f, name, color) in enumerate(fields):
+            ax.bar([i + (j - 1) * w for i in range(len(labels))], [v[lab][f] for lab in labels], width=w,
+                   color=color, label=name)
+        ax.set_xticks(list(range(len(labels))))
+        ax.set_xticklabels(labels, rotation=35, ha="right", fontsize=7)
+        ax.set_ylabel("thread seconds per epoch")
+        ax.set_title(_title(rs[0]), fontsize=8.5)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    return _save(fig, out, "fig6_9_phases.png")
+
+
+def _scaling_groups(runs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    groups = _groups_across_k(runs).values()
+    keep = []
+    for rs in groups:
+        ks = {r["world_size"] for r in rs}
+        if 1 in ks and len(ks) > 1 and any(r["codec"] == "fp32" and r["world_size"] == 1 for r in rs):
+            keep.append(rs)
+    return sorted(keep, key=lambda rs: _title(rs[0], with_k=False))
+
+
+def _plot_scalability(runs: list[dict[str, Any]], out: Path) -> str | None:
+    groups = _scaling_groups(runs)
+    if not groups:
+        return None
+    labels_all = _order((r["label"], r["bits"]) for rs in groups for r in rs)
+    colors = _colors(labels_all)
+    fig, axes = _figure(len(groups))
+    for ax, rs in zip(axes, groups):
+        base = _mean_std([r["summary"].get("samples_per_s") for r in rs if r["codec"] == "fp32" and r["world_size"] == 1])[0]
+        kmax = max(r["world_size"] for r in rs)
+        for lab in [x for x in labels_all if any(r["label"] == x for r in rs)]:
+            pts = {1: 1.0}
+            for k in sorted({r["world_size"] for r in rs if r["label"] == lab and r["world_size"] > 1}):
+                sps = _mean_std([r["summary"].get("samples_per_s") for r in rs if r["label"] == lab and r["world_size"] == k])[0]
+                pts[k] = sps / base if base else math.nan
+            if len(pts) < 2:
+                continue
+            ks = sorted(pts)
+            ax.plot(ks, [pts[k] for k in ks], marker="o", label=lab, color=colors[lab],
+                    lw=2.4 if lab.startswith("32bit") else 1.3)
+        ax.plot([1, kmax], [1, kmax], ls="--", color="grey", lw=0.8, label="linear")
+        ax.set_xlabel("number of workers")
+        ax.set_ylabel("speedup over 1 worker, 32bit")
+        ax.set_title(_title(rs[0], with_k=False), fontsize=8.5)
+        ax.set_xticks(sorted({r["world_size"] for r in rs}))
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    return _save(fig, out, "fig12_15_scalability.png")
+
+
+def _plot_price(runs: list[dict[str, Any]], out: Path, price: float) -> str | None:
+    real = [r for r in runs if not r["synthetic"]]
+    if not real:
+        return None
+    pts: dict[tuple[str, str, int], list[dict[str, Any]]] = defaultdict(list)
+    for r in real:
+        pts[(_title(r, with_k=False, with_batch=False), r["label"], r["world_size"])].append(r)
+    settings = sorted({k[0] for k in pts})
+    labels = _order((r["label"], r["bits"]) for r in real)
+    colors = _colors(labels)
+    markers = ["o", "s", "^", "D", "v", "P", "X", "*", "<", ">"]
+    fig, axes = _figure(1, width=7.5, height=4.6)
+    ax = axes[0]
+    for (setting, lab, k), rs in pts.items():
+        cost = _mean_std([r["summary"].get("train_s", 0) * k / 3600 * price for r in rs])[0]
+        acc = _mean_std([r["summary"].get("final_test_acc") for r in rs])[0] * 100
+        ax.scatter([cost], [acc], color=colors.get(lab, "k"), marker=markers[settings.index(setting) % len(markers)],
+                   s=28 if k > 1 else 50, edgecolor="k" if k == 1 else "none", lw=0.6)
+    for lab in labels:
+        ax.scatter([], [], color=colors[lab], marker="o", label=lab)
+    for i, s in enumerate(settings):
+        ax.scatter([], [], color="grey", marker=markers[i % len(markers)], label=s)
+    ax.set_xscale("log")
+    ax.set_xlabel(f"price of the training time ($, {price:g} per worker-hour)")
+    ax.set_ylabel("final test accuracy (%)")
+    ax.set_title("Price vs accuracy (outlined: 1 worker)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6.5, ncol=2, loc="lower right")
+    return _save(fig, out, "fig16_price_accuracy.png")
+
+
+def _plot_speedup_ratio(runs: list[dict[str, Any]], out: Path) -> str | None:
+    sp = [s for s in _speedups(runs) if s["ratio"]]
+    if not sp:
+        return None
+    labels = _order((s["run"]["label"], s["run"]["bits"]) for s in sp)
+    colors = _colors(labels)
+    fig, axes = _figure(1, width=7.5, height=4.6)
+    ax = axes[0]
+    agg: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for s in sp:
+        agg[(s["run"]["label"], _title(s["run"]))].append(s)
+    for (lab, _), ss in agg.items():
+        ax.scatter([ss[0]["ratio"]], [_mean_std([s["speedup"] for s in ss])[0]], color=colors[lab], s=26)
+    for lab in labels:
+        ax.scatter([], [], color=colors[lab], label=f"ours: {lab}")
+    ratios = [s["ratio"] for s in sp]
+    lo, hi = min(ratios), max(ratios)
+    try:
+        from lowbit.perfmodel.projection import projection_curve, speedup_bound
+
+        xs = [10 ** (math.log10(min(lo, 0.01)) + i * (math.log10(max(hi, 100)) - math.log10(min(lo, 0.01))) / 80)
+              for i in range(81)]
+        for bits, ls in ((8, "-"), (4, "--")):
+            curve = projection_curve(xs, bits=bits)
+            ax.plot([c[0] for c in curve], [c[1] for c in curve], color="k", ls=ls, lw=1.2,
+                    label=f"seed's projection, {bits}-bit (AlexNet, 8 K80s, NCCL)")
+        ax.axhline(speedup_bound(8), color="grey", lw=0.8, ls=":", label="bound 32/8 = 4x")
+    except Exception:  # noqa: BLE001 - the projection is optional
+        pass
+    ax.axhline(1.0, color="grey", lw=0.6)
+    ax.set_xscale("log")
+    ax.set_xlabel("communication / computation (MB of fp32 gradients per GFLOP, per worker-step)")
+    ax.set_ylabel("speedup over fp32 (same workers)")
+    ax.set_title("Speedup vs communication/computation ratio", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6.5, loc="upper left")
+    return _save(fig, out, "fig16_speedup_ratio.png")
+
+
+# ------------------------------------------------------------------------------------ HTML
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:1.5em auto;max-width:1300px;color:#222}
+h1{font-size:1.5em}h2{font-size:1.2em;margin-top:2em;border-bottom:1px solid #ccc}h3{font-size:1.0em}
+table{border-collapse:collapse;margin:.6em 0;font-size:.85em}td,th{border:1px solid #ccc;padding:3px 7px;text-align:right}
+th{background:#f3f3f3}td.l,th.l{text-align:left}.ok{background:#e8f5e9}.bad{background:#ffebee}.base{background:#e0f7fa}
+.note{color:#555;font-size:.9em}img{max-width:100%;border:1px solid #eee;margin:.4em 0}code{background:#f5f5f5;padding:0 3px}
+"""
+
+
+def _e(x: Any) -> str:
+    return html.escape(str(x))
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[Any]], left: int = 1,
+           classes: Sequence[str] | None = None) -> str:
+    out = ["<table><tr>" + "".join(f"<th class='{'l' if i < left else ''}'>{_e(h)}</th>" for i, h in enumerate(header)) + "</tr>"]
+    for j, row in enumerate(rows):
+        cls = f" class='{classes[j]}'" if classes and classes[j] else ""
+        out.append(f"<tr{cls}>" + "".join(f"<td class='{'l' if i < left else ''}'>{_e(c)}</td>" for i, c in enumerate(row)) + "</tr>")
+    out.append("</table>")
+    return "\n".join(out)
+
+
+def _img(name: str | None, alt: str) -> str:
+    return f"<img src='{_e(name)}' alt='{_e(alt)}'>" if name else f"<p class='note'>(no data for: {_e(alt)})</p>"
+
+
+def _match_section(runs: list[dict[str, Any]]) -> str:
+    rows = accuracy_matches(runs)
+    if not rows:
+        return "<p class='note'>No multi-worker runs on real data: nothing to compare with fp32.</p>"
+    parts = []
+    # Matrix: codec x (network / data set / K)
+    cols = sorted({(r["network"], r["dataset"], r["world_size"]) for r in rows})
+    labels = _order((r["label"], r["bits"]) for r in rows)
+    cell: dict[tuple, dict[str, Any]] = {}
+    for r in rows:
+        cell[(r["label"], r["network"], r["dataset"], r["world_size"])] = r
+    header = ["codec"] + [f"{n} / {d} / K={k}" for n, d, k in cols]
+    mrows = []
+    for lab in labels:
+        line = [lab]
+        for n, d, k in cols:
+            r = cell.get((lab, n, d, k))
+            if r is None:
+                line.append("")
+            elif r["verdict"] == "baseline":
+                line.append(f"fp32 {r['acc_mean'] * 100:.2f}%" + (f" ± {r['acc_std'] * 100:.2f}" if r["n"] > 1 else ""))
+            elif r["verdict"] == "no fp32 run":
+                line.append("no fp32 run")
+            else:
+                mark = "✓" if r["verdict"] == "matches" else "✗"
+                sd = f" ± {r['diff_std'] * 100:.2f}" if r["n_pairs"] > 1 else ""
+                line.append(f"{mark} {r['diff_mean'] * 100:+.2f}{sd}" + (" (noisy)" if r["noisy"] else "")
+                            + (" DIVERGED" if r["diverged"] else ""))
+        mrows.append(line)
+    parts.append(_table(header, mrows))
+    nseeds = max(r["n"] for r in rows)
+    parts.append(
+        f"<p class='note'>✓: the mean over seeds of (codec − fp32 at the same seed) in final test accuracy is at "
+        f"least −{MATCH_POINTS} points; ✗: it is lower. Numbers are that mean ± its standard deviation over seeds, in "
+        f"points. (noisy): the standard deviation exceeds {MATCH_POINTS} points, so the verdict is within seed noise. "
+        f"Up to {nseeds} seed(s) per cell" + (" — with one seed every verdict is indicative only." if nseeds < 2 else ".")
+        + "</p>")
+    # Detail table
+    drows, classes = [], []
+    for r in rows:
+        drows.append([r["setting"], r["label"], f"{r['bits']:.2f}", _fmt_ms(r["acc_mean"], r["acc_std"], r["n"]),
+                      "" if r["verdict"] == "baseline" else _fmt_ms(r["diff_mean"], r["diff_std"], r["n_pairs"]),
+                      r["verdict"]])
+        classes.append("base" if r["verdict"] == "baseline" else ("ok" if r["verdict"] == "matches" else "bad"))
+    parts.append("<details><summary>Per setting (accuracy in %, difference in points)</summary>"
+                 + _table(["setting", "codec", "bits/value", "final test accuracy", "vs fp32 (paired)", "verdict"],
+                          drows, left=2, classes=classes) + "</details>")
+    return "\n".join(parts)
+
+
+def _sps_tables(runs: list[dict[str, Any]]) -> str:
+    groups = _groups_across_k(runs)
+    if not groups:
+        return ""
+    parts = []
+    any_seed = False
+    for rs in sorted(groups.values(), key=lambda rs: _title(rs[0], with_k=False)):
+        ks = sorted({r["world_size"] for r in rs})
+        labels = _order((r["label"], r["bits"]) for r in rs)
+        rows = []
+        for lab in labels:
+            group = [r for r in rs if r["label"] == lab]
+            spec = group[0]["codec"]
+            seed_label, bucket = seed_data.SEED_PRECISIONS.get(get_codec(spec).spec, ("", ""))
+            line: list[Any] = [lab, seed_label or "—", bucket or "—"]
+            for k in ks:
+                here = [r for r in group if r["world_size"] == k]
+                m, s, n = _mean_std([r["summary"].get("samples_per_s") for r in here])
+                ours = "" if n == 0 else (f"{m:,.0f}" + (f" ± {s:,.0f}" if n > 1 else ""))
+                seed_v, _fig = seed_data.seed_samples_per_s(rs[0]["network"], spec, k, rs[0]["backend"])
+                if seed_v is not None:
+                    any_seed = True
+                    ours = f"{ours or '—'}  [seed {seed_v:,.1f}]"
+                line.append(ours)
+            rows.append(line)
+        fig = "Figure 11 (NCCL)" if rs[0]["backend"] == "nccl" else "Figure 10 (MPI)"
+        parts.append(f"<h3>{_e(_title(rs[0], with_k=False))}</h3>")
+        parts.append(_table(["precision", "seed's name", "bucket"] + [f"{k} worker{'s' if k > 1 else ''}" for k in ks],
+                            rows, left=3))
+        if rs[0]["network"] in seed_data.FIG10_MPI:
+            parts.append(f"<p class='note'>[seed …]: the seed's samples/s for {_e(rs[0]['network'])} in its {fig}, "
+                         f"on {_e(seed_data.SEED_MACHINE)} with real ImageNet/CIFAR-10 data and its Figure 4 batches. "
+                         "Only the network, precision and number of workers match; the hardware and data do not, so "
+                         "compare shapes (how samples/s changes with bits and workers), not values.</p>")
+    if not any_seed:
+        parts.append("<p class='note'>No seed numbers appear: the seed's Figures 10-11 cover AlexNet, VGG19, "
+                     "ResNet-50/110/152 and BN-Inception on K80 GPUs; none of these settings was run here.</p>")
+    return "\n".join(parts)
+
+
+def _volume_table(runs: list[dict[str, Any]]) -> str:
+    rows = []
+    for rs in _bar_groups(runs):
+        base = _mean_std([r["summary"].get("bytes_per_step_per_rank") for r in rs if r["codec"] == "fp32"])[0]
+        labels, v = _per_label(rs, ("bytes_per_step_per_rank", "epoch_train_s", "epoch_exposed_comm_s",
+                                    "epoch_encode_s", "epoch_comm_s", "epoch_decode_s", "compressed_fraction"))
+        for lab in labels:
+            x = v[lab]
+            ratio = (base / x["bytes_per_step_per_rank"]) if base and x["bytes_per_step_per_rank"] else math.nan
+            rows.append([_title(rs[0]), lab, f"{x['bytes_per_step_per_rank'] / 1e3:,.1f}",
+                         "—" if ratio != ratio else f"{ratio:.1f}x", f"{x['compressed_fraction'] * 100:.1f}%",
+                         f"{x['epoch_train_s']:.2f}", f"{x['epoch_exposed_comm_s']:.2f}", f"{x['epoch_encode_s']:.2f}",
+                         f"{x['epoch_comm_s']:.2f}", f"{x['epoch_decode_s']:.2f}"])
+    if not rows:
+        return ""
+    return _table(["setting", "precision", "kB sent/step/rank", "less than fp32", "params compressed",
+                   "s/epoch", "exposed comm", "encode", "communicate", "decode"], rows, left=2)
+
+
+def _env_section(runs: list[dict[str, Any]], notes: dict[str, Any]) -> str:
+    envs = defaultdict(set)
+    for r in runs:
+        for k in ("cpu", "device_name", "cpu_count", "torch", "lowbit", "launcher", "torch_threads"):
+            if k in r["env"]:
+                envs[k].add(str(r["env"][k]))
+    loads = [r["env"].get("loadavg_at_start") for r in runs if r["env"].get("loadavg_at_start")]
+    rows = [[k, ", ".join(sorted(v))] for k, v in sorted(envs.items())]
+    if loads:
+        one = [l[0] for l in loads]
+        rows.append(["1-min load average at run start", f"{min(one):.1f} … {max(one):.1f}"])
+    studies = sorted({r["study"] for r in runs if r["study"]})
+    rows.append(["studies", ", ".join(studies) or "—"])
+    rows.append(["finished runs", str(len(runs))])
+    rows.append(["interrupted attempts (epoch rows kept, not used)", f"{notes['incomplete_attempts']} ({notes['incomplete_epochs']} epochs)"])
+    if notes["skipped_lines"]:
+        rows.append(["unreadable lines skipped", str(notes["skipped_lines"])])
+    return _table(["", ""], rows, left=2)
+
+
+def write_report(
+    results: str | os.PathLike[str],
+    out: str | os.PathLike[str] | None = None,
+    price_per_gpu_hour: float = DEFAULT_PRICE_PER_GPU_HOUR,
+) -> Path:
+    """Write ``index.html`` and its PNGs into ``out`` (default: ``report/`` beside the results file).
+
+    Returns the HTML file's path. Raises ``ValueError`` when there are no finished runs.
+    """
+    path = resolve_results_path(results)
+    runs, notes = load_runs(path)
+    if not runs:
+        raise ValueError(f"no finished runs in {path}")
+    if price_per_gpu_hour <= 0:
+        raise ValueError(f"--price-per-gpu-hour must be > 0, got {price_per_gpu_hour}")
+    outdir = Path(out) if out is not None else path.parent / "report"
+    outdir.mkdir(parents=True, exist_ok=True)
+    for old in outdir.glob("fig*.png"):
+        old.unlink()
+
+    figs = {
+        "acc": _plot_accuracy(runs, outdir, "test_acc", "test accuracy (%)", "fig5_accuracy.png"),
+        "loss": _plot_accuracy(runs, outdir, "train_loss", "training loss", "fig5_train_loss.png"),
+        "bars": _plot_breakdown(runs, outdir),
+        "phases": _plot_phases(runs, outdir),
+        "scal": _plot_scalability(runs, outdir),
+        "price": _plot_price(runs, outdir, price_per_gpu_hour),
+        "ratio": _plot_speedup_ratio(runs, outdir),
+    }
+    synthetic = any(r["synthetic"] for r in runs)
+    on_cpu = all(r.get("device") != "cuda" for r in runs)
+    h: list[str] = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>lowbit study report</title>",
+        f"<style>{_CSS}</style></head><body>",
+        "<h1>lowbit study: low-precision gradient communication</h1>",
+        f"<p>{len(runs)} finished runs from <code>{_e(path)}</code>. In the style of Grubic et al., "
+        "<i>Synchronous Multi-GPU Deep Learning with Low-Precision Communication: An Experimental Study</i> "
+        "(EDBT 2018); figure numbers refer to that paper.</p>",
+    ]
+    if on_cpu:
+        h.append("<p class='note'>All runs are on CPU: each worker is a process with its own thread(s), the "
+                 "workers exchange gradients through gloo over the loopback interface, and encoding and decoding run "
+                 "on the same cores as training. With few cores (and other load on the machine) more workers can "
+                 "well be slower than one, and the latency of a collective can outweigh the compute of a small "
+                 "network: read the speed sections as a measurement of this machine, not of the seed's GPUs.</p>")
+    if synthetic:
+        h.append("<p class='note'><b>SYNTHETIC</b>: some runs train on random inputs (labelled SYNTHETIC); they "
+                 "measure speed only and are left out of every accuracy table and plot.</p>")
+    h += ["<h2>1. Which codecs match fp32 within 0.5 points (Sec. 5.1)</h2>", _match_section(runs),
+          "<h2>2. Accuracy per epoch (Figure 5)</h2>",
+          "<p class='note'>Test accuracy after each epoch, mean over seeds (band: ± one standard deviation). "
+          "Cyan = 32bit, as in the seed.</p>",
+          _img(figs["acc"], "accuracy per epoch"), _img(figs["loss"], "training loss per epoch"),
+          "<h2>3. Where an epoch's time goes (Figures 6-9)</h2>",
+          "<p class='note'>Bottom: <b>exposed communication</b> — time the training thread spends after the last "
+          "gradient is computed (last bucket's encode, waiting for collectives and decodes, copying back). Top: "
+          "<b>computation</b> — the rest of the step (forward, backward, optimizer, and any encoding/decoding that "
+          "overlapped the backward pass), as the seed's bars include compression in computation. Seconds per "
+          "epoch, mean over the timed epochs (all but the first, which pays warm-up) and over seeds.</p>",
+          _img(figs["bars"], "time breakdown"),
+          "<p class='note'>Thread time of each phase from lowbit's CommStats (encode on the training thread and, "
+          "for scatter_gather's server re-encode, the communication thread; communicate and decode on the "
+          "communication thread). These overlap the backward pass, so they can exceed the exposed part.</p>",
+          _img(figs["phases"], "encode / communicate / decode"),
+          _volume_table(runs),
+          "<h2>4. Scalability (Figures 12-15)</h2>",
+          "<p class='note'>Samples/s divided by the samples/s of one worker at 32 bits (same network, data, batch "
+          "per worker). The seed defines scalability the same way.</p>",
+          _img(figs["scal"], "scalability"),
+          "<h2>5. Samples per second (Figures 10-11)</h2>",
+          "<p class='note'>Global samples per second over the timed epochs, mean ± std over seeds.</p>",
+          _sps_tables(runs),
+          "<h2>6. Price and the communication/computation ratio (Figure 16)</h2>",
+          f"<p class='note'>Left: price of the training time (workers × seconds of training × "
+          f"${price_per_gpu_hour:g} per worker-hour; the seed's p2.xlarge K80 is $0.9/GPU-hour) against final "
+          "test accuracy, real data only.</p>",
+          _img(figs["price"], "price vs accuracy"),
+          "<p class='note'>Right: speedup of each codec over fp32 at the same number of workers against MB of fp32 "
+          "gradients per GFLOP of forward+backward per worker-step (FLOPs counted by torch's FlopCounterMode). "
+          "The curves are the seed's projection for 8-bit (and 4-bit) on its AlexNet/8×K80/NCCL setting "
+          "(lowbit.perfmodel.projection), calibrated on the seed's throughputs: they describe that machine, "
+          "not this one.</p>",
+          _img(figs["ratio"], "speedup vs ratio"),
+          "<h2>Environment</h2>", _env_section(runs, notes),
+          "<p class='note'>How each number is measured: docs/study.md and lowbit/study/metrics.py.</p>",
+          "</body></html>"]
+    index = outdir / "index.html"
+    index.write_text("\n".join(h), encoding="utf-8")
+    return index

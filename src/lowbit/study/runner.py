@@ -1,0 +1,525 @@
+"""Study runner: trains every pending run of the grid and appends its measurements to the results file.
+
+Plan:
+
+1. Expand the config into runs (:func:`~lowbit.study.config.expand_runs`), check every network/data
+   pair on the meta device, and drop the runs whose key already has a finished row in
+   ``results.jsonl`` — an interrupted study resumes where it stopped.
+2. Local launch (the default): runs of one (backend, world size) share one set of worker processes
+   (:func:`lowbit.launch.spawn`, a process group each), started once per group because starting
+   processes costs seconds. Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set, or ``--launcher
+   torchrun``) the processes already exist: the runs whose world size is ``WORLD_SIZE`` run there.
+3. Every rank trains the run with DDP + :func:`lowbit.ddp.register` (world size 1: the plain model,
+   no DDP and no communication — the single-worker baseline of the scalability plots). Rank 0
+   appends an ``epoch`` row after every epoch and a ``run`` row at the end (:mod:`lowbit.study.store`)
+   and drives the progress bar. How each number is measured: :mod:`lowbit.study.metrics`.
+
+Tests inject a crash with ``LOWBIT_STUDY_CRASH_AFTER_RUNS=N``: every rank raises once N runs of this
+invocation are finished and saved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import math
+import os
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lowbit.study.config import RunConfig, StudyConfig, check_runs, expand_runs
+from lowbit.study.metrics import TailClock, environment, fwd_bwd_gflop_per_sample
+from lowbit.study.store import ResultStore
+
+__all__ = ["StudyResult", "StudyInterrupted", "run_study", "plan_study", "train_run", "CRASH_ENV"]
+
+CRASH_ENV = "LOWBIT_STUDY_CRASH_AFTER_RUNS"
+_METRIC_FIELDS = ("train_s", "exposed_comm_s", "encode_s", "comm_s", "decode_s", "bytes_sent", "loss_sum",
+                  "steps", "samples", "calls")
+
+
+class StudyInterrupted(RuntimeError):
+    """A study stopped before its last run; the finished runs are saved and a rerun resumes."""
+
+
+@dataclasses.dataclass
+class StudyResult:
+    results_path: Path
+    total: int          # runs in the grid
+    skipped: int        # already finished before this invocation
+    ran: int            # finished by this invocation
+    elapsed_s: float
+
+
+@dataclasses.dataclass
+class _GroupPlan:
+    runs: list[dict[str, Any]]
+    results_path: str
+    total: int
+    done_before: int
+    finished_this_invocation: int
+    crash_after: int
+    progress: bool
+    launcher: str
+    study: str = ""
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+# ------------------------------------------------------------------------------------ one run
+_DATA_CACHE: dict[str, Any] = {}
+
+
+def _load_data(run: RunConfig) -> Any:
+    from lowbit.data import load_dataset
+
+    args = dict(run.dataset_args)
+    if run.dataset == "synthetic":
+        args.setdefault("model", run.network)
+    key = json.dumps([run.dataset, run.seed, args], sort_keys=True)
+    if key not in _DATA_CACHE:
+        if len(_DATA_CACHE) > 8:
+            _DATA_CACHE.clear()
+        _DATA_CACHE[key] = load_dataset(run.dataset, seed=run.seed, **args)
+    return _DATA_CACHE[key]
+
+
+_GFLOP_CACHE: dict[str, float | None] = {}
+
+
+def _gflop(run: RunConfig, data: Any, make_model: Callable[[], nn.Module], x: torch.Tensor) -> float | None:
+    key = json.dumps([run.network, run.model_args, list(data.in_shape), data.num_classes, str(x.dtype)], sort_keys=True)
+    if key not in _GFLOP_CACHE:
+        _GFLOP_CACHE[key] = fwd_bwd_gflop_per_sample(make_model, x)
+    return _GFLOP_CACHE[key]
+
+
+def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    # (N, C) vs (N,) for classification; (N, T, C) vs (N, T) for sequences.
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def _evaluate(module: nn.Module, x: torch.Tensor, y: torch.Tensor, rank: int, world: int,
+              device: torch.device) -> tuple[float, float]:
+    """Test loss and accuracy over the whole test set; each rank takes every world-th sample."""
+    xs, ys = x[rank::world], y[rank::world]
+    correct = count = loss_sum = 0.0
+    was_training = module.training
+    module.eval()
+    with torch.no_grad():
+        for i in range(0, xs.shape[0], 1024):
+            xb, yb = xs[i : i + 1024].to(device), ys[i : i + 1024].to(device)
+            logits = module(xb)
+            flat_y = yb.reshape(-1)
+            loss_sum += float(nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), flat_y, reduction="sum"))
+            correct += float((logits.reshape(-1, logits.shape[-1]).argmax(1) == flat_y).sum())
+            count += flat_y.numel()
+    module.train(was_training)
+    t = torch.tensor([correct, count, loss_sum], dtype=torch.float64, device=device)
+    if world > 1:
+        dist.all_reduce(t)
+    correct, count, loss_sum = t.tolist()
+    return (loss_sum / count if count else math.nan), (correct / count if count else math.nan)
+
+
+def _mean_over_ranks(values: dict[str, float], world: int, device: torch.device) -> dict[str, float]:
+    t = torch.tensor([float(values[k]) for k in _METRIC_FIELDS], dtype=torch.float64, device=device)
+    if world > 1:
+        dist.all_reduce(t)
+    summed = dict(zip(_METRIC_FIELDS, t.tolist()))
+    out = {k: v / world for k, v in summed.items()}
+    out["samples"] = summed["samples"]          # global samples: a sum, not a mean
+    out["loss_sum"] = summed["loss_sum"]
+    out["steps_total"] = summed["steps"]
+    return out
+
+
+def train_run(
+    run: RunConfig,
+    rank: int,
+    world: int,
+    on_epoch: Callable[[dict[str, Any]], None] | None = None,
+    launcher: str = "spawn",
+) -> dict[str, Any]:
+    """Train one run on this rank (collective: every rank of the group calls it). Returns the run row
+    (meaningful on rank 0; every rank computes the same numbers)."""
+    import lowbit
+    from lowbit.data.sharding import ShardedLoader
+    from lowbit.models import build_model
+    from lowbit.policy import Policy
+
+    if run.world_size != world:
+        raise ValueError(f"run wants world size {run.world_size}, the group has {world}")
+    t_run = time.perf_counter()
+    started = _now()
+    if run.device == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+        threads = run.threads_per_worker or max(1, (os.cpu_count() or 1) // world)
+        torch.set_num_threads(threads)
+    cuda = device.type == "cuda"
+
+    data = _load_data(run)
+    x_tr, y_tr, x_te, y_te = data.x_train, data.y_train, data.x_test, data.y_test
+    if run.max_train_samples:
+        x_tr, y_tr = x_tr[: run.max_train_samples], y_tr[: run.max_train_samples]
+    if run.max_test_samples:
+        x_te, y_te = x_te[: run.max_test_samples], y_te[: run.max_test_samples]
+    x_tr, y_tr = x_tr.to(device), y_tr.to(device)
+
+    def make_model() -> nn.Module:
+        return build_model(run.network, num_classes=data.num_classes, in_shape=data.in_shape, **run.model_args)
+
+    torch.manual_seed(run.seed)                       # same initial weights on every rank
+    model = make_model().to(device)
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    state = None
+    compressed = 0
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        net: nn.Module = DDP(model, device_ids=[device.index] if cuda else None)
+        state = lowbit.ddp.register(
+            net, codec=run.codec, algorithm=run.algorithm if run.algorithm != "none" else "scatter_gather",
+            error_feedback=run.error_feedback, start_iter=run.start_iter, seed=run.seed,
+        )
+        summary = Policy.coerce(None, run.codec).summary(model)
+        compressed = sum(n for spec, n in summary.items() if not spec.startswith("fp32"))
+    else:
+        net = model
+    torch.manual_seed(run.seed * 1_000 + rank + 1)   # dropout masks differ across ranks
+
+    loader = ShardedLoader(x_tr, y_tr, batch_size=run.batch_size, rank=rank, world_size=world, seed=run.seed,
+                           shuffle=True, drop_last=True)
+    steps = len(loader) if not run.max_steps_per_epoch else min(len(loader), run.max_steps_per_epoch)
+    if steps == 0:
+        raise ValueError(f"{run.dataset}: {len(x_tr)} training samples make no full batch of {run.batch_size} "
+                         f"on each of {world} workers")
+    opt = torch.optim.SGD(model.parameters(), lr=run.lr, momentum=run.momentum, weight_decay=run.weight_decay)
+    total_steps = steps * run.epochs
+    if run.lr_schedule == "cosine":
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.5 * (1 + math.cos(math.pi * min(t, total_steps) / total_steps)))
+    else:
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0)
+
+    gflop = _gflop(run, data, make_model, x_tr) if rank == 0 else None
+    env = environment(device, launcher) if rank == 0 else {}
+    clock = TailClock(model.parameters(), cuda)
+    epochs: list[dict[str, Any]] = []
+    attempt = uuid.uuid4().hex[:12]
+    key = run.key()
+    try:
+        for epoch in range(run.epochs):
+            t_epoch = time.perf_counter()
+            loader.set_epoch(epoch)
+            s0 = dataclasses.replace(state.stats) if state is not None else None
+            m = dict.fromkeys(_METRIC_FIELDS, 0.0)
+            net.train()
+            for i, (x, y) in enumerate(loader):
+                if i >= steps:
+                    break
+                if cuda:
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                loss = _loss(net(x), y)
+                opt.zero_grad(set_to_none=True)
+                clock.start()
+                loss.backward()
+                clock.stop()
+                opt.step()
+                sched.step()
+                if cuda:
+                    torch.cuda.synchronize(device)
+                t1 = time.perf_counter()
+                m["train_s"] += t1 - t0
+                m["exposed_comm_s"] += clock.tail_s() if world > 1 else 0.0
+                m["loss_sum"] += float(loss.detach())
+                m["steps"] += 1
+                m["samples"] += x.shape[0]
+            if state is not None and s0 is not None:
+                s1 = state.stats
+                m["encode_s"] = s1.t_encode - s0.t_encode
+                m["comm_s"] = s1.t_comm - s0.t_comm
+                m["decode_s"] = s1.t_decode - s0.t_decode
+                m["bytes_sent"] = s1.bytes_sent - s0.bytes_sent
+                m["calls"] = s1.calls - s0.calls
+            g = _mean_over_ranks(m, world, device)
+            t_eval = time.perf_counter()
+            test_loss, test_acc = _evaluate(model, x_te, y_te, rank, world, device)
+            eval_s = time.perf_counter() - t_eval
+            train_loss = g["loss_sum"] / g["steps_total"] if g["steps_total"] else math.nan
+            rec = {
+                "epoch": epoch + 1,
+                "steps": int(g["steps"]),
+                "samples": int(g["samples"]),
+                "train_s": g["train_s"],
+                "samples_per_s": g["samples"] / g["train_s"] if g["train_s"] > 0 else math.nan,
+                "compute_s": g["train_s"] - g["exposed_comm_s"],
+                "exposed_comm_s": g["exposed_comm_s"],
+                "encode_s": g["encode_s"],
+                "comm_s": g["comm_s"],
+                "decode_s": g["decode_s"],
+                "bytes_sent_per_rank": g["bytes_sent"],
+                "bytes_per_step_per_rank": g["bytes_sent"] / g["steps"] if g["steps"] else 0.0,
+                "train_loss": train_loss,
+                "test_loss": test_loss,
+                "test_acc": test_acc,
+                "lr": opt.param_groups[0]["lr"],
+                "eval_s": eval_s,
+                "wall_s": time.perf_counter() - t_epoch,
+            }
+            epochs.append(rec)
+            if on_epoch is not None and rank == 0:
+                on_epoch({"kind": "epoch", "key": key, "attempt": attempt, "run": run, **rec})
+    finally:
+        clock.remove()
+
+    timed = epochs[1:] if len(epochs) > 1 else epochs   # the first epoch pays warm-up (JIT, caches)
+    tsum = sum(e["train_s"] for e in timed)
+
+    def per_epoch(field: str) -> float:
+        return sum(e[field] for e in timed) / len(timed)
+
+    losses = [e["train_loss"] for e in epochs]
+    summary = {
+        "samples_per_s": sum(e["samples"] for e in timed) / tsum if tsum > 0 else math.nan,
+        "samples_per_s_all_epochs": sum(e["samples"] for e in epochs) / max(1e-12, sum(e["train_s"] for e in epochs)),
+        "timed_epochs": [e["epoch"] for e in timed],
+        "epoch_train_s": per_epoch("train_s"),
+        "epoch_compute_s": per_epoch("compute_s"),
+        "epoch_exposed_comm_s": per_epoch("exposed_comm_s"),
+        "epoch_encode_s": per_epoch("encode_s"),
+        "epoch_comm_s": per_epoch("comm_s"),
+        "epoch_decode_s": per_epoch("decode_s"),
+        "steps_per_epoch": steps,
+        "bytes_per_step_per_rank": sum(e["bytes_sent_per_rank"] for e in timed) / max(1, sum(e["steps"] for e in timed)),
+        "final_test_acc": epochs[-1]["test_acc"],
+        "best_test_acc": max((e["test_acc"] for e in epochs if e["test_acc"] == e["test_acc"]), default=math.nan),
+        "final_train_loss": epochs[-1]["train_loss"],
+        "final_test_loss": epochs[-1]["test_loss"],
+        "diverged": any(not math.isfinite(v) for v in losses),
+        "train_s": sum(e["train_s"] for e in epochs),
+        "wall_s": time.perf_counter() - t_run,
+        "params": params,
+        "compressed_params": compressed,
+        "compressed_fraction": compressed / params if params else 0.0,
+        "gflop_per_sample": gflop,
+        "comm_comp_ratio": (4 * params / 1e6) / (gflop * run.batch_size) if gflop else None,
+        "global_batch": run.batch_size * world,
+        "n_train": int(x_tr.shape[0]),
+        "n_test": int(x_te.shape[0]),
+    }
+    return {
+        "kind": "run",
+        "key": key,
+        "attempt": attempt,
+        "schema": 1,
+        "config": run.to_dict(),
+        "labels": {"codec": run.codec_label, "data": data.label, "synthetic": bool(data.synthetic),
+                   "task": data.task},
+        "env": env,
+        "summary": summary,
+        "epochs": epochs,
+        "started": started,
+        "finished": _now(),
+    }
+
+
+# ------------------------------------------------------------------------------------ a group of runs
+def _warm_up_codecs(specs: set[str], device: torch.device) -> None:
+    """Encode, decode and sum once with every codec, so just-in-time compilation of the CPU kernels
+    (numba; seconds per kernel) happens before the first timed step rather than inside a run."""
+    from lowbit.codecs.base import get_codec
+
+    x = torch.randn(4096, device=device)
+    for spec in sorted(specs):
+        codec = get_codec(spec)
+        if codec.name == "fp32":
+            continue
+        p = codec.encode(x, seed=1)
+        codec.decode(p, x.numel())
+        codec.decode_sum([p, p], x.numel())
+
+
+def _run_group(rank: int, world: int, plan: _GroupPlan) -> int:
+    """Every rank: train the plan's runs in order; rank 0 saves rows and shows progress."""
+    store = ResultStore(plan.results_path)
+    if world > 1 and plan.runs:
+        dev = torch.device("cuda", torch.cuda.current_device()) if plan.runs[0]["device"] == "cuda" else torch.device("cpu")
+        _warm_up_codecs({rd["codec"] for rd in plan.runs}, dev)
+    bar = None
+    if rank == 0 and plan.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=plan.total, initial=plan.done_before, unit="run", dynamic_ncols=True, file=sys.stderr,
+                   desc=f"study K={world}", smoothing=0.1)
+    done = 0
+    try:
+        for rd in plan.runs:
+            run = RunConfig.from_dict(rd)
+
+            def on_epoch(row: dict[str, Any], run: RunConfig = run) -> None:
+                store.append({k: v for k, v in row.items() if k != "run"})
+                if bar is not None:
+                    bar.set_postfix_str(
+                        f"{run.network}/{run.dataset} {run.codec_label} ep {row['epoch']}/{run.epochs} "
+                        f"loss {row['train_loss']:.3f} acc {row['test_acc']:.1%} {row['samples_per_s']:.0f} samples/s",
+                        refresh=True,
+                    )
+
+            row = train_run(run, rank, world, on_epoch=on_epoch, launcher=plan.launcher)
+            row["study"] = plan.study
+            done += 1
+            if rank == 0:
+                store.append(row)
+                s = row["summary"]
+                line = (f"  done {run.describe().strip()}: acc {s['final_test_acc']:.2%}, "
+                        f"{s['samples_per_s']:.0f} samples/s, {s['wall_s']:.1f} s")
+                if bar is not None:
+                    bar.write(line, file=sys.stderr)
+                    bar.update(1)
+                else:
+                    print(line, file=sys.stderr, flush=True)
+            if plan.crash_after and plan.finished_this_invocation + done >= plan.crash_after:
+                raise RuntimeError(f"injected crash ({CRASH_ENV}={plan.crash_after}) after {done} run(s)")
+    finally:
+        if bar is not None:
+            bar.close()
+    return done
+
+
+def _spawn_worker(rank: int, world: int, plan: _GroupPlan) -> int:
+    return _run_group(rank, world, plan)
+
+
+# ------------------------------------------------------------------------------------ the study
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def plan_study(cfg: StudyConfig, out_dir: str | os.PathLike[str]) -> tuple[list[RunConfig], set[str], ResultStore]:
+    """(all runs of the grid, keys already finished, the store). Validates everything first."""
+    runs = expand_runs(cfg)
+    check_runs(runs)
+    store = ResultStore(out_dir)
+    return runs, store.finished_keys(), store
+
+
+def _check_launchable(runs: list[RunConfig], launcher: str) -> None:
+    for run in runs:
+        if run.backend == "nccl" or run.device == "cuda":
+            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            need = run.world_size if launcher == "spawn" else 1
+            if n < need:
+                raise ValueError(f"backend {run.backend} on {run.device} needs {need} CUDA GPU(s) per machine; "
+                                 f"this one has {n}")
+        if run.backend == "mpi":
+            if launcher == "spawn":
+                raise ValueError("backend mpi needs an MPI launcher; run `mpirun -n K lowbit study --launcher torchrun ...`")
+            if not dist.is_mpi_available():
+                raise ValueError("backend mpi: this torch build has no MPI support")
+        if run.backend == "gloo" and not dist.is_gloo_available():
+            raise ValueError("backend gloo: this torch build has no gloo support")
+
+
+def run_study(
+    cfg: StudyConfig,
+    out_dir: str | os.PathLike[str],
+    launcher: str = "auto",
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> StudyResult:
+    """Run every pending run of ``cfg``, appending rows to ``out_dir/results.jsonl``.
+
+    ``launcher``: ``spawn`` (local processes per world size), ``torchrun`` (this process is one rank of a
+    torchrun launch; only runs of its ``WORLD_SIZE`` run), or ``auto`` (torchrun when its environment is
+    set). Raises :class:`StudyInterrupted` if a run fails; finished runs stay saved.
+    """
+    if launcher == "auto":
+        launcher = "torchrun" if under_torchrun() else "spawn"
+    if launcher not in ("spawn", "torchrun"):
+        raise ValueError(f"launcher must be spawn, torchrun or auto, got {launcher!r}")
+    crash_after = int(os.environ.get(CRASH_ENV, "0") or 0)
+    t0 = time.perf_counter()
+    if launcher == "torchrun":
+        return _run_under_torchrun(cfg, out_dir, progress, crash_after, log, t0)
+
+    runs, finished, store = plan_study(cfg, out_dir)
+    _check_launchable(runs, "spawn")
+    pending = [r for r in runs if r.key() not in finished]
+    skipped = len(runs) - len(pending)
+    log(f"lowbit study {cfg.name!r}: {len(runs)} runs in the grid, {skipped} already in {store.path}, "
+        f"{len(pending)} to run")
+    groups: list[tuple[tuple[str, int], list[RunConfig]]] = []
+    for r in pending:
+        gk = (r.backend, r.world_size)
+        if groups and groups[-1][0] == gk:
+            groups[-1][1].append(r)
+        else:
+            groups.append((gk, [r]))
+    from lowbit.launch import WorkerError, spawn
+
+    ran = 0
+    for (backend, ws), group in groups:
+        plan = _GroupPlan(runs=[r.to_dict() for r in group], results_path=str(store.path), total=len(runs),
+                          done_before=skipped + ran, finished_this_invocation=ran, crash_after=crash_after,
+                          progress=progress, launcher="spawn", study=cfg.name)
+        try:
+            spawn(_spawn_worker, ws, plan, backend=backend, timeout_s=900.0)
+        except WorkerError as exc:
+            now_done = len(store.finished_keys() & {r.key() for r in runs}) - skipped
+            raise StudyInterrupted(
+                f"the study stopped in the world-size-{ws} group: {now_done} run(s) of this invocation finished "
+                f"and are saved in {store.path}; rerun the same command to resume.\n{exc}"
+            ) from None
+        ran += len(group)
+    return StudyResult(store.path, len(runs), skipped, ran, time.perf_counter() - t0)
+
+
+def _run_under_torchrun(cfg: StudyConfig, out_dir: str | os.PathLike[str], progress: bool, crash_after: int,
+                        log: Callable[[str], None], t0: float) -> StudyResult:
+    from lowbit.launch import init_from_env
+
+    world = int(os.environ["WORLD_SIZE"])
+    all_runs = expand_runs(cfg)
+    runs = [r for r in all_runs if r.world_size == world]
+    if not runs:
+        raise ValueError(f"under torchrun WORLD_SIZE={world}, but the study's world sizes are {list(cfg.world_sizes)}")
+    backends = sorted({r.backend for r in runs})
+    if len(backends) > 1:
+        raise ValueError(f"under torchrun one launch has one backend; pass --backend to choose one of {backends}")
+    check_runs(runs)
+    _check_launchable(runs, "torchrun")
+    if runs[0].device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    rank, world = init_from_env(backends[0])
+    try:
+        store = ResultStore(out_dir)
+        # Rank 0 owns the results file (it may live on rank 0's machine only): it decides what is pending.
+        box: list[Any] = [None]
+        if rank == 0:
+            finished = store.finished_keys()
+            box[0] = [r.to_dict() for r in runs if r.key() not in finished]
+            log(f"lowbit study {cfg.name!r} under torchrun (K={world}): {len(runs)} runs of this world size, "
+                f"{len(runs) - len(box[0])} already in {store.path}, {len(box[0])} to run")
+        dist.broadcast_object_list(box, src=0)
+        pending: list[dict[str, Any]] = box[0]
+        plan = _GroupPlan(runs=pending, results_path=str(store.path), total=len(runs),
+                          done_before=len(runs) - len(pending), finished_this_invocation=0, crash_after=crash_after,
+                          progress=progress, launcher="torchrun", study=cfg.name)
+        ran = _run_group(rank, world, plan)
+    finally:
+        dist.destroy_process_group()
+    return StudyResult(store.path, len(runs), len(runs) - len(pending), ran, time.perf_counter() - t0)

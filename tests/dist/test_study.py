@@ -1,0 +1,167 @@
+"""`lowbit study` / `lowbit report` end to end on gloo: rows, report, resume after a crash, bad configs."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lowbit.cli import main
+from lowbit.study.report import accuracy_matches, load_runs
+from lowbit.study.runner import CRASH_ENV
+from lowbit.study.store import ResultStore
+
+SMOKE = ["study", "--preset", "smoke", "--no-progress"]
+
+
+def _rows(path: Path, kind: str) -> list[dict]:
+    return [r for r in ResultStore(path).rows() if r["kind"] == kind]
+
+
+def test_study_crash_resume_and_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    out = tmp_path / "res"
+    # 1. A crash injected after the first finished run: the study stops, the run is saved.
+    monkeypatch.setenv(CRASH_ENV, "1")
+    assert main([*SMOKE, "--out", str(out)]) == 1
+    assert "rerun the same command to resume" in capsys.readouterr().err
+    first = _rows(out, "run")
+    assert len(first) == 1
+    assert len(_rows(out, "epoch")) == 1
+
+    # 2. Rerun (no crash): only the missing run runs; the finished one is kept, not repeated.
+    monkeypatch.delenv(CRASH_ENV)
+    assert main(["study", "--preset", "smoke", "--out", str(out)]) == 0   # with the progress bar
+    text = capsys.readouterr().out
+    assert "1 run(s) done, 1 already there" in text and "report:" in text
+    runs = _rows(out, "run")
+    assert len(runs) == 2 and runs[0] == first[0]
+    assert {r["config"]["codec"].split(":")[0] for r in runs} == {"fp32", "qsgd"}
+    for r in runs:
+        s, ep = r["summary"], r["epochs"][0]
+        assert r["config"]["world_size"] == 2 and len(r["epochs"]) == 1
+        assert s["samples_per_s"] > 0 and 0.0 <= s["final_test_acc"] <= 1.0 and s["final_train_loss"] > 0
+        assert ep["bytes_sent_per_rank"] > 0 and ep["train_s"] > 0
+        assert abs(ep["compute_s"] + ep["exposed_comm_s"] - ep["train_s"]) < 1e-9
+        assert ep["comm_s"] > 0 and ep["samples"] == ep["steps"] * 32 * 2
+    by = {r["config"]["codec"].split(":")[0]: r for r in runs}
+    # 4-bit QSGD puts far fewer bytes on the wire than fp32
+    assert by["qsgd"]["summary"]["bytes_per_step_per_rank"] < 0.5 * by["fp32"]["summary"]["bytes_per_step_per_rank"]
+    assert by["qsgd"]["summary"]["compressed_fraction"] > 0.9
+
+    # 3. Rerun again: nothing left to do, nothing appended.
+    size = (out / "results.jsonl").stat().st_size
+    assert main([*SMOKE, "--out", str(out), "--no-report"]) == 0
+    assert "0 run(s) done, 2 already there" in capsys.readouterr().out
+    assert (out / "results.jsonl").stat().st_size == size
+    # ... and the dry run lists both as done
+    assert main([*SMOKE, "--out", str(out), "--dry-run"]) == 0
+    listing = capsys.readouterr().out
+    assert listing.count("  done  ") == 2 and "todo" not in listing
+
+    # 4. The report: HTML with PNGs beside it, every referenced image present.
+    index = out / "report" / "index.html"
+    html = index.read_text()
+    pngs = sorted(p.name for p in index.parent.glob("*.png"))
+    assert "fig5_accuracy.png" in pngs and "fig6_9_time_breakdown.png" in pngs
+    for name in pngs:
+        assert f"src='{name}'" in html
+        assert (index.parent / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Which codecs match fp32" in html
+
+
+def test_bad_config_fails_before_any_run(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "res"
+    bad = tmp_path / "bad.toml"
+    bad.write_text('networks = ["small_cnn"]\ncodecs = ["fp32", "qsgd:bits=99"]\n')
+    assert main(["study", "--config", str(bad), "--out", str(out)]) == 2
+    assert "codecs" in capsys.readouterr().err
+    bad.write_text('networks = ["lstm"]\ndatasets = ["digits"]\n')   # cannot take 8x8 images
+    assert main(["study", "--config", str(bad), "--out", str(out)]) == 2
+    assert "lstm" in capsys.readouterr().err
+    assert main(["study", "--preset", "smoke", "--codecs", "fp32", "nonsense", "--out", str(out)]) == 2
+    assert "nonsense" in capsys.readouterr().err
+    assert not out.exists()
+    assert main(["report", str(tmp_path / "nothing")]) == 2
+
+
+def test_torchrun_launch(tmp_path: Path) -> None:
+    """The same study under torchrun (2 local ranks): rank 0 writes the rows and the report."""
+    out = tmp_path / "res"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2] / "src"), os.environ.get("PYTHONPATH", "")])}
+    env.pop(CRASH_ENV, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--master-port", "29561", "-m", "lowbit", "study", "--preset", "smoke", "--codecs", "fp32",
+           "--out", str(out), "--no-progress", "--no-report"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    runs = _rows(out, "run")
+    assert len(runs) == 1 and runs[0]["env"]["launcher"] == "torchrun"
+
+
+# ------------------------------------------------------------------------------------ report logic
+def _fake_rows(tmp_path: Path) -> Path:
+    """Rows of a 3-seed study at 1 and 2 workers (numbers made up), built from one real-looking row."""
+    template = {
+        "kind": "run", "schema": 1, "attempt": "x", "study": "fake",
+        "config": {"network": "small_cnn", "dataset": "digits", "codec": "fp32", "algorithm": "allreduce",
+                   "error_feedback": False, "world_size": 2, "backend": "gloo", "device": "cpu", "batch_size": 32,
+                   "epochs": 2, "seed": 0, "lr": 0.1, "momentum": 0.9, "weight_decay": 0.0, "lr_schedule": "cosine",
+                   "optimizer": "sgd", "threads_per_worker": 1, "max_train_samples": 0, "max_test_samples": 0,
+                   "max_steps_per_epoch": 0, "start_iter": 2, "model_args": {}, "dataset_args": {}, "batch_preset": ""},
+        "labels": {"synthetic": False, "data": "digits", "task": "classify"},
+        "env": {"cpu": "test", "loadavg_at_start": [1.0, 1.0, 1.0]},
+        "summary": {"samples_per_s": 1000.0, "final_test_acc": 0.95, "comm_comp_ratio": 1.3, "train_s": 2.0,
+                    "epoch_exposed_comm_s": 0.2, "epoch_compute_s": 0.8, "epoch_encode_s": 0.01, "epoch_comm_s": 0.1,
+                    "epoch_decode_s": 0.01, "epoch_train_s": 1.0, "bytes_per_step_per_rank": 1e5,
+                    "compressed_fraction": 0.99},
+        "epochs": [{"epoch": 1, "test_acc": 0.9, "train_loss": 0.5}, {"epoch": 2, "test_acc": 0.95, "train_loss": 0.2}],
+    }
+    store = ResultStore(tmp_path)
+    # accuracy by codec and seed: 8-bit within 0.5 points, 2-bit about 1 point lower
+    acc = {"fp32": [0.950, 0.955, 0.945], "qsgd:bits=8,bucket=512": [0.952, 0.953, 0.946],
+           "qsgd:bits=2,bucket=128": [0.940, 0.944, 0.936]}
+    i = 0
+    for codec, accs in acc.items():
+        for seed, a in enumerate(accs):
+            row = copy.deepcopy(template)
+            row["config"].update(codec=codec, seed=seed, algorithm="allreduce" if codec == "fp32" else "scatter_gather")
+            row["summary"].update(final_test_acc=a, samples_per_s=1000.0 if codec == "fp32" else 1200.0)
+            row["key"] = f"k{i}"
+            i += 1
+            store.append(row)
+    for seed in range(3):  # the 1-worker baseline
+        row = copy.deepcopy(template)
+        row["config"].update(world_size=1, algorithm="none", seed=seed)
+        row["summary"].update(samples_per_s=600.0)
+        row["key"] = f"k{i}"
+        i += 1
+        store.append(row)
+    # a synthetic throughput row of a seed network: reported for speed, never for accuracy
+    row = copy.deepcopy(template)
+    row["config"].update(network="resnet110", dataset="synthetic")
+    row["labels"]["synthetic"] = True
+    row["key"] = "syn"
+    store.append(row)
+    return store.path
+
+
+def test_report_logic_on_made_up_rows(tmp_path: Path) -> None:
+    path = _fake_rows(tmp_path)
+    runs, _ = load_runs(path)
+    rows = {r["label"]: r for r in accuracy_matches(runs)}
+    assert all(r["dataset"] != "synthetic" for r in rows.values())
+    assert rows["32bit"]["verdict"] == "baseline"
+    assert rows["QSGD 8bit/512"]["verdict"] == "matches" and rows["QSGD 8bit/512"]["n_pairs"] == 3
+    assert rows["QSGD 2bit/128"]["verdict"] == "does not match"
+    assert abs(rows["QSGD 2bit/128"]["diff_mean"] * 100 - (-1.0)) < 1e-6
+    assert main(["report", str(path), "--out", str(tmp_path / "rep"), "--price-per-gpu-hour", "1"]) == 0
+    index = tmp_path / "rep" / "index.html"
+    html = index.read_text()
+    names = {p.name for p in index.parent.glob("*.png")}
+    assert {"fig12_15_scalability.png", "fig16_speedup_ratio.png", "fig16_price_accuracy.png"} <= names
+    assert "SYNTHETIC" in html and "[seed 555.0]" in html   # ResNet-110, 32bit, 2 GPUs, Figure 10

@@ -1,0 +1,201 @@
+"""Study configuration: parsing, validation errors that name the key, batch presets, run keys."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lowbit.study.config import (
+    RunConfig,
+    StudyConfig,
+    check_runs,
+    codec_label,
+    expand_runs,
+    load_config,
+    resolve_batch,
+)
+from lowbit.study.store import ResultStore
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "study.toml"
+    p.write_text(text)
+    return p
+
+
+# ------------------------------------------------------------------------------------ presets
+def test_default_preset_is_the_documented_grid() -> None:
+    cfg = load_config()
+    assert cfg.backends == ("gloo",) and cfg.world_sizes == (1, 2)
+    assert set(cfg.datasets) == {"digits", "mnist1d"} and set(cfg.networks) == {"mlp", "small_cnn"}
+    assert "onebit:bucket=64" in cfg.codecs and "dettmers:type=dynamic" in cfg.codecs
+    runs = expand_runs(cfg)
+    # world size 1 runs fp32 only (the scalability baseline), without communication
+    ws1 = [r for r in runs if r.world_size == 1]
+    assert ws1 and all(r.codec == "fp32" and r.algorithm == "none" for r in ws1)
+    assert len(ws1) == len(cfg.networks) * len(cfg.datasets) * len(cfg.seeds)
+    ws2 = [r for r in runs if r.world_size == 2]
+    assert len(ws2) == len(cfg.networks) * len(cfg.datasets) * len(cfg.codecs) * len(cfg.seeds)
+    # native codecs use the native allreduce; error feedback on for 1bitSGD and Dettmers, off for QSGD
+    by_codec = {r.codec.split(":")[0]: r for r in ws2}
+    assert by_codec["fp32"].algorithm == "allreduce" and by_codec["fp16"].algorithm == "allreduce"
+    assert by_codec["qsgd"].algorithm == "scatter_gather" and not by_codec["qsgd"].error_feedback
+    assert by_codec["onebit"].error_feedback and by_codec["dettmers"].error_feedback
+    # runs of one world size are contiguous (they share worker processes)
+    sizes = [r.world_size for r in runs]
+    assert sizes == sorted(sizes)
+
+
+def test_seeds_preset_extends_default_with_three_seeds() -> None:
+    base, seeds = load_config(preset="default"), load_config(preset="seeds")
+    assert seeds.seeds == (0, 1, 2)
+    assert seeds.codecs == base.codecs and seeds.epochs == base.epochs and seeds.model_args == base.model_args
+    assert len(expand_runs(seeds)) == 3 * len(expand_runs(base))
+
+
+def test_throughput_preset_is_synthetic_and_checks() -> None:
+    cfg = load_config(preset="throughput")
+    assert cfg.datasets == ("synthetic",)
+    check_runs(expand_runs(cfg))
+
+
+def test_all_presets_check_on_meta() -> None:
+    for name in ("default", "smoke"):
+        check_runs(expand_runs(load_config(preset=name)))
+
+
+# ------------------------------------------------------------------------------------ errors
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ('codex = ["fp32"]', "'codex'"),
+        ('networks = ["resnet9"]', "resnet9"),
+        ('codecs = ["qsgd:bits=3000"]', "codecs"),
+        ('codecs = ["zstd"]', "zstd"),
+        ('datasets = ["imagenet"]', "imagenet"),
+        ('algorithms = ["ring"]', "ring"),
+        ('backends = ["ucc"]', "ucc"),
+        ("epochs = 0", "'epochs'"),
+        ("world_sizes = [0]", "'world_sizes'"),
+        ('seeds = "0"', "'seeds'"),
+        ('batch_sizes = ["fig5"]', "fig5"),
+        ('batch_sizes = ["fig4:lenet"]', "lenet"),
+        ('error_feedback = "sometimes"', "error_feedback"),
+        ("[model_args.resnet9]\nx = 1", "model_args.resnet9"),
+        ("lr = -1", "'lr'"),
+    ],
+)
+def test_bad_config_names_the_key(tmp_path: Path, text: str, needle: str) -> None:
+    with pytest.raises(ValueError, match=None) as info:
+        load_config(_write(tmp_path, text))
+    assert needle in str(info.value), str(info.value)
+
+
+def test_bad_toml_and_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not valid TOML"):
+        load_config(_write(tmp_path, "networks = ["))
+    with pytest.raises(ValueError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    with pytest.raises(ValueError, match="unknown study preset"):
+        load_config(preset="nope")
+    with pytest.raises(ValueError, match="not both"):
+        load_config(_write(tmp_path, ""), preset="default")
+
+
+def test_overrides_are_validated_like_the_file() -> None:
+    cfg = load_config(overrides={"epochs": 1, "codecs": ["fp32", "qsgd:bits=4,bucket=512"], "seeds": None})
+    assert cfg.epochs == 1 and len(cfg.codecs) == 2 and cfg.seeds == load_config().seeds
+    with pytest.raises(ValueError, match="'epochz'"):
+        load_config(overrides={"epochz": 1})
+    with pytest.raises(ValueError, match="bogus"):
+        load_config(overrides={"networks": ["bogus"]})
+
+
+def test_extends_merges_model_args(tmp_path: Path) -> None:
+    cfg = load_config(_write(tmp_path, 'extends = "default"\nepochs = 1\n[model_args.small_cnn]\nchannels = [8, 8, 8]\n'))
+    assert cfg.epochs == 1
+    assert cfg.model_args["mlp"] == {"hidden": [256, 256]}           # kept from the preset
+    assert cfg.model_args["small_cnn"] == {"channels": [8, 8, 8]}
+
+
+def test_network_that_cannot_take_the_data_fails_before_any_run(tmp_path: Path) -> None:
+    cfg = load_config(_write(tmp_path, 'networks = ["lstm"]\ndatasets = ["digits"]\ncodecs = ["fp32"]\n'))
+    with pytest.raises(ValueError, match="lstm"):
+        check_runs(expand_runs(cfg))
+    cfg = load_config(_write(tmp_path, 'networks = ["mlp"]\ndatasets = ["digits"]\n[model_args.mlp]\nwidth = 3\n'))
+    with pytest.raises(ValueError, match="mlp"):
+        check_runs(expand_runs(cfg))
+
+
+def test_quantised_codec_needs_a_gathering_algorithm() -> None:
+    with pytest.raises(ValueError, match="allreduce"):
+        expand_runs(StudyConfig(codecs=("qsgd:bits=4",), algorithms=("allreduce",), world_sizes=(2,)))
+    runs = expand_runs(StudyConfig(codecs=("fp32", "qsgd:bits=4"), algorithms=("allreduce", "allgather"),
+                                   world_sizes=(2,), networks=("mlp",)))
+    assert sorted((r.codec.split(":")[0], r.algorithm) for r in runs) == [("fp32", "allreduce"), ("qsgd", "allgather")]
+
+
+# ------------------------------------------------------------------------------------ batch presets
+def test_fig4_batch_presets_are_per_worker() -> None:
+    # Figure 4 lists the global batch: VGG19 128 on 8 GPUs is 16 images per GPU (as the seed says).
+    assert resolve_batch("fig4", "vgg19", 8) == 16
+    assert resolve_batch("fig4", "alexnet", 1) == 256 and resolve_batch("fig4", "alexnet", 16) == 16
+    assert resolve_batch("fig4:resnet110", "small_cnn", 2) == 64
+    assert resolve_batch("global:256", "mlp", 4) == 64
+    assert resolve_batch(32, "mlp", 4) == 32
+    with pytest.raises(ValueError, match="NA"):
+        resolve_batch("fig4", "lstm", 4)
+    with pytest.raises(ValueError, match="Figure 4"):
+        expand_runs(StudyConfig(networks=("mlp",), batch_sizes=("fig4",)))
+    runs = expand_runs(StudyConfig(networks=("small_cnn",), batch_sizes=("fig4:resnet110",), codecs=("fp32",)))
+    assert {(r.world_size, r.batch_size, r.batch_preset) for r in runs} == {(1, 128, "fig4:resnet110"),
+                                                                            (2, 64, "fig4:resnet110")}
+
+
+# ------------------------------------------------------------------------------------ keys
+def test_run_keys_are_distinct_and_ignore_labels() -> None:
+    runs = expand_runs(load_config(preset="seeds"))
+    keys = [r.key() for r in runs]
+    assert len(set(keys)) == len(keys)
+    r = runs[-1]
+    d = r.to_dict()
+    assert RunConfig.from_dict(d).key() == r.key()
+    assert RunConfig.from_dict({**d, "batch_preset": "fig4"}).key() == r.key()   # a label, not a setting
+    for field, value in [("seed", 99), ("epochs", 77), ("codec", "fp16"), ("lr", 0.5), ("world_size", 4),
+                         ("model_args", {"hidden": [8]}), ("error_feedback", not r.error_feedback)]:
+        assert RunConfig.from_dict({**d, field: value}).key() != r.key(), field
+
+
+def test_run_keys_are_stable_across_processes() -> None:
+    code = ("from lowbit.study.config import load_config, expand_runs;"
+            "print(','.join(r.key() for r in expand_runs(load_config(preset='seeds'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out.split(",") == [r.key() for r in expand_runs(load_config(preset="seeds"))]
+    # A pinned key: changing the recipe (fields, canonical specs, hashing) must be deliberate (bump SCHEMA).
+    r = expand_runs(load_config(preset="smoke"))[0]
+    assert r.key() == _PINNED_SMOKE_KEY, r.key()
+
+
+_PINNED_SMOKE_KEY = "533dffa91794b6cc"
+
+
+def test_codec_labels_follow_the_seed() -> None:
+    assert codec_label("fp32") == "32bit"
+    assert codec_label("qsgd:bits=4,bucket=512") == "QSGD 4bit/512"
+    assert codec_label("onebit:bucket=64", True) == "1bitSGD*/64 +EF"
+    assert codec_label("onebit:bucket=0") == "1bitSGD"
+
+
+# ------------------------------------------------------------------------------------ store
+def test_store_skips_a_torn_last_line_and_appends_after_it(tmp_path: Path) -> None:
+    store = ResultStore(tmp_path)
+    store.append({"kind": "run", "key": "a", "x": 1.0})
+    with open(store.path, "a") as f:
+        f.write('{"kind": "run", "key": "b", "x"')      # a crash mid-write
+    assert store.finished_keys() == {"a"} and store.skipped_lines == 1
+    store.append({"kind": "run", "key": "c", "x": float("nan")})
+    assert store.finished_keys() == {"a", "c"}
+    assert store.finished()["c"]["x"] is None
