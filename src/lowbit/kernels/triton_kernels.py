@@ -138,7 +138,7 @@ def _quantize(x, safe, idx, key, S: tl.constexpr, STOCH: tl.constexpr):
 
 
 @triton.jit
-def _pack_store(codes, code_ptr, code16_ptr, elem0, nbytes, n,
+def _pack_store(codes, code_ptr, elem0, nbytes, n,
                 BLOCK: tl.constexpr, BITS: tl.constexpr, MASKED: tl.constexpr):
     """Store BLOCK codes (any shape, row-major = element order; codes of elements >= n already zero)
     of elements elem0 .. elem0+BLOCK-1 (elem0 a multiple of 8) into the LSB-first stream."""
@@ -147,6 +147,7 @@ def _pack_store(codes, code_ptr, code16_ptr, elem0, nbytes, n,
         _st(code_ptr + offs, tl.reshape(codes, (BLOCK,)).to(tl.uint8), offs < n, MASKED)
     elif BITS == 16:
         offs = elem0 + tl.arange(0, BLOCK)
+        code16_ptr = code_ptr.to(tl.pointer_type(tl.uint16))
         _st(code16_ptr + offs, tl.reshape(codes, (BLOCK,)).to(tl.uint16), offs < n, MASKED)
     else:
         CPB: tl.constexpr = 8 // BITS
@@ -158,7 +159,7 @@ def _pack_store(codes, code_ptr, code16_ptr, elem0, nbytes, n,
 
 
 @triton.jit
-def _load_codes(code_ptr, code16_ptr, elem0, nbytes, n,
+def _load_codes(code_ptr, elem0, nbytes, n,
                 BLOCK: tl.constexpr, BITS: tl.constexpr, MASKED: tl.constexpr):
     """Inverse of _pack_store: (BLOCK,) uint32 codes of elements elem0 .. elem0+BLOCK-1."""
     if BITS == 8:
@@ -166,6 +167,7 @@ def _load_codes(code_ptr, code16_ptr, elem0, nbytes, n,
         c = _ld(code_ptr + offs, offs < n, 0, MASKED).to(tl.uint32)
     elif BITS == 16:
         offs = elem0 + tl.arange(0, BLOCK)
+        code16_ptr = code_ptr.to(tl.pointer_type(tl.uint16))
         c = _ld(code16_ptr + offs, offs < n, 0, MASKED).to(tl.uint32)
     else:
         CPB: tl.constexpr = 8 // BITS
@@ -190,10 +192,11 @@ def _pid(I64: tl.constexpr, REVERSE: tl.constexpr = False):
 
 # ===================================================================================== qsgd kernels
 @triton.jit
-def _qsgd_encode_body(x_ptr, scale_ptr, code_ptr, code16_ptr, n, nb, bucket, nbytes, key, pid,
+def _qsgd_encode_body(x_ptr, pay_ptr, code_ptr, n, nb, bucket, nbytes, key, pid,
                       BUCKET: tl.constexpr, ROWS: tl.constexpr, FUSED: tl.constexpr, BITS: tl.constexpr,
                       S: tl.constexpr, L2: tl.constexpr, STOCH: tl.constexpr, MASKED: tl.constexpr):
     BLOCK: tl.constexpr = ROWS * BUCKET
+    scale_ptr = pay_ptr.to(tl.pointer_type(tl.float32))  # the payload starts with the scales
     if FUSED:  # (ROWS, BUCKET) tile of whole buckets: scales computed here
         rows = pid * ROWS + tl.arange(0, ROWS)
         offs = rows[:, None] * BUCKET + tl.arange(0, BUCKET)[None, :]
@@ -215,20 +218,20 @@ def _qsgd_encode_body(x_ptr, scale_ptr, code_ptr, code16_ptr, n, nb, bucket, nby
     codes = _quantize(x, safe, offs, key, S, STOCH)
     if MASKED:
         codes = tl.where(inb, codes, 0)
-    _pack_store(codes, code_ptr, code16_ptr, pid * BLOCK, nbytes, n, BLOCK, BITS, MASKED)
+    _pack_store(codes, code_ptr, pid * BLOCK, nbytes, n, BLOCK, BITS, MASKED)
 
 
 @triton.jit(do_not_specialize=["key"])
-def _qsgd_encode_kernel(x_ptr, scale_ptr, code_ptr, code16_ptr, n, nb, bucket, nbytes, key,
+def _qsgd_encode_kernel(x_ptr, pay_ptr, code_ptr, n, nb, bucket, nbytes, key,
                         BUCKET: tl.constexpr, ROWS: tl.constexpr, FUSED: tl.constexpr, BITS: tl.constexpr,
                         S: tl.constexpr, L2: tl.constexpr, STOCH: tl.constexpr, I64: tl.constexpr):
     pid = _pid(I64, not FUSED)
     ukey = key.to(tl.uint32, bitcast=True)
     if (pid + 1) * (ROWS * BUCKET) <= n:
-        _qsgd_encode_body(x_ptr, scale_ptr, code_ptr, code16_ptr, n, nb, bucket, nbytes, ukey, pid,
+        _qsgd_encode_body(x_ptr, pay_ptr, code_ptr, n, nb, bucket, nbytes, ukey, pid,
                           BUCKET, ROWS, FUSED, BITS, S, L2, STOCH, False)
     else:
-        _qsgd_encode_body(x_ptr, scale_ptr, code_ptr, code16_ptr, n, nb, bucket, nbytes, ukey, pid,
+        _qsgd_encode_body(x_ptr, pay_ptr, code_ptr, n, nb, bucket, nbytes, ukey, pid,
                           BUCKET, ROWS, FUSED, BITS, S, L2, STOCH, True)
 
 
@@ -278,12 +281,13 @@ def _step(scale, S: tl.constexpr, INV: tl.constexpr):
 
 
 @triton.jit
-def _qsgd_dec_one(sp, cp, cp16, pid, n, nb, bucket, nbytes, BUCKET: tl.constexpr, ROWS: tl.constexpr,
+def _qsgd_dec_one(pp, cp, pid, n, nb, bucket, nbytes, BUCKET: tl.constexpr, ROWS: tl.constexpr,
                   FUSED: tl.constexpr, BITS: tl.constexpr, S: tl.constexpr, INV: tl.constexpr,
                   MASKED: tl.constexpr):
     """Decoded values of one payload for this program's tile."""
     BLOCK: tl.constexpr = ROWS * BUCKET
-    c = _load_codes(cp, cp16, pid * BLOCK, nbytes, n, BLOCK, BITS, MASKED)
+    sp = pp.to(tl.pointer_type(tl.float32))  # the payload starts with the scales
+    c = _load_codes(cp, pid * BLOCK, nbytes, n, BLOCK, BITS, MASKED)
     if FUSED:
         rows = pid * ROWS + tl.arange(0, ROWS)
         step = _step(_ld(sp + rows, rows < nb, 0.0, MASKED), S, INV)
@@ -296,58 +300,70 @@ def _qsgd_dec_one(sp, cp, cp16, pid, n, nb, bucket, nbytes, BUCKET: tl.constexpr
 
 
 @triton.jit
-def _qsgd_decode_body(out_ptr, n, nb, bucket, nbytes, pid,
-                      s0, c0, h0, s1, c1, h1, s2, c2, h2, s3, c3, h3,
-                      s4, c4, h4, s5, c5, h5, s6, c6, h6, s7, c7, h7,
+def _qsgd_decode_body(out_ptr, n, nb, bucket, nbytes, pid, p0, c0, p1, c1, p2, c2, p3, c3,
+                      p4, c4, p5, c5, p6, c6, p7, c7,
                       K: tl.constexpr, ACC: tl.constexpr, FUSED: tl.constexpr, BUCKET: tl.constexpr,
                       ROWS: tl.constexpr, BITS: tl.constexpr, S: tl.constexpr, INV: tl.constexpr,
                       MASKED: tl.constexpr):
+    """out = [out +] dec(p0) + dec(p1) + ... + dec(p_{K-1}), added left to right in float32.
+
+    FUSED: a (ROWS, BUCKET) tile of whole buckets (BUCKET a power of two), one scale load per row;
+    otherwise a (ROWS*BUCKET,) block with a gathered scale per element (any ``bucket``).
+    p_k: payload k (uint8, its scales first), c_k: its code stream."""
     if FUSED:
         rows = pid * ROWS + tl.arange(0, ROWS)
         offs = rows[:, None] * BUCKET + tl.arange(0, BUCKET)[None, :]
     else:
         offs = pid * (ROWS * BUCKET) + tl.arange(0, ROWS * BUCKET)
     inb = offs < n
-    acc = _qsgd_dec_one(s0, c0, h0, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
+    acc = _qsgd_dec_one(p0, c0, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
     if ACC:
         acc = _ld(out_ptr + offs, inb, 0.0, MASKED) + acc
     if K > 1:
-        acc = acc + _qsgd_dec_one(s1, c1, h1, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
+        acc = acc + _qsgd_dec_one(p1, c1, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
     if K > 2:
-        acc = acc + _qsgd_dec_one(s2, c2, h2, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
+        acc = acc + _qsgd_dec_one(p2, c2, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
     if K > 3:
-        acc = acc + _qsgd_dec_one(s3, c3, h3, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
+        acc = acc + _qsgd_dec_one(p3, c3, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
     if K > 4:
-        acc = acc + _qsgd_dec_one(s4, c4, h4, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
+        acc = acc + _qsgd_dec_one(p4, c4, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
     if K > 5:
-        acc = acc + _qsgd_dec_one(s5, c5, h5, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
+        acc = acc + _qsgd_dec_one(p5, c5, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
     if K > 6:
-        acc = acc + _qsgd_dec_one(s6, c6, h6, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
+        acc = acc + _qsgd_dec_one(p6, c6, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
     if K > 7:
-        acc = acc + _qsgd_dec_one(s7, c7, h7, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
+        acc = acc + _qsgd_dec_one(p7, c7, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
     _st(out_ptr + offs, acc, inb, MASKED)
 
 
 @triton.jit
-def _qsgd_decode_kernel(out_ptr, n, nb, bucket, nbytes,
-                        s0, c0, h0, s1, c1, h1, s2, c2, h2, s3, c3, h3,
-                        s4, c4, h4, s5, c5, h5, s6, c6, h6, s7, c7, h7,
-                        K: tl.constexpr, ACC: tl.constexpr, FUSED: tl.constexpr, BUCKET: tl.constexpr,
-                        ROWS: tl.constexpr, BITS: tl.constexpr, S: tl.constexpr, INV: tl.constexpr,
-                        I64: tl.constexpr):
-    """out = [out +] dec(p0) + dec(p1) + ... + dec(p_{K-1}), added left to right in float32.
-
-    FUSED: a (ROWS, BUCKET) tile of whole buckets (BUCKET a power of two), one scale load per row;
-    otherwise a (ROWS*BUCKET,) block with a gathered scale per element (any ``bucket``)."""
+def _qsgd_decode_kernel(out_ptr, n, nb, bucket, nbytes, p0, c0,
+                        FUSED: tl.constexpr, BUCKET: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr,
+                        S: tl.constexpr, INV: tl.constexpr, I64: tl.constexpr):
+    """One payload (few arguments: Triton's per-argument launch cost is most of a small call)."""
     pid = _pid(I64)
     if (pid + 1) * (ROWS * BUCKET) <= n:
-        _qsgd_decode_body(out_ptr, n, nb, bucket, nbytes, pid, s0, c0, h0, s1, c1, h1, s2, c2, h2,
-                          s3, c3, h3, s4, c4, h4, s5, c5, h5, s6, c6, h6, s7, c7, h7,
-                          K, ACC, FUSED, BUCKET, ROWS, BITS, S, INV, False)
+        _qsgd_decode_body(out_ptr, n, nb, bucket, nbytes, pid, p0, c0, p0, c0, p0, c0, p0, c0, p0, c0,
+                          p0, c0, p0, c0, p0, c0, 1, False, FUSED, BUCKET, ROWS, BITS, S, INV, False)
     else:
-        _qsgd_decode_body(out_ptr, n, nb, bucket, nbytes, pid, s0, c0, h0, s1, c1, h1, s2, c2, h2,
-                          s3, c3, h3, s4, c4, h4, s5, c5, h5, s6, c6, h6, s7, c7, h7,
-                          K, ACC, FUSED, BUCKET, ROWS, BITS, S, INV, True)
+        _qsgd_decode_body(out_ptr, n, nb, bucket, nbytes, pid, p0, c0, p0, c0, p0, c0, p0, c0, p0, c0,
+                          p0, c0, p0, c0, p0, c0, 1, False, FUSED, BUCKET, ROWS, BITS, S, INV, True)
+
+
+@triton.jit
+def _qsgd_decode_sum_kernel(out_ptr, n, nb, bucket, nbytes, p0, c0, p1, c1, p2, c2, p3, c3,
+                            p4, c4, p5, c5, p6, c6, p7, c7,
+                            K: tl.constexpr, ACC: tl.constexpr, FUSED: tl.constexpr, BUCKET: tl.constexpr,
+                            ROWS: tl.constexpr, BITS: tl.constexpr, S: tl.constexpr, INV: tl.constexpr,
+                            I64: tl.constexpr):
+    """Up to 8 payloads per launch; ACC adds onto out (the sum of the payloads before these)."""
+    pid = _pid(I64)
+    if (pid + 1) * (ROWS * BUCKET) <= n:
+        _qsgd_decode_body(out_ptr, n, nb, bucket, nbytes, pid, p0, c0, p1, c1, p2, c2, p3, c3,
+                          p4, c4, p5, c5, p6, c6, p7, c7, K, ACC, FUSED, BUCKET, ROWS, BITS, S, INV, False)
+    else:
+        _qsgd_decode_body(out_ptr, n, nb, bucket, nbytes, pid, p0, c0, p1, c1, p2, c2, p3, c3,
+                          p4, c4, p5, c5, p6, c6, p7, c7, K, ACC, FUSED, BUCKET, ROWS, BITS, S, INV, True)
 
 
 # ===================================================================================== onebit kernels
@@ -375,7 +391,7 @@ def _onebit_encode_body(x_ptr, scale_ptr, code_ptr, n, nb, pid, nbytes,
         cnt_neg = tl.maximum(tl.sum(neg.to(tl.int32), axis=1), 1).to(tl.float32)
         _st(scale_ptr + 2 * rows, tl.div_rn(sum_pos, cnt_pos), rows < nb, MASKED)
         _st(scale_ptr + 2 * rows + 1, tl.div_rn(sum_neg, cnt_neg), rows < nb, MASKED)
-    _pack_store(pos.to(tl.uint32), code_ptr, code_ptr, pid * BLOCK, nbytes, n, BLOCK, 1, MASKED)
+    _pack_store(pos.to(tl.uint32), code_ptr, pid * BLOCK, nbytes, n, BLOCK, 1, MASKED)
 
 
 @triton.jit
@@ -393,7 +409,7 @@ def _onebit_encode_kernel(x_ptr, scale_ptr, code_ptr, n, nb, nbytes,
 def _onebit_decode_body(scale_ptr, code_ptr, out_ptr, n, nb, bucket, nbytes, pid,
                         BUCKET: tl.constexpr, ROWS: tl.constexpr, FUSED: tl.constexpr, MASKED: tl.constexpr):
     BLOCK: tl.constexpr = ROWS * BUCKET
-    bits = _load_codes(code_ptr, code_ptr, pid * BLOCK, nbytes, n, BLOCK, 1, MASKED)
+    bits = _load_codes(code_ptr, pid * BLOCK, nbytes, n, BLOCK, 1, MASKED)
     if FUSED:
         rows = pid * ROWS + tl.arange(0, ROWS)
         offs = rows[:, None] * BUCKET + tl.arange(0, BUCKET)[None, :]
@@ -616,14 +632,6 @@ def _new_payload(head: int, total: int, device: torch.device) -> torch.Tensor:
     return buf[skew : skew + total]
 
 
-def _code_views(payload: torch.Tensor, head: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(uint8 view, uint16 view) of the code stream that starts ``head`` bytes into the payload."""
-    codes = payload[head:]
-    if bits == 16:
-        return codes, codes[: codes.numel() // 2 * 2].view(torch.uint16)
-    return codes, codes
-
-
 def _scale_view(payload: torch.Tensor, nscales: int) -> torch.Tensor:
     return payload[: 4 * nscales].view(torch.float32)
 
@@ -672,17 +680,16 @@ def qsgd_encode(
     payload = _new_payload(4 * nb, 4 * nb + nbytes, x.device)
     if n == 0:
         return payload
-    scales = _scale_view(payload, nb)
-    code8, code16 = _code_views(payload, 4 * nb, bits)
     fused = _fused(bucket)
     if not fused:
+        scales = _scale_view(payload, nb)
         if norm == "l2":
             scales.copy_(ref.bucket_l2(ref.to_buckets(x, bucket)))
         else:
             _bucket_scales_general(x, bucket, scales)
     bsize, rows, block = _tiling(bucket, fused)
     _qsgd_encode_kernel[(triton.cdiv(n, block),)](
-        x, scales, code8, code16, n, nb, bucket, nbytes, _signed_key(seed),
+        x, payload, payload[4 * nb :], n, nb, bucket, nbytes, _signed_key(seed),
         BUCKET=bsize, ROWS=rows, FUSED=fused, BITS=bits, S=ref.qsgd_levels(bits), L2=norm == "l2",
         STOCH=bool(stochastic), I64=_i64(n, block), num_warps=_warps(block), **_LAUNCH)
     return payload
@@ -715,18 +722,21 @@ def _qsgd_decode_into(payloads: Sequence[torch.Tensor], n: int, bits: int, bucke
     nbytes = ref.packed_nbytes(n, bits)
     fused = _fused(bucket)
     bsize, rows, block = _tiling(bucket, fused)
-    views = []
+    grid = (triton.cdiv(n, block),)
+    meta = dict(FUSED=fused, BUCKET=bsize, ROWS=rows, BITS=bits, S=ref.qsgd_levels(bits),
+                INV=_scalar_inverse(out.device, bits), I64=_i64(n, block), num_warps=_warps(block), **_LAUNCH)
+    args = []
     for p in payloads:
         p = _aligned(p)
-        c8, c16 = _code_views(p, 4 * nb, bits)
-        views.append((_scale_view(p, nb), c8, c16))
-    for start in range(0, len(views), MAX_SUM):
-        chunk = views[start : start + MAX_SUM]
-        args = [t for v in chunk for t in v] + [t for _ in range(MAX_SUM - len(chunk)) for t in chunk[0]]
-        _qsgd_decode_kernel[(triton.cdiv(n, block),)](
-            out, n, nb, bucket, nbytes, *args, K=len(chunk), ACC=start > 0, FUSED=fused, BUCKET=bsize,
-            ROWS=rows, BITS=bits, S=ref.qsgd_levels(bits), INV=_scalar_inverse(out.device, bits),
-            I64=_i64(n, block), num_warps=_warps(block), **_LAUNCH)
+        args += [p, p[4 * nb :]]
+    if len(payloads) == 1:
+        _qsgd_decode_kernel[grid](out, n, nb, bucket, nbytes, *args, **meta)
+        return out
+    for start in range(0, len(args), 2 * MAX_SUM):
+        chunk = args[start : start + 2 * MAX_SUM]
+        k = len(chunk) // 2
+        chunk += chunk[:2] * (MAX_SUM - k)
+        _qsgd_decode_sum_kernel[grid](out, n, nb, bucket, nbytes, *chunk, K=k, ACC=start > 0, **meta)
     return out
 
 
