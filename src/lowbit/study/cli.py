@@ -12,7 +12,6 @@ Under torchrun every rank runs ``lowbit study`` (see docs/study.md); rank 0 writ
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
 
@@ -63,7 +62,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def _study(args: argparse.Namespace) -> int:
     from lowbit.study.config import load_config
-    from lowbit.study.runner import StudyInterrupted, plan_study, run_study, under_torchrun
+    from lowbit.study.runner import StudyInterrupted, launched_rank_and_size, plan_study, run_study, under_torchrun
 
     cfg = load_config(args.config, args.preset, _overrides(args))
     if args.dry_run:
@@ -83,8 +82,8 @@ def _study(args: argparse.Namespace) -> int:
         print(f"\nlowbit study: interrupted; finished runs are saved in {args.out}. "
               "Rerun the same command to resume.", file=sys.stderr)
         return 130
-    torchrun_rank = int(os.environ.get("RANK", "0")) if (args.launcher == "torchrun" or under_torchrun()) else 0
-    if torchrun_rank != 0:
+    launched_rank = launched_rank_and_size()[0] if (args.launcher == "torchrun" or under_torchrun()) else 0
+    if launched_rank != 0:
         return 0
     print(f"{result.ran} run(s) done, {result.skipped} already there, in {result.elapsed_s:.0f} s; "
           f"results: {result.results_path}")

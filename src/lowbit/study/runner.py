@@ -40,7 +40,8 @@ from lowbit.study.config import RunConfig, StudyConfig, check_runs, expand_runs
 from lowbit.study.metrics import TailClock, environment, fwd_bwd_gflop_per_sample
 from lowbit.study.store import ResultStore
 
-__all__ = ["StudyResult", "StudyInterrupted", "run_study", "plan_study", "train_run", "CRASH_ENV"]
+__all__ = ["StudyResult", "StudyInterrupted", "run_study", "plan_study", "train_run", "CRASH_ENV",
+           "under_torchrun", "launched_rank_and_size"]
 
 CRASH_ENV = "LOWBIT_STUDY_CRASH_AFTER_RUNS"
 _METRIC_FIELDS = ("train_s", "exposed_comm_s", "encode_s", "comm_s", "decode_s", "bytes_sent", "loss_sum",
@@ -409,6 +410,15 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
+def launched_rank_and_size() -> tuple[int, int]:
+    """This process's (rank, world size) from torchrun's or an MPI launcher's environment."""
+    for rank_var, size_var in (("RANK", "WORLD_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+                               ("PMI_RANK", "PMI_SIZE")):
+        if size_var in os.environ:
+            return int(os.environ.get(rank_var, "0")), int(os.environ[size_var])
+    raise ValueError("--launcher torchrun: no RANK/WORLD_SIZE in the environment (start with torchrun or mpirun)")
+
+
 def plan_study(cfg: StudyConfig, out_dir: str | os.PathLike[str]) -> tuple[list[RunConfig], set[str], ResultStore]:
     """(all runs of the grid, keys already finished, the store). Validates everything first."""
     runs = expand_runs(cfg)
@@ -492,7 +502,7 @@ def _run_under_torchrun(cfg: StudyConfig, out_dir: str | os.PathLike[str], progr
                         log: Callable[[str], None], t0: float) -> StudyResult:
     from lowbit.launch import init_from_env
 
-    world = int(os.environ["WORLD_SIZE"])
+    _, world = launched_rank_and_size()
     all_runs = expand_runs(cfg)
     runs = [r for r in all_runs if r.world_size == world]
     if not runs:
@@ -504,7 +514,11 @@ def _run_under_torchrun(cfg: StudyConfig, out_dir: str | os.PathLike[str], progr
     _check_launchable(runs, "torchrun")
     if runs[0].device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    rank, world = init_from_env(backends[0])
+    if backends[0] == "mpi":
+        dist.init_process_group("mpi")
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world = init_from_env(backends[0])
     try:
         store = ResultStore(out_dir)
         # Rank 0 owns the results file (it may live on rank 0's machine only): it decides what is pending.
