@@ -177,7 +177,9 @@ def reduce_flat(
 def _native(x: torch.Tensor, codec: Codec, group, op: str, k: int, stats: CommStats | None) -> Finish:
     dt = NATIVE[codec.name]
     with _Timer(stats, "t_encode", x):
-        buf = x.to(dt) if dt != torch.float32 else x.clone()
+        # fp32 reduces in place: x is either the caller's tensor (all_reduce is in place by contract)
+        # or a fresh concatenation (the DDP hook), so no copy is needed.
+        buf = x.to(dt) if dt != torch.float32 else x
 
     def finish() -> tuple[torch.Tensor, None]:
         with _Timer(stats, "t_comm", x):
@@ -370,8 +372,9 @@ def all_reduce(
         out, new_res = finish()
         if feedback is not None and new_res is not None:
             feedback.residuals[key] = new_res
-        with torch.no_grad():
-            tensor.copy_(out.view(tensor.shape))
+        if out.data_ptr() != tensor.data_ptr():
+            with torch.no_grad():
+                tensor.copy_(out.view(tensor.shape))
         return tensor
 
     if not async_op:

@@ -1,31 +1,81 @@
-"""Fit a link's latency and bandwidth to measured timings (least squares on the alpha-beta model).
+"""Calibrate the speed model from measurements: links, codec costs and compute.
 
-Point-to-point timings (``world=None``)::
+Three kinds of inputs, three kinds of parameters:
 
-    t = alpha + beta * size
+1. **Links** (latency ``alpha``, bandwidth ``1/beta``) per backend and transport, from ``lowbit bench
+   allreduce --json``: the native fp32 allreduce rows give the link under the ring-allreduce cost
+   ``t = 2(K-1) alpha + 2(K-1)/K * size * beta`` (:func:`fit_link`); the rows of every other algorithm
+   (``scatter_gather``, ``allgather``) give that algorithm's *effective* link under its own cost formula,
+   from their communication time and payload bytes. On gloo an all_to_all is not an allreduce, and a
+   single link would hide that.
+2. **Codec costs** per codec and algorithm, from the split encode/decode times of the compressed
+   bench rows: ``t_encode = c0 + c1 * bytes`` with ``bytes`` = 4 x the values the algorithm encodes per
+   call (:func:`lowbit.perfmodel.model.codec_work`: ``n (1 + 1/K)`` for scatter_gather), likewise for
+   decoding. ``c0`` is a fixed cost per call (dispatch, kernel launches), ``1/c1`` the throughput.
+3. **Compute** from study results (``lowbit study``'s ``results.jsonl``): per network / data set / batch
+   / device, the world-size-1 fp32 runs give the compute time of one step (there is no communication);
+   multi-worker runs measure compute too (step minus exposed communication), which gives the compute at
+   K workers (processes sharing a CPU slow each other down) and the factor over one worker; and what a
+   step spends beyond its measured encode + communicate + decode (the DDP hook's hand-offs and copies)
+   is a per-step overhead per backend and world size.
 
-Collective timings on one node of ``world`` ranks use the collective's own step count and bytes,
-taken from :mod:`lowbit.perfmodel.collectives` (for the ring allreduce
-``t = 2(K-1) alpha + 2(K-1)/K * size * beta``), so the fitted link is the per-step link that
-:class:`~lowbit.perfmodel.model.Cluster` expects. The fit minimises squared error in seconds with
-``alpha >= 0`` and requires ``beta > 0``; bandwidth = 1 / beta.
+When no bench file is given, links and codec costs can also be fitted *in situ* from the study's own
+per-epoch communicate / encode / decode times (same formulas, least squares over runs).
+
+All fits are least squares with non-negative coefficients. A :class:`Calibration` holds the result,
+remembers which bench files and study runs it came from (so validation can tell whether it would be
+predicting its own training data), and saves to / loads from JSON.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import itertools
+import json
 import math
-from collections.abc import Sequence
+import os
+import statistics
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from lowbit.perfmodel.codecbits import bits_per_value
 from lowbit.perfmodel.collectives import Topology, collective
 from lowbit.perfmodel.links import Link
+from lowbit.perfmodel.model import codec_work
 
-__all__ = ["fit_link", "design_row"]
+__all__ = [
+    "fit_link",
+    "design_row",
+    "LinkFit",
+    "CodecCost",
+    "RunRecord",
+    "Calibration",
+    "load_bench",
+    "load_runs",
+    "transport_key",
+    "fit_bench",
+    "fit_study",
+    "fit_comm_in_situ",
+    "calibrate",
+    "run_groups",
+    "DDP_FIRST_BUCKET_BYTES",
+    "DDP_BUCKET_BYTES",
+]
 
 _UNIT = Link(latency_s=1.0, bandwidth_Bps=1.0, name="unit")
+SCHEMA = 1
+NATIVE = ("fp32", "fp16", "bf16")
+#: DDP's bucket caps: the first bucket (the last layers' gradients) holds 1 MiB, the others 25 MiB.
+DDP_FIRST_BUCKET_BYTES = 1 << 20
+DDP_BUCKET_BYTES = 25 << 20
+_HUGE_BW = 1e15  # bytes/s standing for "no measurable per-byte cost" (JSON has no infinity)
 
 
+# ------------------------------------------------------------------------------------------ link fit
 def design_row(
     size_bytes: float, world: int | None = None, algorithm: str = "allreduce"
 ) -> tuple[float, float]:
@@ -68,3 +118,645 @@ def fit_link(
     if not (beta > 0 and math.isfinite(beta)):
         raise ValueError("timings do not grow with message size; cannot fit a bandwidth")
     return Link(latency_s=alpha, bandwidth_Bps=1.0 / beta, name=name)
+
+
+def _nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative least squares for a handful of columns: the best of all column subsets."""
+    n = a.shape[1]
+    best, best_res = np.zeros(n), float(y @ y)
+    for k in range(1, n + 1):
+        for cols in itertools.combinations(range(n), k):
+            sub = a[:, cols]
+            coef, *_ = np.linalg.lstsq(sub, y, rcond=None)
+            if np.any(coef < 0):
+                continue
+            r = y - sub @ coef
+            res = float(r @ r)
+            if res < best_res - 1e-30:
+                best = np.zeros(n)
+                best[list(cols)] = coef
+                best_res = res
+    return best
+
+
+def _rms_rel(pred: Sequence[float], meas: Sequence[float]) -> float:
+    errs = [(p - m) / m for p, m in zip(pred, meas) if m > 0]
+    return math.sqrt(sum(e * e for e in errs) / len(errs)) if errs else math.nan
+
+
+# ------------------------------------------------------------------------------------------ results
+@dataclasses.dataclass(frozen=True)
+class LinkFit:
+    """A fitted link: the alpha-beta parameters, what they were fitted on, and how well they fit."""
+
+    latency_s: float
+    bandwidth_Bps: float
+    algorithm: str
+    points: int
+    rms_rel_error: float
+    source: str
+
+    def link(self, name: str = "") -> Link:
+        return Link(self.latency_s, self.bandwidth_Bps, name or f"fitted {self.algorithm}")
+
+    def describe(self) -> str:
+        bw = "no per-byte cost" if self.bandwidth_Bps >= _HUGE_BW else f"{self.bandwidth_Bps / 1e9:.3g} GB/s"
+        return (f"{self.algorithm}: latency {self.latency_s * 1e6:.1f} us/step, {bw} "
+                f"({self.points} points, rms rel. error {100 * self.rms_rel_error:.0f}%; {self.source})")
+
+
+@dataclasses.dataclass(frozen=True)
+class CodecCost:
+    """``t_encode = encode_call_s + encode_s_per_byte * 4 * values encoded`` per call; likewise decode."""
+
+    encode_call_s: float
+    encode_s_per_byte: float
+    decode_call_s: float
+    decode_s_per_byte: float
+    points: int
+    source: str
+
+    @property
+    def encode_Bps(self) -> float | None:
+        return 1.0 / self.encode_s_per_byte if self.encode_s_per_byte > 0 else None
+
+    @property
+    def decode_Bps(self) -> float | None:
+        return 1.0 / self.decode_s_per_byte if self.decode_s_per_byte > 0 else None
+
+    def describe(self) -> str:
+        def rate(spb: float) -> str:
+            return f"{1e-9 / spb:.3g} GB/s" if spb > 0 else "free per byte"
+        return (f"encode {self.encode_call_s * 1e3:.3f} ms/call + {rate(self.encode_s_per_byte)}, "
+                f"decode {self.decode_call_s * 1e3:.3f} ms/call + {rate(self.decode_s_per_byte)} "
+                f"({self.points} points; {self.source})")
+
+
+def _relative(a: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows scaled by 1/y: least squares on relative errors, so no single slow point dominates the fit."""
+    w = 1.0 / np.maximum(y, 1e-12)
+    return a * w[:, None], y * w
+
+
+def _affine_nonneg(x: Sequence[float], y: Sequence[float], calls: Sequence[float] | None = None) -> tuple[float, float]:
+    """``y = c0 * calls + c1 * x`` with ``c0, c1 >= 0`` (calls default to 1 per point), least squares
+    on relative errors."""
+    xs = np.asarray(x, dtype=np.float64)
+    ys = np.asarray(y, dtype=np.float64)
+    cs = np.ones_like(xs) if calls is None else np.asarray(calls, dtype=np.float64)
+    if np.all(ys <= 0):
+        return 0.0, 0.0
+    if len(np.unique(xs / np.maximum(cs, 1e-30))) < 2:  # one size: no slope to see, all per call
+        return float(ys.sum() / cs.sum()), 0.0
+    keep = ys > 0
+    c0, c1 = _nnls(*_relative(np.stack([cs, xs], axis=1)[keep], ys[keep]))
+    return float(c0), float(c1)
+
+
+# ------------------------------------------------------------------------------------------ bench
+def load_bench(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a ``lowbit bench allreduce --json`` file; ValueError naming the problem."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"bench file {str(p)!r} does not exist")
+    if p.is_dir():
+        raise ValueError(f"bench file {str(p)!r} is a directory; give the JSON written by "
+                         "`lowbit bench allreduce --json PATH`")
+    try:
+        data = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"bench file {str(p)!r} is not JSON: {exc}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list) or not isinstance(data.get("meta"), dict):
+        raise ValueError(f"bench file {str(p)!r} is not `lowbit bench allreduce --json` output "
+                         "(expected an object with 'meta' and 'rows')")
+    need = ("numel", "codec", "algorithm", "time_s", "t_encode_s", "t_comm_s", "t_decode_s")
+    for i, row in enumerate(data["rows"]):
+        missing = [k for k in need if k not in row]
+        if missing:
+            raise ValueError(f"bench file {str(p)!r}: row {i} lacks {', '.join(missing)}")
+    if not data["rows"]:
+        raise ValueError(f"bench file {str(p)!r} has no rows")
+    data["meta"].setdefault("path", str(p))
+    return data
+
+
+def transport_key(backend: str, nccl_env: dict[str, str] | None = None) -> str:
+    """``gloo``, ``nccl``, or ``nccl/socket`` when NCCL was forced off P2P, shared memory and InfiniBand."""
+    env = nccl_env or {}
+    if backend == "nccl" and env:
+        off = {k for k, v in env.items() if str(v) == "1"}
+        if {"NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_IB_DISABLE"} <= off:
+            return "nccl/socket"
+        if off:
+            return "nccl/" + ",".join(sorted(k.removeprefix("NCCL_").removesuffix("_DISABLE").lower() + "-off"
+                                             for k in off))
+    return backend
+
+
+def _canon(spec: str) -> str:
+    try:
+        from lowbit.codecs.base import get_codec
+
+        return get_codec(spec).spec
+    except (ImportError, ModuleNotFoundError):
+        return spec
+
+
+def fit_bench(bench: dict[str, Any]) -> tuple[str, dict[str, LinkFit], dict[str, dict[str, CodecCost]]]:
+    """``(transport, {algorithm: LinkFit}, {algorithm: {codec spec: CodecCost}})`` from one bench file."""
+    meta, rows = bench["meta"], bench["rows"]
+    world = int(meta.get("world_size") or 0)
+    transport = transport_key(str(meta.get("backend", "?")), meta.get("nccl_env"))
+    where = (f"bench {Path(meta.get('path', '?')).name}: {meta.get('backend')} K={world} on "
+             f"{meta.get('device_name', '?')}")
+    links: dict[str, LinkFit] = {}
+    if world >= 2:
+        by_algo: dict[str, list[tuple[float, float]]] = {}
+        for r in rows:
+            t = float(r["t_comm_s"]) or float(r["time_s"])
+            codec = _canon(r["codec"])
+            if r["algorithm"] == "allreduce":
+                if codec != "fp32":  # the link comes from the native fp32 allreduce rows
+                    continue
+                payload = 4.0 * r["numel"]
+            else:
+                payload = bits_per_value(codec, int(r["numel"])) * r["numel"] / 8
+            by_algo.setdefault(r["algorithm"], []).append((payload, t))
+        for algo, pts in by_algo.items():
+            sizes, times = [p for p, _ in pts], [t for _, t in pts]
+            if len(set(sizes)) < 2:
+                continue
+            try:
+                link = fit_link(sizes, times, world=world, algorithm=algo)
+            except ValueError:
+                continue
+            pred = [collective(algo, s, Topology(world, world, link)).time_s for s in sizes]
+            what = "native fp32 allreduce rows" if algo == "allreduce" else f"{algo} rows, comm time"
+            links[algo] = LinkFit(link.latency_s, link.bandwidth_Bps, algo, len(pts), _rms_rel(pred, times),
+                                  f"{where}, {what}")
+    codecs: dict[str, dict[str, CodecCost]] = {}
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        codec = _canon(r["codec"])
+        if codec == "fp32":
+            continue  # fp32 is never encoded
+        groups.setdefault((r["algorithm"], codec), []).append(r)
+    for (algo, codec), rs in groups.items():
+        k = max(world, 1)
+        enc_b, dec_b = [], []
+        for r in rs:
+            ev, dv = codec_work(algo, int(r["numel"]), max(k, 2), max(k, 2), 16.0)
+            enc_b.append(4 * ev)
+            dec_b.append(4 * dv)
+        e0, e1 = _affine_nonneg(enc_b, [float(r["t_encode_s"]) for r in rs])
+        d0, d1 = _affine_nonneg(dec_b, [float(r["t_decode_s"]) for r in rs])
+        codecs.setdefault(algo, {})[codec] = CodecCost(e0, e1, d0, d1, len(rs), f"{where}, {algo} rows")
+    return transport, links, codecs
+
+
+# ------------------------------------------------------------------------------------------ study runs
+@dataclasses.dataclass(frozen=True)
+class RunRecord:
+    """One finished study run as the speed model sees it (times per training step, averaged over ranks
+    and over the timed epochs)."""
+
+    key: str
+    network: str
+    dataset: str
+    batch: int
+    world: int
+    backend: str
+    device: str
+    codec: str
+    algorithm: str           # the algorithm the compressed group used (allreduce for fp32/fp16/bf16)
+    error_feedback: bool
+    seed: int
+    synthetic: bool
+    params: int
+    compressed_params: int
+    step_s: float
+    compute_s: float
+    exposed_s: float
+    encode_s: float
+    comm_s: float
+    decode_s: float
+    bytes_per_step: float
+    samples_per_s: float
+    final_test_acc: float
+    epochs: int
+    lr: float
+    device_name: str = ""
+    config_rest: str = ""    # the rest of the training configuration, for pairing runs
+
+    @property
+    def config_key(self) -> tuple[Any, ...]:
+        """Everything but the seed: the runs of one configuration (leave-one-config-out holds them out)."""
+        return (self.network, self.dataset, self.batch, self.world, self.backend, self.device, self.codec,
+                self.algorithm, self.error_feedback, self.config_rest)
+
+    @property
+    def setting_key(self) -> tuple[Any, ...]:
+        """Network, data, batch, backend, device and workers: what sets the compute of a step."""
+        return (self.network, self.dataset, self.batch, self.backend, self.device, self.world)
+
+    @property
+    def compute_key(self) -> str:
+        return f"{self.network}|{self.dataset}|{self.batch}|{self.device}"
+
+    @property
+    def scale_key(self) -> str:
+        return f"{self.backend}|{self.device}|{self.world}"
+
+    @property
+    def codec_name(self) -> str:
+        return self.codec.split(":", 1)[0]
+
+    @property
+    def label(self) -> str:
+        return f"{self.network}/{self.dataset}"
+
+
+def _resolve_results(path: str | os.PathLike[str]) -> Path:
+    p = Path(path)
+    if p.is_dir():
+        p = p / "results.jsonl"
+    if not p.exists():
+        raise ValueError(f"study results {str(path)!r} not found (give a results directory holding "
+                         "results.jsonl, or the .jsonl file)")
+    return p
+
+
+def _run_record(row: dict[str, Any]) -> RunRecord | None:
+    c, s = row.get("config") or {}, row.get("summary") or {}
+    epochs = row.get("epochs") or []
+    timed = set(s.get("timed_epochs") or [e.get("epoch") for e in epochs[1:]] or [e.get("epoch") for e in epochs])
+    use = [e for e in epochs if e.get("epoch") in timed] or epochs
+    steps = sum(float(e.get("steps") or 0) for e in use)
+    if steps <= 0:
+        return None
+
+    def per_step(field: str) -> float:
+        return sum(float(e.get(field) or 0.0) for e in use) / steps
+
+    world = int(c.get("world_size", 1))
+    codec = str(c.get("codec", "fp32"))
+    name = codec.split(":", 1)[0]
+    algo = "allreduce" if name in NATIVE else str(c.get("algorithm") or "scatter_gather")
+    if algo == "none":
+        algo = "scatter_gather"
+    rest = {k: v for k, v in c.items() if k not in (
+        "network", "dataset", "batch_size", "world_size", "backend", "device", "codec", "algorithm",
+        "error_feedback", "seed", "batch_preset")}
+    labels = row.get("labels") or {}
+    env = row.get("env") or {}
+    return RunRecord(
+        key=str(row["key"]), network=str(c.get("network")), dataset=str(c.get("dataset")),
+        batch=int(c.get("batch_size", 0)), world=world, backend=str(c.get("backend", "gloo")),
+        device=str(c.get("device", "cpu")), codec=codec, algorithm=algo,
+        error_feedback=bool(c.get("error_feedback", False)), seed=int(c.get("seed", 0)),
+        synthetic=bool(labels.get("synthetic", False)), params=int(s.get("params") or 0),
+        compressed_params=int(s.get("compressed_params") or 0),
+        step_s=per_step("train_s"), compute_s=per_step("compute_s"), exposed_s=per_step("exposed_comm_s"),
+        encode_s=per_step("encode_s"), comm_s=per_step("comm_s"), decode_s=per_step("decode_s"),
+        bytes_per_step=per_step("bytes_sent_per_rank"), samples_per_s=float(s.get("samples_per_s") or math.nan),
+        final_test_acc=float(s.get("final_test_acc") if s.get("final_test_acc") is not None else math.nan),
+        epochs=int(c.get("epochs", len(epochs))), lr=float(c.get("lr", math.nan)),
+        device_name=str(env.get("device_name", "")), config_rest=json.dumps(rest, sort_keys=True),
+    )
+
+
+def load_runs(path: str | os.PathLike[str]) -> list[RunRecord]:
+    """Finished runs of a study results directory or ``results.jsonl``; ValueError if none."""
+    from lowbit.study.store import ResultStore
+
+    p = _resolve_results(path)
+    store = ResultStore(p)
+    runs = [r for r in (_run_record(row) for row in store.finished().values()) if r is not None]
+    if not runs:
+        raise ValueError(f"study results {str(p)!r} hold no finished runs")
+    return runs
+
+
+def run_groups(run: RunRecord) -> list[tuple[str, str, int]]:
+    """The collectives of one step, as ``lowbit.ddp``'s hook issues them: per DDP bucket, one group per
+    codec: ``[(codec spec, algorithm, values), ...]``.
+
+    Parameters the policy compresses (``compressed_params``) go with the run's codec; the rest (biases,
+    small tensors) with fp32 through the native allreduce. Buckets follow DDP's caps (1 MiB first, then
+    25 MiB); the groups of a bucket split its values in the run's proportion.
+    """
+    if run.world <= 1 or run.params <= 0:
+        return []
+    total = 4 * run.params
+    n_buckets = 1 if total <= DDP_FIRST_BUCKET_BYTES else 1 + math.ceil((total - DDP_FIRST_BUCKET_BYTES) / DDP_BUCKET_BYTES)
+    comp = run.compressed_params if run.codec_name != "fp32" else 0
+    fp32_part = run.params - comp
+    out = []
+    for b in range(n_buckets):
+        lo = b * run.params // n_buckets
+        hi = (b + 1) * run.params // n_buckets
+        share = (hi - lo) / run.params
+        if comp:
+            out.append((run.codec, run.algorithm, max(1, round(comp * share))))
+        if fp32_part:
+            out.append(("fp32", "allreduce", max(1, round(fp32_part * share))))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ calibration
+@dataclasses.dataclass
+class Calibration:
+    """Fitted parameters of the speed model, with their provenance (see the module doc).
+
+    ``links[transport][algorithm]``, ``codecs[transport][algorithm][codec spec]``,
+    ``compute[network|dataset|batch|device]`` = ``{"step_s", "per_sample_s", "runs"}`` (world size 1),
+    ``compute_at_world[network|dataset|batch|backend|device|K]`` = ``{"step_s", "runs"}``,
+    ``world_factor[backend|device|K]`` = compute at K over compute at 1, ``step_overhead_s[backend|device|K]``.
+    ``run_keys`` / ``config_keys``: the study runs the study-derived parts were fitted on.
+    """
+
+    links: dict[str, dict[str, LinkFit]] = dataclasses.field(default_factory=dict)
+    codecs: dict[str, dict[str, dict[str, CodecCost]]] = dataclasses.field(default_factory=dict)
+    compute: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    compute_at_world: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    world_factor: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    step_overhead_s: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    run_keys: list[str] = dataclasses.field(default_factory=list)
+    config_keys: list[str] = dataclasses.field(default_factory=list)
+    sources: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    # ------------------------------------------------------------------ lookups
+    def link_for(self, transport: str, algorithm: str) -> tuple[LinkFit | None, str]:
+        """The link for ``algorithm`` on ``transport`` (else its allreduce link; else a transport of the
+        same backend), with a note on any substitution."""
+        keys = [transport] + sorted(k for k in self.links if k != transport and k.split("/")[0] == transport.split("/")[0])
+        for k in keys:
+            by_algo = self.links.get(k, {})
+            for algo in (algorithm, "allreduce"):
+                if algo in by_algo:
+                    note = "" if (k, algo) == (transport, algorithm) else f"{k} {algo} link"
+                    return by_algo[algo], note
+        return None, ""
+
+    def codec_for(self, transport: str, algorithm: str, codec: str) -> tuple[CodecCost | None, str]:
+        """Costs of ``codec`` under ``algorithm``: exact; else the same codec family; else the mean of
+        the transport's codecs under that algorithm (noted)."""
+        keys = [transport] + sorted(k for k in self.codecs if k != transport and k.split("/")[0] == transport.split("/")[0])
+        name = codec.split(":", 1)[0]
+        for k in keys:
+            table = self.codecs.get(k, {}).get(algorithm, {})
+            if codec in table:
+                return table[codec], ("" if k == transport else f"{k} costs")
+            family = [v for s, v in table.items() if s.split(":", 1)[0] == name]
+            if family:
+                return _mean_cost(family, f"mean of other {name} codecs"), f"{name} family mean"
+        for k in keys:
+            table = self.codecs.get(k, {}).get(algorithm, {})
+            if table:
+                return _mean_cost(list(table.values()), "mean of all codecs"), "mean of all codecs"
+        return None, ""
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        def fits(d: dict[str, Any]) -> Any:
+            if dataclasses.is_dataclass(d):
+                return dataclasses.asdict(d)
+            return {k: fits(v) for k, v in d.items()}
+
+        return {
+            "schema": SCHEMA,
+            "kind": "lowbit.perfmodel calibration",
+            "links": fits(self.links),
+            "codecs": fits(self.codecs),
+            "compute": self.compute,
+            "compute_at_world": self.compute_at_world,
+            "world_factor": self.world_factor,
+            "step_overhead_s": self.step_overhead_s,
+            "run_keys": sorted(self.run_keys),
+            "config_keys": sorted(self.config_keys),
+            "sources": self.sources,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Calibration:
+        if not isinstance(d, dict) or d.get("kind") != "lowbit.perfmodel calibration":
+            raise ValueError("not a lowbit calibration (expected the JSON written by "
+                             "`lowbit predict --calibrate ... --save-calibration PATH`)")
+        try:
+            links = {t: {a: LinkFit(**v) for a, v in by.items()} for t, by in d.get("links", {}).items()}
+            codecs = {t: {a: {c: CodecCost(**v) for c, v in by_c.items()} for a, by_c in by.items()}
+                      for t, by in d.get("codecs", {}).items()}
+        except TypeError as exc:
+            raise ValueError(f"calibration JSON has a malformed link or codec entry: {exc}") from None
+        return cls(links=links, codecs=codecs, compute=dict(d.get("compute", {})),
+                   compute_at_world=dict(d.get("compute_at_world", {})),
+                   world_factor=dict(d.get("world_factor", {})),
+                   step_overhead_s=dict(d.get("step_overhead_s", {})),
+                   run_keys=list(d.get("run_keys", [])), config_keys=list(d.get("config_keys", [])),
+                   sources=dict(d.get("sources", {})))
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        p = Path(path)
+        if p.is_dir():
+            raise ValueError(f"--save-calibration {str(p)!r} is a directory")
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        return p
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Calibration:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"calibration file {str(p)!r} not found")
+        try:
+            return cls.from_dict(json.loads(p.read_text()))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"calibration file {str(p)!r} is not JSON: {exc}") from None
+
+    def merged(self, other: Calibration) -> Calibration:
+        """This calibration with ``other``'s entries added where this one has none."""
+        out = Calibration(**{f.name: _copy(getattr(self, f.name)) for f in dataclasses.fields(self)})
+        for t, by in other.links.items():
+            for a, v in by.items():
+                out.links.setdefault(t, {}).setdefault(a, v)
+        for t, by in other.codecs.items():
+            for a, by_c in by.items():
+                for c, v in by_c.items():
+                    out.codecs.setdefault(t, {}).setdefault(a, {}).setdefault(c, v)
+        for name in ("compute", "compute_at_world", "world_factor", "step_overhead_s"):
+            for k, v in getattr(other, name).items():
+                getattr(out, name).setdefault(k, v)
+        out.run_keys = sorted(set(self.run_keys) | set(other.run_keys))
+        out.config_keys = sorted(set(self.config_keys) | set(other.config_keys))
+        return out
+
+    def describe(self) -> str:
+        lines = []
+        for t, by in sorted(self.links.items()):
+            for a, f in sorted(by.items()):
+                lines.append(f"link [{t}] {f.describe()}")
+        for t, by in sorted(self.codecs.items()):
+            for a, by_c in sorted(by.items()):
+                for c, f in sorted(by_c.items()):
+                    lines.append(f"codec [{t}] {c} @ {a}: {f.describe()}")
+        for k, v in sorted(self.compute.items()):
+            lines.append(f"compute [{k}] {v['step_s'] * 1e3:.3f} ms/step at 1 worker "
+                         f"({v['per_sample_s'] * 1e6:.2f} us/sample; {v['runs']} runs)")
+        for k, v in sorted(self.world_factor.items()):
+            lines.append(f"compute factor [{k}] x{v['factor']:.2f} over 1 worker ({v['settings']} settings)")
+        for k, v in sorted(self.step_overhead_s.items()):
+            lines.append(f"step overhead [{k}] {v['seconds'] * 1e3:.3f} ms/step beyond encode+comm+decode "
+                         f"({v['runs']} runs)")
+        return "\n".join(lines) if lines else "(empty calibration)"
+
+
+def _copy(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _copy(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return list(v)
+    return v
+
+
+def _mean_cost(costs: list[CodecCost], source: str) -> CodecCost:
+    n = len(costs)
+    return CodecCost(sum(c.encode_call_s for c in costs) / n, sum(c.encode_s_per_byte for c in costs) / n,
+                     sum(c.decode_call_s for c in costs) / n, sum(c.decode_s_per_byte for c in costs) / n,
+                     sum(c.points for c in costs), source)
+
+
+def config_id(run: RunRecord) -> str:
+    return json.dumps(run.config_key, sort_keys=True, default=str)
+
+
+def fit_study(runs: Iterable[RunRecord]) -> Calibration:
+    """Compute, compute at K workers, the factor over one worker, and the per-step overhead (module doc)."""
+    runs = [r for r in runs if r.step_s > 0]
+    cal = Calibration(run_keys=[r.key for r in runs], config_keys=sorted({config_id(r) for r in runs}))
+    one: dict[str, list[RunRecord]] = {}
+    at_k: dict[str, list[RunRecord]] = {}
+    for r in runs:
+        if r.world == 1 and r.codec_name in NATIVE:
+            one.setdefault(r.compute_key, []).append(r)
+        elif r.world > 1:
+            at_k.setdefault("|".join(map(str, r.setting_key)), []).append(r)
+    for key, rs in one.items():
+        step = statistics.fmean(r.compute_s or r.step_s for r in rs)
+        cal.compute[key] = {"step_s": step, "per_sample_s": step / rs[0].batch, "runs": len(rs),
+                            "batch": rs[0].batch}
+    factors: dict[str, list[float]] = {}
+    for key, rs in at_k.items():
+        step = statistics.fmean(r.compute_s for r in rs)
+        cal.compute_at_world[key] = {"step_s": step, "runs": len(rs)}
+        base = cal.compute.get(rs[0].compute_key)
+        if base and base["step_s"] > 0:
+            factors.setdefault(rs[0].scale_key, []).append(step / base["step_s"])
+    for key, fs in factors.items():
+        cal.world_factor[key] = {"factor": statistics.median(fs), "settings": len(fs)}
+    over: dict[str, list[float]] = {}
+    for r in runs:
+        if r.world > 1:
+            over.setdefault(r.scale_key, []).append(r.exposed_s - (r.encode_s + r.comm_s + r.decode_s))
+    for key, vs in over.items():
+        cal.step_overhead_s[key] = {"seconds": statistics.median(vs), "runs": len(vs)}
+    return cal
+
+
+def fit_comm_in_situ(runs: Iterable[RunRecord]) -> Calibration:
+    """Links and codec costs from the study's own communicate / encode / decode times per step.
+
+    Per backend, one least squares (on relative errors) over runs: ``comm_s = sum over the step's collectives of
+    (steps alpha_algo + bytes beta_algo)`` (one ``(alpha, beta)`` per algorithm, non-negative); per codec
+    and algorithm: ``encode_s = calls c0 + 4 * values c1`` (and decode), as for bench rows.
+    """
+    runs = [r for r in runs if r.world > 1 and r.step_s > 0]
+    cal = Calibration(run_keys=[r.key for r in runs], config_keys=sorted({config_id(r) for r in runs}))
+    by_backend: dict[str, list[RunRecord]] = {}
+    for r in runs:
+        by_backend.setdefault(r.backend, []).append(r)
+    for transport, rs in by_backend.items():
+        algos = sorted({a for r in rs for _, a, _ in run_groups(r)})
+        col = {a: i for i, a in enumerate(algos)}
+        rows, ys = [], []
+        for r in rs:
+            row = np.zeros(2 * len(algos))
+            for spec, algo, n in run_groups(r):
+                a, b = design_row(bits_per_value(spec, n) * n / 8, r.world, algo)
+                row[2 * col[algo]] += a
+                row[2 * col[algo] + 1] += b
+            rows.append(row)
+            ys.append(r.comm_s)
+        a_mat, y_vec = np.array(rows), np.array(ys)
+        keep = y_vec > 0
+        coef = _nnls(*_relative(a_mat[keep], y_vec[keep])) if keep.any() else np.zeros(a_mat.shape[1])
+        fitted = a_mat @ coef
+        for a in algos:
+            alpha, beta = float(coef[2 * col[a]]), float(coef[2 * col[a] + 1])
+            if alpha == 0 and beta == 0:
+                continue
+            n_pts = sum(1 for r in rs if any(g[1] == a for g in run_groups(r)))
+            rel = _rms_rel(fitted, ys)
+            cal.links.setdefault(transport, {})[a] = LinkFit(
+                alpha, 1.0 / beta if beta > 0 else _HUGE_BW, a, n_pts, rel,
+                f"in situ: {transport} study runs' communicate time per step ({len(rs)} runs, joint fit)")
+        by_codec: dict[tuple[str, str], list[RunRecord]] = {}
+        for r in rs:
+            if r.codec_name != "fp32":
+                by_codec.setdefault((r.algorithm, r.codec), []).append(r)
+        for (algo, codec), crs in by_codec.items():
+            calls, enc_b, dec_b = [], [], []
+            for r in crs:
+                groups = [(n) for spec, a, n in run_groups(r) if spec == codec]
+                calls.append(len(groups))
+                ev = dv = 0.0
+                for n in groups:
+                    e, d = codec_work(algo, n, r.world, r.world, 16.0)
+                    ev += e
+                    dv += d
+                enc_b.append(4 * ev)
+                dec_b.append(4 * dv)
+            e0, e1 = _affine_nonneg(enc_b, [r.encode_s for r in crs], calls)
+            d0, d1 = _affine_nonneg(dec_b, [r.decode_s for r in crs], calls)
+            cal.codecs.setdefault(transport, {}).setdefault(algo, {})[codec] = CodecCost(
+                e0, e1, d0, d1, len(crs), f"in situ: {len(crs)} {transport} study runs' encode/decode time")
+    return cal
+
+
+def calibrate(
+    bench_paths: Sequence[str | os.PathLike[str]] = (),
+    results_paths: Sequence[str | os.PathLike[str]] = (),
+    *,
+    in_situ_comm: bool | None = None,
+) -> Calibration:
+    """A :class:`Calibration` from bench files and study results (module doc).
+
+    ``in_situ_comm`` (default: only when no bench file is given) also fits links and codec costs from
+    the study runs; bench fits take precedence where both exist.
+    """
+    if not bench_paths and not results_paths:
+        raise ValueError("nothing to calibrate from: give a bench JSON and/or study results")
+    cal = Calibration()
+    cal.sources = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   "bench": [], "results": []}
+    for path in bench_paths:
+        bench = load_bench(path)
+        transport, links, codecs = fit_bench(bench)
+        for a, f in links.items():
+            cal.links.setdefault(transport, {})[a] = f
+        for a, by in codecs.items():
+            cal.codecs.setdefault(transport, {}).setdefault(a, {}).update(by)
+        m = bench["meta"]
+        cal.sources["bench"].append({k: m.get(k) for k in (
+            "path", "backend", "world_size", "device_name", "hostname", "timestamp", "kernel_backend",
+            "loadavg_1_5_15_before", "loadavg_1_5_15_after", "nccl_env", "label")})
+    runs: list[RunRecord] = []
+    for path in results_paths:
+        rs = load_runs(path)
+        runs += rs
+        cal.sources["results"].append({"path": str(_resolve_results(path)), "runs": len(rs)})
+    if runs:
+        study = fit_study(runs)
+        if in_situ_comm if in_situ_comm is not None else not bench_paths:
+            study = study.merged(fit_comm_in_situ(runs))
+        cal = cal.merged(study)
+    return cal

@@ -38,8 +38,14 @@ last transfer, or the backward, whichever is later). From it::
     scaling efficiency   = samples/s / (K * batch / compute) = compute / step
     speedup over 32-bit  = step(fp32 allreduce, same cluster) / step
 
+Mixed precision (a :class:`lowbit.Policy` with codecs per layer type): ``predict(...,
+layer_codecs=[...])`` gives every layer its own :class:`LayerCodec`; inside a bucket the layers of one
+codec travel together (as ``lowbit.ddp``'s hook does: one collective per codec group, one after the
+other on the comm stream), each group encoded and decoded on its own.
+
 Calibration plugs in through the links: :func:`lowbit.perfmodel.calibrate.fit_link` returns a
-:class:`Link` fitted to measured collective timings, which :class:`Cluster` takes as ``intra``/``inter``.
+:class:`Link` fitted to measured collective timings, which :class:`Cluster` takes as ``intra``/``inter``;
+:class:`LayerCodec` carries measured encode/decode rates and per-call costs.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ from lowbit.perfmodel.networks import Network, get_network
 
 __all__ = [
     "Layer",
+    "LayerCodec",
     "Cluster",
     "Breakdown",
     "Prediction",
@@ -88,6 +95,44 @@ class Layer:
             raise ValueError(f"layer {self.name!r}: params must be >= 0, got {self.params}")
         if not (self.compute_s >= 0 and math.isfinite(self.compute_s)):
             raise ValueError(f"layer {self.name!r}: compute time must be finite and >= 0, got {self.compute_s}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCodec:
+    """How one layer's gradients travel: bits per value, algorithm, and the codec's costs.
+
+    ``encode_Bps`` / ``decode_Bps``: bytes of float32 per second (None = free); ``encode_call_s`` /
+    ``decode_call_s``: a fixed cost per codec group per bucket (kernel launches, dispatch), which
+    dominates small tensors on a CPU. 32-bit groups are never encoded.
+    """
+
+    bits: float
+    algorithm: str
+    encode_Bps: float | None = None
+    decode_Bps: float | None = None
+    encode_call_s: float = 0.0
+    decode_call_s: float = 0.0
+    label: str = ""
+    link: Link | None = None  # a link measured for this algorithm; None = the cluster's links
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.bits) and self.bits > 0):
+            raise ValueError(f"bits per value must be a finite number > 0, got {self.bits!r}")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {self.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+        for name in ("encode_Bps", "decode_Bps"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"{name} must be > 0 bytes/s or None, got {v!r}")
+        for name in ("encode_call_s", "decode_call_s"):
+            v = getattr(self, name)
+            if not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {v!r}")
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        return (self.bits, self.algorithm, self.encode_Bps, self.decode_Bps, self.encode_call_s,
+                self.decode_call_s, self.link)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,16 +260,25 @@ def simulate_step(
     overlap: bool = True,
     bucket_bytes: float = DEFAULT_BUCKET_BYTES,
     backward_fraction: float = 2 / 3,
+    layer_codecs: Sequence[LayerCodec] | None = None,
 ) -> tuple[float, Breakdown, float, int]:
-    """One step on the two-stream timeline of the module doc -> (step_s, breakdown, bytes/rank, buckets)."""
+    """One step on the two-stream timeline of the module doc -> (step_s, breakdown, bytes/rank, buckets).
+
+    ``layer_codecs`` (one per layer) overrides ``algorithm``/``bits``/rates layer by layer; a bucket then
+    sends one collective per codec group.
+    """
     if not layers:
         raise ValueError("the network has no layers")
     if not 0 <= backward_fraction <= 1:
         raise ValueError(f"backward fraction must be in [0, 1], got {backward_fraction!r}")
-    enc_rate = math.inf if encode_Bps is None else float(encode_Bps)
-    dec_rate = math.inf if decode_Bps is None else float(decode_Bps)
-    if enc_rate <= 0 or dec_rate <= 0:
-        raise ValueError("encode/decode throughput must be > 0 bytes/s")
+    for rate in (encode_Bps, decode_Bps):
+        if rate is not None and not float(rate) > 0:
+            raise ValueError("encode/decode throughput must be > 0 bytes/s")
+    if layer_codecs is None:
+        uniform = LayerCodec(bits, algorithm, encode_Bps, decode_Bps)
+        layer_codecs = [uniform] * len(layers)
+    elif len(layer_codecs) != len(layers):
+        raise ValueError(f"{len(layer_codecs)} layer codecs for {len(layers)} layers")
     compute = sum(layer.compute_s for layer in layers)
     t = (1 - backward_fraction) * compute                 # compute stream: forward done
     buckets = make_buckets(layers, bucket_bytes) if topo.world > 1 else []
@@ -234,15 +288,28 @@ def simulate_step(
     for b in buckets:
         for i in b.layers:
             t += backward_fraction * layers[i].compute_s
-        enc_vals, dec_vals = codec_work(algorithm, b.params, topo.world, topo.gpus_per_node, bits)
-        enc = 4 * enc_vals / enc_rate
+        groups: dict[tuple[Any, ...], tuple[LayerCodec, int]] = {}
+        for i in b.layers:
+            lc = layer_codecs[i]
+            prev = groups.get(lc.key, (lc, 0))
+            groups[lc.key] = (lc, prev[1] + layers[i].params)
+        enc = dec = duration = 0.0
+        for lc, numel in groups.values():
+            enc_vals, dec_vals = codec_work(lc.algorithm, numel, topo.world, topo.gpus_per_node, lc.bits)
+            if enc_vals:
+                enc += lc.encode_call_s + (4 * enc_vals / lc.encode_Bps if lc.encode_Bps else 0.0)
+            if dec_vals:
+                dec += lc.decode_call_s + (4 * dec_vals / lc.decode_Bps if lc.decode_Bps else 0.0)
+            group_topo = topo if lc.link is None else dataclasses.replace(
+                topo, intra=lc.link, inter=lc.link if topo.inter is not None else None)
+            cost = collective(lc.algorithm, numel * lc.bits / 8, group_topo)
+            duration += cost.time_s
+            sent += cost.bytes_per_rank
         t += enc
         encode_total += enc
-        cost = collective(algorithm, b.params * bits / 8, topo)
-        transfers.append((t, cost.time_s))
-        decode_times.append(4 * dec_vals / dec_rate)
-        comm_busy += cost.time_s
-        sent += cost.bytes_per_rank
+        transfers.append((t, duration))
+        decode_times.append(dec)
+        comm_busy += duration
     if not buckets:
         t = compute
     backward_end = t
@@ -308,21 +375,35 @@ def predict(
     bucket_bytes: float = DEFAULT_BUCKET_BYTES,
     backward_fraction: float = 2 / 3,
     network: str = "",
+    layer_codecs: Sequence[LayerCodec] | None = None,
 ) -> Prediction:
     """Predict one step for ``codec`` (bits per value or a codec spec) and for fp32 on the same cluster.
 
     The fp32 baseline uses the native ring allreduce (hierarchical when ``algorithm`` is hierarchical),
-    no encode/decode, and the same buckets and overlap.
+    no encode/decode, and the same buckets and overlap. ``layer_codecs`` (one :class:`LayerCodec` per
+    layer) replaces ``codec``/``algorithm``/rates for a mixed-precision policy; ``bits_per_value`` is then
+    the parameter-weighted mean and ``codec`` is reported as ``"policy"`` unless given as a string.
     """
     if isinstance(batch_per_gpu, bool) or not isinstance(batch_per_gpu, int) or batch_per_gpu < 1:
         raise ValueError(f"batch per GPU must be a positive integer, got {batch_per_gpu!r}")
     layer_list = layers_from_dict(layers) if isinstance(layers, Mapping) else list(layers)
-    bits = _bits_per_value(codec)
-    algo = resolve_algorithm(algorithm, bits)
+    if layer_codecs is not None:
+        if len(layer_codecs) != len(layer_list):
+            raise ValueError(f"{len(layer_codecs)} layer codecs for {len(layer_list)} layers")
+        total = sum(layer.params for layer in layer_list) or 1
+        bits = sum(lc.bits * layer.params for lc, layer in zip(layer_codecs, layer_list)) / total
+        algos = {lc.algorithm for lc in layer_codecs if lc.bits < FP32_BITS}
+        algo = algos.pop() if len(algos) == 1 else ("mixed" if algos else "allreduce")
+        label = codec if isinstance(codec, str) and codec != str(FP32_BITS) else "policy"
+    else:
+        bits = _bits_per_value(codec)
+        algo = resolve_algorithm(algorithm, bits)
+        label = str(codec)
     topo = cluster.topology()
     common = dict(overlap=overlap, bucket_bytes=bucket_bytes, backward_fraction=backward_fraction)
     step, breakdown, sent, nb = simulate_step(
-        layer_list, topo, algorithm=algo, bits=bits, encode_Bps=encode_Bps, decode_Bps=decode_Bps, **common
+        layer_list, topo, algorithm=algo if layer_codecs is None else "allreduce", bits=bits,
+        encode_Bps=encode_Bps, decode_Bps=decode_Bps, layer_codecs=layer_codecs, **common
     )
     base_algo = "hierarchical" if algo == "hierarchical" else "allreduce"
     fp32_step, _, _, _ = simulate_step(layer_list, topo, algorithm=base_algo, bits=FP32_BITS, **common)
@@ -336,7 +417,7 @@ def predict(
         gpus_per_node=cluster.gpus_per_node,
         batch_per_gpu=batch_per_gpu,
         algorithm=algo,
-        codec=str(codec),
+        codec=label,
         bits_per_value=bits,
         step_s=step,
         samples_per_s=k * batch_per_gpu / step,

@@ -386,7 +386,8 @@ def _run_group(rank: int, world: int, plan: _GroupPlan) -> int:
             if rank == 0:
                 store.append(row)
                 s = row["summary"]
-                line = (f"  done {run.describe().strip()}: acc {s['final_test_acc']:.2%}, "
+                acc = "synthetic data" if row["labels"]["synthetic"] else f"acc {s['final_test_acc']:.2%}"
+                line = (f"  done {run.describe().strip()}: {acc}, "
                         f"{s['samples_per_s']:.0f} samples/s, {s['wall_s']:.1f} s")
                 if bar is not None:
                     bar.write(line, file=sys.stderr)
