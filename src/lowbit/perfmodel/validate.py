@@ -1,0 +1,436 @@
+"""How far off is the speed model on runs we measured? (``lowbit predict --validate RESULTS``)
+
+For every finished run of a study results file the model predicts the time of one training step and
+sets it against the measured one (timed epochs, averaged over ranks)::
+
+    predicted step = compute (at K workers)
+                   + the step's collectives on the timeline of lowbit.perfmodel.model.simulate_step
+                     (per DDP bucket one group per codec, as lowbit.ddp's hook sends them: the
+                     compressed parameters with the run's codec and algorithm, the rest in fp32 through
+                     the native allreduce; links per algorithm; encode/decode = per-call cost + bytes / rate)
+                   + the per-step overhead of the hook (hand-offs, copies) at that backend and K
+
+Communication starts after the backward pass (``overlap=False``): a network under DDP's first 1 MiB
+bucket sends one bucket, when its last gradient is ready, which holds for every CPU network of the
+study; a larger network's buckets do overlap the backward, which this validation then over-counts.
+
+**Honesty.** A model fitted on the very run it predicts is not validated. Parameters come from, in
+order of precedence: a saved calibration (``--calibration``), whose study-derived parts are used only
+for runs they were not fitted on; a bench file (``--bench``: links and codec costs, never fitted on the
+study); and the study results themselves, *refitted for every prediction without the predicted run's
+configuration* (leave-one-config-out: every seed of the same network / data / batch / backend /
+workers / codec / algorithm is held out; world-size-1 runs, whose compute can only come from the same
+configuration, are held out one run at a time: leave-one-run-out). So the compute at K workers of a
+held-out codec comes from the other codecs' runs in the same setting, its encode/decode costs from the
+same codec on other networks and data sets, and so on. The output says which source served each run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lowbit.perfmodel.calibrate import (
+    Calibration,
+    RunRecord,
+    _resolve_results,
+    calibrate,
+    config_id,
+    fit_comm_in_situ,
+    fit_study,
+    load_runs,
+    run_groups,
+)
+from lowbit.perfmodel.codecbits import bits_per_value
+from lowbit.perfmodel.collectives import Topology
+from lowbit.perfmodel.links import Link
+from lowbit.perfmodel.model import Layer, LayerCodec, simulate_step
+
+__all__ = ["RunPrediction", "ValidationReport", "predict_run", "validate", "validate_path",
+           "format_validation", "short_codec", "TARGET_MEDIAN_ABS_ERROR"]
+
+#: The project's target for the median absolute relative error of the predicted step time.
+TARGET_MEDIAN_ABS_ERROR = 0.15
+
+
+def short_codec(spec: str) -> str:
+    """``qsgd:bits=4,bucket=512,...`` -> ``qsgd4/512``; ``onebit:bucket=64`` -> ``onebit/64``."""
+    name, _, rest = spec.partition(":")
+    p = dict(item.split("=", 1) for item in rest.split(",") if "=" in item)
+    if name == "qsgd":
+        return f"qsgd{p.get('bits', '8')}/{p.get('bucket', '512')}"
+    if name == "onebit":
+        return f"onebit/{p.get('bucket', 'col')}"
+    if name == "dettmers":
+        return f"dettmers-{p.get('type', 'dynamic')[:3]}"
+    if name == "topk":
+        return f"topk{p.get('ratio', '')}"
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPrediction:
+    """The model's step time for one measured run, its parts, and where each input came from."""
+
+    run: RunRecord
+    step_s: float
+    compute_s: float
+    encode_s: float
+    comm_s: float
+    decode_s: float
+    overhead_s: float
+    compute_source: str
+    comm_source: str
+    holdout: str
+
+    @property
+    def error(self) -> float:
+        """Relative error of the step time: (predicted - measured) / measured."""
+        return (self.step_s - self.run.step_s) / self.run.step_s
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.run.world * self.run.batch / self.step_s
+
+    @property
+    def measured_samples_per_s(self) -> float:
+        return self.run.world * self.run.batch / self.run.step_s
+
+    def to_dict(self) -> dict[str, Any]:
+        r = self.run
+        return {
+            "key": r.key, "network": r.network, "dataset": r.dataset, "batch": r.batch, "world": r.world,
+            "backend": r.backend, "device": r.device, "codec": r.codec, "algorithm": r.algorithm, "seed": r.seed,
+            "measured_step_s": r.step_s, "predicted_step_s": self.step_s, "rel_error": self.error,
+            "measured_samples_per_s": self.measured_samples_per_s, "predicted_samples_per_s": self.samples_per_s,
+            "measured": {"compute_s": r.compute_s, "exposed_s": r.exposed_s, "encode_s": r.encode_s,
+                         "comm_s": r.comm_s, "decode_s": r.decode_s},
+            "predicted": {"compute_s": self.compute_s, "encode_s": self.encode_s, "comm_s": self.comm_s,
+                          "decode_s": self.decode_s, "overhead_s": self.overhead_s},
+            "compute_source": self.compute_source, "comm_source": self.comm_source, "holdout": self.holdout,
+        }
+
+
+def _compute_for(run: RunRecord, cal: Calibration) -> tuple[float | None, str]:
+    one = cal.compute.get(run.compute_key)
+    if run.world == 1:
+        return (one["step_s"], "1-worker fp32 runs") if one else (None, "no 1-worker fp32 run of this setting")
+    at_k = cal.compute_at_world.get("|".join(map(str, run.setting_key)))
+    if at_k:
+        return at_k["step_s"], f"measured at K={run.world} (other configs)"
+    if one:
+        f = cal.world_factor.get(run.scale_key)
+        if f:
+            return one["step_s"] * f["factor"], f"1 worker x {f['factor']:.2f} (factor of other settings)"
+        return one["step_s"], "1 worker (no factor for this K: none applied)"
+    return None, "no compute measured for this network/data/batch"
+
+
+def predict_run(run: RunRecord, cal: Calibration, holdout: str = "") -> RunPrediction | str:
+    """The model's step for ``run`` under ``cal``, or a string saying why it cannot predict it."""
+    compute, compute_src = _compute_for(run, cal)
+    if compute is None:
+        return compute_src
+    groups = run_groups(run)
+    layers: list[Layer] = []
+    codecs: list[LayerCodec] = []
+    notes: set[str] = set()
+    sources: set[str] = set()
+    for spec, algo, n in groups:
+        fit, note = cal.link_for(run.backend, algo)
+        if fit is None:
+            return f"no link calibrated for backend {run.backend!r}"
+        if note:
+            notes.add(note)
+        sources.add(fit.source.split(":", 1)[0].split(",", 1)[0])
+        lc = dict(bits=bits_per_value(spec, n), algorithm=algo, link=fit.link())
+        if spec.split(":", 1)[0] != "fp32":
+            cost, cnote = cal.codec_for(run.backend, algo, spec)
+            if cost is None:
+                notes.add(f"no cost for {short_codec(spec)}: free")
+            else:
+                if cnote:
+                    notes.add(f"{short_codec(spec)}: {cnote}")
+                lc.update(encode_Bps=cost.encode_Bps, decode_Bps=cost.decode_Bps,
+                          encode_call_s=cost.encode_call_s, decode_call_s=cost.decode_call_s)
+        layers.append(Layer(f"{spec}@{algo}", n, compute * n / max(1, run.params)))
+        codecs.append(LayerCodec(**lc))
+    if not layers:  # one worker: no communication at all
+        layers, codecs = [Layer("net", max(run.params, 1), compute)], [LayerCodec(32.0, "allreduce")]
+    link0 = codecs[0].link or Link(0.0, 1e15, "none")
+    topo = Topology(run.world, run.world, link0)
+    step, br, _, _ = simulate_step(layers, topo, algorithm="allreduce", bits=32.0, overlap=False,
+                                   bucket_bytes=0, layer_codecs=codecs)
+    overhead = 0.0
+    if run.world > 1:
+        o = cal.step_overhead_s.get(run.scale_key)
+        if o:
+            overhead = float(o["seconds"])
+        else:
+            notes.add("no hook overhead calibrated")
+    comm_src = "; ".join(sorted(sources)) if sources else "-"
+    if notes:
+        comm_src += " (" + "; ".join(sorted(notes)) + ")"
+    return RunPrediction(run, step + overhead, br.compute_s, br.encode_s, br.exposed_comm_s, br.decode_s,
+                         overhead, compute_src, comm_src, holdout)
+
+
+# ------------------------------------------------------------------------------------------ validation
+@dataclasses.dataclass
+class ValidationReport:
+    predictions: list[RunPrediction]
+    skipped: list[tuple[RunRecord, str]]
+    results_path: str
+    method: str
+    calibration_note: str
+    machine: str
+
+    def errors(self, multi_only: bool = False, single_only: bool = False) -> list[float]:
+        return [abs(p.error) for p in self.predictions
+                if not (multi_only and p.run.world == 1) and not (single_only and p.run.world > 1)]
+
+    def summary(self) -> dict[str, Any]:
+        def stats(errs: list[float]) -> dict[str, Any]:
+            if not errs:
+                return {"runs": 0}
+            return {"runs": len(errs), "median_abs_error": statistics.median(errs),
+                    "mean_abs_error": statistics.fmean(errs),
+                    "within_15pct": sum(e <= 0.15 for e in errs) / len(errs),
+                    "max_abs_error": max(errs)}
+        signed = [p.error for p in self.predictions]
+        # Context: how much do the runs of one configuration scatter between seeds, and how far is the
+        # model from each configuration's mean over seeds?
+        by_config: dict[str, list[RunPrediction]] = {}
+        for p in self.predictions:
+            by_config.setdefault(config_id(p.run), []).append(p)
+        oracle, oracle_multi, cfg_err, cfg_err_multi = [], [], [], []
+        for ps in by_config.values():
+            meas = statistics.fmean(p.run.step_s for p in ps)
+            pred = statistics.fmean(p.step_s for p in ps)
+            e = abs(pred - meas) / meas
+            cfg_err.append(e)
+            if ps[0].run.world > 1:
+                cfg_err_multi.append(e)
+            if len(ps) > 1:
+                for p in ps:
+                    others = statistics.fmean(q.run.step_s for q in ps if q is not p)
+                    o = abs(others - p.run.step_s) / p.run.step_s
+                    oracle.append(o)
+                    if p.run.world > 1:
+                        oracle_multi.append(o)
+        by_codec: dict[str, list[float]] = {}
+        for p in self.predictions:
+            if p.run.world > 1:
+                by_codec.setdefault(short_codec(p.run.codec), []).append(abs(p.error))
+        return {
+            "all": stats(self.errors()),
+            "multi_worker": stats(self.errors(multi_only=True)),
+            "single_worker": stats(self.errors(single_only=True)),
+            "median_signed_error": statistics.median(signed) if signed else math.nan,
+            "config_mean": stats(cfg_err),
+            "config_mean_multi_worker": stats(cfg_err_multi),
+            "seed_scatter": stats(oracle),
+            "seed_scatter_multi_worker": stats(oracle_multi),
+            "median_abs_error_by_codec_multi_worker": {k: statistics.median(v) for k, v in sorted(by_codec.items())},
+            "target_median_abs_error": TARGET_MEDIAN_ABS_ERROR,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"results": self.results_path, "method": self.method, "calibration": self.calibration_note,
+                "machine": self.machine, "summary": self.summary(),
+                "runs": [p.to_dict() for p in self.predictions],
+                "skipped": [{"key": r.key, "network": r.network, "codec": r.codec, "world": r.world, "reason": why}
+                            for r, why in self.skipped]}
+
+
+def _split(cal: Calibration) -> tuple[Calibration, Calibration]:
+    """(bench-derived part, study-derived part) of a calibration."""
+    bench = Calibration(sources=dict(cal.sources))
+    study = Calibration(compute=dict(cal.compute), compute_at_world=dict(cal.compute_at_world),
+                        world_factor=dict(cal.world_factor), step_overhead_s=dict(cal.step_overhead_s),
+                        run_keys=list(cal.run_keys), config_keys=list(cal.config_keys))
+    for t, by in cal.links.items():
+        for a, f in by.items():
+            target = study if f.source.startswith("in situ") else bench
+            target.links.setdefault(t, {})[a] = f
+    for t, by in cal.codecs.items():
+        for a, by_c in by.items():
+            for c, f in by_c.items():
+                target = study if f.source.startswith("in situ") else bench
+                target.codecs.setdefault(t, {}).setdefault(a, {})[c] = f
+    return bench, study
+
+
+def validate(
+    runs: Sequence[RunRecord],
+    *,
+    calibration: Calibration | None = None,
+    bench: Calibration | None = None,
+    holdout: str = "config",
+    results_path: str = "",
+) -> ValidationReport:
+    """Predict every run with parameters it was not fitted on (module doc); ``holdout`` = ``config``
+    (leave-one-config-out; default) or ``run`` (leave-one-run-out)."""
+    if holdout not in ("config", "run"):
+        raise ValueError(f"holdout must be 'config' or 'run', got {holdout!r}")
+    if not runs:
+        raise ValueError("no runs to validate")
+    given_bench, given_study = _split(calibration) if calibration is not None else (None, None)
+    fixed = Calibration()
+    for part in (given_bench, bench):
+        if part is not None:
+            fixed = fixed.merged(part)
+    leak_keys = set(given_study.run_keys) if given_study else set()
+    leak_configs = set(given_study.config_keys) if given_study else set()
+    need_in_situ = {r.backend for r in runs if r.backend not in fixed.links}
+
+    folds: dict[str, list[RunRecord]] = {}
+    for r in runs:
+        unit = r.key if (holdout == "run" or r.world == 1) else config_id(r)
+        folds.setdefault(unit, []).append(r)
+    preds: list[RunPrediction] = []
+    skipped: list[tuple[RunRecord, str]] = []
+    used_given = refit = 0
+    for unit, fold in folds.items():
+        held = {r.key for r in fold}
+        train = [r for r in runs if r.key not in held]
+        refit_cal = fit_study(train)
+        in_situ = [r for r in train if r.backend in need_in_situ]
+        if in_situ:
+            refit_cal = refit_cal.merged(fit_comm_in_situ(in_situ))
+        for r in fold:
+            leaks = given_study is not None and (r.key in leak_keys or config_id(r) in leak_configs)
+            cal = fixed
+            if given_study is not None and not leaks:
+                cal = cal.merged(given_study)
+                used_given += 1
+            else:
+                refit += 1
+            cal = cal.merged(refit_cal)
+            scheme = ("leave-one-run-out" if (holdout == "run" or r.world == 1) else "leave-one-config-out")
+            if given_study is not None and not leaks:
+                scheme = "calibration (disjoint runs)"
+            p = predict_run(r, cal, scheme)
+            if isinstance(p, str):
+                skipped.append((r, p))
+            else:
+                preds.append(p)
+    preds.sort(key=lambda p: (p.run.network, p.run.dataset, p.run.batch, p.run.backend, p.run.world,
+                              p.run.codec_name != "fp32", p.run.codec, p.run.seed))
+    method = (
+        "every run is predicted from parameters fitted WITHOUT it: study-derived parameters (compute, "
+        "compute at K workers, hook overhead" + (", and the in-situ links and codec costs" if need_in_situ else "")
+        + ") are refitted for each prediction "
+        + ("leaving out every run of the predicted run's configuration (all seeds: leave-one-config-out); "
+           "1-worker runs leave out only themselves (leave-one-run-out: their compute comes from the other seeds)"
+           if holdout == "config" else "leaving out the predicted run (leave-one-run-out)")
+    )
+    if calibration is not None:
+        method += (f"; the saved calibration's study-derived parts served {used_given} runs they were not "
+                   f"fitted on, and were replaced by held-out refits for {refit} runs they were fitted on")
+    notes = []
+    if fixed.links or fixed.codecs:
+        for t, by in sorted(fixed.links.items()):
+            for a, f in sorted(by.items()):
+                notes.append(f"link [{t}] {f.describe()}")
+        for t, by in sorted(fixed.codecs.items()):
+            for a, by_c in sorted(by.items()):
+                for c, f in sorted(by_c.items()):
+                    notes.append(f"codec [{t}] {short_codec(c)} @ {a}: {f.describe()}")
+    if need_in_situ:
+        notes.append(f"links and codec costs for {', '.join(sorted(need_in_situ))}: in situ from the held-out "
+                     "study runs' communicate/encode/decode times (no bench file for this backend)")
+    devices = sorted({(r.device_name or r.device, r.backend) for r in runs})
+    machine = "; ".join(f"{d} ({b})" for d, b in devices)
+    return ValidationReport(preds, skipped, results_path, method, "\n".join(notes), machine)
+
+
+def validate_path(
+    results: str,
+    *,
+    calibration_path: str | None = None,
+    bench_paths: Sequence[str] = (),
+    holdout: str = "config",
+) -> ValidationReport:
+    """:func:`validate` on a results directory / ``.jsonl`` with an optional saved calibration / bench files."""
+    runs = load_runs(results)
+    cal = Calibration.load(calibration_path) if calibration_path else None
+    bench = calibrate(list(bench_paths), []) if bench_paths else None
+    return validate(runs, calibration=cal, bench=bench, holdout=holdout,
+                    results_path=str(_resolve_results(results)))
+
+
+# ------------------------------------------------------------------------------------------ output
+def format_validation(rep: ValidationReport) -> str:
+    s = rep.summary()
+    lines = [
+        f"Speed-model validation on {len(rep.predictions)} measured runs of {rep.results_path}",
+        f"machine: {rep.machine}",
+        "method: " + rep.method + ".",
+    ]
+    if rep.calibration_note:
+        lines += ["calibration (not fitted on the study):"] + ["  " + ln for ln in rep.calibration_note.splitlines()]
+    lines.append("step = compute + encode + communicate + decode (one DDP bucket, after the backward) + hook overhead;"
+                 " samples/s = workers x batch / step")
+    head = (f"{'network/data':<18} {'bs':>3} {'backend':<7} {'K':>2} {'codec':<13} {'seed':>4} "
+            f"{'meas ms':>8} {'pred ms':>8} {'err %':>7} {'meas s/s':>9} {'pred s/s':>9}  "
+            f"{'pred: comp/enc/comm/dec/ovh ms':<31} compute from")
+    lines += ["", head, "-" * len(head)]
+    for p in rep.predictions:
+        r = p.run
+        parts = "/".join(f"{v * 1e3:.2f}" for v in (p.compute_s, p.encode_s, p.comm_s, p.decode_s, p.overhead_s))
+        lines.append(
+            f"{r.label[:18]:<18} {r.batch:>3} {r.backend:<7} {r.world:>2} {short_codec(r.codec):<13} {r.seed:>4} "
+            f"{r.step_s * 1e3:>8.3f} {p.step_s * 1e3:>8.3f} {100 * p.error:>+7.1f} "
+            f"{p.measured_samples_per_s:>9,.0f} {p.samples_per_s:>9,.0f}  {parts:<31} {p.compute_source}"
+        )
+    comm_sources = sorted({p.comm_source for p in rep.predictions if p.run.world > 1})
+    if comm_sources:
+        lines += ["", "communication parameters from: " + " | ".join(comm_sources)]
+    if rep.skipped:
+        lines += ["", f"not predicted ({len(rep.skipped)} runs):"]
+        for r, why in rep.skipped[:20]:
+            lines.append(f"  {r.label} K={r.world} {short_codec(r.codec)} seed {r.seed}: {why}")
+
+    def line(name: str, st: dict[str, Any], unit: str = "runs") -> str:
+        if not st.get("runs"):
+            return f"  {name}: no {unit}"
+        return (f"  {name}: {st['runs']} {unit}, median |error| {100 * st['median_abs_error']:.1f}%, "
+                f"mean {100 * st['mean_abs_error']:.1f}%, max {100 * st['max_abs_error']:.0f}%, "
+                f"{100 * st['within_15pct']:.0f}% within 15%")
+
+    lines += ["", "summary (relative error of the step time = of samples/s^-1):",
+              line("all runs", s["all"]), line("multi-worker runs", s["multi_worker"]),
+              line("1-worker runs", s["single_worker"]),
+              f"  median signed error {100 * s['median_signed_error']:+.1f}% (positive = model too slow)"]
+    lines += ["per configuration (prediction vs the mean over its seeds):",
+              line("all configurations", s["config_mean"], "configurations"),
+              line("multi-worker configurations", s["config_mean_multi_worker"], "configurations"),
+              "noise floor (each run predicted by the mean of the OTHER seeds of its own configuration, "
+              "i.e. knowing that configuration's timing):",
+              line("all runs", s["seed_scatter"]), line("multi-worker runs", s["seed_scatter_multi_worker"])]
+    if s["median_abs_error_by_codec_multi_worker"]:
+        lines.append("  median |error| by codec (multi-worker): " + ", ".join(
+            f"{k} {100 * v:.0f}%" for k, v in s["median_abs_error_by_codec_multi_worker"].items()))
+    med = s["multi_worker"].get("median_abs_error", s["all"].get("median_abs_error", math.nan))
+    verdict = "met" if med <= TARGET_MEDIAN_ABS_ERROR else "NOT met"
+    lines.append(f"  target median |error| <= {100 * TARGET_MEDIAN_ABS_ERROR:.0f}% (multi-worker runs): {verdict}")
+    return "\n".join(lines)
+
+
+def write_outputs(rep: ValidationReport, text_path: str | None, json_path: str | None) -> list[str]:
+    written = []
+    if text_path:
+        Path(text_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(text_path).write_text(format_validation(rep) + "\n")
+        written.append(text_path)
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(rep.to_dict(), indent=1, allow_nan=False, default=str) + "\n")
+        written.append(json_path)
+    return written
