@@ -94,8 +94,8 @@ def test_torchrun_launch(tmp_path: Path) -> None:
     out = tmp_path / "res"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2] / "src"), os.environ.get("PYTHONPATH", "")])}
     env.pop(CRASH_ENV, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--master-port", "29561", "-m", "lowbit", "study", "--preset", "smoke", "--codecs", "fp32",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
+           "-m", "lowbit", "study", "--preset", "smoke", "--codecs", "fp32",
            "--out", str(out), "--no-progress", "--no-report"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
