@@ -15,9 +15,10 @@ Three kinds of inputs, three kinds of parameters:
 3. **Compute** from study results (``lowbit study``'s ``results.jsonl``): per network / data set / batch
    / device, the world-size-1 fp32 runs give the compute time of one step (there is no communication);
    multi-worker runs measure compute too (step minus exposed communication), which gives the compute at
-   K workers (processes sharing a CPU slow each other down) and the factor over one worker; and what a
-   step spends beyond its measured encode + communicate + decode (the DDP hook's hand-offs and copies)
-   is a per-step overhead per backend and world size.
+   K workers (processes sharing a CPU slow each other down; DDP's own work) and the factor over one
+   worker; and the median of (measured - modelled) step time over the calibration runs is a per-step
+   overhead per backend and world size (the DDP hook's hand-offs and copies, which the model does not
+   see otherwise).
 
 When no bench file is given, links and codec costs can also be fitted *in situ* from the study's own
 per-epoch communicate / encode / decode times (same formulas, least squares over runs).
@@ -62,6 +63,8 @@ __all__ = [
     "fit_comm_in_situ",
     "calibrate",
     "run_groups",
+    "ddp_buckets",
+    "pure_compute_s",
     "DDP_FIRST_BUCKET_BYTES",
     "DDP_BUCKET_BYTES",
 ]
@@ -347,6 +350,7 @@ class RunRecord:
     lr: float
     device_name: str = ""
     config_rest: str = ""    # the rest of the training configuration, for pairing runs
+    gflop_per_sample: float = math.nan  # forward + backward, counted by the study (FlopCounterMode)
 
     @property
     def config_key(self) -> tuple[Any, ...]:
@@ -366,6 +370,12 @@ class RunRecord:
     @property
     def scale_key(self) -> str:
         return f"{self.backend}|{self.device}|{self.world}"
+
+    @property
+    def overhead_key(self) -> str:
+        """Overheads differ between native (fp32/fp16/bf16: one allreduce) and compressed codecs (encode on
+        the training thread, several collectives per bucket)."""
+        return f"{self.scale_key}|{'native' if self.codec_name in NATIVE else 'compressed'}"
 
     @property
     def codec_name(self) -> str:
@@ -422,6 +432,7 @@ def _run_record(row: dict[str, Any]) -> RunRecord | None:
         final_test_acc=float(s.get("final_test_acc") if s.get("final_test_acc") is not None else math.nan),
         epochs=int(c.get("epochs", len(epochs))), lr=float(c.get("lr", math.nan)),
         device_name=str(env.get("device_name", "")), config_rest=json.dumps(rest, sort_keys=True),
+        gflop_per_sample=float(s.get("gflop_per_sample") or math.nan),
     )
 
 
@@ -437,6 +448,14 @@ def load_runs(path: str | os.PathLike[str]) -> list[RunRecord]:
     return runs
 
 
+def ddp_buckets(params: int) -> int:
+    """How many gradient buckets DDP makes for ``params`` float32 gradients (1 MiB first, then 25 MiB)."""
+    total = 4 * params
+    if total <= DDP_FIRST_BUCKET_BYTES:
+        return 1
+    return 1 + math.ceil((total - DDP_FIRST_BUCKET_BYTES) / DDP_BUCKET_BYTES)
+
+
 def run_groups(run: RunRecord) -> list[tuple[str, str, int]]:
     """The collectives of one step, as ``lowbit.ddp``'s hook issues them: per DDP bucket, one group per
     codec: ``[(codec spec, algorithm, values), ...]``.
@@ -447,8 +466,7 @@ def run_groups(run: RunRecord) -> list[tuple[str, str, int]]:
     """
     if run.world <= 1 or run.params <= 0:
         return []
-    total = 4 * run.params
-    n_buckets = 1 if total <= DDP_FIRST_BUCKET_BYTES else 1 + math.ceil((total - DDP_FIRST_BUCKET_BYTES) / DDP_BUCKET_BYTES)
+    n_buckets = ddp_buckets(run.params)
     comp = run.compressed_params if run.codec_name != "fp32" else 0
     fp32_part = run.params - comp
     out = []
@@ -461,6 +479,18 @@ def run_groups(run: RunRecord) -> list[tuple[str, str, int]]:
         if fp32_part:
             out.append(("fp32", "allreduce", max(1, round(fp32_part * share))))
     return out
+
+
+def pure_compute_s(run: RunRecord) -> float:
+    """The run's compute per step without the encoding done inside the backward pass.
+
+    lowbit's hook encodes a bucket on the training thread as soon as DDP hands it over, so with B buckets
+    the encoding of all but the last happens while gradients are still being computed and lands in the
+    measured compute; the speed model adds encoding separately.
+    """
+    b = ddp_buckets(run.params) if run.world > 1 else 1
+    inside = run.encode_s * (b - 1) / b if run.codec_name != "fp32" else 0.0
+    return max(run.compute_s - inside, 0.0)
 
 
 # ------------------------------------------------------------------------------------------ calibration
@@ -605,8 +635,8 @@ class Calibration:
         for k, v in sorted(self.world_factor.items()):
             lines.append(f"compute factor [{k}] x{v['factor']:.2f} over 1 worker ({v['settings']} settings)")
         for k, v in sorted(self.step_overhead_s.items()):
-            lines.append(f"step overhead [{k}] {v['seconds'] * 1e3:.3f} ms/step beyond encode+comm+decode "
-                         f"({v['runs']} runs)")
+            lines.append(f"step overhead [{k}] {v['seconds'] * 1e3:+.3f} ms/step (median of measured - modelled "
+                         f"step over {v['runs']} runs)")
         return "\n".join(lines) if lines else "(empty calibration)"
 
 
@@ -630,7 +660,9 @@ def config_id(run: RunRecord) -> str:
 
 
 def fit_study(runs: Iterable[RunRecord]) -> Calibration:
-    """Compute, compute at K workers, the factor over one worker, and the per-step overhead (module doc)."""
+    """Compute at one worker, compute at K workers (without in-backward encoding: :func:`pure_compute_s`)
+    and the factor between them. The per-step overhead needs the whole model:
+    :func:`lowbit.perfmodel.validate.fit_overhead`."""
     runs = [r for r in runs if r.step_s > 0]
     cal = Calibration(run_keys=[r.key for r in runs], config_keys=sorted({config_id(r) for r in runs}))
     one: dict[str, list[RunRecord]] = {}
@@ -642,23 +674,20 @@ def fit_study(runs: Iterable[RunRecord]) -> Calibration:
             at_k.setdefault("|".join(map(str, r.setting_key)), []).append(r)
     for key, rs in one.items():
         step = statistics.fmean(r.compute_s or r.step_s for r in rs)
+        gflop = rs[0].gflop_per_sample
         cal.compute[key] = {"step_s": step, "per_sample_s": step / rs[0].batch, "runs": len(rs),
-                            "batch": rs[0].batch}
+                            "batch": rs[0].batch, "device_name": rs[0].device_name,
+                            "flops_per_s": gflop * 1e9 * rs[0].batch / step if gflop == gflop and step > 0 else None}
     factors: dict[str, list[float]] = {}
     for key, rs in at_k.items():
-        step = statistics.fmean(r.compute_s for r in rs)
+        step = statistics.median(pure_compute_s(r) for r in rs)  # median: robust to a run whose
+        # compute absorbed blocking on a slow link
         cal.compute_at_world[key] = {"step_s": step, "runs": len(rs)}
         base = cal.compute.get(rs[0].compute_key)
         if base and base["step_s"] > 0:
             factors.setdefault(rs[0].scale_key, []).append(step / base["step_s"])
     for key, fs in factors.items():
         cal.world_factor[key] = {"factor": statistics.median(fs), "settings": len(fs)}
-    over: dict[str, list[float]] = {}
-    for r in runs:
-        if r.world > 1:
-            over.setdefault(r.scale_key, []).append(r.exposed_s - (r.encode_s + r.comm_s + r.decode_s))
-    for key, vs in over.items():
-        cal.step_overhead_s[key] = {"seconds": statistics.median(vs), "runs": len(vs)}
     return cal
 
 
@@ -755,8 +784,11 @@ def calibrate(
         runs += rs
         cal.sources["results"].append({"path": str(_resolve_results(path)), "runs": len(rs)})
     if runs:
+        from lowbit.perfmodel.validate import fit_overhead  # validate builds on this module
+
         study = fit_study(runs)
         if in_situ_comm if in_situ_comm is not None else not bench_paths:
             study = study.merged(fit_comm_in_situ(runs))
         cal = cal.merged(study)
+        cal.step_overhead_s.update(fit_overhead(runs, cal))
     return cal

@@ -3,16 +3,17 @@
 For every finished run of a study results file the model predicts the time of one training step and
 sets it against the measured one (timed epochs, averaged over ranks)::
 
-    predicted step = compute (at K workers)
-                   + the step's collectives on the timeline of lowbit.perfmodel.model.simulate_step
-                     (per DDP bucket one group per codec, as lowbit.ddp's hook sends them: the
-                     compressed parameters with the run's codec and algorithm, the rest in fp32 through
-                     the native allreduce; links per algorithm; encode/decode = per-call cost + bytes / rate)
-                   + the per-step overhead of the hook (hand-offs, copies) at that backend and K
-
-Communication starts after the backward pass (``overlap=False``): a network under DDP's first 1 MiB
-bucket sends one bucket, when its last gradient is ready, which holds for every CPU network of the
-study; a larger network's buckets do overlap the backward, which this validation then over-counts.
+    predicted step = the timeline of lowbit.perfmodel.model.simulate_step for that run:
+                       layers = the network's profile (lowbit.perfmodel.networks, when it is one of the
+                                seed's networks at the run's size; else one layer), with the run's
+                                compute at K workers spread over them by FLOPs;
+                       each layer's parameters split into the part the run's codec compresses and an fp32
+                                part (biases, small tensors), so a DDP bucket (25 MiB) sends one
+                                collective per codec, as lowbit.ddp's hook does, overlapping the rest of
+                                the backward; links per algorithm; encode/decode = per-call cost +
+                                bytes / rate
+                   + the per-step overhead at that backend and K (median of measured - modelled step
+                     over the calibration runs: the hook's hand-offs and copies, DDP's own work)
 
 **Honesty.** A model fitted on the very run it predicts is not validated. Parameters come from, in
 order of precedence: a saved calibration (``--calibration``), whose study-derived parts are used only
@@ -28,6 +29,7 @@ same codec on other networks and data sets, and so on. The output says which sou
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import statistics
@@ -36,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from lowbit.perfmodel.calibrate import (
+    DDP_BUCKET_BYTES,
     Calibration,
     RunRecord,
     _resolve_results,
@@ -44,12 +47,12 @@ from lowbit.perfmodel.calibrate import (
     fit_comm_in_situ,
     fit_study,
     load_runs,
-    run_groups,
 )
 from lowbit.perfmodel.codecbits import bits_per_value
 from lowbit.perfmodel.collectives import Topology
 from lowbit.perfmodel.links import Link
-from lowbit.perfmodel.model import Layer, LayerCodec, simulate_step
+from lowbit.perfmodel.model import Breakdown, Layer, LayerCodec, simulate_step
+from lowbit.perfmodel.networks import get_network
 
 __all__ = ["RunPrediction", "ValidationReport", "predict_run", "validate", "validate_path",
            "format_validation", "short_codec", "TARGET_MEDIAN_ABS_ERROR"]
@@ -119,7 +122,8 @@ class RunPrediction:
 def _compute_for(run: RunRecord, cal: Calibration) -> tuple[float | None, str]:
     one = cal.compute.get(run.compute_key)
     if run.world == 1:
-        return (one["step_s"], "1-worker fp32 runs") if one else (None, "no 1-worker fp32 run of this setting")
+        return (one["step_s"], "1-worker fp32 runs") if one else (
+            None, "no other 1-worker fp32 run of this network/data/batch to take its compute from")
     at_k = cal.compute_at_world.get("|".join(map(str, run.setting_key)))
     if at_k:
         return at_k["step_s"], f"measured at K={run.world} (other configs)"
@@ -131,24 +135,61 @@ def _compute_for(run: RunRecord, cal: Calibration) -> tuple[float | None, str]:
     return None, "no compute measured for this network/data/batch"
 
 
-def predict_run(run: RunRecord, cal: Calibration, holdout: str = "") -> RunPrediction | str:
-    """The model's step for ``run`` under ``cal``, or a string saying why it cannot predict it."""
+_MODEL_TO_PROFILE = {"bn_inception": "bn-inception", "mlp": "mnist-mlp", "small_cnn": "small-cnn"}
+
+
+@functools.lru_cache(maxsize=64)
+def _profile(network: str, params: int) -> tuple[tuple[float, float], ...]:
+    """Per-layer ``(params share, compute share)`` in forward order: the :mod:`networks` profile of the
+    same network when its parameter count matches within 5%, else one layer."""
+    try:
+        net = get_network(_MODEL_TO_PROFILE.get(network, network))
+    except ValueError:
+        return ((1.0, 1.0),)
+    layers = net.layers()
+    p_total = sum(p for _, p, _ in layers)
+    f_total = sum(f for _, _, f in layers)
+    if not p_total or not f_total or abs(p_total / max(params, 1) - 1) > 0.05:
+        return ((1.0, 1.0),)
+    return tuple((p / p_total, f / f_total) for _, p, f in layers)
+
+
+@functools.lru_cache(maxsize=256)
+def _bits(spec: str) -> float:
+    return bits_per_value(spec)
+
+
+def model_step(run: RunRecord, cal: Calibration) -> tuple[float, Breakdown, str, str] | str:
+    """The modelled step of ``run`` without the overhead term: ``(step_s, breakdown, compute source,
+    communication source)``, or a string saying why it cannot be predicted.
+
+    Layers follow the network's profile (:func:`_profile`); each layer's parameters split into the part
+    the run's codec compresses and an fp32 part (biases, small tensors), so that a DDP bucket of 25 MiB
+    sends one collective per codec, communication overlapping the rest of the backward pass.
+    """
     compute, compute_src = _compute_for(run, cal)
     if compute is None:
         return compute_src
-    groups = run_groups(run)
-    layers: list[Layer] = []
-    codecs: list[LayerCodec] = []
+    if run.world == 1 or run.params <= 0:
+        layer = Layer("net", max(run.params, 1), compute)
+        step, br, _, _ = simulate_step([layer], Topology(1, 1, Link(0.0, 1e15)), algorithm="allreduce",
+                                       bits=32.0)
+        return step, br, compute_src, "-"
     notes: set[str] = set()
     sources: set[str] = set()
-    for spec, algo, n in groups:
+    comp_frac = (run.compressed_params if run.codec_name != "fp32" else 0) / run.params
+    specs = [(run.codec, run.algorithm)] if comp_frac > 0 else []
+    if comp_frac < 1:
+        specs.append(("fp32", "allreduce"))
+    lcs: dict[str, LayerCodec] = {}
+    for spec, algo in specs:
         fit, note = cal.link_for(run.backend, algo)
         if fit is None:
             return f"no link calibrated for backend {run.backend!r}"
         if note:
             notes.add(note)
         sources.add(fit.source.split(":", 1)[0].split(",", 1)[0])
-        lc = dict(bits=bits_per_value(spec, n), algorithm=algo, link=fit.link())
+        lc: dict[str, Any] = dict(bits=_bits(spec), algorithm=algo, link=fit.link())
         if spec.split(":", 1)[0] != "fp32":
             cost, cnote = cal.codec_for(run.backend, algo, spec)
             if cost is None:
@@ -158,26 +199,56 @@ def predict_run(run: RunRecord, cal: Calibration, holdout: str = "") -> RunPredi
                     notes.add(f"{short_codec(spec)}: {cnote}")
                 lc.update(encode_Bps=cost.encode_Bps, decode_Bps=cost.decode_Bps,
                           encode_call_s=cost.encode_call_s, decode_call_s=cost.decode_call_s)
-        layers.append(Layer(f"{spec}@{algo}", n, compute * n / max(1, run.params)))
-        codecs.append(LayerCodec(**lc))
-    if not layers:  # one worker: no communication at all
-        layers, codecs = [Layer("net", max(run.params, 1), compute)], [LayerCodec(32.0, "allreduce")]
-    link0 = codecs[0].link or Link(0.0, 1e15, "none")
-    topo = Topology(run.world, run.world, link0)
-    step, br, _, _ = simulate_step(layers, topo, algorithm="allreduce", bits=32.0, overlap=False,
-                                   bucket_bytes=0, layer_codecs=codecs)
+        lcs[spec] = LayerCodec(**lc)
+    layers: list[Layer] = []
+    codecs: list[LayerCodec] = []
+    for i, (p_share, f_share) in enumerate(_profile(run.network, run.params)):
+        n = run.params * p_share
+        n_comp = round(n * comp_frac)
+        if n_comp:
+            layers.append(Layer(f"l{i}", n_comp, compute * f_share))
+            codecs.append(lcs[run.codec])
+        if round(n) - n_comp > 0 or not n_comp:
+            layers.append(Layer(f"l{i}.fp32", max(0, round(n) - n_comp), 0.0 if n_comp else compute * f_share))
+            codecs.append(lcs["fp32"] if "fp32" in lcs else lcs[run.codec])
+    topo = Topology(run.world, run.world, next(iter(lcs.values())).link or Link(0.0, 1e15))
+    step, br, _, _ = simulate_step(layers, topo, algorithm="allreduce", bits=32.0, overlap=True,
+                                   bucket_bytes=DDP_BUCKET_BYTES, layer_codecs=codecs)
+    comm_src = "; ".join(sorted(sources))
+    if notes:
+        comm_src += " (" + "; ".join(sorted(notes)) + ")"
+    return step, br, compute_src, comm_src
+
+
+def predict_run(run: RunRecord, cal: Calibration, holdout: str = "") -> RunPrediction | str:
+    """The model's step for ``run`` under ``cal`` (overhead included), or why it cannot predict it."""
+    m = model_step(run, cal)
+    if isinstance(m, str):
+        return m
+    step, br, compute_src, comm_src = m
     overhead = 0.0
     if run.world > 1:
-        o = cal.step_overhead_s.get(run.scale_key)
+        o = cal.step_overhead_s.get(run.overhead_key) or cal.step_overhead_s.get(run.scale_key)
         if o:
             overhead = float(o["seconds"])
         else:
-            notes.add("no hook overhead calibrated")
-    comm_src = "; ".join(sorted(sources)) if sources else "-"
-    if notes:
-        comm_src += " (" + "; ".join(sorted(notes)) + ")"
-    return RunPrediction(run, step + overhead, br.compute_s, br.encode_s, br.exposed_comm_s, br.decode_s,
-                         overhead, compute_src, comm_src, holdout)
+            comm_src += " (no overhead calibrated)"
+    return RunPrediction(run, max(step + overhead, 1e-12), br.compute_s, br.encode_s, br.exposed_comm_s,
+                         br.decode_s, overhead, compute_src, comm_src, holdout)
+
+
+def fit_overhead(runs: Sequence[RunRecord], cal: Calibration) -> dict[str, dict[str, Any]]:
+    """Per backend / device / K, for native and compressed codecs apart and together: the median of
+    (measured - modelled step) over the multi-worker ``runs``."""
+    res: dict[str, list[float]] = {}
+    for r in runs:
+        if r.world <= 1:
+            continue
+        m = model_step(r, cal)
+        if not isinstance(m, str):
+            res.setdefault(r.scale_key, []).append(r.step_s - m[0])
+            res.setdefault(r.overhead_key, []).append(r.step_s - m[0])
+    return {k: {"seconds": statistics.median(v), "runs": len(v)} for k, v in res.items()}
 
 
 # ------------------------------------------------------------------------------------------ validation
@@ -287,7 +358,9 @@ def validate(
             fixed = fixed.merged(part)
     leak_keys = set(given_study.run_keys) if given_study else set()
     leak_configs = set(given_study.config_keys) if given_study else set()
-    need_in_situ = {r.backend for r in runs if r.backend not in fixed.links}
+    # Study rows name the backend, not the transport (NCCL's environment is not recorded): a bench file of
+    # the same backend (e.g. nccl/socket) serves them; say so.
+    need_in_situ = {r.backend for r in runs if not any(t.split("/")[0] == r.backend for t in fixed.links)}
 
     folds: dict[str, list[RunRecord]] = {}
     for r in runs:
@@ -296,6 +369,7 @@ def validate(
     preds: list[RunPrediction] = []
     skipped: list[tuple[RunRecord, str]] = []
     used_given = refit = 0
+    overhead_cache: dict[tuple[str, str], dict[str, Any]] = {}
     for unit, fold in folds.items():
         held = {r.key for r in fold}
         train = [r for r in runs if r.key not in held]
@@ -312,6 +386,11 @@ def validate(
             else:
                 refit += 1
             cal = cal.merged(refit_cal)
+            if r.world > 1 and r.overhead_key not in cal.step_overhead_s:
+                key = (unit, r.scale_key)
+                if key not in overhead_cache:
+                    overhead_cache[key] = fit_overhead([t for t in train if t.scale_key == r.scale_key], cal)
+                cal.step_overhead_s.update(overhead_cache[key])
             scheme = ("leave-one-run-out" if (holdout == "run" or r.world == 1) else "leave-one-config-out")
             if given_study is not None and not leaks:
                 scheme = "calibration (disjoint runs)"
@@ -375,11 +454,11 @@ def format_validation(rep: ValidationReport) -> str:
     ]
     if rep.calibration_note:
         lines += ["calibration (not fitted on the study):"] + ["  " + ln for ln in rep.calibration_note.splitlines()]
-    lines.append("step = compute + encode + communicate + decode (one DDP bucket, after the backward) + hook overhead;"
-                 " samples/s = workers x batch / step")
+    lines.append("model: step = compute + encode + exposed communication + decode on the overlap timeline of "
+                 "lowbit.perfmodel.model (DDP buckets of 25 MiB) + per-step overhead; samples/s = workers x batch / step")
     head = (f"{'network/data':<18} {'bs':>3} {'backend':<7} {'K':>2} {'codec':<13} {'seed':>4} "
             f"{'meas ms':>8} {'pred ms':>8} {'err %':>7} {'meas s/s':>9} {'pred s/s':>9}  "
-            f"{'pred: comp/enc/comm/dec/ovh ms':<31} compute from")
+            f"{'pred comp/enc/exp.comm/dec/ovh ms':<34} compute from")
     lines += ["", head, "-" * len(head)]
     for p in rep.predictions:
         r = p.run
@@ -387,7 +466,7 @@ def format_validation(rep: ValidationReport) -> str:
         lines.append(
             f"{r.label[:18]:<18} {r.batch:>3} {r.backend:<7} {r.world:>2} {short_codec(r.codec):<13} {r.seed:>4} "
             f"{r.step_s * 1e3:>8.3f} {p.step_s * 1e3:>8.3f} {100 * p.error:>+7.1f} "
-            f"{p.measured_samples_per_s:>9,.0f} {p.samples_per_s:>9,.0f}  {parts:<31} {p.compute_source}"
+            f"{p.measured_samples_per_s:>9,.0f} {p.samples_per_s:>9,.0f}  {parts:<34} {p.compute_source}"
         )
     comm_sources = sorted({p.comm_source for p in rep.predictions if p.run.world > 1})
     if comm_sources:
