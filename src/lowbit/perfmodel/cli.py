@@ -1,10 +1,14 @@
-"""``lowbit predict``: the speed model from the command line.
+"""``lowbit predict`` and ``lowbit advise``: the speed model from the command line.
 
     lowbit predict --network vgg19 --gpus 64 --gpus-per-node 8 --intra nvlink --inter 100gbit \\
                    --codec qsgd:bits=4 [--algorithm scatter_gather] [--batch 64] [--device-tflops 100]
     lowbit predict --network resnet50 --sweep --out sweep.png     # GPUs 1, 2, 4, ..., 1024 + a plot
     lowbit predict --network alexnet --json                       # machine-readable
     lowbit predict --dettmers                                     # Dettmers' two tables vs the paper
+    lowbit predict --calibrate BENCH.json [RESULTS] --save-calibration cal.json
+    lowbit predict --validate RESULTS [--calibration cal.json | --bench BENCH.json] [--json]
+    lowbit predict --network vgg19 --gpus 2 --calibration cal.json  # measured links and codec costs
+    lowbit advise --network vgg19 --gpus 64 --gpus-per-node 8 --intra nvlink --inter 100gbit
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 from lowbit.perfmodel import dettmers
@@ -22,7 +27,8 @@ from lowbit.perfmodel.links import PRESETS
 from lowbit.perfmodel.model import Cluster, Prediction, predict_network
 from lowbit.perfmodel.networks import NETWORKS, get_network
 
-__all__ = ["register", "run_predict", "format_prediction", "format_sweep", "format_dettmers", "sweep"]
+__all__ = ["register", "run_predict", "format_prediction", "format_sweep", "format_dettmers", "sweep",
+           "run_calibrate", "run_validate"]
 
 
 def register(subparsers: Any) -> None:
@@ -35,9 +41,24 @@ def register(subparsers: Any) -> None:
         + ", ".join(sorted(PRESETS)) + " (or bw=5GB/s,lat=10us).",
     )
     p.add_argument("--network", help="a known network (" + ", ".join(NETWORKS) + ")")
+    g = p.add_argument_group("calibration and validation (docs/perfmodel.md, sections 5 and 8)")
+    g.add_argument("--calibrate", nargs="+", metavar="PATH",
+                   help="fit links, codec costs and compute from `lowbit bench allreduce --json` files and/or "
+                   "study results (a directory holding results.jsonl, or the .jsonl)")
+    g.add_argument("--save-calibration", metavar="PATH", help="with --calibrate: write the calibration JSON here")
+    g.add_argument("--validate", metavar="RESULTS",
+                   help="predicted vs measured step time for every run of these study results")
+    g.add_argument("--calibration", metavar="PATH",
+                   help="a saved calibration: for --validate, or to predict with measured links/costs")
+    g.add_argument("--bench", action="append", metavar="BENCH.json",
+                   help="for --validate: links and codec costs from this bench file (repeatable)")
+    g.add_argument("--holdout", default="config", choices=("config", "run"),
+                   help="for --validate: leave out every seed of the predicted run's configuration (config, "
+                   "default) or only the run itself (run)")
+    g.add_argument("--transport", default=None, help="with --calibration: which calibrated transport")
     p.add_argument("--gpus", type=int, default=8, help="number of GPUs (default 8)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
-    p.add_argument("--intra", default="nvlink", help="intra-node link (default nvlink)")
+    p.add_argument("--intra", default=None, help="intra-node link (default nvlink, or the calibrated link)")
     p.add_argument("--inter", default="100gbit", help="inter-node link (default 100gbit)")
     p.add_argument("--nics-per-node", type=int, default=1, help="inter-node links per node (default 1)")
     p.add_argument("--codec", default="qsgd:bits=8,bucket=512",
@@ -46,8 +67,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--algorithm", default="auto", choices=("auto",) + ALGORITHMS,
                    help="auto: allreduce for 16/32-bit floats, scatter_gather below")
     p.add_argument("--batch", type=int, default=64, help="samples per GPU per step (default 64)")
-    p.add_argument("--device-tflops", type=float, default=100.0,
-                   help="sustained TFLOP/s of one GPU on this network (default 100)")
+    p.add_argument("--device-tflops", type=float, default=None,
+                   help="sustained TFLOP/s of one GPU on this network (default 100, or the calibrated device rate)")
     p.add_argument("--encode-gbps", type=float, default=200.0,
                    help="encode throughput, GB/s of float32 input (default 200; 0 = free)")
     p.add_argument("--decode-gbps", type=float, default=200.0,
@@ -64,6 +85,18 @@ def register(subparsers: Any) -> None:
     p.add_argument("--dettmers", action="store_true",
                    help="print Dettmers' 4-GPU and 96-GPU tables vs the paper")
     p.set_defaults(func=run_predict)
+
+    from lowbit.perfmodel import advise
+
+    a = subparsers.add_parser(
+        "advise",
+        help="recommend a codec per layer type (a lowbit.Policy) for a network and cluster",
+        description="Recommends a lowbit.Policy (codec per layer type) from the speed model's predicted speedup "
+        "over fp32 on the given cluster and the accuracy evidence of study results or, without it, the seeds' "
+        "published findings (docs/perfmodel.md, section 9). Known networks: " + ", ".join(NETWORKS) + ".",
+    )
+    advise.add_arguments(a)
+    a.set_defaults(func=advise.run_advise)
 
 
 # ------------------------------------------------------------------------------------------ running
@@ -112,10 +145,85 @@ def sweep(args: argparse.Namespace) -> list[Prediction]:
     return [_predict(args, k) for k in counts]
 
 
+def run_calibrate(args: argparse.Namespace) -> int:
+    """``--calibrate PATH...``: each path is a bench JSON (an object with meta/rows) or study results."""
+    from lowbit.perfmodel.calibrate import calibrate
+
+    bench, results = [], []
+    for path in args.calibrate:
+        p = Path(path)
+        if not p.exists():
+            raise ValueError(f"--calibrate {path!r}: no such file or directory")
+        if p.is_dir() or p.suffix == ".jsonl":
+            results.append(path)
+        else:
+            bench.append(path)
+    cal = calibrate(bench, results)
+    if args.save_calibration:
+        cal.save(args.save_calibration)
+    if args.json:
+        print(json.dumps(cal.to_dict(), indent=2, sort_keys=True))
+    else:
+        print(f"calibration from {len(bench)} bench file(s) and {len(results)} study result set(s):")
+        print(cal.describe())
+        if args.save_calibration:
+            print(f"written to {args.save_calibration}")
+    return 0
+
+
+def run_validate(args: argparse.Namespace) -> int:
+    from lowbit.perfmodel.validate import format_validation, validate_path
+
+    rep = validate_path(args.validate, calibration_path=args.calibration, bench_paths=args.bench or [],
+                        holdout=args.holdout)
+    print(json.dumps(rep.to_dict(), indent=1, default=str) if args.json else format_validation(rep))
+    return 0
+
+
+def _predict_calibrated(args: argparse.Namespace) -> Prediction:
+    """One prediction with the calibration's links, codec costs, device rate and overheads."""
+    from lowbit.perfmodel import advise
+    from lowbit.perfmodel.codecbits import bits_per_value as _bpv
+
+    _bpv(args.codec)
+    setup = advise._setup(argparse.Namespace(
+        gpus=args.gpus, gpus_per_node=args.gpus_per_node, batch=args.batch, encode_gbps=args.encode_gbps,
+        decode_gbps=args.decode_gbps, calibration=args.calibration, transport=args.transport, intra=args.intra,
+        inter=args.inter, nics_per_node=args.nics_per_node, device_tflops=args.device_tflops,
+        algorithm="scatter_gather" if args.algorithm in ("auto", "allreduce", "hierarchical") else args.algorithm))
+    net = get_network(args.network)
+    codec = advise._canon(args.codec)
+    assignment = {g: codec for g in advise.network_groups(net)}
+    args.intra = setup.cluster.intra
+    args.device_tflops = setup.device_tflops
+    return advise.predict_assignment(net, assignment, setup)
+
+
 def run_predict(args: argparse.Namespace) -> int:
     if args.dettmers:
         print(json.dumps(_dettmers_json(), indent=2) if args.json else format_dettmers())
         return 0
+    if args.save_calibration and not args.calibrate:
+        raise ValueError("--save-calibration needs --calibrate BENCH.json [RESULTS]")
+    if args.calibrate:
+        return run_calibrate(args)
+    if args.validate:
+        return run_validate(args)
+    if args.bench:
+        raise ValueError("--bench is for --validate (to calibrate, use --calibrate BENCH.json)")
+    if args.calibration:
+        _validate(argparse.Namespace(**{**vars(args), "device_tflops": args.device_tflops or 1.0}))
+        if args.sweep:
+            raise ValueError("--sweep with --calibration is not supported; give explicit links instead")
+        pred = _predict_calibrated(args)
+        print(json.dumps(pred.to_dict(), indent=2) if args.json else
+              format_prediction(pred, args) + f"\n  (calibration {args.calibration}: links, codec costs"
+              f"{', device rate' if args.device_tflops else ''} and per-step overheads measured)")
+        return 0
+    if args.intra is None:
+        args.intra = "nvlink"
+    if args.device_tflops is None:
+        args.device_tflops = 100.0
     _validate(args)
     if args.sweep:
         rows = sweep(args)

@@ -1,0 +1,654 @@
+"""``lowbit advise``: which codec for which layers, on this cluster, at this accuracy tolerance?
+
+    lowbit advise --network vgg19 --gpus 64 --gpus-per-node 8 --intra nvlink --inter 100gbit \\
+                  [--tolerance 0.5] [--evidence RESULTS] [--calibration CAL.json] [--json]
+
+Plan:
+
+1. **Layer groups** by module type, from the network's profile (:mod:`networks`): ``Conv2d``
+   (convolutions, with their batch norms), ``Linear`` (fully connected), ``LSTM``.
+2. **Accuracy: which codecs may each group take?** Candidates: fp16, QSGD 8/4/2-bit (buckets 512, 512,
+   128, the seed's), 1bitSGD* (bucket 64, error feedback), Dettmers' dynamic 8-bit (error feedback).
+
+   * With study evidence *on this network* (``--evidence``: ``lowbit study`` results): a codec is
+     admissible if, in every (data set, workers) cell, its final test accuracy minus fp32's at the same
+     seed, averaged over seeds, is >= -tolerance points. The runs compressed every layer with one codec,
+     so this speaks for all groups at once.
+   * Without: the seed's published findings (``SEED_FINDINGS``, cited in the output), and only while
+     the study results on *other* networks with that layer type do not clearly contradict them (a cell
+     whose mean is below -tolerance by more than one standard deviation). The seed found convolutions
+     more sensitive than fully connected layers (Grubic et al. 2018, Sec. 1 and 5.1), so Conv2d layers
+     then get at least one rung more bits than Linear layers (ladder: 1bit < 2bit < 4bit < 8bit < fp16 <
+     fp32).
+3. **Speed**: every admissible assignment (group -> codec) is run through the step-time model
+   (:func:`lowbit.perfmodel.model.predict` with per-layer codecs) on the given cluster; the speedup is
+   over fp32 with the native allreduce on the same cluster. The fastest wins, but an assignment with
+   more bits is preferred when it is within 3% of the fastest (accuracy first when speed is a wash).
+4. **fp32 is the answer** when no assignment is predicted at least 1.05x faster than fp32: fast links
+   and compute-bound networks, the seed's NCCL finding ("on systems where NCCL is available, the fastest
+   approach may be simply to run full precision with NCCL", Sec. 5.2).
+
+The result is a :class:`lowbit.Policy`, printed as Python to paste into ``lowbit.ddp.register(model,
+policy=...)``, or as JSON (``--json``) that ``lowbit.Policy(**d["policy"])`` accepts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from lowbit.perfmodel.calibrate import Calibration, RunRecord, load_runs
+from lowbit.perfmodel.codecbits import bits_per_value
+from lowbit.perfmodel.links import Link
+from lowbit.perfmodel.model import Cluster, LayerCodec, Prediction, layers_for_network, predict
+from lowbit.perfmodel.networks import Network, get_network
+from lowbit.perfmodel.validate import short_codec
+
+__all__ = ["Candidate", "CANDIDATES", "SEED_FINDINGS", "Advice", "advise", "format_advice", "policy_code",
+           "default_evidence_path", "add_arguments", "run_advise", "GROUP_TYPES"]
+
+#: The collectives lowbit.ddp runs for quantised codecs (lowbit.comm.allreduce.ALGORITHMS minus allreduce).
+LOWBIT_ALGORITHMS = ("scatter_gather", "allgather")
+FASTER_THAN_FP32 = 1.05   # below this predicted speedup, fp32 is the answer
+WITHIN_BEST = 0.97        # assignments this close to the fastest count as ties; more bits wins a tie
+
+#: Layer group -> the module type names ``lowbit.Policy(by_type=...)`` matches.
+GROUP_TYPES = {"Conv2d": ("Conv2d",), "Linear": ("Linear",), "LSTM": ("LSTM",)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    name: str
+    spec: str
+    rung: int               # the bits ladder: higher = more bits
+    error_feedback: bool    # lowbit.ddp's "auto" turns it on for this codec
+
+    @property
+    def canonical(self) -> str:
+        return _canon(self.spec)
+
+    @property
+    def label(self) -> str:
+        return short_codec(self.canonical) + (" +EF" if self.error_feedback else "")
+
+
+FP32 = Candidate("fp32", "fp32", 6, False)
+CANDIDATES: tuple[Candidate, ...] = (
+    Candidate("fp16", "fp16", 5, False),
+    Candidate("qsgd8", "qsgd:bits=8,bucket=512", 4, False),
+    Candidate("dettmers", "dettmers:type=dynamic", 4, True),
+    Candidate("qsgd4", "qsgd:bits=4,bucket=512", 3, False),
+    Candidate("qsgd2", "qsgd:bits=2,bucket=128", 2, False),
+    Candidate("onebit", "onebit:bucket=64", 1, True),
+)
+
+#: What the seeds published about each candidate's accuracy: (loss bound in points per group, or None
+#: when the seed reports a loss that no tolerance covers; the finding, cited).
+SEED_FINDINGS: dict[str, tuple[dict[str, float | None], str]] = {
+    "fp16": ({"Conv2d": 0.0, "Linear": 0.0, "LSTM": 0.0},
+             "16-bit floats lose less than the 8-bit codecs below, which the seeds found lossless"),
+    "qsgd8": ({"Conv2d": 0.0, "Linear": 0.0, "LSTM": 0.0},
+              "Grubic et al., EDBT 2018, Sec. 1 and 5.1: 8-bit QSGD (bucket 512) 'always matches or even "
+              "improves final accuracy (within 0.5%)' on AlexNet, ResNet-50/110/152, BN-Inception, VGG19 "
+              "and an LSTM"),
+    "dettmers": ({"Conv2d": 0.0, "Linear": 0.0, "LSTM": 0.0},
+                 "Dettmers, ICLR 2016, abstract and Sec. 5: 8-bit approximations 'do not decrease "
+                 "predictive performance on MNIST, CIFAR10, and ImageNet'"),
+    "qsgd4": ({"Conv2d": 0.1, "Linear": 0.1, "LSTM": 0.1},
+              "Grubic et al. 2018, Sec. 1: 4-bit QSGD (bucket 512) 'always preserves the same accuracy "
+              "(within 0.1%)'"),
+    "qsgd2": ({"Conv2d": None, "Linear": None, "LSTM": 0.0},
+              "Grubic et al. 2018, Sec. 5.1: 2-bit QSGD 'has accuracy loss of at least 1 percentage point, "
+              "consistently across image classification datasets'; 'not the case for non-convolutional "
+              "networks (LSTMs), which appear to be able to handle quantization to very low precision'"),
+    "onebit": ({"Conv2d": 0.2, "Linear": 0.2, "LSTM": 0.2},
+               "Grubic et al. 2018, Sec. 1 and 5.1: 1bitSGD 'within 0.2%' of full precision; the reshaped "
+               "1bitSGD* needs bucket 64 and converges more slowly per epoch (tuned per network)"),
+}
+CONV_FINDING = ("Grubic et al. 2018, Sec. 1 (caveat 1) and 5.1 'Impact of Layer Types': 'for convolutional "
+                "neural networks, the convolutional layers require more bits than the fully connected layers'")
+NCCL_FINDING = ("Grubic et al. 2018, Sec. 5.2: with NCCL 'the performance improvement ... is almost negligible' "
+                "on most networks; 'on systems where NCCL is available, the fastest approach may be simply to "
+                "run full precision with NCCL'")
+
+
+def _canon(spec: str) -> str:
+    from lowbit.codecs.base import get_codec
+
+    return get_codec(spec).spec
+
+
+def _norm(name: str) -> str:
+    key = name.strip().lower().replace("-", "_")
+    return {"mnist_mlp": "mlp"}.get(key, key)
+
+
+def default_evidence_path() -> Path | None:
+    """The committed CPU study (benchmarks/results/study_cpu_default) when running from a source tree."""
+    import lowbit
+
+    root = Path(lowbit.__file__).resolve().parents[2]
+    p = root / "benchmarks" / "results" / "study_cpu_default" / "results.jsonl"
+    return p if p.is_file() else None
+
+
+# ------------------------------------------------------------------------------------------ groups
+def layer_group(layer_name: str) -> str:
+    """Profile layer name -> ``Linear`` (fc*), ``LSTM`` (lstm*) or ``Conv2d`` (conv*, residual blocks)."""
+    n = layer_name.lower()
+    if n.startswith("fc"):
+        return "Linear"
+    if n.startswith("lstm"):
+        return "LSTM"
+    return "Conv2d"
+
+
+def network_groups(net: Network) -> dict[str, dict[str, float]]:
+    """Group -> ``{"params", "flops"}`` shares of the network."""
+    layers = net.layers()
+    p_total = sum(p for _, p, _ in layers) or 1
+    f_total = sum(f for _, _, f in layers) or 1
+    out: dict[str, dict[str, float]] = {}
+    for name, p, f in layers:
+        g = out.setdefault(layer_group(name), {"params": 0.0, "flops": 0.0, "count": 0.0})
+        g["params"] += p / p_total
+        g["flops"] += f / f_total
+        g["count"] += p
+    return out
+
+
+def _model_groups(network: str) -> set[str]:
+    """Module-type groups with parameters in a ``lowbit.models`` network (built on the meta device)."""
+    try:
+        import torch
+
+        from lowbit.models import build_model
+
+        with torch.device("meta"):
+            model = build_model(network)
+        found = set()
+        for mod in model.modules():
+            if any(True for _ in mod.parameters(recurse=False)):
+                t = type(mod).__name__
+                if t.startswith("Conv"):
+                    found.add("Conv2d")
+                elif t in ("Linear", "LSTM"):
+                    found.add(t)
+        return found
+    except Exception:  # noqa: BLE001 - an unknown network: guess from the name
+        n = network.lower()
+        if "lstm" in n:
+            return {"LSTM", "Linear"}
+        if "mlp" in n:
+            return {"Linear"}
+        return {"Conv2d", "Linear"}
+
+
+# ------------------------------------------------------------------------------------------ evidence
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One (network, data, workers) cell: codec minus fp32 final test accuracy, points, over seeds."""
+
+    network: str
+    dataset: str
+    world: int
+    codec: str
+    diffs: tuple[float, ...]
+    fp32_acc: float
+    params: int
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.diffs)
+
+    @property
+    def std(self) -> float:
+        return statistics.stdev(self.diffs) if len(self.diffs) > 1 else 0.0
+
+    def matches(self, tol: float) -> bool:
+        return self.mean >= -tol
+
+    def noisy(self, tol: float) -> bool:
+        return self.mean - self.std <= -tol <= self.mean + self.std and len(self.diffs) > 1
+
+    def clear_fail(self, tol: float) -> bool:
+        return not self.matches(tol) and not self.noisy(tol)
+
+    def describe(self, tol: float) -> str:
+        mark = "OK " if self.matches(tol) else "NO "
+        noisy = " (noisy)" if self.noisy(tol) else ""
+        return (f"{mark}{self.network}/{self.dataset} K={self.world}: {self.mean:+.2f} +- {self.std:.2f} points "
+                f"vs fp32 {self.fp32_acc:.2f}% ({len(self.diffs)} seed{'s' if len(self.diffs) != 1 else ''})"
+                f"{noisy}")
+
+
+def evidence_cells(runs: list[RunRecord]) -> dict[str, list[Cell]]:
+    """Candidate name -> cells, pairing each run with the fp32 run of the same setting and seed."""
+    real = [r for r in runs if not r.synthetic and r.world > 1 and math.isfinite(r.final_test_acc)]
+
+    def pair_key(r: RunRecord) -> tuple[Any, ...]:
+        return (r.network, r.dataset, r.batch, r.world, r.backend, r.device, r.config_rest, r.seed)
+
+    base = {pair_key(r): r for r in real if r.codec_name == "fp32"}
+    by: dict[tuple[str, tuple[Any, ...]], list[tuple[float, float, RunRecord]]] = {}
+    canon = {c.canonical: c for c in CANDIDATES}
+    for r in real:
+        cand = canon.get(r.codec)
+        if cand is None or r.error_feedback != cand.error_feedback:
+            continue
+        b = base.get(pair_key(r))
+        if b is None:
+            continue
+        cell = (r.network, r.dataset, r.batch, r.world, r.backend, r.device, r.config_rest)
+        by.setdefault((cand.name, cell), []).append((100 * (r.final_test_acc - b.final_test_acc),
+                                                     100 * b.final_test_acc, r))
+    out: dict[str, list[Cell]] = {}
+    for (name, cell), vals in sorted(by.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        out.setdefault(name, []).append(Cell(cell[0], cell[1], cell[3], name, tuple(v[0] for v in vals),
+                                             statistics.fmean(v[1] for v in vals), vals[0][2].params))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    admissible: bool
+    basis: str        # "study" (this network), "seed" (seed findings, not contradicted), "seed, contradicted"
+    detail: str
+
+
+def judge(cand: Candidate, group: str, network: str, cells: dict[str, list[Cell]], tol: float,
+          groups_of: dict[str, set[str]]) -> Verdict:
+    """Is ``cand`` admissible for ``group`` of ``network`` at tolerance ``tol`` (module doc, step 2)?"""
+    mine = [c for c in cells.get(cand.name, []) if _norm(c.network) == _norm(network)]
+    if mine:
+        ok = all(c.matches(tol) for c in mine)
+        fails = [c for c in mine if not c.matches(tol)]
+        detail = (f"matched fp32 within {tol:g} points in all {len(mine)} cells of the study"
+                  if ok else f"missed in {len(fails)} of {len(mine)} cells of the study")
+        return Verdict(ok, "study", detail)
+    bounds, _ = SEED_FINDINGS[cand.name]
+    bound = bounds.get(group)
+    if bound is None:
+        return Verdict(False, "seed", f"the seed reports a loss of 1 point or more for {group} layers")
+    if bound > tol:
+        return Verdict(False, "seed", f"the seed bounds its loss by {bound:g} points > tolerance {tol:g}")
+    others = [c for c in cells.get(cand.name, []) if group in groups_of.get(c.network, set())]
+    bad = [c for c in others if c.clear_fail(tol)]
+    if bad:
+        worst = min(bad, key=lambda c: c.mean)
+        return Verdict(False, "seed, contradicted",
+                       f"seed finding contradicted by the study on other networks with {group} layers "
+                       f"({len(bad)} of {len(others)} cells clearly below -{tol:g}, e.g. "
+                       f"{worst.network}/{worst.dataset} {worst.mean:+.2f} +- {worst.std:.2f})")
+    return Verdict(True, "seed", f"seed finding (loss <= {bound:g} points)"
+                   + (f"; not contradicted by {len(others)} study cells on other networks" if others else ""))
+
+
+# ------------------------------------------------------------------------------------------ speed
+@dataclasses.dataclass(frozen=True)
+class SpeedSetup:
+    cluster: Cluster
+    batch: int
+    device_tflops: float
+    algorithm: str
+    encode_Bps: float | None
+    decode_Bps: float | None
+    calibration: Calibration | None = None
+    transport: str = ""
+    compute_factor: float = 1.0
+    overhead_native_s: float = 0.0
+    overhead_compressed_s: float = 0.0
+
+
+def _layer_codec(spec: str, setup: SpeedSetup) -> LayerCodec:
+    bits = bits_per_value(spec)
+    name = spec.split(":", 1)[0]
+    algo = "allreduce" if name in ("fp32", "fp16", "bf16") else setup.algorithm
+    kw: dict[str, Any] = dict(encode_Bps=setup.encode_Bps, decode_Bps=setup.decode_Bps)
+    link: Link | None = None
+    cal = setup.calibration
+    if cal is not None:
+        fit, _ = cal.link_for(setup.transport, algo)
+        if fit is not None and setup.cluster.gpus <= setup.cluster.gpus_per_node:
+            link = fit.link()  # measured on one node: it describes the intra-node path
+        if name != "fp32":
+            cost, _ = cal.codec_for(setup.transport, algo, _canon(spec))
+            if cost is not None:
+                kw = dict(encode_Bps=cost.encode_Bps, decode_Bps=cost.decode_Bps,
+                          encode_call_s=cost.encode_call_s, decode_call_s=cost.decode_call_s)
+    return LayerCodec(bits, algo, link=link, label=spec, **kw)
+
+
+def predict_assignment(net: Network, assignment: dict[str, str], setup: SpeedSetup) -> Prediction:
+    """Step time of ``net`` with each layer group's codec (``{"Conv2d": spec, ...}``)."""
+    layers = layers_for_network(net, setup.batch, setup.device_tflops)
+    if setup.compute_factor != 1.0:
+        layers = [dataclasses.replace(layer, compute_s=layer.compute_s * setup.compute_factor) for layer in layers]
+    cache: dict[str, LayerCodec] = {}
+    codecs = []
+    for name, _, _ in net.layers():
+        spec = assignment[layer_group(name)]
+        if spec not in cache:
+            cache[spec] = _layer_codec(spec, setup)
+        codecs.append(cache[spec])
+    fp32 = _layer_codec("fp32", setup)
+    pred = predict(layers, setup.cluster, batch_per_gpu=setup.batch, network=net.name, layer_codecs=codecs)
+    base = predict(layers, setup.cluster, batch_per_gpu=setup.batch, network=net.name,
+                   layer_codecs=[fp32] * len(layers))
+    native = all(s.split(":", 1)[0] in ("fp32", "fp16", "bf16") for s in assignment.values())
+    if setup.cluster.gpus > 1:
+        step = pred.step_s + (setup.overhead_native_s if native else setup.overhead_compressed_s)
+        fp32_step = base.step_s + setup.overhead_native_s
+    else:
+        step, fp32_step = pred.step_s, base.step_s
+    k = setup.cluster.gpus
+    return dataclasses.replace(pred, step_s=step, fp32_step_s=fp32_step, speedup_vs_fp32=fp32_step / step,
+                               samples_per_s=k * setup.batch / step,
+                               scaling_efficiency=pred.breakdown.compute_s / step)
+
+
+# ------------------------------------------------------------------------------------------ advice
+@dataclasses.dataclass
+class Advice:
+    network: str
+    groups: dict[str, dict[str, float]]
+    assignment: dict[str, str]          # group -> canonical codec spec ("fp32" everywhere when fp32)
+    fp32_is_best: bool
+    prediction: Prediction
+    options: list[dict[str, Any]]       # every assignment tried: groups, speedup, admissible
+    verdicts: dict[str, dict[str, Verdict]]
+    cells: dict[str, list[Cell]]
+    evidence_source: str
+    direct_evidence: bool
+    tolerance: float
+    setup: SpeedSetup
+    notes: list[str]
+
+    def policy_dict(self) -> dict[str, Any]:
+        specs = set(self.assignment.values())
+        if len(specs) == 1:
+            return {"default": next(iter(specs)), "by_type": {}, "by_name": {}}
+        default = max(specs, key=lambda s: _rung(s))
+        by_type = {t: spec for g, spec in sorted(self.assignment.items()) for t in GROUP_TYPES[g]}
+        return {"default": default, "by_type": by_type, "by_name": {}}
+
+    def policy(self) -> Any:
+        from lowbit.policy import Policy
+
+        return Policy(**self.policy_dict())
+
+    def to_dict(self) -> dict[str, Any]:
+        p = self.prediction
+        return {
+            "network": self.network,
+            "cluster": {"gpus": self.setup.cluster.gpus, "gpus_per_node": self.setup.cluster.gpus_per_node,
+                        "intra": _link_txt(self.setup.cluster.intra), "inter": _link_txt(self.setup.cluster.inter),
+                        "batch_per_gpu": self.setup.batch, "device_tflops": self.setup.device_tflops,
+                        "algorithm": self.setup.algorithm, "calibrated_transport": self.setup.transport or None},
+            "tolerance_points": self.tolerance,
+            "fp32_is_best": self.fp32_is_best,
+            "groups": {g: {"codec": self.assignment[g], "param_share": v["params"], "flop_share": v["flops"]}
+                       for g, v in self.groups.items()},
+            "policy": self.policy_dict(),
+            "algorithm": self.prediction.algorithm,
+            "python": policy_code(self.policy_dict(), self.fp32_is_best, self.prediction.algorithm),
+            "predicted": {"speedup_vs_fp32": p.speedup_vs_fp32, "step_s": p.step_s, "fp32_step_s": p.fp32_step_s,
+                          "samples_per_s": p.samples_per_s, "bytes_per_rank": p.bytes_per_rank},
+            "options": self.options,
+            "accuracy": {
+                "evidence": self.evidence_source,
+                "evidence_on_this_network": self.direct_evidence,
+                "verdicts": {c: {g: dataclasses.asdict(v) for g, v in by.items()} for c, by in self.verdicts.items()},
+                "cells": {c: [dict(dataclasses.asdict(x), mean=x.mean, std=x.std, matches=x.matches(self.tolerance),
+                                   noisy=x.noisy(self.tolerance)) for x in cs] for c, cs in self.cells.items()},
+                "seed_findings": {k: v[1] for k, v in SEED_FINDINGS.items()},
+                "conv_finding": CONV_FINDING,
+            },
+            "notes": self.notes,
+        }
+
+
+def _rung(spec: str) -> int:
+    c = _canon(spec)
+    for cand in (FP32,) + CANDIDATES:
+        if cand.canonical == c:
+            return cand.rung
+    return 0
+
+
+def _link_txt(link: Any) -> str | None:
+    return link.describe() if isinstance(link, Link) else None
+
+
+def advise(
+    network: str,
+    setup: SpeedSetup,
+    *,
+    tolerance: float = 0.5,
+    evidence: list[RunRecord] | None = None,
+    evidence_source: str = "",
+) -> Advice:
+    """The recommendation (module doc)."""
+    if not (tolerance >= 0 and math.isfinite(tolerance)):
+        raise ValueError(f"--tolerance must be a number of accuracy points >= 0, got {tolerance!r}")
+    net = get_network(network)
+    groups = network_groups(net)
+    cells = evidence_cells(evidence or [])
+    groups_of = {c.network: _model_groups(c.network) for cs in cells.values() for c in cs}
+    direct = any(_norm(c.network) == _norm(net.name) for cs in cells.values() for c in cs)
+    verdicts: dict[str, dict[str, Verdict]] = {}
+    allowed: dict[str, list[Candidate]] = {g: [FP32] for g in groups}
+    for cand in CANDIDATES:
+        for g in groups:
+            v = judge(cand, g, net.name, cells, tolerance, groups_of)
+            verdicts.setdefault(cand.name, {})[g] = v
+            if v.admissible:
+                allowed[g].append(cand)
+    notes: list[str] = []
+    conv_rule = "Conv2d" in groups and "Linear" in groups and not direct
+    names = list(groups)
+    options: list[dict[str, Any]] = []
+    tried: list[tuple[float, float, dict[str, str], Prediction]] = []
+    for combo in itertools.product(*(allowed[g] for g in names)):
+        chosen = dict(zip(names, combo))
+        if conv_rule and chosen["Conv2d"].rung <= chosen["Linear"].rung and chosen["Conv2d"].rung < FP32.rung:
+            continue
+        assignment = {g: c.canonical for g, c in chosen.items()}
+        quantised = any(c.name not in ("fp32", "fp16") for c in combo)
+        algos = (LOWBIT_ALGORITHMS if setup.algorithm == "auto" else (setup.algorithm,)) if quantised else ("allreduce",)
+        algo, pred = max(((al, predict_assignment(net, assignment, dataclasses.replace(setup, algorithm=al)))
+                          for al in algos), key=lambda t: t[1].speedup_vs_fp32)
+        pred = dataclasses.replace(pred, algorithm=algo)
+        weighted_bits = sum(groups[g]["params"] * bits_per_value(assignment[g]) for g in names)
+        tried.append((pred.speedup_vs_fp32, weighted_bits, assignment, pred))
+        options.append({"assignment": {g: short_codec(s) for g, s in assignment.items()},
+                        "algorithm": algo, "speedup_vs_fp32": pred.speedup_vs_fp32, "step_s": pred.step_s})
+    fastest = max(t[0] for t in tried)
+    near = [t for t in tried if t[0] >= WITHIN_BEST * fastest]
+    best = max(near, key=lambda t: (t[1], t[0]))
+    fp32_best = fastest < FASTER_THAN_FP32
+    if fp32_best:
+        fp32_assign = {g: FP32.canonical for g in names}
+        best = next(t for t in tried if t[2] == fp32_assign)
+        notes.append(f"no admissible assignment is predicted >= {FASTER_THAN_FP32:.2f}x faster than fp32 "
+                     f"(fastest {fastest:.2f}x): keep fp32. {NCCL_FINDING}.")
+    if conv_rule:
+        notes.append("Conv2d layers were kept at least one rung above Linear layers (no study evidence on this "
+                     f"network): {CONV_FINDING}.")
+    options.sort(key=lambda o: -o["speedup_vs_fp32"])
+    return Advice(net.name, groups, best[2], fp32_best, best[3], options, verdicts, cells, evidence_source,
+                  direct, tolerance, setup, notes)
+
+
+# ------------------------------------------------------------------------------------------ output
+def policy_code(policy: dict[str, Any], fp32: bool = False, algorithm: str = "scatter_gather") -> str:
+    """Python to paste: ``policy = lowbit.Policy(...)`` and the register call."""
+    lines = ["import lowbit", "", "policy = lowbit.Policy("]
+    lines.append(f"    default={policy['default']!r},")
+    if policy["by_type"]:
+        lines.append("    by_type={")
+        for t, spec in policy["by_type"].items():
+            lines.append(f"        {t!r}: {spec!r},")
+        lines.append("    },")
+    lines.append(")")
+    if fp32:
+        lines.append("# fp32 everywhere: plain DDP is the same thing; registering lowbit changes nothing but adds "
+                     "a hook")
+    algo = "" if algorithm in ("scatter_gather", "allreduce") else f", algorithm={algorithm!r}"
+    lines.append(f"state = lowbit.ddp.register(ddp_model, policy=policy{algo})  # error_feedback='auto': on for "
+                 "onebit and dettmers")
+    return "\n".join(lines)
+
+
+def format_advice(a: Advice) -> str:
+    s, p = a.setup, a.prediction
+    c = s.cluster
+    inter = f", inter {c.inter.describe()}" if isinstance(c.inter, Link) and c.gpus > c.gpus_per_node else ""
+    lines = [
+        f"lowbit advise: {a.network} on {c.gpus} GPU(s), {c.gpus_per_node} per node; intra "
+        f"{c.intra.describe() if isinstance(c.intra, Link) else c.intra}{inter}",
+        f"  batch {s.batch}/GPU at {s.device_tflops:.3g} TFLOP/s; quantised codecs via "
+        f"{'scatter_gather or allgather' if s.algorithm == 'auto' else s.algorithm}; "
+        f"accuracy tolerance {a.tolerance:g} points"
+        + (f"; links and codec costs calibrated ({s.transport})" if s.calibration is not None else
+           f"; encode/decode at {_gbps(s.encode_Bps)}/{_gbps(s.decode_Bps)}"),
+        "  layer groups: " + ", ".join(f"{g} {100 * v['params']:.0f}% of params / {100 * v['flops']:.0f}% of FLOPs"
+                                       for g, v in a.groups.items()),
+        "",
+    ]
+    if a.fp32_is_best:
+        lines.append(f"RECOMMENDATION: fp32 (no compression). Best admissible codec is predicted at only "
+                     f"{max(o['speedup_vs_fp32'] for o in a.options):.2f}x of fp32 here.")
+    else:
+        lines.append("RECOMMENDATION: " + ", ".join(f"{g} -> {short_codec(spec)}" for g, spec in a.assignment.items())
+                     + f"   predicted {p.speedup_vs_fp32:.2f}x over fp32 "
+                     f"(step {p.step_s * 1e3:.1f} ms vs {p.fp32_step_s * 1e3:.1f} ms; {p.samples_per_s:,.0f} samples/s)")
+    lines += ["", policy_code(a.policy_dict(), a.fp32_is_best, p.algorithm), ""]
+    lines.append("fastest admissible assignments (predicted speedup over fp32):")
+    for o in a.options[:6]:
+        lines.append("  " + ", ".join(f"{g} {v}" for g, v in o["assignment"].items())
+                     + f" ({o['algorithm']}): {o['speedup_vs_fp32']:.2f}x")
+    lines += ["", f"accuracy (tolerance {a.tolerance:g} points; evidence: {a.evidence_source or 'none'}):"]
+    if not a.direct_evidence:
+        lines.append(f"  No study results for {a.network} in the evidence: the accuracy side rests on the seeds' "
+                     "published findings only. Verify on your model (e.g. `lowbit study` with this network) "
+                     "before relying on it.")
+    for cand in CANDIDATES:
+        by = a.verdicts.get(cand.name, {})
+        parts = [f"{g}: {'yes' if v.admissible else 'no'} ({v.basis})" for g, v in by.items()]
+        lines.append(f"  {cand.label:<16} " + "; ".join(parts))
+        reasons = sorted({v.detail for v in by.values()})
+        for r in reasons:
+            lines.append(f"      {r}")
+        for cell in a.cells.get(cand.name, []):
+            lines.append(f"      {cell.describe(a.tolerance)}")
+    if not a.direct_evidence:
+        lines += ["", "seed findings used:"] + [f"  {k}: {v[1]}" for k, v in SEED_FINDINGS.items()]
+    for n in a.notes:
+        lines += ["", n]
+    return "\n".join(lines)
+
+
+def _gbps(bps: float | None) -> str:
+    return "free" if bps is None else f"{bps / 1e9:g} GB/s"
+
+
+# ------------------------------------------------------------------------------------------ command
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--network", required=True, help="a known network (lowbit predict --help lists them)")
+    p.add_argument("--gpus", type=int, default=8, help="number of GPUs / workers (default 8)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--intra", default=None, help="intra-node link (default nvlink, or the calibrated link)")
+    p.add_argument("--inter", default="100gbit", help="inter-node link (default 100gbit)")
+    p.add_argument("--nics-per-node", type=int, default=1, help="inter-node links per node (default 1)")
+    p.add_argument("--tolerance", type=float, default=0.5,
+                   help="final test accuracy loss allowed, in percentage points (default 0.5)")
+    p.add_argument("--evidence", default=None,
+                   help="study results (directory or results.jsonl) for the accuracy side; default: the "
+                   "committed benchmarks/results/study_cpu_default when present; 'none' for none")
+    p.add_argument("--calibration", default=None,
+                   help="calibration JSON (lowbit predict --calibrate ... --save-calibration): measured links, "
+                   "codec costs, device rate and overheads")
+    p.add_argument("--transport", default=None, help="which calibrated transport (default: the only/first one)")
+    p.add_argument("--algorithm", default="auto", choices=("auto",) + LOWBIT_ALGORITHMS,
+                   help="collective for the quantised codecs; auto (default) takes the faster of scatter_gather "
+                   "and allgather for each assignment")
+    p.add_argument("--batch", type=int, default=64, help="samples per GPU per step (default 64)")
+    p.add_argument("--device-tflops", type=float, default=None,
+                   help="sustained TFLOP/s of one GPU (default 100, or the calibrated device rate)")
+    p.add_argument("--encode-gbps", type=float, default=200.0, help="encode GB/s of float32 (default 200; 0 = free)")
+    p.add_argument("--decode-gbps", type=float, default=200.0, help="decode GB/s of float32 (default 200; 0 = free)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _setup(args: argparse.Namespace) -> SpeedSetup:
+    if args.gpus < 1:
+        raise ValueError(f"--gpus must be a positive integer, got {args.gpus}")
+    if args.gpus_per_node < 1:
+        raise ValueError(f"--gpus-per-node must be a positive integer, got {args.gpus_per_node}")
+    if args.batch < 1:
+        raise ValueError(f"--batch must be a positive integer, got {args.batch}")
+    for what in ("encode", "decode"):
+        v = getattr(args, f"{what}_gbps")
+        if not (v >= 0 and math.isfinite(v)):
+            raise ValueError(f"--{what}-gbps must be >= 0, got {v}")
+    cal = Calibration.load(args.calibration) if args.calibration else None
+    transport, tflops, factor, o_nat, o_comp = "", args.device_tflops, 1.0, 0.0, 0.0
+    intra: Any = args.intra or "nvlink"
+    if cal is not None:
+        transports = sorted(cal.links) or sorted(cal.codecs)
+        if not transports:
+            raise ValueError(f"calibration {args.calibration!r} holds no links or codec costs")
+        transport = args.transport or transports[0]
+        if transport not in transports:
+            raise ValueError(f"--transport {transport!r} not in the calibration (it has {', '.join(transports)})")
+        fit, _ = cal.link_for(transport, "allreduce")
+        if args.intra is None and fit is not None:
+            intra = fit.link(f"calibrated {transport}")
+        rates = [v["flops_per_s"] for v in cal.compute.values() if v.get("flops_per_s")]
+        if tflops is None and rates:
+            tflops = statistics.median(rates) / 1e12
+        backend = transport.split("/")[0]
+        for key, v in cal.world_factor.items():
+            b, _, k = key.split("|")
+            if b == backend and int(k) == args.gpus:
+                factor = float(v["factor"])
+        for key, v in cal.step_overhead_s.items():
+            parts = key.split("|")
+            if parts[0] == backend and int(parts[2]) == args.gpus and len(parts) == 4:
+                if parts[3] == "native":
+                    o_nat = float(v["seconds"])
+                else:
+                    o_comp = float(v["seconds"])
+    if tflops is None:
+        tflops = 100.0
+    if not (tflops > 0 and math.isfinite(tflops)):
+        raise ValueError(f"--device-tflops must be > 0, got {tflops}")
+    cluster = Cluster(gpus=args.gpus, gpus_per_node=args.gpus_per_node, intra=intra, inter=args.inter,
+                      nics_per_node=args.nics_per_node)
+    return SpeedSetup(cluster, args.batch, tflops, args.algorithm,
+                      None if args.encode_gbps == 0 else args.encode_gbps * 1e9,
+                      None if args.decode_gbps == 0 else args.decode_gbps * 1e9,
+                      cal, transport, factor, o_nat, o_comp)
+
+
+def run_advise(args: argparse.Namespace) -> int:
+    get_network(args.network)  # unknown network -> ValueError with the list, before any work
+    setup = _setup(args)
+    runs: list[RunRecord] = []
+    source = ""
+    if args.evidence is None:
+        path = default_evidence_path()
+        if path is not None:
+            runs, source = load_runs(path), f"{path} (default)"
+    elif args.evidence.lower() != "none":
+        runs, source = load_runs(args.evidence), args.evidence
+    advice = advise(args.network, setup, tolerance=args.tolerance, evidence=runs, evidence_source=source)
+    print(json.dumps(advice.to_dict(), indent=2, default=str) if args.json else format_advice(advice))
+    return 0
