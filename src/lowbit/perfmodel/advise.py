@@ -269,8 +269,9 @@ def judge(cand: Candidate, group: str, network: str, cells: dict[str, list[Cell]
     if mine:
         ok = all(c.matches(tol) for c in mine)
         fails = [c for c in mine if not c.matches(tol)]
-        detail = (f"matched fp32 within {tol:g} points in all {len(mine)} cells of the study"
-                  if ok else f"missed in {len(fails)} of {len(mine)} cells of the study")
+        detail = (f"on {mine[0].network}: matched fp32 within {tol:g} points in all {len(mine)} study cells"
+                  if ok else f"on {mine[0].network}: missed fp32 by more than {tol:g} points in {len(fails)} of "
+                  f"{len(mine)} study cells")
         return Verdict(ok, "study", detail)
     bounds, _ = SEED_FINDINGS[cand.name]
     bound = bounds.get(group)
@@ -451,6 +452,11 @@ def advise(
             if v.admissible:
                 allowed[g].append(cand)
     notes: list[str] = []
+    sizes = sorted({c.params for cs in cells.values() for c in cs if _norm(c.network) == _norm(net.name)})
+    if sizes and any(abs(p / net.params - 1) > 0.05 for p in sizes if p):
+        notes.append(f"the study's {net.name} has {', '.join(f'{p:,}' for p in sizes)} parameters, the speed model's "
+                     f"{net.params:,}: same architecture family, different size; the accuracy evidence is for the "
+                     "study's.")
     conv_rule = "Conv2d" in groups and "Linear" in groups and not direct
     names = list(groups)
     options: list[dict[str, Any]] = []

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import itertools
 import json
 import math
@@ -46,7 +47,8 @@ import numpy as np
 from lowbit.perfmodel.codecbits import bits_per_value
 from lowbit.perfmodel.collectives import Topology, collective
 from lowbit.perfmodel.links import Link
-from lowbit.perfmodel.model import codec_work
+from lowbit.perfmodel.model import Layer, codec_work, make_buckets
+from lowbit.perfmodel.networks import get_network
 
 __all__ = [
     "fit_link",
@@ -63,6 +65,9 @@ __all__ = [
     "fit_comm_in_situ",
     "calibrate",
     "run_groups",
+    "run_buckets",
+    "run_layers",
+    "network_profile",
     "ddp_buckets",
     "pure_compute_s",
     "DDP_FIRST_BUCKET_BYTES",
@@ -448,37 +453,71 @@ def load_runs(path: str | os.PathLike[str]) -> list[RunRecord]:
     return runs
 
 
-def ddp_buckets(params: int) -> int:
-    """How many gradient buckets DDP makes for ``params`` float32 gradients (1 MiB first, then 25 MiB)."""
-    total = 4 * params
-    if total <= DDP_FIRST_BUCKET_BYTES:
-        return 1
-    return 1 + math.ceil((total - DDP_FIRST_BUCKET_BYTES) / DDP_BUCKET_BYTES)
+_MODEL_TO_PROFILE = {"bn_inception": "bn-inception", "mlp": "mnist-mlp", "small_cnn": "small-cnn"}
+
+
+@functools.lru_cache(maxsize=64)
+def network_profile(network: str, params: int) -> tuple[tuple[float, float], ...]:
+    """Per-layer ``(params share, compute share)`` in forward order: the :mod:`networks` profile of the
+    same network when its parameter count matches within 5%, else one layer."""
+    try:
+        net = get_network(_MODEL_TO_PROFILE.get(network, network))
+    except ValueError:
+        return ((1.0, 1.0),)
+    layers = net.layers()
+    p_total = sum(p for _, p, _ in layers)
+    f_total = sum(f for _, _, f in layers)
+    if not p_total or not f_total or abs(p_total / max(params, 1) - 1) > 0.05:
+        return ((1.0, 1.0),)
+    return tuple((p / p_total, f / f_total) for _, p, f in layers)
+
+
+def run_layers(run: RunRecord, compute_s: float = 1.0) -> tuple[list[Layer], list[str]]:
+    """The run's network as model layers, and the codec spec each one travels with.
+
+    Layers follow :func:`network_profile`, with ``compute_s`` spread over them by FLOPs; each layer's
+    parameters split into the part the run's codec compresses (``compressed_params``) and an fp32 part
+    (biases, small tensors: the native allreduce), as ``lowbit.ddp``'s hook sends them.
+    """
+    comp_frac = (run.compressed_params if run.codec_name != "fp32" and run.world > 1 else 0) / max(run.params, 1)
+    layers: list[Layer] = []
+    specs: list[str] = []
+    for i, (p_share, f_share) in enumerate(network_profile(run.network, run.params)):
+        n = round(max(run.params, 1) * p_share)
+        n_comp = round(n * comp_frac)
+        if n_comp:
+            layers.append(Layer(f"l{i}", n_comp, compute_s * f_share))
+            specs.append(run.codec)
+        if n - n_comp > 0 or not n_comp:
+            layers.append(Layer(f"l{i}.fp32", max(0, n - n_comp), 0.0 if n_comp else compute_s * f_share))
+            specs.append("fp32")
+    return layers, specs
+
+
+def run_buckets(run: RunRecord) -> list[list[tuple[str, str, int]]]:
+    """Per DDP bucket (1 MiB first, then 25 MiB, in backward order), the collectives the hook issues:
+    one per codec, ``(codec spec, algorithm, values)``."""
+    layers, specs = run_layers(run)
+    out = []
+    for b in make_buckets(layers, DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES):
+        groups: dict[str, int] = {}
+        for i in b.layers:
+            if layers[i].params:
+                groups[specs[i]] = groups.get(specs[i], 0) + layers[i].params
+        out.append([(spec, run.algorithm if spec != "fp32" else "allreduce", n) for spec, n in groups.items()])
+    return out
+
+
+def ddp_buckets(run: RunRecord) -> int:
+    """How many gradient buckets DDP makes for the run (see :func:`run_buckets`)."""
+    return len(run_buckets(run)) if run.world > 1 else 1
 
 
 def run_groups(run: RunRecord) -> list[tuple[str, str, int]]:
-    """The collectives of one step, as ``lowbit.ddp``'s hook issues them: per DDP bucket, one group per
-    codec: ``[(codec spec, algorithm, values), ...]``.
-
-    Parameters the policy compresses (``compressed_params``) go with the run's codec; the rest (biases,
-    small tensors) with fp32 through the native allreduce. Buckets follow DDP's caps (1 MiB first, then
-    25 MiB); the groups of a bucket split its values in the run's proportion.
-    """
+    """The collectives of one step, bucket after bucket: ``[(codec spec, algorithm, values), ...]``."""
     if run.world <= 1 or run.params <= 0:
         return []
-    n_buckets = ddp_buckets(run.params)
-    comp = run.compressed_params if run.codec_name != "fp32" else 0
-    fp32_part = run.params - comp
-    out = []
-    for b in range(n_buckets):
-        lo = b * run.params // n_buckets
-        hi = (b + 1) * run.params // n_buckets
-        share = (hi - lo) / run.params
-        if comp:
-            out.append((run.codec, run.algorithm, max(1, round(comp * share))))
-        if fp32_part:
-            out.append(("fp32", "allreduce", max(1, round(fp32_part * share))))
-    return out
+    return [g for bucket in run_buckets(run) for g in bucket]
 
 
 def pure_compute_s(run: RunRecord) -> float:
@@ -488,7 +527,7 @@ def pure_compute_s(run: RunRecord) -> float:
     the encoding of all but the last happens while gradients are still being computed and lands in the
     measured compute; the speed model adds encoding separately.
     """
-    b = ddp_buckets(run.params) if run.world > 1 else 1
+    b = ddp_buckets(run)
     inside = run.encode_s * (b - 1) / b if run.codec_name != "fp32" else 0.0
     return max(run.compute_s - inside, 0.0)
 

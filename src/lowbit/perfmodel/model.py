@@ -198,19 +198,23 @@ class Bucket:
     params: int
 
 
-def make_buckets(layers: Sequence[Layer], bucket_bytes: float = DEFAULT_BUCKET_BYTES) -> list[Bucket]:
+def make_buckets(
+    layers: Sequence[Layer], bucket_bytes: float = DEFAULT_BUCKET_BYTES, first_bucket_bytes: float | None = None
+) -> list[Bucket]:
     """Group layers in backward order until a bucket holds ``bucket_bytes`` of fp32 gradients.
 
     ``bucket_bytes = 0`` gives one bucket per layer. Layers without parameters join the next bucket
-    (they produce no gradient but their backward still has to finish first).
+    (they produce no gradient but their backward still has to finish first). ``first_bucket_bytes``
+    caps the first bucket differently (DDP: 1 MiB, so communication starts early); default: the same.
     """
-    if bucket_bytes < 0:
-        raise ValueError(f"bucket size must be >= 0 bytes, got {bucket_bytes!r}")
+    if bucket_bytes < 0 or (first_bucket_bytes is not None and first_bucket_bytes < 0):
+        raise ValueError(f"bucket size must be >= 0 bytes, got {bucket_bytes!r} / {first_bucket_bytes!r}")
     buckets, current, params = [], [], 0
     for i in reversed(range(len(layers))):
         current.append(i)
         params += layers[i].params
-        if params > 0 and 4 * params >= bucket_bytes:
+        cap = first_bucket_bytes if (not buckets and first_bucket_bytes is not None) else bucket_bytes
+        if params > 0 and 4 * params >= cap:
             buckets.append(Bucket(tuple(current), params))
             current, params = [], 0
     if current:
@@ -261,6 +265,7 @@ def simulate_step(
     bucket_bytes: float = DEFAULT_BUCKET_BYTES,
     backward_fraction: float = 2 / 3,
     layer_codecs: Sequence[LayerCodec] | None = None,
+    first_bucket_bytes: float | None = None,
 ) -> tuple[float, Breakdown, float, int]:
     """One step on the two-stream timeline of the module doc -> (step_s, breakdown, bytes/rank, buckets).
 
@@ -281,7 +286,7 @@ def simulate_step(
         raise ValueError(f"{len(layer_codecs)} layer codecs for {len(layers)} layers")
     compute = sum(layer.compute_s for layer in layers)
     t = (1 - backward_fraction) * compute                 # compute stream: forward done
-    buckets = make_buckets(layers, bucket_bytes) if topo.world > 1 else []
+    buckets = make_buckets(layers, bucket_bytes, first_bucket_bytes) if topo.world > 1 else []
     comm_free, comm_busy, encode_total, sent = 0.0, 0.0, 0.0, 0.0
     transfers: list[tuple[float, float]] = []              # (start-ready time, duration) per bucket
     decode_times: list[float] = []

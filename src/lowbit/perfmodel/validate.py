@@ -39,6 +39,7 @@ from typing import Any
 
 from lowbit.perfmodel.calibrate import (
     DDP_BUCKET_BYTES,
+    DDP_FIRST_BUCKET_BYTES,
     Calibration,
     RunRecord,
     _resolve_results,
@@ -47,6 +48,7 @@ from lowbit.perfmodel.calibrate import (
     fit_comm_in_situ,
     fit_study,
     load_runs,
+    run_layers,
 )
 from lowbit.perfmodel.codecbits import bits_per_value
 from lowbit.perfmodel.collectives import Topology
@@ -135,25 +137,6 @@ def _compute_for(run: RunRecord, cal: Calibration) -> tuple[float | None, str]:
     return None, "no compute measured for this network/data/batch"
 
 
-_MODEL_TO_PROFILE = {"bn_inception": "bn-inception", "mlp": "mnist-mlp", "small_cnn": "small-cnn"}
-
-
-@functools.lru_cache(maxsize=64)
-def _profile(network: str, params: int) -> tuple[tuple[float, float], ...]:
-    """Per-layer ``(params share, compute share)`` in forward order: the :mod:`networks` profile of the
-    same network when its parameter count matches within 5%, else one layer."""
-    try:
-        net = get_network(_MODEL_TO_PROFILE.get(network, network))
-    except ValueError:
-        return ((1.0, 1.0),)
-    layers = net.layers()
-    p_total = sum(p for _, p, _ in layers)
-    f_total = sum(f for _, _, f in layers)
-    if not p_total or not f_total or abs(p_total / max(params, 1) - 1) > 0.05:
-        return ((1.0, 1.0),)
-    return tuple((p / p_total, f / f_total) for _, p, f in layers)
-
-
 @functools.lru_cache(maxsize=256)
 def _bits(spec: str) -> float:
     return bits_per_value(spec)
@@ -163,9 +146,9 @@ def model_step(run: RunRecord, cal: Calibration) -> tuple[float, Breakdown, str,
     """The modelled step of ``run`` without the overhead term: ``(step_s, breakdown, compute source,
     communication source)``, or a string saying why it cannot be predicted.
 
-    Layers follow the network's profile (:func:`_profile`); each layer's parameters split into the part
-    the run's codec compresses and an fp32 part (biases, small tensors), so that a DDP bucket of 25 MiB
-    sends one collective per codec, communication overlapping the rest of the backward pass.
+    Layers as :func:`lowbit.perfmodel.calibrate.run_layers` builds them (the network's profile, each
+    layer split into the compressed part and an fp32 part), buckets as DDP makes them (1 MiB first, then
+    25 MiB): one collective per codec and bucket, communication overlapping the rest of the backward.
     """
     compute, compute_src = _compute_for(run, cal)
     if compute is None:
@@ -177,9 +160,9 @@ def model_step(run: RunRecord, cal: Calibration) -> tuple[float, Breakdown, str,
         return step, br, compute_src, "-"
     notes: set[str] = set()
     sources: set[str] = set()
-    comp_frac = (run.compressed_params if run.codec_name != "fp32" else 0) / run.params
-    specs = [(run.codec, run.algorithm)] if comp_frac > 0 else []
-    if comp_frac < 1:
+    comp = run.compressed_params if run.codec_name != "fp32" else 0
+    specs = [(run.codec, run.algorithm)] if comp > 0 else []
+    if comp < run.params:
         specs.append(("fp32", "allreduce"))
     lcs: dict[str, LayerCodec] = {}
     for spec, algo in specs:
@@ -200,20 +183,12 @@ def model_step(run: RunRecord, cal: Calibration) -> tuple[float, Breakdown, str,
                 lc.update(encode_Bps=cost.encode_Bps, decode_Bps=cost.decode_Bps,
                           encode_call_s=cost.encode_call_s, decode_call_s=cost.decode_call_s)
         lcs[spec] = LayerCodec(**lc)
-    layers: list[Layer] = []
-    codecs: list[LayerCodec] = []
-    for i, (p_share, f_share) in enumerate(_profile(run.network, run.params)):
-        n = run.params * p_share
-        n_comp = round(n * comp_frac)
-        if n_comp:
-            layers.append(Layer(f"l{i}", n_comp, compute * f_share))
-            codecs.append(lcs[run.codec])
-        if round(n) - n_comp > 0 or not n_comp:
-            layers.append(Layer(f"l{i}.fp32", max(0, round(n) - n_comp), 0.0 if n_comp else compute * f_share))
-            codecs.append(lcs["fp32"] if "fp32" in lcs else lcs[run.codec])
+    layers, layer_specs = run_layers(run, compute)
+    codecs = [lcs[spec] for spec in layer_specs]
     topo = Topology(run.world, run.world, next(iter(lcs.values())).link or Link(0.0, 1e15))
     step, br, _, _ = simulate_step(layers, topo, algorithm="allreduce", bits=32.0, overlap=True,
-                                   bucket_bytes=DDP_BUCKET_BYTES, layer_codecs=codecs)
+                                   bucket_bytes=DDP_BUCKET_BYTES, first_bucket_bytes=DDP_FIRST_BUCKET_BYTES,
+                                   layer_codecs=codecs)
     comm_src = "; ".join(sorted(sources))
     if notes:
         comm_src += " (" + "; ".join(sorted(notes)) + ")"
@@ -233,7 +208,8 @@ def predict_run(run: RunRecord, cal: Calibration, holdout: str = "") -> RunPredi
             overhead = float(o["seconds"])
         else:
             comm_src += " (no overhead calibrated)"
-    return RunPrediction(run, max(step + overhead, 1e-12), br.compute_s, br.encode_s, br.exposed_comm_s,
+    # The overhead is a fitted bias and may be negative, but no step is shorter than its compute.
+    return RunPrediction(run, max(step + overhead, br.compute_s, 1e-12), br.compute_s, br.encode_s, br.exposed_comm_s,
                          br.decode_s, overhead, compute_src, comm_src, holdout)
 
 
@@ -386,7 +362,7 @@ def validate(
             else:
                 refit += 1
             cal = cal.merged(refit_cal)
-            if r.world > 1 and r.overhead_key not in cal.step_overhead_s:
+            if r.world > 1 and r.overhead_key not in cal.step_overhead_s and r.scale_key not in cal.step_overhead_s:
                 key = (unit, r.scale_key)
                 if key not in overhead_cache:
                     overhead_cache[key] = fit_overhead([t for t in train if t.scale_key == r.scale_key], cal)
