@@ -568,8 +568,8 @@ class Calibration:
         return None, ""
 
     def codec_for(self, transport: str, algorithm: str, codec: str) -> tuple[CodecCost | None, str]:
-        """Costs of ``codec`` under ``algorithm``: exact; else the same codec family; else the mean of
-        the transport's codecs under that algorithm (noted)."""
+        """Costs of ``codec`` under ``algorithm``: exact; else the same codec family; else the same codec
+        under another algorithm; else the mean of the transport's codecs under that algorithm (noted)."""
         keys = [transport] + sorted(k for k in self.codecs if k != transport and k.split("/")[0] == transport.split("/")[0])
         name = codec.split(":", 1)[0]
         for k in keys:
@@ -579,6 +579,10 @@ class Calibration:
             family = [v for s, v in table.items() if s.split(":", 1)[0] == name]
             if family:
                 return _mean_cost(family, f"mean of other {name} codecs"), f"{name} family mean"
+        for k in keys:  # the same codec measured under another algorithm: its per-byte costs carry over
+            for algo, table in sorted(self.codecs.get(k, {}).items()):
+                if codec in table:
+                    return table[codec], f"costs measured under {algo}"
         for k in keys:
             table = self.codecs.get(k, {}).get(algorithm, {})
             if table:
