@@ -6,27 +6,39 @@
     pred.step_s, pred.samples_per_s, pred.scaling_efficiency, pred.speedup_vs_fp32, pred.breakdown
 
 Modules: ``links`` (alpha-beta links and presets), ``collectives`` (time and bytes of each algorithm),
-``model`` (step-time timeline with overlap), ``calibrate`` (fit a link to measured timings),
-``dettmers`` (Dettmers' 4-GPU and 96-GPU models), ``projection`` (the seed's Figure 16 projection),
-``networks`` (the seed's networks as parameters and FLOPs), ``cli`` (``lowbit predict``).
+``model`` (step-time timeline with overlap, per-layer codecs), ``calibrate`` (links, codec costs,
+compute and overheads from ``lowbit bench`` and study results), ``validate`` (the model against measured
+runs, held out), ``advise`` (a recommended ``lowbit.Policy``), ``dettmers`` (Dettmers' 4-GPU and 96-GPU
+models), ``projection`` (the seed's Figure 16 projection), ``networks`` (the seed's networks as
+parameters and FLOPs), ``cli`` (``lowbit predict``, ``lowbit advise``).
 """
 
 from __future__ import annotations
 
-from lowbit.perfmodel.calibrate import fit_link
+from lowbit.perfmodel.calibrate import Calibration, calibrate, fit_link
 from lowbit.perfmodel.codecbits import bits_per_value
 from lowbit.perfmodel.collectives import ALGORITHMS, CommCost, Topology, collective
 from lowbit.perfmodel.links import PRESETS, Link, parse_link
-from lowbit.perfmodel.model import Breakdown, Cluster, Layer, Prediction, predict, predict_network
+from lowbit.perfmodel.model import (
+    Breakdown,
+    Cluster,
+    Layer,
+    LayerCodec,
+    Prediction,
+    predict,
+    predict_network,
+)
 from lowbit.perfmodel.networks import NETWORKS, Network, get_network
 from lowbit.perfmodel.projection import projected_speedup, speedup_bound
 
 __all__ = [
     "ALGORITHMS",
     "Breakdown",
+    "Calibration",
     "Cluster",
     "CommCost",
     "Layer",
+    "LayerCodec",
     "Link",
     "NETWORKS",
     "Network",
@@ -34,6 +46,7 @@ __all__ = [
     "Prediction",
     "Topology",
     "bits_per_value",
+    "calibrate",
     "collective",
     "fit_link",
     "get_network",

@@ -54,7 +54,6 @@ from lowbit.perfmodel.codecbits import bits_per_value
 from lowbit.perfmodel.collectives import Topology
 from lowbit.perfmodel.links import Link
 from lowbit.perfmodel.model import Breakdown, Layer, LayerCodec, simulate_step
-from lowbit.perfmodel.networks import get_network
 
 __all__ = ["RunPrediction", "ValidationReport", "predict_run", "validate", "validate_path",
            "format_validation", "short_codec", "TARGET_MEDIAN_ABS_ERROR"]
