@@ -98,7 +98,7 @@ def test_torchrun_launch(tmp_path: Path) -> None:
            "-m", "lowbit", "study", "--preset", "smoke", "--codecs", "fp32",
            "--out", str(out), "--no-progress", "--no-report"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     runs = _rows(out, "run")
     assert len(runs) == 1 and runs[0]["env"]["launcher"] == "torchrun"
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import gc
 import json
 import math
 import os
@@ -535,6 +536,11 @@ def _run_under_torchrun(cfg: StudyConfig, out_dir: str | os.PathLike[str], progr
                           done_before=len(runs) - len(pending), finished_this_invocation=0, crash_after=crash_after,
                           progress=progress, launcher="torchrun", study=cfg.name)
         ran = _run_group(rank, world, plan)
+        # Free the last run's DDP reducer and lowbit state while the group is alive, and let every rank
+        # get here before tearing it down: without this a rank sometimes aborted at exit
+        # ("terminate called without an active exception") under torchrun.
+        gc.collect()
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     return StudyResult(store.path, len(runs), len(runs) - len(pending), ran, time.perf_counter() - t0)
