@@ -269,33 +269,47 @@ def _scatter_gather(comp, codec, group, op, rank, k, feedback, seed, stats) -> F
 
 # ------------------------------------------------------------------------------------- async engine
 class _Engine:
-    """One worker thread per process group; runs communication jobs strictly in submission order."""
+    """One worker thread per process group; runs communication jobs strictly in submission order.
+
+    On CUDA the thread issues its work on its own stream, so collectives and decoding overlap the
+    backward kernels instead of queueing behind them (and, worse, making them queue behind the
+    network). A job first waits for an event recorded on the submitter's stream, so it sees the
+    tensors the submitter produced; its result is synchronised before the future completes.
+    """
 
     def __init__(self, device: torch.device) -> None:
-        self.jobs: queue.Queue[tuple[Callable[[], Any], torch.futures.Future] | None] = queue.Queue()
+        self.jobs: queue.Queue[tuple[Callable[[], Any], torch.futures.Future, Any] | None] = queue.Queue()
         self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.thread = threading.Thread(target=self._loop, name="lowbit-comm", daemon=True)
         self.thread.start()
 
     def _loop(self) -> None:
-        if self.device.type == "cuda":
+        if self.stream is not None:
             torch.cuda.set_device(self.device)
+            torch.cuda.set_stream(self.stream)
         while True:
             item = self.jobs.get()
             if item is None:
                 return
-            fn, fut = item
+            fn, fut, ready = item
             try:
+                if ready is not None:
+                    self.stream.wait_event(ready)  # type: ignore[union-attr]
                 result = fn()
-                if isinstance(result, torch.Tensor) and result.is_cuda:
-                    torch.cuda.current_stream(result.device).synchronize()
+                if self.stream is not None:
+                    self.stream.synchronize()
                 fut.set_result(result)
             except BaseException as exc:  # noqa: BLE001 — delivered to whoever waits
                 fut.set_exception(exc)
 
     def submit(self, fn: Callable[[], Any]) -> torch.futures.Future:
         fut: torch.futures.Future = torch.futures.Future()
-        self.jobs.put((fn, fut))
+        ready = None
+        if self.stream is not None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        self.jobs.put((fn, fut, ready))
         return fut
 
 
