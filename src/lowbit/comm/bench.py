@@ -1,0 +1,570 @@
+"""``lowbit bench allreduce``: time compressed allreduce against the native fp32 allreduce.
+
+For every size x codec x algorithm the benchmark reports the time of one ``lowbit.all_reduce`` call,
+the bytes each rank puts on the wire, the algorithm bandwidth, the split encode / communicate / decode,
+and the speedup over the native fp32 allreduce (``lowbit.all_reduce(t, "fp32", algorithm="allreduce")``)
+measured in the same run at the same size.
+
+Measurement plan (every rank runs the same loop, so collectives are issued in the same order):
+
+    for size:                                 x0 = randn(size) on this rank's device (per-rank seed)
+        cases = [torch.distributed.all_reduce itself, fp32 allreduce (the baseline), the grid...]
+        warm-up: each case warmup times      not timed (allocator, numba JIT, gloo connections)
+        for rep in reps:                      round-robin, so a burst of other load hits every case
+            for case in cases:
+                t.copy_(x0); barrier          every rank starts the call together
+                start; call(t); sync          CUDA synchronisation before reading the clock on GPU
+        median over reps                      per rank and case
+        all_gather_object                     rank 0 reports the max over ranks of the medians:
+                                              the slowest rank bounds a collective
+
+The encode / communicate / decode split comes from :class:`~lowbit.comm.allreduce.CommStats` (median
+per call, of the slowest rank). On CPU its timers cost nothing, so the timed calls carry them; on CUDA
+they synchronise the device between phases, so the split is measured in a separate pass of ``reps``
+calls and the headline time comes from calls without them. Time outside the three phases (the cast to
+float32 and the copy back into the caller's tensor) is in the headline time only.
+
+Processes: ``lowbit.launch.spawn`` starts ``--world-size`` local processes (one GPU each on NCCL);
+under ``torchrun`` (RANK and WORLD_SIZE set) the benchmark joins that launch instead and only rank 0
+prints and writes. Every argument is validated before any process starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import re
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lowbit.codecs.base import get_codec
+from lowbit.comm.allreduce import ALGORITHMS, NATIVE, CommStats, all_reduce
+from lowbit.feedback import ErrorFeedback
+
+__all__ = ["BenchConfig", "parse_sizes", "parse_codecs", "parse_algorithms", "register", "run", "format_table"]
+
+DEFAULT_SIZES = "1M,4M,16M"
+DEFAULT_CODECS = [
+    "fp32",
+    "fp16",
+    "qsgd:bits=8,bucket=512",
+    "qsgd:bits=4,bucket=512",
+    "qsgd:bits=2,bucket=128",
+    "onebit:bucket=64",
+    "dettmers:type=dynamic",
+]
+BASELINE = ("fp32", "allreduce")
+NCCL_ENV = ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_IB_DISABLE", "NCCL_SOCKET_IFNAME", "NCCL_ALGO",
+            "NCCL_PROTO")
+_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+# --------------------------------------------------------------------------------------- arguments
+def parse_sizes(text: str) -> list[int]:
+    """``"1M,4M,16M"`` -> element counts. Suffixes K/M/G are binary (1M = 2**20 elements)."""
+    sizes = []
+    for item in (s.strip() for s in text.split(",")):
+        m = re.fullmatch(r"(\d+)\s*([KMGkmg]?)", item)
+        if not m:
+            raise ValueError(f"bad size {item!r} in --sizes {text!r}: expected an element count with an optional "
+                             "suffix K, M or G (binary: 1M = 1048576 elements), e.g. 1M,4M,16M")
+        n = int(m.group(1)) * _SUFFIX[m.group(2).upper()]
+        if n < 1:
+            raise ValueError(f"bad size {item!r} in --sizes: must be at least 1 element")
+        sizes.append(n)
+    return list(dict.fromkeys(sizes))
+
+
+def size_label(n: int) -> str:
+    for suffix in ("G", "M", "K"):
+        if n % _SUFFIX[suffix] == 0:
+            return f"{n // _SUFFIX[suffix]}{suffix}"
+    return str(n)
+
+
+def parse_codecs(values: list[str] | None) -> list[str]:
+    """Codec specs (validated, deduplicated, as given) from repeated ``--codecs`` values.
+
+    Each value may hold several specs, separated by ``;`` or by commas. A spec's own parameters are
+    comma-separated too (``qsgd:bits=4,bucket=512``), so a comma-separated item of the form ``key=value``
+    continues the spec before it and any other item starts a new one:
+    ``fp32,qsgd:bits=4,bucket=512`` is ``fp32`` and ``qsgd:bits=4,bucket=512``.
+    """
+    specs: list[str] = []
+    for value in values or DEFAULT_CODECS:
+        for group in value.split(";"):
+            current: list[str] = []
+            for item in (s.strip() for s in group.split(",")):
+                if not item:
+                    continue
+                if "=" in item and ":" not in item and current:
+                    current.append(item)
+                    continue
+                if current:
+                    specs.append(",".join(current))
+                current = [item]
+            if current:
+                specs.append(",".join(current))
+    if not specs:
+        raise ValueError("--codecs is empty")
+    seen: dict[str, str] = {}  # canonical spec -> the spec as given (shorter, for the table)
+    for spec in specs:
+        try:
+            seen.setdefault(get_codec(spec).spec, spec)
+        except ValueError as exc:
+            raise ValueError(f"--codecs {spec!r}: {exc}") from None
+    return list(seen.values())
+
+
+def parse_algorithms(text: str) -> list[str]:
+    algos = [a.strip() for a in text.replace(";", ",").split(",") if a.strip()]
+    for a in algos:
+        if a not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {a!r} in --algorithms; choose from {', '.join(ALGORITHMS)}")
+    if not algos:
+        raise ValueError("--algorithms is empty")
+    return list(dict.fromkeys(algos))
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark run, validated; what every rank receives."""
+
+    backend: str
+    sizes: tuple[int, ...]
+    codecs: tuple[str, ...]
+    algorithms: tuple[str, ...]
+    reps: int = 10
+    warmup: int = 2
+    ef: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"--backend must be gloo or nccl, got {self.backend!r}")
+        if self.reps < 1:
+            raise ValueError(f"--reps must be >= 1, got {self.reps}")
+        if self.warmup < 0:
+            raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+
+    def combos(self) -> tuple[list[tuple[str, str]], list[dict[str, str]]]:
+        """(codec, algorithm) pairs to time per size, the fp32 allreduce baseline first; and the skipped."""
+        pairs, skipped = [BASELINE], []
+        for spec in self.codecs:
+            codec = get_codec(spec)
+            for algo in self.algorithms:
+                if algo == "allreduce" and codec.name not in NATIVE:
+                    skipped.append({"codec": spec, "algorithm": algo,
+                                    "reason": "allreduce sums on the wire: fp32/fp16/bf16 only"})
+                elif (codec.spec, algo) != (get_codec(BASELINE[0]).spec, BASELINE[1]):
+                    pairs.append((spec, algo))
+        return pairs, skipped
+
+
+# ------------------------------------------------------------------------------------------ worker
+def _device(backend: str) -> torch.device:
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())  # set to the rank's GPU by the launcher
+    return torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _barrier(device: torch.device) -> None:
+    import torch.distributed as dist
+
+    _sync(device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        if device.type == "cuda":
+            dist.barrier(device_ids=[device.index])
+        else:
+            dist.barrier()
+
+
+def _numba_threads() -> int | None:
+    """numba's thread count in this process, if the numba kernels were loaded."""
+    numba = sys.modules.get("numba")
+    return int(numba.get_num_threads()) if numba is not None else None
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+RAW = ("torch.distributed", "all_reduce")  # torch.distributed.all_reduce itself (sum, in place)
+
+
+def _timed_call(t: torch.Tensor, x0: torch.Tensor, case: tuple[str, str], feedback: ErrorFeedback | None,
+                seed: int, stats: CommStats | None, device: torch.device) -> float:
+    """Reset ``t`` to this rank's input, line the ranks up, and time one call (seconds)."""
+    import torch.distributed as dist
+
+    t.copy_(x0)
+    _barrier(device)
+    t0 = time.perf_counter()
+    if case == RAW:
+        if dist.get_world_size() > 1:
+            dist.all_reduce(t)
+    else:
+        all_reduce(t, case[0], algorithm=case[1], feedback=feedback, seed=seed, stats=stats)
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _measure_size(n: int, rank: int, cfg: BenchConfig, pairs: list[tuple[str, str]], device: torch.device,
+                  bar: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    """This rank's medians for every case at size n.
+
+    The reps go round-robin over the cases (rep 0 of every case, then rep 1, ...), so a burst of other
+    load on the machine slows every case alike instead of whichever case it happened to fall on: the
+    ratios to the baseline stay fair on a busy machine.
+    """
+    g = torch.Generator().manual_seed(1_000 * rank + 17)
+    x0 = torch.randn(n, generator=g).to(device)  # (n,) float32, synthetic
+    t = torch.empty_like(x0)
+    cases = [RAW, *pairs]
+    feedback = {c: ErrorFeedback(c[0]) if cfg.ef and c[1] != "allreduce" and c != RAW else None for c in cases}
+    split_pass = device.type == "cuda"  # CommStats' timers synchronise the device: keep them off the clock
+    times: dict[tuple[str, str], list[float]] = {c: [] for c in cases}
+    stats: dict[tuple[str, str], list[CommStats]] = {c: [] for c in cases}
+    rel_err: dict[tuple[str, str], float] = {}
+    for i in range(cfg.warmup):
+        for c in cases:
+            _timed_call(t, x0, c, feedback[c], 10_000 + i, None, device)
+            if bar is not None:
+                bar.update(1)
+    for i in range(cfg.reps):
+        exact = None  # this rep's mean from the fp32 allreduce (the baseline comes right after RAW)
+        for c in cases:
+            s = CommStats() if not split_pass and c != RAW else None
+            times[c].append(_timed_call(t, x0, c, feedback[c], i, s, device))
+            if s is not None:
+                stats[c].append(s)
+            if c == BASELINE:
+                exact = t.clone()
+            elif c != RAW and i == cfg.reps - 1:
+                # A sanity check, not a quality study: a broken kernel must not pass as a fast one.
+                rel_err[c] = float((t - exact).norm() / exact.norm().clamp_min(1e-30))
+            if bar is not None:
+                bar.update(1)
+    if split_pass:
+        for i in range(cfg.reps):
+            for c in pairs:
+                s = CommStats()
+                _timed_call(t, x0, c, feedback[c], cfg.reps + i, s, device)
+                stats[c].append(s)
+    out: dict[tuple[str, str], dict[str, Any]] = {RAW: {"time_s": statistics.median(times[RAW])}}
+    for c in pairs:
+        out[c] = {
+            "time_s": statistics.median(times[c]),
+            "time_min_s": min(times[c]),
+            "t_encode_s": statistics.median(s.t_encode for s in stats[c]),
+            "t_comm_s": statistics.median(s.t_comm for s in stats[c]),
+            "t_decode_s": statistics.median(s.t_decode for s in stats[c]),
+            "bytes_sent": max(s.bytes_sent for s in stats[c]),
+            "rel_error": rel_err.get(c, 0.0),
+        }
+    return out
+
+
+def worker(rank: int, world_size: int, cfg: BenchConfig) -> dict[str, Any] | None:
+    """Run the grid on this rank; rank 0 returns ``{"rows": [...], "meta": {...}}``, the others None."""
+    from lowbit.comm.collectives import all_gather_object
+    from lowbit.kernels.dispatch import backend_for
+
+    device = _device(cfg.backend)
+    pairs, _ = cfg.combos()
+    bar = None
+    if rank == 0 and cfg.progress:
+        from tqdm import tqdm
+
+        calls = len(cfg.sizes) * (len(pairs) + 1) * (cfg.warmup + cfg.reps)
+        bar = tqdm(total=calls, desc="bench allreduce", unit="call", file=sys.stderr, leave=False)
+    rows, raw_times = [], {}
+    for n in cfg.sizes:
+        if bar is not None:
+            bar.set_postfix_str(f"size {size_label(n)}")
+        mine = _measure_size(n, rank, cfg, pairs, device, bar)
+        per_rank = all_gather_object(mine, None)  # every rank's medians; rank 0 reports the slowest
+        if rank == 0:
+            raw_times[n] = max(r[RAW]["time_s"] for r in per_rank)
+            rows += [_row(n, spec, algo, cfg, [r[(spec, algo)] for r in per_rank]) for spec, algo in pairs]
+    if bar is not None:
+        bar.close()
+    # Which kernels ran, asked after the run (each process loads a backend once, on first use).
+    kernels = all_gather_object(backend_for(torch.empty(1 << 20, device=device), "qsgd_encode").__name__, None)
+    if rank != 0:
+        return None
+    _add_ratios(rows, raw_times)
+    kernel = kernels[0] if len(set(kernels)) == 1 else ", ".join(f"rank {r}: {k}" for r, k in enumerate(kernels))
+    return {"rows": rows, "meta": {"device_name": _device_name(device), "kernel_backend": kernel,
+                                   "torch_threads_per_rank": torch.get_num_threads(),
+                                   "numba_threads_per_rank": _numba_threads()}}
+
+
+def _row(n: int, spec: str, algo: str, cfg: BenchConfig, per_rank: list[Any]) -> dict[str, Any]:
+    slowest = max(per_rank, key=lambda r: r["time_s"])
+    time_s = slowest["time_s"]
+    return {
+        "size": size_label(n),
+        "numel": n,
+        "codec": spec,
+        "codec_spec": get_codec(spec).spec,
+        "algorithm": algo,
+        "baseline": (spec, algo) == BASELINE,
+        "error_feedback": cfg.ef and algo != "allreduce",
+        "time_s": time_s,
+        "time_min_s": max(r["time_min_s"] for r in per_rank),
+        "algbw_GBps": 4 * n / time_s / 1e9,
+        "bytes_sent_per_rank": max(r["bytes_sent"] for r in per_rank),
+        "fp32_bytes": 4 * n,
+        "t_encode_s": slowest["t_encode_s"],
+        "t_comm_s": slowest["t_comm_s"],
+        "t_decode_s": slowest["t_decode_s"],
+        "rel_error": max(r["rel_error"] for r in per_rank),
+        "per_rank": per_rank,
+    }
+
+
+def _add_ratios(rows: list[dict[str, Any]], raw_times: dict[int, float]) -> None:
+    base = {r["numel"]: r["time_s"] for r in rows if r["baseline"]}
+    base_min = {r["numel"]: r["time_min_s"] for r in rows if r["baseline"]}
+    for r in rows:
+        r["ratio_vs_fp32_allreduce"] = base[r["numel"]] / r["time_s"]
+        # The same from each rank's fastest rep: less sensitive to other load on a shared machine.
+        r["ratio_vs_fp32_allreduce_min"] = base_min[r["numel"]] / r["time_min_s"]
+        r["raw_dist_all_reduce_s"] = raw_times[r["numel"]]
+        r["ratio_vs_raw_dist_all_reduce"] = raw_times[r["numel"]] / r["time_s"]
+
+
+# ------------------------------------------------------------------------------------------ output
+def _human_bytes(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    head = ["size", "codec", "algorithm", "ms/call", "vs fp32 AR", "algbw GB/s", "sent/rank",
+            "encode ms", "comm ms", "decode ms", "rel err"]
+    body = []
+    for r in rows:
+        body.append([
+            r["size"], r["codec"] + (" +ef" if r["error_feedback"] else ""), r["algorithm"],
+            f"{1e3 * r['time_s']:.2f}", f"{r['ratio_vs_fp32_allreduce']:.2f}x", f"{r['algbw_GBps']:.2f}",
+            _human_bytes(r["bytes_sent_per_rank"]), f"{1e3 * r['t_encode_s']:.2f}",
+            f"{1e3 * r['t_comm_s']:.2f}", f"{1e3 * r['t_decode_s']:.2f}", f"{r['rel_error']:.1e}",
+        ])
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
+    left = {0, 1, 2}
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    out = [line(head), "  ".join("-" * w for w in widths)]
+    for i, b in enumerate(body):
+        if i and rows[i]["numel"] != rows[i - 1]["numel"]:
+            out.append("")
+        out.append(line(b))
+    return "\n".join(out)
+
+
+def _git_commit() -> str | None:
+    """The lowbit checkout's commit (with "+dirty" when tracked files differ), if it is a git checkout."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[3]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=5, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "") if head else None
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def _metadata(cfg: BenchConfig, world_size: int, label: str, worker_meta: dict[str, Any],
+              skipped: list[dict[str, str]], launcher: str, load_before: list[float] | None) -> dict[str, Any]:
+    return {
+        "benchmark": "lowbit bench allreduce",
+        "label": label,
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "hostname": socket.gethostname(),
+        "backend": cfg.backend,
+        "world_size": world_size,
+        "launcher": launcher,
+        "device_name": worker_meta["device_name"],
+        "cpu_count": os.cpu_count(),
+        # Other work on the machine skews CPU timings: a load average above the rank count says so.
+        "loadavg_1_5_15_before": load_before,
+        "loadavg_1_5_15_after": _loadavg(),
+        "torch_threads_per_rank": worker_meta["torch_threads_per_rank"],
+        "numba_threads_per_rank": worker_meta["numba_threads_per_rank"],
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "numba_num_threads_env": os.environ.get("NUMBA_NUM_THREADS"),
+        "kernel_backend": worker_meta["kernel_backend"],
+        "torch_version": torch.__version__,
+        "lowbit_git_commit": _git_commit(),
+        "python_version": platform.python_version(),
+        "nccl_env": {k: os.environ[k] for k in NCCL_ENV if k in os.environ},
+        "tensors": "synthetic: torch.randn float32, a different seed per rank",
+        "op": "mean",
+        "reps": cfg.reps,
+        "warmup": cfg.warmup,
+        "error_feedback": cfg.ef,
+        "timing": "time_s = max over ranks of the per-rank median over reps (barrier before each rep, CUDA "
+                  "sync after); encode/comm/decode = CommStats medians per call of that slowest rank; "
+                  "ratio_vs_fp32_allreduce = fp32 allreduce time / this time, same run and size; "
+                  "time_min_s / ratio_vs_fp32_allreduce_min: the same from each rank's fastest rep; "
+                  "raw_dist_all_reduce_s = torch.distributed.all_reduce itself, same protocol; "
+                  "rel_error = ||result - fp32 allreduce mean|| / ||mean|| after the last rep (max over ranks)",
+        "sizes": [size_label(n) for n in cfg.sizes],
+        "codecs": list(cfg.codecs),
+        "algorithms": list(cfg.algorithms),
+        "skipped": skipped,
+    }
+
+
+# ------------------------------------------------------------------------------------------ command
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def run(args: argparse.Namespace) -> int:
+    """Validate everything, launch (or join torchrun), print the table and write the JSON."""
+    cfg = BenchConfig(
+        backend=args.backend,
+        sizes=tuple(parse_sizes(args.sizes)),
+        codecs=tuple(parse_codecs(args.codecs)),
+        algorithms=tuple(parse_algorithms(args.algorithms)),
+        reps=args.reps,
+        warmup=args.warmup,
+        ef=args.ef,
+        progress=not args.quiet,
+    )
+    _, skipped = cfg.combos()
+    json_path = Path(args.json) if args.json else None
+    if json_path is not None and json_path.exists() and json_path.is_dir():
+        raise ValueError(f"--json {args.json!r} is a directory")
+    if cfg.backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("--backend nccl needs CUDA GPUs, and none is visible; use --backend gloo on CPU")
+
+    load_before = _loadavg()
+    if _under_torchrun():
+        world_size = int(os.environ["WORLD_SIZE"])
+        if args.world_size is not None and args.world_size != world_size:
+            raise ValueError(f"--world-size {args.world_size} disagrees with torchrun's WORLD_SIZE={world_size}")
+        import torch.distributed as dist
+
+        from lowbit.launch import init_from_env
+
+        rank, world_size = init_from_env(cfg.backend, timeout=datetime.timedelta(seconds=args.timeout))
+        try:
+            result = worker(rank, world_size, cfg)
+        finally:
+            dist.destroy_process_group()
+        if rank != 0:
+            return 0
+        launcher = "torchrun"
+    else:
+        world_size = 2 if args.world_size is None else args.world_size
+        if world_size < 1:
+            raise ValueError(f"--world-size must be >= 1, got {world_size}")
+        if cfg.backend == "nccl" and torch.cuda.device_count() < world_size:
+            raise ValueError(f"--backend nccl needs one GPU per rank: {world_size} ranks, "
+                             f"{torch.cuda.device_count()} GPUs visible")
+        from lowbit.launch import spawn
+
+        result = spawn(worker, world_size, cfg, backend=cfg.backend, timeout_s=args.timeout)[0]
+        launcher = "lowbit.launch.spawn"
+
+    assert result is not None
+    rows = result["rows"]
+    meta = _metadata(cfg, world_size, args.label or "", result["meta"], skipped, launcher, load_before)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    print(f"lowbit bench allreduce: {cfg.backend}, {world_size} ranks, {meta['device_name']}, "
+          f"kernels {meta['kernel_backend']}, torch {meta['torch_version']}, median of {cfg.reps} reps"
+          f"{', error feedback' if cfg.ef else ''}{', ' + meta['label'] if meta['label'] else ''}")
+    if load_before and load_before[0] >= max(1.0, (os.cpu_count() or 1) / 4):
+        print(f"warning: load average {load_before[0]:.1f} on {os.cpu_count()} CPUs before the run: other "
+              "processes competed for the CPU, so these timings may be pessimistic")
+    if meta["nccl_env"]:
+        print("NCCL env: " + " ".join(f"{k}={v}" for k, v in meta["nccl_env"].items()))
+    for s in skipped:
+        print(f"skipped {s['codec']} / {s['algorithm']}: {s['reason']}")
+    for r in rows:
+        if r["baseline"]:
+            print(f"{r['size']}: torch.distributed.all_reduce itself {1e3 * r['raw_dist_all_reduce_s']:.2f} ms, "
+                  f"lowbit fp32 allreduce {1e3 * r['time_s']:.2f} ms (the baseline of the ratios)")
+    if json_path is not None:
+        print(f"wrote {json_path}")
+    print(format_table(rows))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``bench`` (with ``bench allreduce``) to the ``lowbit`` command."""
+    bench = sub.add_parser("bench", help="benchmarks of the compressed collectives")
+    bsub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK")
+
+    def usage(args: argparse.Namespace) -> int:
+        bench.print_help()
+        return 2
+
+    bench.set_defaults(func=usage)
+    p = bsub.add_parser(
+        "allreduce",
+        help="time compressed allreduce vs the native fp32 allreduce",
+        description="Times lowbit.all_reduce per size x codec x algorithm on synthetic randn tensors and "
+        "compares it with the native fp32 allreduce measured in the same run (docs/bench.md). Launches "
+        "its own processes, or joins a torchrun launch when RANK/WORLD_SIZE are set.",
+    )
+    p.add_argument("--world-size", type=int, default=None, help="processes to start (default 2; torchrun's under torchrun)")
+    p.add_argument("--backend", default="gloo", help="gloo (CPU tensors) or nccl (GPU rank per process); default gloo")
+    p.add_argument("--sizes", default=DEFAULT_SIZES,
+                   help=f"elements per tensor, comma-separated, suffix K/M/G = 2^10/2^20/2^30 (default {DEFAULT_SIZES})")
+    p.add_argument("--codecs", action="append", metavar="SPECS",
+                   help="codec specs; repeatable, and ';'- or ','-separated (a 'key=value' item continues the "
+                   "spec before it). Default: " + "; ".join(DEFAULT_CODECS))
+    p.add_argument("--algorithms", default=",".join(ALGORITHMS),
+                   help=f"comma-separated subset of {','.join(ALGORITHMS)} (default all)")
+    p.add_argument("--reps", type=int, default=10, help="timed calls per case; the median is reported (default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls per case first (default 2)")
+    p.add_argument("--ef", action="store_true", help="with error feedback (not for the native allreduce)")
+    p.add_argument("--json", metavar="PATH", help="also write rows and metadata as JSON")
+    p.add_argument("--label", default="", help="free text stored in the JSON metadata")
+    p.add_argument("--timeout", type=float, default=600.0, help="collective timeout per rank, seconds (default 600)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
