@@ -208,7 +208,8 @@ def _allgather(comp, codec, group, op, rank, k, feedback, seed, stats) -> Finish
             stats.bytes_sent += (k - 1) * payload.numel()
         with _Timer(stats, "t_decode", comp):
             p = payload.numel()
-            out = codec.decode_sum([gathered[i * p : (i + 1) * p] for i in range(k)], n)
+            # comp is not needed any more (the residual was taken above): sum into it
+            out = codec.decode_sum([gathered[i * p : (i + 1) * p] for i in range(k)], n, out=comp)
             if op == "mean" and k > 1:
                 out.div_(k)
         return out, residual
@@ -238,7 +239,8 @@ def _scatter_gather(comp, codec, group, op, rank, k, feedback, seed, stats) -> F
         # Phase 2: decode and sum my chunk in rank order, then re-encode it (server quantisation).
         mine, nb = sizes[rank], nbytes[rank]
         with _Timer(stats, "t_decode", comp):
-            reduced = codec.decode_sum([recv[i * nb : (i + 1) * nb] for i in range(k)], mine)
+            reduced = C.workspace("reduced", mine, torch.float32, comp.device)
+            codec.decode_sum([recv[i * nb : (i + 1) * nb] for i in range(k)], mine, out=reduced)
             if op == "mean" and k > 1:
                 reduced.div_(k)
         with _Timer(stats, "t_encode", comp):
@@ -258,7 +260,9 @@ def _scatter_gather(comp, codec, group, op, rank, k, feedback, seed, stats) -> F
         if stats is not None:
             stats.bytes_sent += bytes_sent_per_rank(codec, n, k, "scatter_gather", rank)
         with _Timer(stats, "t_decode", comp):
-            out = torch.empty_like(comp)
+            # comp is not needed any more (the residual was taken in phase 1): decode into it. When
+            # comp is the caller's own fp32 tensor this also saves the final copy.
+            out = comp
             for i in range(k):
                 if sizes[i]:
                     codec.decode(gathered[i * pmax : i * pmax + nbytes[i]], sizes[i], out=out[starts[i] : starts[i] + sizes[i]])

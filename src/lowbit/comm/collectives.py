@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.distributed as dist
 
@@ -43,11 +45,32 @@ def _fail(op: str, group: dist.ProcessGroup | None, exc: BaseException) -> Colle
     )
 
 
+_LOCAL = threading.local()
+
+
+def workspace(tag: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A reusable buffer of at least ``numel`` elements, private to the calling thread.
+
+    Large fresh CPU allocations come back from the OS as untouched pages, and faulting them in costs
+    more than decoding into them; receive buffers are therefore kept per thread and per tag. The
+    contents are garbage. Valid until the same thread asks for the same tag again.
+    """
+    cache = getattr(_LOCAL, "buffers", None)
+    if cache is None:
+        cache = _LOCAL.buffers = {}
+    key = (tag, dtype, str(device))
+    buf = cache.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = cache[key] = torch.empty(max(numel, 1), dtype=dtype, device=device)
+    return buf[:numel]
+
+
 def all_to_all(
     send: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: dist.ProcessGroup | None
 ) -> torch.Tensor:
-    """Exchange byte chunks: rank r's chunk i goes to rank i. Returns the received bytes, in rank order."""
-    out = torch.empty(sum(recv_splits), dtype=send.dtype, device=send.device)
+    """Exchange byte chunks: rank r's chunk i goes to rank i. Returns the received bytes, in rank order
+    (in a per-thread workspace: use them before this thread's next all_to_all)."""
+    out = workspace("all_to_all", sum(recv_splits), send.dtype, send.device)
     if len(send_splits) == 1:  # world size 1
         out.copy_(send)
         return out
@@ -59,11 +82,13 @@ def all_to_all(
 
 
 def all_gather(payload: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Concatenation of every rank's equally sized 1-D ``payload``, in rank order (flat)."""
+    """Concatenation of every rank's equally sized 1-D ``payload``, in rank order (flat).
+
+    The result lives in a per-thread workspace: use it before this thread's next all_gather."""
     _, size = world(group)
     if size == 1:
         return payload.clone()
-    out = torch.empty(size * payload.numel(), dtype=payload.dtype, device=payload.device)
+    out = workspace("all_gather", size * payload.numel(), payload.dtype, payload.device)
     try:
         _gather_fn(out, payload.contiguous(), group=group)
     except Exception as exc:  # noqa: BLE001
