@@ -222,25 +222,38 @@ def _scatter_gather(comp, codec, group, op, rank, k, feedback, seed, stats) -> F
     sizes = chunk_sizes(n, k)
     starts = [sum(sizes[:i]) for i in range(k)]
     nbytes = [codec.nbytes(s) for s in sizes]
-    # Phase 1: encode my copy of every chunk (worker quantisation); chunk i goes to rank i.
+    # Phase 1: encode my copy of every other rank's chunk (worker quantisation); chunk i goes to rank i.
+    # My own chunk stays in fp32 on this rank: it never crosses the wire, so quantising it would only
+    # add error and work (its residual is 0).
+    empty = torch.empty(0, dtype=torch.uint8, device=comp.device)
     with _Timer(stats, "t_encode", comp):
-        payloads = [codec.encode(comp[starts[i] : starts[i] + sizes[i]], seed=_seed(seed, rank, i, 0)) for i in range(k)]
+        payloads = [empty if i == rank else codec.encode(comp[starts[i] : starts[i] + sizes[i]], seed=_seed(seed, rank, i, 0))
+                    for i in range(k)]
         residual = None
         if feedback:
-            residual = torch.empty_like(comp)
+            residual = torch.zeros_like(comp)
             for i in range(k):
-                chunk = comp[starts[i] : starts[i] + sizes[i]]
-                torch.sub(chunk, codec.decode(payloads[i], sizes[i]), out=residual[starts[i] : starts[i] + sizes[i]])
+                if i != rank:
+                    chunk = comp[starts[i] : starts[i] + sizes[i]]
+                    torch.sub(chunk, codec.decode(payloads[i], sizes[i]), out=residual[starts[i] : starts[i] + sizes[i]])
         send = torch.cat(payloads)
+    send_splits = [0 if i == rank else nbytes[i] for i in range(k)]
+    recv_splits = [0 if i == rank else nbytes[rank] for i in range(k)]
 
     def finish():
         with _Timer(stats, "t_comm", comp):
-            recv = C.all_to_all(send, nbytes, [nbytes[rank]] * k, group)
-        # Phase 2: decode and sum my chunk in rank order, then re-encode it (server quantisation).
+            recv = C.all_to_all(send, send_splits, recv_splits, group)
+        # Phase 2: decode the other ranks' copies of my chunk and sum them (rank order, fp32), add my own
+        # fp32 copy, then re-encode the result (server quantisation).
         mine, nb = sizes[rank], nbytes[rank]
         with _Timer(stats, "t_decode", comp):
             reduced = C.workspace("reduced", mine, torch.float32, comp.device)
-            codec.decode_sum([recv[i * nb : (i + 1) * nb] for i in range(k)], mine, out=reduced)
+            own_chunk = comp[starts[rank] : starts[rank] + mine]
+            if k > 1:
+                codec.decode_sum([recv[j * nb : (j + 1) * nb] for j in range(k - 1)], mine, out=reduced)
+                reduced.add_(own_chunk)
+            else:
+                reduced.copy_(own_chunk)
             if op == "mean" and k > 1:
                 reduced.div_(k)
         with _Timer(stats, "t_encode", comp):

@@ -72,7 +72,7 @@ def all_to_all(
     (in a per-thread workspace: use them before this thread's next all_to_all)."""
     out = workspace("all_to_all", sum(recv_splits), send.dtype, send.device)
     if len(send_splits) == 1:  # world size 1
-        out.copy_(send)
+        out.copy_(send[: out.numel()])
         return out
     try:
         dist.all_to_all_single(out, send, recv_splits, send_splits, group=group)
