@@ -1,7 +1,8 @@
 """Start worker processes on one machine, or join a torchrun launch.
 
 ``spawn(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes
-with an initialised process group (gloo on CPU, NCCL on GPU) and returns rank 0's return value. Each rank
+with an initialised process group (gloo on CPU, NCCL on GPU) and returns the list of every rank's
+return value (None for a rank that exited without returning). Each rank
 writes its traceback to a file, so the real cause of a failure is shown instead of "connection closed by
 peer". Under torchrun (RANK / WORLD_SIZE / MASTER_ADDR set) use :func:`init_from_env` instead: the
 worker code is the same.
@@ -9,6 +10,7 @@ worker code is the same.
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import tempfile
@@ -52,6 +54,15 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, errdir: st
             result = fn(rank, world_size, *args)
             with open(os.path.join(errdir, f"result.{rank}"), "wb") as f:
                 pickle.dump(result, f)
+            del result
+            # Objects of fn (a DDP reducer, say) must die while the group still exists: destroying
+            # them after the group can abort the process ("terminate called without an active
+            # exception"). Collect them, then let every rank get here before the group goes.
+            gc.collect()
+            try:
+                dist.barrier()
+            except Exception:  # noqa: BLE001 — a peer already gone (fault-injection tests) is fine here
+                pass
         finally:
             dist.destroy_process_group()
     except BaseException:
