@@ -42,7 +42,7 @@ from torch import nn
 
 from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
-from lowbit.comm.allreduce import ALGORITHMS, CommStats, engine_for, prepare_flat
+from lowbit.comm.allreduce import ALGORITHMS, NATIVE, CommStats, engine_for, prepare_flat
 from lowbit.policy import Policy
 
 __all__ = ["LowbitState", "hook", "make_state", "register", "ConfigMismatchError"]
@@ -127,8 +127,7 @@ class LowbitState:
                 f"saved {state.get('config')}, current {self.config()}"
             )
         self.iter = int(state["iter"])
-        devices = getattr(self, "_devices", {})
-        self.residuals = {k: v.to(devices.get(k, "cpu")).clone() for k, v in state["residuals"].items()}
+        self.residuals = {k: v.to(self._devices.get(k, "cpu")).clone() for k, v in state["residuals"].items()}
 
     def __getstate__(self) -> Dict[str, Any]:
         d = dict(self.__dict__)
@@ -177,9 +176,8 @@ def hook(state: LowbitState, bucket: dist.GradBucket) -> torch.futures.Future[to
             residual = torch.cat([
                 state.residuals.get(name, torch.zeros(n, dtype=torch.float32, device=x.device)) for name, _, n in members
             ])
-        algorithm = "allreduce" if codec.name in ("fp32",) else state.algorithm
-        if codec.name in ("fp16", "bf16") and state.algorithm != "allreduce":
-            algorithm = "allreduce"  # casts sum fine on the wire: no reason to gather them
+        # fp32/fp16/bf16 sum fine on the wire: they take the native allreduce, never a gather
+        algorithm = "allreduce" if codec.name in NATIVE else state.algorithm
         finishes.append((members, prepare_flat(x, codec, group, algorithm, "mean", residual, seed, state.stats)))
     state._advance(bucket)
 
