@@ -18,17 +18,10 @@ import sys
 from pathlib import Path
 
 from lowbit.cli import main
+from lowbit.comm.bench import DEFAULT_CODECS
 
 RESULT = Path(__file__).resolve().parent / "results" / "allreduce_gloo_cpu2.json"
-CODECS = [
-    "fp32",
-    "fp16",
-    "qsgd:bits=8,bucket=512",
-    "qsgd:bits=4,bucket=512",
-    "qsgd:bits=2,bucket=128",
-    "onebit:bucket=64",
-    "dettmers:type=dynamic",
-]
+CODECS = DEFAULT_CODECS  # the list is the bench's default list
 
 
 def check_target(path: Path) -> bool:
