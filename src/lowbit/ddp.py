@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lowbit.codecs.base import Codec, get_codec
+from lowbit.codecs.base import Codec
 from lowbit.comm import collectives as C
 from lowbit.comm.allreduce import ALGORITHMS, NATIVE, CommStats, engine_for, prepare_flat
 from lowbit.policy import Policy

@@ -62,13 +62,6 @@ class CommStats:
     t_comm: float = 0.0
     t_decode: float = 0.0
 
-    def add(self, other: CommStats) -> None:
-        self.calls += other.calls
-        self.bytes_sent += other.bytes_sent
-        self.t_encode += other.t_encode
-        self.t_comm += other.t_comm
-        self.t_decode += other.t_decode
-
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -158,20 +151,6 @@ def prepare_flat(
     if algorithm == "allgather":
         return _allgather(comp, codec, group, op, rank, k, residual is not None, seed, stats)
     return _scatter_gather(comp, codec, group, op, rank, k, residual is not None, seed, stats)
-
-
-def reduce_flat(
-    x: torch.Tensor,
-    codec: Codec,
-    group: dist.ProcessGroup | None,
-    algorithm: str,
-    op: str,
-    residual: torch.Tensor | None,
-    seed: int,
-    stats: CommStats | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The synchronous core: :func:`prepare_flat` followed by its stage 2."""
-    return prepare_flat(x, codec, group, algorithm, op, residual, seed, stats)()
 
 
 def _native(x: torch.Tensor, codec: Codec, group, op: str, k: int, stats: CommStats | None) -> Finish:

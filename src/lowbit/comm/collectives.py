@@ -31,12 +31,6 @@ def world(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def backend(group: dist.ProcessGroup | None) -> str:
-    if not dist.is_initialized():
-        return "none"
-    return str(dist.get_backend(group)).lower()
-
-
 def _fail(op: str, group: dist.ProcessGroup | None, exc: BaseException) -> CollectiveError:
     rank, size = world(group)
     return CollectiveError(
