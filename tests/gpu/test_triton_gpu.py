@@ -184,6 +184,76 @@ def test_dettmers_large() -> None:
             os.environ["LOWBIT_KERNELS"] = old
 
 
+@gpu
+@needs_cuda
+def test_dettmers_onepass_configs_and_repeats() -> None:
+    """The one-pass encode (cooperative grid, barrier) under several grid shapes, 30 runs each on the
+    same input: every run must give the two-pass bytes (a race would make runs differ)."""
+    tk = _tk()
+    n = 16 * M + 5
+    x = _x(n, seed=21)
+    saved = dict(tk.CONFIG)
+    try:
+        tk.CONFIG["onepass_per_sm"] = 0
+        want = tk.dettmers_encode(x, "dynamic", "nearest", 0, 0)
+        for per_sm, warps, reg, tile in ((1, 16, 16384, 4096), (2, 8, 8192, 4096), (1, 8, 4096, 8192)):
+            tk.CONFIG.update(onepass_per_sm=per_sm, onepass_warps=warps, onepass_reg=reg, onepass_tile=tile,
+                             onepass_min=0)
+            assert tk._onepass_programs(x.device) > 0, "no cooperative launch in this Triton"
+            for _ in range(30):
+                assert torch.equal(tk.dettmers_encode(x, "dynamic", "nearest", 0, 0), want), (per_sm, warps)
+            assert x.device not in tk._ONEPASS_FAILED, tk._ONEPASS_FAILED
+        small = _x(1000, seed=3)  # fewer elements than programs: most own nothing
+        tk.CONFIG["onepass_per_sm"] = 0
+        want_small = tk.dettmers_encode(small, "dynamic", "nearest", 0, 0)
+        tk.CONFIG["onepass_per_sm"] = 1
+        assert torch.equal(tk.dettmers_encode(small, "dynamic", "nearest", 0, 0), want_small)
+    finally:
+        tk.CONFIG.clear()
+        tk.CONFIG.update(saved)
+
+
+def _div_exhaustive_kernel():
+    import triton
+    import triton.language as tl
+
+    tk = _tk()
+
+    @triton.jit
+    def kernel(s, last, bad_ptr, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # every float bit pattern 0 .. bits(s)
+        x = i.to(tl.float32, bitcast=True)
+        want = tl.div_rn(x, s)
+        got = tk._div_scalar(x, s)
+        tiny = (tl.abs(want) < 2.0**-42) & (tl.abs(got) < 2.0**-42)
+        bad = (i <= last) & (got.to(tl.int32, bitcast=True) != want.to(tl.int32, bitcast=True)) & ~tiny
+        tl.atomic_add(bad_ptr, tl.sum(bad.to(tl.int32), axis=0))
+
+    return kernel
+
+
+@gpu
+@needs_cuda
+def test_division_shortcut_exhaustive() -> None:
+    """_div_scalar against div.rn for every non-negative float x <= s (up to 2**31 values per scale),
+    at scales across the fast path's range, its edges and all-ones significands (the sign of x only
+    mirrors the result)."""
+    import numpy as np
+
+    kernel = _div_exhaustive_kernel()
+    rng = np.random.default_rng(5)
+    scales = [1.0, 2.0**-60, 2.0**126 * 0.9999999, np.float32(1.9999999), np.float32(1.0000001), 3.0, 0.1,
+              np.float32(3.4e38) / 4, 1e-18, 7.7e-13]
+    scales += list(np.float32(2.0) ** rng.integers(-60, 126, 6) * np.float32(1.99999988))
+    scales += list(np.float32(10.0) ** rng.uniform(-18, 37, 8))
+    bad = torch.zeros(1, dtype=torch.int32, device="cuda")
+    block = 4096
+    for s in np.array(scales, dtype=np.float32):
+        last = int(np.array([s], dtype=np.float32).view(np.int32)[0])
+        kernel[((last + block) // block,)](float(s), last, bad, BLOCK=block, enable_fp_fusion=False)
+        assert int(bad.item()) == 0, (float(s), int(bad.item()))
+
+
 def _main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA GPU: skipped")

@@ -34,7 +34,7 @@ SIZES = (0, 1, 7, 513, 3000)
 def small_tiles():
     """Tiles of 256 elements and fused buckets up to 256, so small tensors take every code path."""
     saved = dict(tk.CONFIG)
-    tk.CONFIG.update(elems=256, max_fused_bucket=256)
+    tk.CONFIG.update(elems=256, max_fused_bucket=256, absmax_elems=256)
     yield
     tk.CONFIG.clear()
     tk.CONFIG.update(saved)
@@ -220,3 +220,77 @@ def test_import_raises_importerror_without_triton(monkeypatch: pytest.MonkeyPatc
     mod = importlib.util.module_from_spec(spec)
     with pytest.raises(ImportError):
         spec.loader.exec_module(mod)
+
+
+# ------------------------------------------------------------------ the division shortcut
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _div_probe(x_ptr, s_ptr, out_rows_ptr, out_scalar_ptr, C: tl.constexpr):
+    """Row pid of x (C values) divided by s[pid] with _div_rows (a 1-row tile) and _div_scalar."""
+    pid = tl.program_id(0)
+    offs = pid * C + tl.arange(0, C)
+    x = tl.load(x_ptr + offs)
+    s = tl.load(s_ptr + pid + tl.arange(0, 1))
+    tl.store(out_rows_ptr + offs, tl.reshape(tk._div_rows(tl.reshape(x, (1, C)), s), (C,)))
+    tl.store(out_scalar_ptr + offs, tk._div_scalar(x, tl.load(s_ptr + pid)))
+
+
+def test_division_shortcut_rounds_like_true_division() -> None:
+    """_div_rows / _div_scalar (Markstein's correction of x * (1/s)) give the correctly rounded x / s
+    for every |x| <= s the codecs can meet, at scales spread over the whole float range and at the
+    edges of the fast path's range, and follow div_rn outside it (0, inf, NaN, subnormal scales)."""
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    C = 256
+    scales = [1.0, 2.0**-60, 2.0**-60 * 0.99, 2.0**126 * 0.999, 2.0**126, 2.0**127, 1e-40, 0.0,
+              float("inf"), float("nan"), np.float32(1.9999999), np.float32(1.0000001),
+              np.float32(3.4e38)]
+    scales += list(np.float32(10.0) ** rng.uniform(-18, 37, 40))
+    scales += list(np.float32(2.0) ** rng.integers(-60, 126, 8) * np.float32(1.99999988))  # all-ones significand
+    s = np.array(scales, dtype=np.float32)
+    x = np.empty((len(s), C), dtype=np.float32)
+    for i, sv in enumerate(s):
+        base = sv if np.isfinite(sv) and sv > 0 else np.float32(1.0)
+        u = rng.uniform(-1, 1, C).astype(np.float32)
+        row = (u * base).astype(np.float32)
+        row[:8] = [base, -base, 0.0, -0.0, base * np.float32(2.0**-30), base * np.float32(2.0**-45),
+                   np.float32(2.0**-102), np.float32(-(2.0**-110))]
+        row[8:40] = (base * rng.uniform(0.5, 1, 32)).astype(np.float32)  # quotients near 1
+        x[i] = np.minimum(np.abs(row), base) * np.sign(row)
+    xt, st = torch.from_numpy(x).to(DEV), torch.from_numpy(s).to(DEV)
+    out_rows, out_scalar = torch.empty_like(xt), torch.empty_like(xt)
+    _div_probe[(len(s),)](xt, st, out_rows, out_scalar, C=C)
+    safe = np.where(s > 0, s, np.float32(1.0)).astype(np.float32)
+    with np.errstate(all="ignore"):
+        want = (x / safe[:, None]).astype(np.float32)  # numpy float32 division rounds correctly
+    for got in (out_rows.cpu().numpy(), out_scalar.cpu().numpy()):
+        same = (got.view(np.int32) == want.view(np.int32)) | (np.isnan(got) & np.isnan(want))
+        # Quotients below 2**-42 may come out as a neighbouring tiny float or the other signed zero.
+        tiny = (np.abs(want) < 2.0**-42) & (np.abs(got) < 2.0**-42)
+        bad = ~(same | tiny)
+        assert not bad.any(), [(float(s[i]), float(x[i, j]), float(got[i, j]), float(want[i, j]))
+                               for i, j in zip(*np.nonzero(bad))][:5]
+    # The shortcut must really be exact, not merely close: check quotients near 1 bit for bit.
+    assert (out_rows.cpu().numpy()[:, 8:40].view(np.int32) == want[:, 8:40].view(np.int32)).all()
+
+
+@pytest.mark.parametrize("spec", ["dettmers", "dettmers:type=linear", "dettmers:type=dynamic_bnb",
+                                  "dettmers:search=paper"])
+def test_dettmers_onepass_bit_identical(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-pass encode (one scale per tensor; on a GPU a cooperative grid with a barrier) gives the
+    codec's bytes. Here it runs as one program: head tiles, the register-held tail, masks, specials."""
+    monkeypatch.setenv("LOWBIT_KERNELS", "reference")
+    monkeypatch.setitem(tk.CONFIG, "onepass_min", 0)
+    monkeypatch.setitem(tk.CONFIG, "onepass_tile", 64)
+    monkeypatch.setitem(tk.CONFIG, "onepass_reg", 256)
+    codec = lowbit.get_codec(spec)
+    for n in (1, 7, 200, 3000):
+        x = _x(n, seed=n + 11)
+        got = tk.dettmers_encode(x, codec.type, codec.search, 0, codec.offset)
+        assert torch.equal(got, codec.encode(x)), (spec, n)
+    zeros = torch.zeros(700, device=DEV)
+    assert torch.equal(tk.dettmers_encode(zeros, codec.type, codec.search, 0, codec.offset), codec.encode(zeros))

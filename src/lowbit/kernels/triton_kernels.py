@@ -55,6 +55,7 @@ Importing this module raises ImportError when Triton is missing (the dispatcher 
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -79,7 +80,14 @@ __all__ = [
 ]
 
 #: Tuning knobs: elements per program and warps per program (the benchmark sweeps them).
-CONFIG: dict[str, int] = {"elems": 2048, "warps": 4, "max_fused_bucket": 8192}
+#: absmax_elems: block of the atomic max |x| pass of the general path (a read-only pass: larger blocks
+#: mean fewer atomics on one address and more bytes in flight).
+#: onepass_*: the one-pass Dettmers encode with one scale per tensor (_dm_onepass_kernel): used from
+#: onepass_min elements, onepass_per_sm programs per SM (0: never), each holding onepass_reg elements in
+#: registers and streaming the rest in tiles of onepass_tile.
+CONFIG: dict[str, int] = {"elems": 2048, "warps": 4, "max_fused_bucket": 8192, "absmax_elems": 16384,
+                          "onepass_min": 1 << 22, "onepass_per_sm": 1, "onepass_tile": 4096,
+                          "onepass_reg": 16384, "onepass_warps": 16}
 
 #: Bit widths with a packed Triton path; others run the reference.
 PACKED_BITS = (1, 2, 4, 8, 16)
@@ -137,9 +145,51 @@ def _row_absmax(x):
 
 
 @triton.jit
-def _quantize(x, safe, idx, key, S: tl.constexpr, STOCH: tl.constexpr):
-    """QSGD code of each x given its bucket's safe scale (broadcast to x's shape): uint32 in [0, 2S]."""
-    q = tl.div_rn(x, safe) * S + S
+def _markstein(x, s, inv):
+    """x / s correctly rounded, from inv = 1/s correctly rounded: q = x*inv is within an ulp, the
+    remainder x - q*s is exact in an FMA, and q + remainder*inv rounds to the true quotient
+    (Markstein's theorem) -- three instructions instead of a full ``div.rn`` per element. Exact while
+    s, 1/s and the remainder stay normal; _fast_ok says where the callers may use it."""
+    q = x * inv
+    return tl.fma(tl.fma(-q, s, x), inv, q)
+
+
+@triton.jit
+def _fast_ok(scale):
+    """Scales (max |x| of their bucket, or an L2 norm) whose buckets _markstein divides exactly:
+    0 (an all-zero bucket, divided by 1), or within [2**-60, 2**126). Then 1/s is normal, every x is
+    finite (an inf or NaN makes the scale inf or NaN), and for |x| <= s the remainder is exact whenever
+    |x| >= 2**-102; a smaller |x| gives a quotient below 2**-42, which every codec maps to the same
+    code whichever neighbouring float (or signed zero) it is."""
+    return (scale == 0) | ((scale >= 8.673617379884035e-19) & (scale < 8.507059173023462e37))
+
+
+@triton.jit
+def _div_rows(x, scale):
+    """x (R, C) / safe scale (R,) broadcast along rows, rounded as tl.div_rn (see _markstein)."""
+    safe = tl.where(scale > 0, scale, 1.0)
+    if tl.min(_fast_ok(scale).to(tl.int32), axis=0) == 1:
+        r = _markstein(x, safe[:, None], tl.div_rn(1.0, safe)[:, None])
+    else:
+        r = tl.div_rn(x, safe[:, None])
+    return r
+
+
+@triton.jit
+def _div_scalar(x, scale):
+    """x / the safe scale of one scalar scale, rounded as tl.div_rn (see _markstein)."""
+    safe = tl.where(scale > 0, scale, 1.0)
+    if _fast_ok(scale):
+        r = _markstein(x, safe, tl.div_rn(1.0, safe))
+    else:
+        r = tl.div_rn(x, safe)
+    return r
+
+
+@triton.jit
+def _quantize(r, idx, key, S: tl.constexpr, STOCH: tl.constexpr):
+    """QSGD code of each r = x / (its bucket's safe scale): uint32 in [0, 2S]."""
+    q = r * S + S
     if STOCH:
         q = tl.floor(q + _uniform(idx, key))
     else:
@@ -216,18 +266,17 @@ def _qsgd_encode_body(x_ptr, pay_ptr, code_ptr, n, nb, bucket, nbytes, key, pid,
         x = _ld(x_ptr + offs, inb, 0.0, MASKED)
         scale = _row_absmax(x)
         if L2:
-            m_safe = tl.where(scale > 0, scale, 1.0)
-            y = tl.div_rn(x, m_safe[:, None])
+            y = _div_rows(x, scale)
             scale = scale * tl.sqrt_rn(tl.sum(y * y, axis=1))
         _st(scale_ptr + rows, scale, rows < nb, MASKED)
-        safe = tl.where(scale > 0, scale, 1.0)[:, None]
+        r = _div_rows(x, scale)
     else:  # (BLOCK,) elements of any buckets: scales precomputed, gathered
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         inb = offs < n
         x = _ld(x_ptr + offs, inb, 0.0, MASKED)
         scale = _ld(scale_ptr + offs // bucket, inb, 1.0, MASKED)
-        safe = tl.where(scale > 0, scale, 1.0)
-    codes = _quantize(x, safe, offs, key, S, STOCH)
+        r = tl.div_rn(x, tl.where(scale > 0, scale, 1.0))
+    codes = _quantize(r, offs, key, S, STOCH)
     if MASKED:
         codes = tl.where(inb, codes, 0)
     _pack_store(codes, code_ptr, pid * BLOCK, nbytes, n, BLOCK, BITS, MASKED)
@@ -491,13 +540,11 @@ def _dm_paper(m, t_ptr, lo, hi, PIVOT0: tl.constexpr, DYN: tl.constexpr):
 
 
 @triton.jit
-def _dm_codes(x, scale, cell_ptr, t_ptr, lo, hi,
+def _dm_codes(x, r, cell_ptr, t_ptr, lo, hi,
               NORM: tl.constexpr, SIGNED: tl.constexpr, PAPER: tl.constexpr, DYN: tl.constexpr,
               PIVOT0: tl.constexpr, SHIFT: tl.constexpr, KBASE: tl.constexpr, NCELL: tl.constexpr):
-    """Code byte of each x (scale broadcast to x's shape; ignored unless NORM)."""
+    """Code byte of each x; NORM: r = x / its bucket's safe scale (ignored otherwise)."""
     if NORM:
-        safe = tl.where(scale > 0, scale, 1.0)
-        r = tl.div_rn(x, safe)
         r = tl.where(r != r, 0.0, r)
         # nan_to_num(posinf=1, neginf=-1). Finite |r| <= 1 unless the scale is NaN, and then values
         # past 1 get the same code as 1 (the largest), so clamping is exact.
@@ -532,17 +579,19 @@ def _dm_encode_body(x_ptr, scale_ptr, code_ptr, cell_ptr, t_ptr, lo, hi, n, nb, 
         x = _ld(x_ptr + offs, offs < n, 0.0, MASKED)
         scale = _row_absmax(x)
         _st(scale_ptr + rows, scale, rows < nb, MASKED)
-        scale = scale[:, None]
+        r = _div_rows(x, scale)
     else:
         offs = pid * (ROWS * BUCKET) + tl.arange(0, ROWS * BUCKET)
         x = _ld(x_ptr + offs, offs < n, 0.0, MASKED)
         if ONE_SCALE:
             scale = tl.load(scale_ptr)
+            r = _div_scalar(x, scale)
         elif NORM:
             scale = _ld(scale_ptr + offs // bucket, offs < n, 1.0, MASKED)
+            r = tl.div_rn(x, tl.where(scale > 0, scale, 1.0))
         else:
-            scale = x
-    codes = _dm_codes(x, scale, cell_ptr, t_ptr, lo, hi, NORM, SIGNED, PAPER, DYN,
+            r = x
+    codes = _dm_codes(x, r, cell_ptr, t_ptr, lo, hi, NORM, SIGNED, PAPER, DYN,
                       PIVOT0, SHIFT, KBASE, NCELL)
     _st(code_ptr + offs, codes.to(tl.uint8), offs < n, MASKED)
 
@@ -561,6 +610,61 @@ def _dm_encode_kernel(x_ptr, scale_ptr, code_ptr, cell_ptr, t_ptr, lo, hi, n, nb
         _dm_encode_body(x_ptr, scale_ptr, code_ptr, cell_ptr, t_ptr, lo, hi, n, nb, bucket, pid,
                         BUCKET, ROWS, FUSED, NORM, SIGNED, PAPER, DYN, PIVOT0, SHIFT, KBASE, NCELL, ONE_SCALE,
                         True)
+
+
+@triton.jit
+def _dm_onepass_tile(x_ptr, code_ptr, offs, n, scale, cell_ptr, t_ptr, lo, hi, x,
+                     SIGNED: tl.constexpr, PAPER: tl.constexpr, DYN: tl.constexpr, PIVOT0: tl.constexpr,
+                     SHIFT: tl.constexpr, KBASE: tl.constexpr, NCELL: tl.constexpr):
+    codes = _dm_codes(x, _div_scalar(x, scale), cell_ptr, t_ptr, lo, hi, True, SIGNED, PAPER, DYN,
+                      PIVOT0, SHIFT, KBASE, NCELL)
+    tl.store(code_ptr + offs, codes.to(tl.uint8), mask=offs < n)
+
+
+@triton.jit
+def _dm_onepass_kernel(x_ptr, scale_ptr, code_ptr, ws_ptr, cell_ptr, t_ptr, lo, hi, n, per, ntiles,
+                       TILE: tl.constexpr, REG: tl.constexpr, SIGNED: tl.constexpr, PAPER: tl.constexpr,
+                       DYN: tl.constexpr, PIVOT0: tl.constexpr, SHIFT: tl.constexpr, KBASE: tl.constexpr,
+                       NCELL: tl.constexpr, I64: tl.constexpr):
+    """Dettmers encode with one scale for the whole tensor, reading the input (nearly) once.
+
+    A persistent grid whose programs all run at once (a cooperative launch): program p owns
+    ``per = ntiles * TILE + REG`` elements from ``p * per``. Phase 1 reads its head tiles (asking L2 to
+    keep them) and then its last REG elements into registers, and folds max |x| into ws[0] (int bits,
+    atomic max); then every program waits at a grid barrier (ws[1] counts arrivals). Phase 2 encodes the
+    register-held elements without reading them again, then the head tiles, newest first, mostly from
+    L2. Program 0 stores the scale."""
+    pid = _pid(I64)
+    nprog = tl.num_programs(0)
+    start = pid * per
+    acc = tl.zeros((TILE,), tl.int32)
+    if ntiles > 0:  # two tiles in flight: load the next before folding the last
+        offs = start + tl.arange(0, TILE)
+        xv = tl.load(x_ptr + offs, mask=offs < n, other=0.0, eviction_policy="evict_last")
+        for t in range(1, ntiles):
+            offs = start + t * TILE + tl.arange(0, TILE)
+            nxt = tl.load(x_ptr + offs, mask=offs < n, other=0.0, eviction_policy="evict_last")
+            acc = tl.maximum(acc, tl.abs(xv).to(tl.int32, bitcast=True))
+            xv = nxt
+        acc = tl.maximum(acc, tl.abs(xv).to(tl.int32, bitcast=True))
+    roffs = start + ntiles * TILE + tl.arange(0, REG)
+    xr = tl.load(x_ptr + roffs, mask=roffs < n, other=0.0, eviction_policy="evict_first")
+    m = tl.maximum(tl.max(acc, axis=0), tl.max(tl.abs(xr).to(tl.int32, bitcast=True), axis=0))
+    tl.atomic_max(ws_ptr, tl.where(m > 0x7F800000, 0x7FC00000, m), sem="relaxed")
+    tl.atomic_add(ws_ptr + 1, 1, sem="release")  # orders the max above before the arrival
+    arrived = tl.atomic_add(ws_ptr + 1, 0, sem="acquire")
+    while arrived < nprog:
+        arrived = tl.atomic_add(ws_ptr + 1, 0, sem="acquire")
+    scale = tl.atomic_max(ws_ptr, 0, sem="acquire").to(tl.float32, bitcast=True)
+    if pid == 0:
+        tl.store(scale_ptr, scale)
+    _dm_onepass_tile(x_ptr, code_ptr, roffs, n, scale, cell_ptr, t_ptr, lo, hi, xr,
+                     SIGNED, PAPER, DYN, PIVOT0, SHIFT, KBASE, NCELL)
+    for t in range(ntiles):
+        offs = start + (ntiles - 1 - t) * TILE + tl.arange(0, TILE)
+        xv = tl.load(x_ptr + offs, mask=offs < n, other=0.0, eviction_policy="evict_first")
+        _dm_onepass_tile(x_ptr, code_ptr, offs, n, scale, cell_ptr, t_ptr, lo, hi, xv,
+                         SIGNED, PAPER, DYN, PIVOT0, SHIFT, KBASE, NCELL)
 
 
 @triton.jit
@@ -660,11 +764,13 @@ def _bucket_scales_general(x: torch.Tensor, bucket: int, scales: torch.Tensor) -
     """scales[b] = max |x| over bucket b (NaN-propagating, as reference.bucket_absmax), any bucket."""
     n = x.numel()
     nb = scales.numel()
-    block = CONFIG["elems"]
-    if nb == 1 or bucket % block == 0:  # every block lies in one bucket: one pass, atomic max
+    ab = CONFIG["absmax_elems"]
+    while ab > CONFIG["elems"] and nb > 1 and bucket % ab:
+        ab //= 2
+    if nb == 1 or bucket % ab == 0:  # every block lies in one bucket: one pass, atomic max
         scales.zero_()
-        _absmax_atomic[(triton.cdiv(n, block),)](x, scales.view(torch.int32), n, bucket, BLOCK=block,
-                                                 I64=_i64(n, block), num_warps=_warps(block), **_LAUNCH)
+        _absmax_atomic[(triton.cdiv(n, ab),)](x, scales.view(torch.int32), n, bucket, BLOCK=ab,
+                                              I64=_i64(n, ab), num_warps=min(8, max(1, ab // 256)), **_LAUNCH)
         return
     # Chunks of at most 4096 elements of one bucket each, UR chunks per program; then torch's amax.
     ch = min(1 << max(0, (bucket - 1).bit_length()), 4096)
@@ -887,6 +993,32 @@ def _dm_tables(type_: str, offset: int, device: torch.device) -> dict:
     return out
 
 
+_ONEPASS_FAILED: dict[torch.device, str] = {}  # devices where the one-pass launch failed, and why
+
+
+@functools.lru_cache(maxsize=None)
+def _cooperative_launch() -> bool:
+    """Whether this Triton can launch a grid cooperatively (all programs resident at once)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except Exception:  # pragma: no cover - no CUDA backend
+        return False
+    return "launch_cooperative_grid" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+def _onepass_programs(device: torch.device) -> int:
+    """Programs of the one-pass Dettmers encode on this device, 0 where it cannot run: it needs a
+    cooperative launch (its grid barrier waits for every program). Triton's CPU interpreter runs
+    programs one after another, so there it runs as a single program (the arithmetic, not the barrier)."""
+    if not CONFIG["onepass_per_sm"] or device in _ONEPASS_FAILED:
+        return 0
+    if device.type != "cuda":
+        return 1
+    if not _cooperative_launch():
+        return 0
+    return CONFIG["onepass_per_sm"] * torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def dettmers_encode(x: torch.Tensor, type_: str, search: str, bucket: int, offset: int) -> torch.Tensor:
     """Dettmers' 8-bit codec: x (n,) float32 -> [absmax f32 per bucket (normalised types)][code byte each].
 
@@ -903,6 +1035,23 @@ def dettmers_encode(x: torch.Tensor, type_: str, search: str, bucket: int, offse
     scales = _scale_view(payload, nb)
     t = _dm_tables(type_, offset, x.device)
     fused = norm and _fused(eff_bucket)
+    nprog = _onepass_programs(x.device) if norm and nb == 1 and not fused and n >= CONFIG["onepass_min"] else 0
+    if nprog:
+        tile, reg = CONFIG["onepass_tile"], CONFIG["onepass_reg"]
+        ntiles = max(0, -(-(-(-n // nprog) - reg) // tile))
+        ws = torch.zeros(2, dtype=torch.int32, device=x.device)  # max |x| bits, arrivals
+        extra = {"launch_cooperative_grid": True} if x.device.type == "cuda" else {}
+        try:
+            _dm_onepass_kernel[(nprog,)](
+                x, scales, payload[4:], ws, t["cells"], t["paper"], float(t["lo"]), float(t["hi"]), n,
+                ntiles * tile + reg, ntiles, TILE=tile, REG=reg, PAPER=search == "paper",
+                I64=_i64(nprog * (ntiles * tile + reg), tile), num_warps=CONFIG["onepass_warps"],
+                **t["consts"], **extra, **_LAUNCH)
+            return payload
+        except RuntimeError as exc:  # e.g. a cooperative grid too large for this device: two passes
+            _ONEPASS_FAILED[x.device] = str(exc)
+            warnings.warn(f"lowbit: one-pass Dettmers encode unavailable on {x.device} ({exc}); "
+                          "using two passes", RuntimeWarning, stacklevel=2)
     if norm and not fused:
         _bucket_scales_general(x, eff_bucket, scales)
     bsize, rows, block = _tiling(eff_bucket, fused)

@@ -1,0 +1,210 @@
+"""Where does Dettmers' encode spend its time on a GPU?  A diagnostic sweep (issue 4).
+
+Dettmers dynamic-tree encode with one scale per tensor (``bucket=0``) runs in two passes: a max |x|
+pass (atomic integer max per block) and a quantise pass (divide by the scale, look the code up in the
+cell table). This script times each pass alone and variants of each, at one size, against a copy in
+the same run:
+
+* absmax pass: block size, and a persistent grid (a few programs per SM, one atomic each);
+* quantise pass: the library's kernel, and a copy of it with one cost removed at a time (the true
+  division replaced by a multiplication, or by a Markstein-corrected one; the table gather replaced
+  by bit arithmetic; both) -- the diagnostic variants compute wrong codes and exist only to weigh
+  each cost; the Markstein variant is checked for identical bytes;
+* the library's whole encode (``bucket=0`` and ``bucket=4096``) under tile sizes and warps.
+
+    PYTHONPATH=src python3 benchmarks/tune_dettmers_gpu.py --out $OUT/tune_dettmers.json
+
+Writes JSON and prints a short table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import triton
+import triton.language as tl
+from triton.testing import do_bench
+
+from lowbit.kernels import triton_kernels as tk
+
+MiB = 1 << 20
+# (programs per SM, warps, elements held in registers, streamed tile); per_sm 0 = the two-pass encode
+ONEPASS_CONFIGS = [(0, 0, 0, 0), (1, 16, 16384, 4096), (1, 16, 16384, 8192), (1, 16, 32768, 4096),
+                   (1, 8, 16384, 4096), (2, 8, 8192, 4096), (2, 8, 16384, 4096), (1, 32, 32768, 8192)]
+
+
+@triton.jit
+def _diag_quantize(x_ptr, s_ptr, code_ptr, cell_ptr, n, BLOCK: tl.constexpr, DIV: tl.constexpr,
+                   GATHER: tl.constexpr, SHIFT: tl.constexpr):
+    """Dettmers dynamic nearest codes with one scale; DIV 0: div_rn, 1: x * (1/s), 2: Markstein."""
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    x = tl.load(x_ptr + offs, mask=m, other=0.0)
+    s = tl.load(s_ptr)
+    safe = tl.where(s > 0, s, 1.0)
+    if DIV == 0:
+        r = tl.div_rn(x, safe)
+    elif DIV == 1:
+        r = x * tl.div_rn(1.0, safe)
+    else:
+        y = tl.div_rn(1.0, safe)
+        q = x * y
+        e = tl.fma(-q, safe, x)
+        r = tl.fma(e, y, q)
+    r = tl.where(r != r, 0.0, r)
+    r = tl.minimum(tl.maximum(r, -1.0), 1.0)
+    b = tl.abs(r).to(tl.int32, bitcast=True)
+    if GATHER == 2:  # diagnostic: the same index into a 16-bit table (half the cache lines)
+        ent = tl.load(cell_ptr.to(tl.pointer_type(tl.int16)) + (b >> SHIFT)).to(tl.int32)
+        code = ent & 0x7F
+    elif GATHER == 3:  # diagnostic: a gather confined to 128 entries (at most 4 cache lines)
+        ent = tl.load(cell_ptr + ((b >> SHIFT) & 127))
+        code = ent & 0x7F
+    elif GATHER == 1:
+        ent = tl.load(cell_ptr + (b >> SHIFT))
+        above = (b & ((1 << SHIFT) - 1)) > (ent & ((1 << SHIFT) - 1))
+        code = tl.where(above, (ent >> SHIFT) & 0x7F, (ent >> 25) & 0x7F)
+    else:
+        code = (b >> SHIFT) & 0x7F
+    code = tl.where((r < 0) & (code != 0), code | 128, code)
+    tl.store(code_ptr + offs, code.to(tl.uint8), mask=m)
+
+
+@triton.jit
+def _persistent_absmax(x_ptr, bits_ptr, n, BLOCK: tl.constexpr):
+    """max |x| as int32 bits: each program strides over blocks, keeps a running max, one atomic."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    acc = tl.zeros((BLOCK,), tl.int32)
+    nblocks = tl.cdiv(n, BLOCK)
+    for blk in range(pid, nblocks, nprog):
+        offs = blk * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+        acc = tl.maximum(acc, tl.abs(x).to(tl.int32, bitcast=True))
+    mx = tl.max(acc, axis=0)
+    tl.atomic_max(bits_ptr, tl.where(mx > 0x7F800000, 0x7FC00000, mx))
+
+
+def library_rows(x, n, add, bench):
+    """The library's whole encode: dettmers b0 in one pass (cooperative grid) under grid shapes and in
+    two passes, then dettmers b4096 and qsgd for comparison."""
+    saved = dict(tk.CONFIG)
+    two = None
+    for per_sm, warps, reg, tile in ONEPASS_CONFIGS:
+        tk._ONEPASS_FAILED.clear()
+        tk.CONFIG.update(onepass_per_sm=per_sm, onepass_warps=warps, onepass_reg=reg, onepass_tile=tile)
+        enc = lambda: tk.dettmers_encode(x, "dynamic", "nearest", 0, 0)
+        try:
+            p = enc()
+        except Exception as exc:  # noqa: BLE001 - record and go on
+            print(f"onepass {per_sm}/SM {warps} warps: {exc!r}", flush=True)
+            continue
+        if two is None:
+            two = p
+        same = bool(torch.equal(p, two))
+        label = "two-pass" if per_sm == 0 else f"onepass {per_sm}/SM warps={warps} reg={reg} tile={tile}"
+        add(f"library encode b0 {label} same_bytes={same} failed={dict(tk._ONEPASS_FAILED)}",
+            bench(enc), 4 * n + p.numel())
+    tk.CONFIG.clear()
+    tk.CONFIG.update(saved)
+    for label, fn in (("library encode dettmers b4096", lambda: tk.dettmers_encode(x, "dynamic", "nearest", 4096, 0)),
+                      ("library encode qsgd8 b512", lambda: tk.qsgd_encode(x, 8, 512, "max", True, 1)),
+                      ("library encode qsgd4 b512", lambda: tk.qsgd_encode(x, 4, 512, "max", True, 1)),
+                      ("library encode qsgd2 b128", lambda: tk.qsgd_encode(x, 2, 128, "max", True, 1))):
+        p = fn()
+        add(label, bench(fn), 4 * n + p.numel())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="tune_dettmers.json")
+    ap.add_argument("--sizes-mib", default="64,256,1024")
+    ap.add_argument("--skip-diag", action="store_true", help="only the library encode rows")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "sm_count": sms, "cooperative_launch": tk._cooperative_launch(), "method": "do_bench median, L2 flushed; pct = (4n + n) bytes / time vs copy 8n"}
+    rows = []
+    t0 = time.time()
+
+    def bench(fn):
+        return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+    for mib in [int(s) for s in args.sizes_mib.split(",")]:
+        n = mib * MiB // 4
+        g = torch.Generator(device=dev).manual_seed(mib)
+        x = torch.randn(n, device=dev, generator=g)
+        dst = torch.empty_like(x)
+        t_copy = bench(lambda: dst.copy_(x))
+        copy_gbps = 8 * n / t_copy / 1e6
+        rows.append({"size_mib": mib, "what": "copy", "ms": t_copy, "GBps": copy_gbps})
+
+        def add(what, ms, moved):
+            r = {"size_mib": mib, "what": what, "ms": ms, "pct_copy": 100.0 * moved / ms / 1e6 / copy_gbps}
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+
+        if not args.skip_diag:
+            diag_rows(x, n, sms, add, bench)
+        library_rows(x, n, add, bench)
+        del x, dst
+        torch.cuda.empty_cache()
+        with open(args.out, "w") as f:
+            json.dump({**info, "rows": rows}, f, indent=1)
+
+    print(f"\n{info['device']} torch {info['torch']} triton {info['triton']} ({time.time() - t0:.0f} s)")
+    for r in rows:
+        if r["what"] == "copy":
+            print(f"{r['size_mib']:5d} copy {r['GBps']:.0f} GB/s")
+        else:
+            print(f"{r['size_mib']:5d} {r['pct_copy']:6.1f}%  {r['ms'] * 1e3:8.1f} us  {r['what']}")
+
+
+def diag_rows(x, n, sms, add, bench):
+    """Each pass of the two-pass encode alone, and the quantise pass with one cost removed at a time."""
+    dev = x.device
+    # -- absmax pass alone (read 4n)
+    bits = torch.zeros(1, dtype=torch.int32, device=dev)
+    for block, warps in ((2048, 4), (8192, 8), (16384, 8)):
+        def absmax(block=block, warps=warps):
+            bits.zero_()
+            tk._absmax_atomic[(triton.cdiv(n, block),)](x, bits, n, n, BLOCK=block, I64=False,
+                                                        num_warps=warps)
+        absmax()
+        add(f"absmax atomic block={block} warps={warps}", bench(absmax), 4 * n)
+    for per_sm, block, warps in ((2, 4096, 8), (4, 2048, 4), (8, 2048, 4)):
+        def pabs(per_sm=per_sm, block=block, warps=warps):
+            bits.zero_()
+            _persistent_absmax[(per_sm * sms,)](x, bits, n, BLOCK=block, num_warps=warps)
+        pabs()
+        assert bits.view(torch.float32).item() == x.abs().max().item()
+        add(f"absmax persistent {per_sm}/SM block={block} warps={warps}", bench(pabs), 4 * n)
+
+    # -- quantise pass alone (read 4n, write n), scale known
+    t = tk._dm_tables("dynamic", 0, dev)
+    shift = t["consts"]["SHIFT"]
+    scale = x.abs().max().reshape(1)
+    codes = torch.empty(n, dtype=torch.uint8, device=dev)
+    want = tk.dettmers_encode(x, "dynamic", "nearest", 0, 0)[4:]
+    for div, gather, name in ((0, 1, "div_rn + gather (library)"), (1, 1, "mul + gather"),
+                              (2, 1, "markstein + gather"), (0, 0, "div_rn, no gather"),
+                              (1, 0, "mul, no gather"), (0, 2, "div_rn + int16 gather"),
+                              (0, 3, "div_rn + 128-entry gather")):
+        for block, warps in ((2048, 4), (4096, 8)):
+            def q(div=div, gather=gather, block=block, warps=warps):
+                _diag_quantize[(triton.cdiv(n, block),)](x, scale, codes, t["cells"], n, BLOCK=block,
+                                                         DIV=div, GATHER=gather, SHIFT=shift,
+                                                         num_warps=warps, enable_fp_fusion=False)
+            q()
+            same = bool(torch.equal(codes, want))
+            add(f"quantise {name} block={block} warps={warps} same_bytes={same}", bench(q), 5 * n)
+
+
+
+if __name__ == "__main__":
+    main()
