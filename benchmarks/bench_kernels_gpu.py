@@ -15,6 +15,7 @@ Writes JSON (card, torch and triton versions, every number) and prints a short t
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import time
@@ -93,8 +94,14 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new work after this")
     ap.add_argument("--extra-mib", type=int, default=64, help="size of the odd-n / decode_sum rows")
     ap.add_argument("--device", default="cuda", help="cpu: functional dry run (TRITON_INTERPRET=1)")
+    ap.add_argument("--module", default="", help="time the kernels of this file instead of "
+                    "lowbit.kernels.triton_kernels (an earlier version, for a before/after in one session)")
     args = ap.parse_args()
-    global DRY_RUN
+    global DRY_RUN, tk
+    if args.module:
+        spec = importlib.util.spec_from_file_location("lowbit_kernels_under_test", args.module)
+        tk = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(tk)
     DRY_RUN = args.device == "cpu"
     os.environ["LOWBIT_KERNELS"] = "reference"  # codec calls below are the reference
     assert DRY_RUN or torch.cuda.is_available(), "needs a CUDA GPU"
@@ -106,6 +113,7 @@ def main() -> None:
         "triton": triton.__version__,
         "sm_count": torch.cuda.get_device_properties(dev).multi_processor_count if not DRY_RUN else 0,
         "config": dict(tk.CONFIG),
+        "module": args.module or "lowbit.kernels.triton_kernels",
         "method": "triton.testing.do_bench median (L2 flushed between runs); effective GB/s = "
         "(bytes read + written) / time, minimal bytes; copy = dst.copy_(src) of the fp32 input",
     }

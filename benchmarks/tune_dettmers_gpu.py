@@ -32,18 +32,23 @@ from lowbit.kernels import triton_kernels as tk
 
 MiB = 1 << 20
 # (programs per SM, warps, elements held in registers, streamed tile); per_sm 0 = the two-pass encode
-ONEPASS_CONFIGS = [(0, 0, 0, 0), (1, 16, 16384, 4096), (1, 16, 16384, 8192), (1, 16, 32768, 4096),
-                   (1, 8, 16384, 4096), (2, 8, 8192, 4096), (2, 8, 16384, 4096), (1, 32, 32768, 8192)]
+ONEPASS_CONFIGS = [(0, 0, 0, 0), (1, 16, 16384, 8192), (1, 32, 32768, 8192), (2, 8, 16384, 4096)]
+# fused Dettmers encode: (bucket, elements per program, warps)
+FUSED_CONFIGS = [(4096, 2048, 4), (4096, 4096, 4), (4096, 8192, 8), (4096, 4096, 8), (512, 2048, 4),
+                 (1024, 4096, 4), (2048, 4096, 8)]
 
 
 @triton.jit
 def _diag_quantize(x_ptr, s_ptr, code_ptr, cell_ptr, n, BLOCK: tl.constexpr, DIV: tl.constexpr,
-                   GATHER: tl.constexpr, SHIFT: tl.constexpr):
+                   GATHER: tl.constexpr, SHIFT: tl.constexpr, CG: tl.constexpr = False):
     """Dettmers dynamic nearest codes with one scale; DIV 0: div_rn, 1: x * (1/s), 2: Markstein."""
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    x = tl.load(x_ptr + offs, mask=m, other=0.0)
+    if CG:  # stream x past L1, leaving L1 to the cell table
+        x = tl.load(x_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
+    else:
+        x = tl.load(x_ptr + offs, mask=m, other=0.0)
     s = tl.load(s_ptr)
     safe = tl.where(s > 0, s, 1.0)
     if DIV == 0:
@@ -109,6 +114,13 @@ def library_rows(x, n, add, bench):
         label = "two-pass" if per_sm == 0 else f"onepass {per_sm}/SM warps={warps} reg={reg} tile={tile}"
         add(f"library encode b0 {label} same_bytes={same} failed={dict(tk._ONEPASS_FAILED)}",
             bench(enc), 4 * n + p.numel())
+    tk.CONFIG.clear()
+    tk.CONFIG.update(saved)
+    for bucket, elems, warps in FUSED_CONFIGS:
+        tk.CONFIG.update(elems=elems, warps=warps)
+        fn = lambda: tk.dettmers_encode(x, "dynamic", "nearest", bucket, 0)
+        p = fn()
+        add(f"library encode dettmers b{bucket} elems={elems} warps={warps}", bench(fn), 4 * n + p.numel())
     tk.CONFIG.clear()
     tk.CONFIG.update(saved)
     for label, fn in (("library encode dettmers b4096", lambda: tk.dettmers_encode(x, "dynamic", "nearest", 4096, 0)),
@@ -194,11 +206,12 @@ def diag_rows(x, n, sms, add, bench):
     for div, gather, name in ((0, 1, "div_rn + gather (library)"), (1, 1, "mul + gather"),
                               (2, 1, "markstein + gather"), (0, 0, "div_rn, no gather"),
                               (1, 0, "mul, no gather"), (0, 2, "div_rn + int16 gather"),
-                              (0, 3, "div_rn + 128-entry gather")):
+                              (0, 3, "div_rn + 128-entry gather"), (2, 1, "markstein + gather, x .cg"),
+                              (2, 0, "markstein, no gather")):
         for block, warps in ((2048, 4), (4096, 8)):
-            def q(div=div, gather=gather, block=block, warps=warps):
+            def q(div=div, gather=gather, block=block, warps=warps, cg="cg" in name):
                 _diag_quantize[(triton.cdiv(n, block),)](x, scale, codes, t["cells"], n, BLOCK=block,
-                                                         DIV=div, GATHER=gather, SHIFT=shift,
+                                                         DIV=div, GATHER=gather, SHIFT=shift, CG=cg,
                                                          num_warps=warps, enable_fp_fusion=False)
             q()
             same = bool(torch.equal(codes, want))
