@@ -294,3 +294,28 @@ def test_dettmers_onepass_bit_identical(spec: str, monkeypatch: pytest.MonkeyPat
         assert torch.equal(got, codec.encode(x)), (spec, n)
     zeros = torch.zeros(700, device=DEV)
     assert torch.equal(tk.dettmers_encode(zeros, codec.type, codec.search, 0, codec.offset), codec.encode(zeros))
+
+
+def test_qsgd_top_level_rounding_up_is_clamped() -> None:
+    """q = 2S (a bucket's maximum) plus a uniform just below 1 rounds up to 2S + 1 in float32; the
+    reference's floor-then-clamp keeps code 2S, and so must the kernels (whose fast path drops the other
+    checks)."""
+    bits, bucket, n = 8, 16, 4096
+    s = ref.qsgd_levels(bits)
+    hit = None
+    for seed in range(400):
+        u = ref.uniform(seed, 0, n)
+        idx = torch.nonzero(((2 * s + u) == 2 * s + 1)).flatten()
+        if idx.numel():
+            hit = (seed, int(idx[0]))
+            break
+    assert hit is not None, "no uniform close enough to 1 in the searched seeds"
+    seed, i = hit
+    x = _x(n, seed=3, special=False)
+    b0 = (i // bucket) * bucket
+    x[i] = x[b0 : b0 + bucket].abs().max() * 2 + 1.0  # the bucket's maximum, positive: q = 2S exactly
+    x = x.to(DEV)
+    want = ref.qsgd_encode(x.cpu(), bits, bucket, "max", True, seed)
+    got = tk.qsgd_encode(x, bits, bucket, "max", True, seed).cpu()
+    assert int(want[4 * (n // bucket) + i]) == 2 * s
+    assert torch.equal(got, want)

@@ -118,34 +118,15 @@ def _st(ptr, val, mask, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _u32_to_f32(k):
-    """float(k) for integers k in [0, 2**23) without a conversion instruction (conversions issue at an
-    eighth of the FP32 rate on recent NVIDIA GPUs): the float whose bits are those of 2**23 + k, less
-    2**23, both exact."""
-    return (k | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-
-
-@triton.jit
-def _floor_u32(y):
-    """floor(y) as uint32 for floats y in [0, 2**22], without a conversion instruction: 2**23 + y rounds
-    y to the nearest integer m (held in its low mantissa bits); the floor is m, less 1 where m > y."""
-    t = y + 8388608.0
-    m = t.to(tl.uint32, bitcast=True) & 0x7FFFFF
-    return m - ((t - 8388608.0) > y).to(tl.uint32)
-
-
-@triton.jit
 def _uniform(idx, key):
-    """u(seed, i) of the reference: idx any integer tensor (global element index), key uint32.
-    (h >> 8) * 2**-24 exactly, from its low 23 bits (_u32_to_f32) and its top bit (adds 0.5)."""
+    """u(seed, i) of the reference: idx any integer tensor (global element index), key uint32."""
     h = idx.to(tl.uint32) * 0x9E3779B1 ^ key
     h ^= h >> 16
     h *= 0x85EBCA6B
     h ^= h >> 13
     h *= 0xC2B2AE35
     h ^= h >> 16
-    u = _u32_to_f32((h >> 8) & 0x7FFFFF) * (1.0 / 16777216.0)
-    return u + tl.where(h >= 0x80000000, 0.5, 0.0)
+    return (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
 
 
 @triton.jit
@@ -184,10 +165,21 @@ def _fast_ok(scale):
 
 
 @triton.jit
+def _safe(scale):
+    return tl.where(scale > 0, scale, 1.0)
+
+
+@triton.jit
+def _all_fast(scale):
+    """Scalar: whether every scale of this (ROWS,) vector passes _fast_ok."""
+    return tl.min(_fast_ok(scale).to(tl.int32), axis=0) == 1
+
+
+@triton.jit
 def _div_rows(x, scale):
     """x (R, C) / safe scale (R,) broadcast along rows, rounded as tl.div_rn (see _markstein)."""
-    safe = tl.where(scale > 0, scale, 1.0)
-    if tl.min(_fast_ok(scale).to(tl.int32), axis=0) == 1:
+    safe = _safe(scale)
+    if _all_fast(scale):
         r = _markstein(x, safe[:, None], tl.div_rn(1.0, safe)[:, None])
     else:
         r = tl.div_rn(x, safe[:, None])
@@ -197,7 +189,7 @@ def _div_rows(x, scale):
 @triton.jit
 def _div_scalar(x, scale):
     """x / the safe scale of one scalar scale, rounded as tl.div_rn (see _markstein)."""
-    safe = tl.where(scale > 0, scale, 1.0)
+    safe = _safe(scale)
     if _fast_ok(scale):
         r = _markstein(x, safe, tl.div_rn(1.0, safe))
     else:
@@ -206,17 +198,22 @@ def _div_scalar(x, scale):
 
 
 @triton.jit
-def _quantize(r, idx, key, S: tl.constexpr, STOCH: tl.constexpr):
-    """QSGD code of each r = x / (its bucket's safe scale): uint32 in [0, 2S]."""
+def _quantize(r, idx, key, S: tl.constexpr, STOCH: tl.constexpr, BOUNDED: tl.constexpr):
+    """QSGD code of each r = x / (its bucket's safe scale): uint32 in [0, 2S].
+
+    The reference floors q + u, maps NaN to 0 and clamps to [0, 2S]. Clamping first gives the same
+    codes (the bounds are integers), and then truncation is the floor. BOUNDED: every r is known to be
+    finite with |r| <= 1 (the scales passed _fast_ok: finite, so is every x, and |x| <= scale), so
+    q + u >= 0 and is no NaN: only the upper clamp is left."""
     q = r * S + S
     if STOCH:
         q = q + _uniform(idx, key)
     else:
         q = q + 0.5
-    # The reference floors, then maps NaN to 0 and clamps to [0, 2S]; clamping first is the same
-    # (the bounds are integers) and keeps _floor_u32 in its range.
-    q = tl.where(q == q, q, 0.0)
-    return _floor_u32(tl.minimum(tl.maximum(q, 0.0), 2 * S))
+    if not BOUNDED:
+        q = tl.where(q == q, q, 0.0)
+        q = tl.maximum(q, 0.0)
+    return tl.minimum(q, 2 * S).to(tl.uint32)  # (2S + u may round up to 2S + 1)
 
 
 @triton.jit
@@ -289,14 +286,18 @@ def _qsgd_encode_body(x_ptr, pay_ptr, code_ptr, n, nb, bucket, nbytes, key, pid,
             y = _div_rows(x, scale)
             scale = scale * tl.sqrt_rn(tl.sum(y * y, axis=1))
         _st(scale_ptr + rows, scale, rows < nb, MASKED)
-        r = _div_rows(x, scale)
+        safe = _safe(scale)
+        if _all_fast(scale):
+            r = _markstein(x, safe[:, None], tl.div_rn(1.0, safe)[:, None])
+            codes = _quantize(r, offs, key, S, STOCH, True)
+        else:
+            codes = _quantize(tl.div_rn(x, safe[:, None]), offs, key, S, STOCH, False)
     else:  # (BLOCK,) elements of any buckets: scales precomputed, gathered
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         inb = offs < n
         x = _ld(x_ptr + offs, inb, 0.0, MASKED)
         scale = _ld(scale_ptr + offs // bucket, inb, 1.0, MASKED)
-        r = tl.div_rn(x, tl.where(scale > 0, scale, 1.0))
-    codes = _quantize(r, offs, key, S, STOCH)
+        codes = _quantize(tl.div_rn(x, _safe(scale)), offs, key, S, STOCH, False)
     if MASKED:
         codes = tl.where(inb, codes, 0)
     _pack_store(codes, code_ptr, pid * BLOCK, nbytes, n, BLOCK, BITS, MASKED)
@@ -372,11 +373,11 @@ def _qsgd_dec_one(pp, cp, pid, n, nb, bucket, nbytes, BUCKET: tl.constexpr, ROWS
     if FUSED:
         rows = pid * ROWS + tl.arange(0, ROWS)
         step = _step(_ld(sp + rows, rows < nb, 0.0, MASKED), S, INV)
-        v = (_u32_to_f32(tl.reshape(c, (ROWS, BUCKET))) - S) * step[:, None]
+        v = (tl.reshape(c, (ROWS, BUCKET)).to(tl.float32) - S) * step[:, None]
     else:
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         step = _step(_ld(sp + offs // bucket, offs < n, 0.0, MASKED), S, INV)
-        v = (_u32_to_f32(c) - S) * step
+        v = (c.to(tl.float32) - S) * step
     return v
 
 
@@ -562,13 +563,16 @@ def _dm_paper(m, t_ptr, lo, hi, PIVOT0: tl.constexpr, DYN: tl.constexpr):
 @triton.jit
 def _dm_codes(x, r, cell_ptr, t_ptr, lo, hi,
               NORM: tl.constexpr, SIGNED: tl.constexpr, PAPER: tl.constexpr, DYN: tl.constexpr,
-              PIVOT0: tl.constexpr, SHIFT: tl.constexpr, KBASE: tl.constexpr, NCELL: tl.constexpr):
-    """Code byte of each x; NORM: r = x / its bucket's safe scale (ignored otherwise)."""
+              PIVOT0: tl.constexpr, SHIFT: tl.constexpr, KBASE: tl.constexpr, NCELL: tl.constexpr,
+              BOUNDED: tl.constexpr = False):
+    """Code byte of each x; NORM: r = x / its bucket's safe scale (ignored otherwise). BOUNDED: every r
+    is known finite with |r| <= 1 (see _quantize), so the NaN test and the clamp are skipped."""
     if NORM:
-        r = tl.where(r != r, 0.0, r)
-        # nan_to_num(posinf=1, neginf=-1). Finite |r| <= 1 unless the scale is NaN, and then values
-        # past 1 get the same code as 1 (the largest), so clamping is exact.
-        r = tl.minimum(tl.maximum(r, -1.0), 1.0)
+        if not BOUNDED:
+            r = tl.where(r != r, 0.0, r)
+            # nan_to_num(posinf=1, neginf=-1). Finite |r| <= 1 unless the scale is NaN, and then values
+            # past 1 get the same code as 1 (the largest), so clamping is exact.
+            r = tl.minimum(tl.maximum(r, -1.0), 1.0)
     else:
         finite = tl.abs(x) < float("inf")  # False for NaN and +-inf
         r = tl.where(finite, x, 0.0)
@@ -589,6 +593,30 @@ def _dm_codes(x, r, cell_ptr, t_ptr, lo, hi,
 
 
 @triton.jit
+def _dm_codes_scaled(x, scale, cell_ptr, t_ptr, lo, hi, ROWWISE: tl.constexpr, SIGNED: tl.constexpr,
+                     PAPER: tl.constexpr, DYN: tl.constexpr, PIVOT0: tl.constexpr, SHIFT: tl.constexpr,
+                     KBASE: tl.constexpr, NCELL: tl.constexpr):
+    """Codes of a normalised type: x (R, C) with scale (R,) (ROWWISE), or x with one scalar scale.
+    Where every scale passes _fast_ok: Markstein division and BOUNDED codes; else div_rn and checks."""
+    safe = _safe(scale)
+    if ROWWISE:
+        fast = _all_fast(scale)
+        s = safe[:, None]
+        inv = tl.div_rn(1.0, safe)[:, None]
+    else:
+        fast = _fast_ok(scale)
+        s = safe
+        inv = tl.div_rn(1.0, safe)
+    if fast:
+        codes = _dm_codes(x, _markstein(x, s, inv), cell_ptr, t_ptr, lo, hi, True, SIGNED, PAPER, DYN,
+                          PIVOT0, SHIFT, KBASE, NCELL, True)
+    else:
+        codes = _dm_codes(x, tl.div_rn(x, s), cell_ptr, t_ptr, lo, hi, True, SIGNED, PAPER, DYN,
+                          PIVOT0, SHIFT, KBASE, NCELL, False)
+    return codes
+
+
+@triton.jit
 def _dm_encode_body(x_ptr, scale_ptr, code_ptr, cell_ptr, t_ptr, lo, hi, n, nb, bucket, pid,
                     BUCKET: tl.constexpr, ROWS: tl.constexpr, FUSED: tl.constexpr, NORM: tl.constexpr,
                     SIGNED: tl.constexpr, PAPER: tl.constexpr, DYN: tl.constexpr, PIVOT0: tl.constexpr,
@@ -599,20 +627,21 @@ def _dm_encode_body(x_ptr, scale_ptr, code_ptr, cell_ptr, t_ptr, lo, hi, n, nb, 
         x = _ld(x_ptr + offs, offs < n, 0.0, MASKED)
         scale = _row_absmax(x)
         _st(scale_ptr + rows, scale, rows < nb, MASKED)
-        r = _div_rows(x, scale)
+        codes = _dm_codes_scaled(x, scale, cell_ptr, t_ptr, lo, hi, True, SIGNED, PAPER, DYN, PIVOT0,
+                                 SHIFT, KBASE, NCELL)
     else:
         offs = pid * (ROWS * BUCKET) + tl.arange(0, ROWS * BUCKET)
         x = _ld(x_ptr + offs, offs < n, 0.0, MASKED)
         if ONE_SCALE:
-            scale = tl.load(scale_ptr)
-            r = _div_scalar(x, scale)
+            codes = _dm_codes_scaled(x, tl.load(scale_ptr), cell_ptr, t_ptr, lo, hi, False, SIGNED, PAPER,
+                                     DYN, PIVOT0, SHIFT, KBASE, NCELL)
         elif NORM:
             scale = _ld(scale_ptr + offs // bucket, offs < n, 1.0, MASKED)
-            r = tl.div_rn(x, tl.where(scale > 0, scale, 1.0))
+            codes = _dm_codes(x, tl.div_rn(x, _safe(scale)), cell_ptr, t_ptr, lo, hi, NORM, SIGNED, PAPER,
+                              DYN, PIVOT0, SHIFT, KBASE, NCELL)
         else:
-            r = x
-    codes = _dm_codes(x, r, cell_ptr, t_ptr, lo, hi, NORM, SIGNED, PAPER, DYN,
-                      PIVOT0, SHIFT, KBASE, NCELL)
+            codes = _dm_codes(x, x, cell_ptr, t_ptr, lo, hi, NORM, SIGNED, PAPER, DYN, PIVOT0, SHIFT,
+                              KBASE, NCELL)
     _st(code_ptr + offs, codes.to(tl.uint8), offs < n, MASKED)
 
 
@@ -636,8 +665,8 @@ def _dm_encode_kernel(x_ptr, scale_ptr, code_ptr, cell_ptr, t_ptr, lo, hi, n, nb
 def _dm_onepass_tile(x_ptr, code_ptr, offs, n, scale, cell_ptr, t_ptr, lo, hi, x,
                      SIGNED: tl.constexpr, PAPER: tl.constexpr, DYN: tl.constexpr, PIVOT0: tl.constexpr,
                      SHIFT: tl.constexpr, KBASE: tl.constexpr, NCELL: tl.constexpr):
-    codes = _dm_codes(x, _div_scalar(x, scale), cell_ptr, t_ptr, lo, hi, True, SIGNED, PAPER, DYN,
-                      PIVOT0, SHIFT, KBASE, NCELL)
+    codes = _dm_codes_scaled(x, scale, cell_ptr, t_ptr, lo, hi, False, SIGNED, PAPER, DYN, PIVOT0, SHIFT,
+                             KBASE, NCELL)
     tl.store(code_ptr + offs, codes.to(tl.uint8), mask=offs < n)
 
 

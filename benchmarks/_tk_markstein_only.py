@@ -1,0 +1,1082 @@
+"""Fused Triton kernels for the codecs: one pass over the input, near memory bandwidth.
+
+Every function has the name, signature and return convention of its counterpart in
+:mod:`lowbit.kernels.reference` (the executable specification of the wire format) and produces the same
+bytes: bit for bit in every mode, with two documented exceptions where the reference itself depends on
+torch's summation order (``norm="l2"`` scales and the onebit means; see below).
+
+Plan of the encoders (qsgd, onebit, dettmers)
+    When the bucket is a power of two between 8 and 8192 ("fused path"), one program owns ``ROWS``
+    whole buckets, a ``(ROWS, BUCKET)`` tile: it loads the tile once, reduces each row to its scale,
+    quantises, packs the codes and writes scales and codes. Input is read exactly once.
+    Other buckets (odd sizes, larger than 8192, dettmers' ``bucket=0`` = one scale for the tensor) take
+    the "general path", reading the input twice: first the scales (an atomic integer max per block when
+    every block lies in one bucket, else chunk partials and a small ``amax`` in torch), then a linear
+    kernel over blocks that gathers each element's scale, walking the blocks backwards so that it
+    starts on the part of the input the first pass left in L2.
+    Every kernel compiles a full-tile variant without masks (16-byte loads and stores whatever ``n``
+    is) and a masked one for the last tile.
+
+Bit-exactness
+    * Arithmetic mirrors the reference op by op in float32: true divisions use ``div_rn`` (Triton's
+      ``/`` is approximate), and kernels are compiled with ``enable_fp_fusion=False`` so ``a*b+c`` is
+      not contracted into an FMA (torch runs those as separate elementwise kernels). torch divides a
+      tensor by a Python scalar as a true division on CPU but as a multiplication by the float32
+      reciprocal on CUDA; qsgd decode probes which (once per device) and does the same.
+    * Stochastic rounding draws ``u(seed, i)`` from the same murmur3-fmix32 counter hash, in uint32.
+    * Max-norm scales are exact (max does not depend on order; NaN comes out as the reference's NaN).
+      ``norm="l2"`` scales are a float32 sum of squares in Triton's reduction order, torch's order
+      differs (and differs between torch's own CPU and CUDA kernels), so they agree to a few ulps, and a
+      code can differ by one level where that moves a value across a rounding boundary. Onebit means
+      likewise (sums of same-signed values, a relative difference below 1e-6); sign bits are exact.
+
+Packing
+    Codes form the LSB-first bit stream of :func:`lowbit.kernels.reference.pack_bits`. 8- and 16-bit
+    codes are stored as uint8/uint16 elements; 1/2/4-bit codes are reshaped to ``(BLOCK/cpb, cpb)``
+    (``cpb`` codes per byte) and summed after shifting, one byte per row. 3/5/6/7-bit codes are not
+    handled here: those calls run the reference. Encoders return a payload whose code stream starts
+    16-byte aligned (a view at offset 0/4/8/12 of a buffer 16 bytes longer); a payload to decode is
+    fastest when ``(data_ptr + scale bytes) % 16 == 0`` too, and must be 4-byte aligned or it is copied.
+
+Dettmers' nearest search
+    Instead of a binary search (8 dependent gathers), a cell table indexed by the top bits of the value's
+    order-preserving integer key gives, per cell, the codes below and above the one midpoint inside it
+    (cells are fine enough that none holds two): one gather and one compare per value, bit-identical
+    to ``torch.bucketize`` over the codec's float32 midpoints. ``search="paper"`` emulates the 2015
+    binary search with table gathers, as the codec does.
+
+Measured (H100, Triton 3.6, benchmarks/results/kernels_gpu_h100.json): qsgd 8/4/2-bit encode 75-99% and
+decode 87-96% of a device-to-device copy's bandwidth at 64 MiB-1 GiB; dettmers 44-64% encode (its
+division and table gather make it compute-bound), 87-96% decode.
+
+Importing this module raises ImportError when Triton is missing (the dispatcher then falls back).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except Exception as exc:  # pragma: no cover - exercised only where Triton is absent
+    raise ImportError(f"lowbit.kernels.triton_kernels needs Triton: {exc}") from exc
+
+from lowbit.kernels import reference as ref
+
+__all__ = [
+    "qsgd_encode",
+    "qsgd_decode",
+    "qsgd_decode_sum",
+    "onebit_encode_buckets",
+    "onebit_decode_buckets",
+    "dettmers_encode",
+    "dettmers_decode",
+    "CONFIG",
+]
+
+#: Tuning knobs: elements per program and warps per program (the benchmark sweeps them).
+#: absmax_elems: block of the atomic max |x| pass of the general path (a read-only pass: larger blocks
+#: mean fewer atomics on one address and more bytes in flight).
+#: onepass_*: the one-pass Dettmers encode with one scale per tensor (_dm_onepass_kernel): used from
+#: onepass_min elements, onepass_per_sm programs per SM (0: never), each holding onepass_reg elements in
+#: registers and streaming the rest in tiles of onepass_tile.
+CONFIG: dict[str, int] = {"elems": 2048, "warps": 4, "max_fused_bucket": 8192, "absmax_elems": 16384,
+                          "onepass_min": 1 << 22, "onepass_per_sm": 1, "onepass_tile": 4096,
+                          "onepass_reg": 16384, "onepass_warps": 16}
+
+#: Bit widths with a packed Triton path; others run the reference.
+PACKED_BITS = (1, 2, 4, 8, 16)
+#: Payloads at most this many are decoded and summed in one launch (more: chained launches).
+MAX_SUM = 8
+
+_LAUNCH = {"enable_fp_fusion": False}
+
+
+# ===================================================================================== jit helpers
+# Each kernel runs its body in one of two compiled variants: MASKED=False for tiles wholly inside the
+# tensor (no masks, so loads and stores stay 16 bytes wide whatever n is) and MASKED=True for the last.
+@triton.jit
+def _ld(ptr, mask, other, MASKED: tl.constexpr):
+    if MASKED:
+        v = tl.load(ptr, mask=mask, other=other)
+    else:
+        v = tl.load(ptr)
+    return v
+
+
+@triton.jit
+def _st(ptr, val, mask, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(ptr, val, mask=mask)
+    else:
+        tl.store(ptr, val)
+
+
+@triton.jit
+def _uniform(idx, key):
+    """u(seed, i) of the reference: idx any integer tensor (global element index), key uint32."""
+    h = idx.to(tl.uint32) * 0x9E3779B1 ^ key
+    h ^= h >> 16
+    h *= 0x85EBCA6B
+    h ^= h >> 13
+    h *= 0xC2B2AE35
+    h ^= h >> 16
+    return (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
+
+
+@triton.jit
+def _absmax_bits(x, axis: tl.constexpr):
+    """Max |x| along axis as int32 bits, NaN-propagating: |x| has its sign bit clear, so its bits
+    order like the floats, with every NaN above +inf; NaNs come out as the canonical 0x7FC00000 (the
+    reference's NaN). One integer max per element instead of a float max plus a NaN test."""
+    m = tl.max(tl.abs(x).to(tl.int32, bitcast=True), axis=axis)
+    return tl.where(m > 0x7F800000, 0x7FC00000, m)
+
+
+@triton.jit
+def _row_absmax(x):
+    """x: (R, C) float32 -> (R,) max |x|, NaN if the row holds a NaN (reference.bucket_absmax)."""
+    return _absmax_bits(x, 1).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _markstein(x, s, inv):
+    """x / s correctly rounded, from inv = 1/s correctly rounded: q = x*inv is within an ulp, the
+    remainder x - q*s is exact in an FMA, and q + remainder*inv rounds to the true quotient
+    (Markstein's theorem) -- three instructions instead of a full ``div.rn`` per element. Exact while
+    s, 1/s and the remainder stay normal; _fast_ok says where the callers may use it."""
+    q = x * inv
+    return tl.fma(tl.fma(-q, s, x), inv, q)
+
+
+@triton.jit
+def _fast_ok(scale):
+    """Scales (max |x| of their bucket, or an L2 norm) whose buckets _markstein divides exactly:
+    0 (an all-zero bucket, divided by 1), or within [2**-60, 2**126). Then 1/s is normal, every x is
+    finite (an inf or NaN makes the scale inf or NaN), and for |x| <= s the remainder is exact whenever
+    |x| >= 2**-102; a smaller |x| gives a quotient below 2**-42, which every codec maps to the same
+    code whichever neighbouring float (or signed zero) it is."""
+    return (scale == 0) | ((scale >= 8.673617379884035e-19) & (scale < 8.507059173023462e37))
+
+
+@triton.jit
+def _div_rows(x, scale):
+    """x (R, C) / safe scale (R,) broadcast along rows, rounded as tl.div_rn (see _markstein)."""
+    safe = tl.where(scale > 0, scale, 1.0)
+    if tl.min(_fast_ok(scale).to(tl.int32), axis=0) == 1:
+        r = _markstein(x, safe[:, None], tl.div_rn(1.0, safe)[:, None])
+    else:
+        r = tl.div_rn(x, safe[:, None])
+    return r
+
+
+@triton.jit
+def _div_scalar(x, scale):
+    """x / the safe scale of one scalar scale, rounded as tl.div_rn (see _markstein)."""
+    safe = tl.where(scale > 0, scale, 1.0)
+    if _fast_ok(scale):
+        r = _markstein(x, safe, tl.div_rn(1.0, safe))
+    else:
+        r = tl.div_rn(x, safe)
+    return r
+
+
+@triton.jit
+def _quantize(r, idx, key, S: tl.constexpr, STOCH: tl.constexpr):
+    """QSGD code of each r = x / (its bucket's safe scale): uint32 in [0, 2S]."""
+    q = r * S + S
+    if STOCH:
+        q = tl.floor(q + _uniform(idx, key))
+    else:
+        q = tl.floor(q + 0.5)
+    q = tl.where(q == q, q, 0.0)
+    q = tl.minimum(tl.maximum(q, 0.0), 2 * S)
+    return q.to(tl.uint32)
+
+
+@triton.jit
+def _pack_store(codes, code_ptr, elem0, nbytes, n,
+                BLOCK: tl.constexpr, BITS: tl.constexpr, MASKED: tl.constexpr):
+    """Store BLOCK codes (any shape, row-major = element order; codes of elements >= n already zero)
+    of elements elem0 .. elem0+BLOCK-1 (elem0 a multiple of 8) into the LSB-first stream."""
+    if BITS == 8:
+        offs = elem0 + tl.arange(0, BLOCK)
+        _st(code_ptr + offs, tl.reshape(codes, (BLOCK,)).to(tl.uint8), offs < n, MASKED)
+    elif BITS == 16:
+        offs = elem0 + tl.arange(0, BLOCK)
+        code16_ptr = code_ptr.to(tl.pointer_type(tl.uint16))
+        _st(code16_ptr + offs, tl.reshape(codes, (BLOCK,)).to(tl.uint16), offs < n, MASKED)
+    else:
+        CPB: tl.constexpr = 8 // BITS
+        c = tl.reshape(codes, (BLOCK // CPB, CPB))
+        shifts = (tl.arange(0, CPB) * BITS).to(tl.uint32)
+        byte = tl.sum(c << shifts[None, :], axis=1)
+        boffs = elem0 // CPB + tl.arange(0, BLOCK // CPB)
+        _st(code_ptr + boffs, byte.to(tl.uint8), boffs < nbytes, MASKED)
+
+
+@triton.jit
+def _load_codes(code_ptr, elem0, nbytes, n,
+                BLOCK: tl.constexpr, BITS: tl.constexpr, MASKED: tl.constexpr):
+    """Inverse of _pack_store: (BLOCK,) uint32 codes of elements elem0 .. elem0+BLOCK-1."""
+    if BITS == 8:
+        offs = elem0 + tl.arange(0, BLOCK)
+        c = _ld(code_ptr + offs, offs < n, 0, MASKED).to(tl.uint32)
+    elif BITS == 16:
+        offs = elem0 + tl.arange(0, BLOCK)
+        code16_ptr = code_ptr.to(tl.pointer_type(tl.uint16))
+        c = _ld(code16_ptr + offs, offs < n, 0, MASKED).to(tl.uint32)
+    else:
+        CPB: tl.constexpr = 8 // BITS
+        boffs = elem0 // CPB + tl.arange(0, BLOCK // CPB)
+        byte = _ld(code_ptr + boffs, boffs < nbytes, 0, MASKED).to(tl.uint32)
+        shifts = (tl.arange(0, CPB) * BITS).to(tl.uint32)
+        c = tl.reshape((byte[:, None] >> shifts[None, :]) & ((1 << BITS) - 1), (BLOCK,))
+    return c
+
+
+@triton.jit
+def _pid(I64: tl.constexpr, REVERSE: tl.constexpr = False):
+    """This program's tile index. REVERSE (for a second pass over x) walks the tiles backwards, so it
+    starts on the end of x that the first pass left in L2."""
+    pid = tl.program_id(0)
+    if REVERSE:
+        pid = tl.num_programs(0) - 1 - pid
+    if I64:
+        pid = pid.to(tl.int64)
+    return pid
+
+
+# ===================================================================================== qsgd kernels
+@triton.jit
+def _qsgd_encode_body(x_ptr, pay_ptr, code_ptr, n, nb, bucket, nbytes, key, pid,
+                      BUCKET: tl.constexpr, ROWS: tl.constexpr, FUSED: tl.constexpr, BITS: tl.constexpr,
+                      S: tl.constexpr, L2: tl.constexpr, STOCH: tl.constexpr, MASKED: tl.constexpr):
+    BLOCK: tl.constexpr = ROWS * BUCKET
+    scale_ptr = pay_ptr.to(tl.pointer_type(tl.float32))  # the payload starts with the scales
+    if FUSED:  # (ROWS, BUCKET) tile of whole buckets: scales computed here
+        rows = pid * ROWS + tl.arange(0, ROWS)
+        offs = rows[:, None] * BUCKET + tl.arange(0, BUCKET)[None, :]
+        inb = offs < n
+        x = _ld(x_ptr + offs, inb, 0.0, MASKED)
+        scale = _row_absmax(x)
+        if L2:
+            y = _div_rows(x, scale)
+            scale = scale * tl.sqrt_rn(tl.sum(y * y, axis=1))
+        _st(scale_ptr + rows, scale, rows < nb, MASKED)
+        r = _div_rows(x, scale)
+    else:  # (BLOCK,) elements of any buckets: scales precomputed, gathered
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        inb = offs < n
+        x = _ld(x_ptr + offs, inb, 0.0, MASKED)
+        scale = _ld(scale_ptr + offs // bucket, inb, 1.0, MASKED)
+        r = tl.div_rn(x, tl.where(scale > 0, scale, 1.0))
+    codes = _quantize(r, offs, key, S, STOCH)
+    if MASKED:
+        codes = tl.where(inb, codes, 0)
+    _pack_store(codes, code_ptr, pid * BLOCK, nbytes, n, BLOCK, BITS, MASKED)
+
+
+@triton.jit(do_not_specialize=["key"])
+def _qsgd_encode_kernel(x_ptr, pay_ptr, code_ptr, n, nb, bucket, nbytes, key,
+                        BUCKET: tl.constexpr, ROWS: tl.constexpr, FUSED: tl.constexpr, BITS: tl.constexpr,
+                        S: tl.constexpr, L2: tl.constexpr, STOCH: tl.constexpr, I64: tl.constexpr):
+    pid = _pid(I64, not FUSED)
+    ukey = key.to(tl.uint32, bitcast=True)
+    if (pid + 1) * (ROWS * BUCKET) <= n:
+        _qsgd_encode_body(x_ptr, pay_ptr, code_ptr, n, nb, bucket, nbytes, ukey, pid,
+                          BUCKET, ROWS, FUSED, BITS, S, L2, STOCH, False)
+    else:
+        _qsgd_encode_body(x_ptr, pay_ptr, code_ptr, n, nb, bucket, nbytes, ukey, pid,
+                          BUCKET, ROWS, FUSED, BITS, S, L2, STOCH, True)
+
+
+@triton.jit
+def _partial_absmax(x_ptr, part_ptr, n, bucket, cpb, nunits,
+                    CH: tl.constexpr, UR: tl.constexpr, I64: tl.constexpr):
+    """Max |x| (NaN-propagating) of each unit = a chunk of CH elements of one bucket."""
+    u = _pid(I64) * UR + tl.arange(0, UR)
+    b = u // cpb
+    c = u - b * cpb
+    start = b * bucket + c * CH
+    length = tl.minimum(bucket - c * CH, CH)
+    col = tl.arange(0, CH)
+    offs = start[:, None] + col[None, :]
+    mask = (col[None, :] < length[:, None]) & (offs < n) & (u[:, None] < nunits)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    tl.store(part_ptr + u, _row_absmax(x), mask=u < nunits)
+
+
+@triton.jit
+def _absmax_atomic_body(x_ptr, scale_bits_ptr, n, bucket, pid, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    x = _ld(x_ptr + offs, offs < n, 0.0, MASKED)
+    # Integer max of the bits (see _absmax_bits), so the atomic max over blocks is exact too.
+    tl.atomic_max(scale_bits_ptr + (pid * BLOCK) // bucket, _absmax_bits(x, 0))
+
+
+@triton.jit
+def _absmax_atomic(x_ptr, scale_bits_ptr, n, bucket, BLOCK: tl.constexpr, I64: tl.constexpr):
+    """scale[b] = max(scale[b], max |x| of this block), as int32 bits; every block lies in one bucket."""
+    pid = _pid(I64)
+    if (pid + 1) * BLOCK <= n:
+        _absmax_atomic_body(x_ptr, scale_bits_ptr, n, bucket, pid, BLOCK, False)
+    else:
+        _absmax_atomic_body(x_ptr, scale_bits_ptr, n, bucket, pid, BLOCK, True)
+
+
+@triton.jit
+def _step(scale, S: tl.constexpr, INV: tl.constexpr):
+    """scale / S as the reference computes it on this device: torch divides by a Python scalar as a
+    true division on CPU but as a multiplication by float32(1/S) on CUDA (INV != 0 then)."""
+    if INV == 0.0:
+        step = tl.div_rn(scale, S)
+    else:
+        step = scale * INV
+    return step
+
+
+@triton.jit
+def _qsgd_dec_one(pp, cp, pid, n, nb, bucket, nbytes, BUCKET: tl.constexpr, ROWS: tl.constexpr,
+                  FUSED: tl.constexpr, BITS: tl.constexpr, S: tl.constexpr, INV: tl.constexpr,
+                  MASKED: tl.constexpr):
+    """Decoded values of one payload for this program's tile."""
+    BLOCK: tl.constexpr = ROWS * BUCKET
+    sp = pp.to(tl.pointer_type(tl.float32))  # the payload starts with the scales
+    c = _load_codes(cp, pid * BLOCK, nbytes, n, BLOCK, BITS, MASKED)
+    if FUSED:
+        rows = pid * ROWS + tl.arange(0, ROWS)
+        step = _step(_ld(sp + rows, rows < nb, 0.0, MASKED), S, INV)
+        v = (tl.reshape(c, (ROWS, BUCKET)).to(tl.float32) - S) * step[:, None]
+    else:
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        step = _step(_ld(sp + offs // bucket, offs < n, 0.0, MASKED), S, INV)
+        v = (c.to(tl.float32) - S) * step
+    return v
+
+
+@triton.jit
+def _qsgd_decode_body(out_ptr, n, nb, bucket, nbytes, pid, p0, c0, p1, c1, p2, c2, p3, c3,
+                      p4, c4, p5, c5, p6, c6, p7, c7,
+                      K: tl.constexpr, ACC: tl.constexpr, FUSED: tl.constexpr, BUCKET: tl.constexpr,
+                      ROWS: tl.constexpr, BITS: tl.constexpr, S: tl.constexpr, INV: tl.constexpr,
+                      MASKED: tl.constexpr):
+    """out = [out +] dec(p0) + dec(p1) + ... + dec(p_{K-1}), added left to right in float32.
+
+    FUSED: a (ROWS, BUCKET) tile of whole buckets (BUCKET a power of two), one scale load per row;
+    otherwise a (ROWS*BUCKET,) block with a gathered scale per element (any ``bucket``).
+    p_k: payload k (uint8, its scales first), c_k: its code stream."""
+    if FUSED:
+        rows = pid * ROWS + tl.arange(0, ROWS)
+        offs = rows[:, None] * BUCKET + tl.arange(0, BUCKET)[None, :]
+    else:
+        offs = pid * (ROWS * BUCKET) + tl.arange(0, ROWS * BUCKET)
+    inb = offs < n
+    acc = _qsgd_dec_one(p0, c0, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
+    if ACC:
+        acc = _ld(out_ptr + offs, inb, 0.0, MASKED) + acc
+    if K > 1:
+        acc = acc + _qsgd_dec_one(p1, c1, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
+    if K > 2:
+        acc = acc + _qsgd_dec_one(p2, c2, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
+    if K > 3:
+        acc = acc + _qsgd_dec_one(p3, c3, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
+    if K > 4:
+        acc = acc + _qsgd_dec_one(p4, c4, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
+    if K > 5:
+        acc = acc + _qsgd_dec_one(p5, c5, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
+    if K > 6:
+        acc = acc + _qsgd_dec_one(p6, c6, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
+    if K > 7:
+        acc = acc + _qsgd_dec_one(p7, c7, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
+    _st(out_ptr + offs, acc, inb, MASKED)
+
+
+@triton.jit
+def _qsgd_decode_kernel(out_ptr, n, nb, bucket, nbytes, p0, c0,
+                        FUSED: tl.constexpr, BUCKET: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr,
+                        S: tl.constexpr, INV: tl.constexpr, I64: tl.constexpr):
+    """One payload (few arguments: Triton's per-argument launch cost is most of a small call)."""
+    pid = _pid(I64)
+    if (pid + 1) * (ROWS * BUCKET) <= n:
+        _qsgd_decode_body(out_ptr, n, nb, bucket, nbytes, pid, p0, c0, p0, c0, p0, c0, p0, c0, p0, c0,
+                          p0, c0, p0, c0, p0, c0, 1, False, FUSED, BUCKET, ROWS, BITS, S, INV, False)
+    else:
+        _qsgd_decode_body(out_ptr, n, nb, bucket, nbytes, pid, p0, c0, p0, c0, p0, c0, p0, c0, p0, c0,
+                          p0, c0, p0, c0, p0, c0, 1, False, FUSED, BUCKET, ROWS, BITS, S, INV, True)
+
+
+@triton.jit
+def _qsgd_decode_sum_kernel(out_ptr, n, nb, bucket, nbytes, p0, c0, p1, c1, p2, c2, p3, c3,
+                            p4, c4, p5, c5, p6, c6, p7, c7,
+                            K: tl.constexpr, ACC: tl.constexpr, FUSED: tl.constexpr, BUCKET: tl.constexpr,
+                            ROWS: tl.constexpr, BITS: tl.constexpr, S: tl.constexpr, INV: tl.constexpr,
+                            I64: tl.constexpr):
+    """Up to 8 payloads per launch; ACC adds onto out (the sum of the payloads before these)."""
+    pid = _pid(I64)
+    if (pid + 1) * (ROWS * BUCKET) <= n:
+        _qsgd_decode_body(out_ptr, n, nb, bucket, nbytes, pid, p0, c0, p1, c1, p2, c2, p3, c3,
+                          p4, c4, p5, c5, p6, c6, p7, c7, K, ACC, FUSED, BUCKET, ROWS, BITS, S, INV, False)
+    else:
+        _qsgd_decode_body(out_ptr, n, nb, bucket, nbytes, pid, p0, c0, p1, c1, p2, c2, p3, c3,
+                          p4, c4, p5, c5, p6, c6, p7, c7, K, ACC, FUSED, BUCKET, ROWS, BITS, S, INV, True)
+
+
+# ===================================================================================== onebit kernels
+@triton.jit
+def _onebit_encode_body(x_ptr, scale_ptr, code_ptr, n, nb, pid, nbytes,
+                        BUCKET: tl.constexpr, ROWS: tl.constexpr, FUSED: tl.constexpr, MASKED: tl.constexpr):
+    BLOCK: tl.constexpr = ROWS * BUCKET
+    if FUSED:
+        rows = pid * ROWS + tl.arange(0, ROWS)
+        offs = rows[:, None] * BUCKET + tl.arange(0, BUCKET)[None, :]
+    else:
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+    inb = offs < n
+    x = _ld(x_ptr + offs, inb, 0.0, MASKED)
+    pos = (x >= 0) | (x != x)  # ~(x < 0): NaN counts as non-negative
+    if MASKED:
+        pos = pos & inb
+    if FUSED:
+        neg = ~pos
+        if MASKED:
+            neg = neg & inb
+        sum_pos = tl.sum(tl.where(pos, x, 0.0), axis=1)
+        sum_neg = tl.sum(tl.where(neg, x, 0.0), axis=1)
+        cnt_pos = tl.maximum(tl.sum(pos.to(tl.int32), axis=1), 1).to(tl.float32)
+        cnt_neg = tl.maximum(tl.sum(neg.to(tl.int32), axis=1), 1).to(tl.float32)
+        _st(scale_ptr + 2 * rows, tl.div_rn(sum_pos, cnt_pos), rows < nb, MASKED)
+        _st(scale_ptr + 2 * rows + 1, tl.div_rn(sum_neg, cnt_neg), rows < nb, MASKED)
+    _pack_store(pos.to(tl.uint32), code_ptr, pid * BLOCK, nbytes, n, BLOCK, 1, MASKED)
+
+
+@triton.jit
+def _onebit_encode_kernel(x_ptr, scale_ptr, code_ptr, n, nb, nbytes,
+                          BUCKET: tl.constexpr, ROWS: tl.constexpr, FUSED: tl.constexpr, I64: tl.constexpr):
+    """FUSED: means and sign bits of whole buckets; otherwise sign bits only (means come from torch)."""
+    pid = _pid(I64, not FUSED)
+    if (pid + 1) * (ROWS * BUCKET) <= n:
+        _onebit_encode_body(x_ptr, scale_ptr, code_ptr, n, nb, pid, nbytes, BUCKET, ROWS, FUSED, False)
+    else:
+        _onebit_encode_body(x_ptr, scale_ptr, code_ptr, n, nb, pid, nbytes, BUCKET, ROWS, FUSED, True)
+
+
+@triton.jit
+def _onebit_decode_body(scale_ptr, code_ptr, out_ptr, n, nb, bucket, nbytes, pid,
+                        BUCKET: tl.constexpr, ROWS: tl.constexpr, FUSED: tl.constexpr, MASKED: tl.constexpr):
+    BLOCK: tl.constexpr = ROWS * BUCKET
+    bits = _load_codes(code_ptr, pid * BLOCK, nbytes, n, BLOCK, 1, MASKED)
+    if FUSED:
+        rows = pid * ROWS + tl.arange(0, ROWS)
+        offs = rows[:, None] * BUCKET + tl.arange(0, BUCKET)[None, :]
+        mp = _ld(scale_ptr + 2 * rows, rows < nb, 0.0, MASKED)[:, None]
+        mn = _ld(scale_ptr + 2 * rows + 1, rows < nb, 0.0, MASKED)[:, None]
+        b = tl.reshape(bits, (ROWS, BUCKET))
+    else:
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        g = offs // bucket
+        mp = _ld(scale_ptr + 2 * g, offs < n, 0.0, MASKED)
+        mn = _ld(scale_ptr + 2 * g + 1, offs < n, 0.0, MASKED)
+        b = bits
+    _st(out_ptr + offs, tl.where(b != 0, mp, mn), offs < n, MASKED)
+
+
+@triton.jit
+def _onebit_decode_kernel(scale_ptr, code_ptr, out_ptr, n, nb, bucket, nbytes,
+                          BUCKET: tl.constexpr, ROWS: tl.constexpr, FUSED: tl.constexpr, I64: tl.constexpr):
+    pid = _pid(I64)
+    if (pid + 1) * (ROWS * BUCKET) <= n:
+        _onebit_decode_body(scale_ptr, code_ptr, out_ptr, n, nb, bucket, nbytes, pid, BUCKET, ROWS, FUSED, False)
+    else:
+        _onebit_decode_body(scale_ptr, code_ptr, out_ptr, n, nb, bucket, nbytes, pid, BUCKET, ROWS, FUSED, True)
+
+
+# ===================================================================================== dettmers kernels
+@triton.jit
+def _dm_nearest(v, cell_ptr, SHIFT: tl.constexpr, KBASE: tl.constexpr, NCELL: tl.constexpr,
+                SIGNED: tl.constexpr):
+    """Code of the table value nearest to v: the count of midpoints below v, read off the cell table.
+
+    SIGNED (dynamic_bnb, codes = sorted positions): entry = positions below the cell << 24 | offset
+    of the cell's midpoint. Magnitudes (v >= +0, whose float bits already order like the values):
+    entry = code below the midpoint << 25 | code above it << SHIFT | offset of the midpoint."""
+    b = v.to(tl.int32, bitcast=True)
+    if SIGNED:
+        key = tl.where(b >= 0, b, b ^ 0x7FFFFFFF)  # order-preserving integer key of any float
+        cell = tl.minimum(tl.maximum((key >> SHIFT) - KBASE, 0), NCELL - 1)
+        e = tl.load(cell_ptr + cell)
+        code = ((e >> 24) & 0xFF) + ((key & ((1 << SHIFT) - 1)) > (e & 0xFFFFFF)).to(tl.int32)
+    else:
+        e = tl.load(cell_ptr + (b >> SHIFT))
+        above = (b & ((1 << SHIFT) - 1)) > (e & ((1 << SHIFT) - 1))
+        code = tl.where(above, (e >> SHIFT) & 0x7F, (e >> 25) & 0x7F)
+    return code
+
+
+@triton.jit
+def _dm_paper(m, t_ptr, lo, hi, PIVOT0: tl.constexpr, DYN: tl.constexpr):
+    """The 2015 kernels' binary search (Dettmers._codes with search='paper')."""
+    pivot = tl.full(m.shape, PIVOT0, tl.int32)
+    lower = tl.zeros(m.shape, tl.int32)
+    for i in tl.static_range(6):
+        gt = m > tl.load(t_ptr + pivot)
+        lower = tl.where(gt, pivot, lower)
+        pivot = tl.where(gt, pivot + (32 >> i), pivot - (32 >> i))
+    take = (tl.load(t_ptr + pivot) - m) < tl.abs(tl.load(t_ptr + lower) - m)
+    codes = tl.where(take, pivot, lower)
+    if DYN:
+        codes = tl.where(codes == 126, 127, codes)
+        codes = tl.where(m < 1.5e-6, 126, codes)
+        codes = tl.where(m > 0.995703, 127, codes)
+    else:
+        codes = tl.where(m < lo, 0, codes)
+        codes = tl.where(m > hi, 127, codes)
+    return codes
+
+
+@triton.jit
+def _dm_codes(x, r, cell_ptr, t_ptr, lo, hi,
+              NORM: tl.constexpr, SIGNED: tl.constexpr, PAPER: tl.constexpr, DYN: tl.constexpr,
+              PIVOT0: tl.constexpr, SHIFT: tl.constexpr, KBASE: tl.constexpr, NCELL: tl.constexpr):
+    """Code byte of each x; NORM: r = x / its bucket's safe scale (ignored otherwise)."""
+    if NORM:
+        r = tl.where(r != r, 0.0, r)
+        # nan_to_num(posinf=1, neginf=-1). Finite |r| <= 1 unless the scale is NaN, and then values
+        # past 1 get the same code as 1 (the largest), so clamping is exact.
+        r = tl.minimum(tl.maximum(r, -1.0), 1.0)
+    else:
+        finite = tl.abs(x) < float("inf")  # False for NaN and +-inf
+        r = tl.where(finite, x, 0.0)
+    if SIGNED:
+        codes = _dm_nearest(r, cell_ptr, SHIFT, KBASE, NCELL, True)
+    else:
+        m = tl.abs(r)
+        if PAPER:
+            codes = _dm_paper(m, t_ptr, lo, hi, PIVOT0, DYN)
+        else:
+            codes = _dm_nearest(m, cell_ptr, SHIFT, KBASE, NCELL, False)
+        if NORM:
+            codes = tl.where((r < 0) & (codes != 0), codes | 128, codes)
+        else:
+            codes = tl.where((x < 0) & (codes != 0), codes | 128, codes)
+            codes = tl.where(finite, codes, 128)  # non-finite: the NaN marker 0x80
+    return codes
+
+
+@triton.jit
+def _dm_encode_body(x_ptr, scale_ptr, code_ptr, cell_ptr, t_ptr, lo, hi, n, nb, bucket, pid,
+                    BUCKET: tl.constexpr, ROWS: tl.constexpr, FUSED: tl.constexpr, NORM: tl.constexpr,
+                    SIGNED: tl.constexpr, PAPER: tl.constexpr, DYN: tl.constexpr, PIVOT0: tl.constexpr,
+                    SHIFT: tl.constexpr, KBASE: tl.constexpr, NCELL: tl.constexpr, ONE_SCALE: tl.constexpr, MASKED: tl.constexpr):
+    if FUSED:
+        rows = pid * ROWS + tl.arange(0, ROWS)
+        offs = rows[:, None] * BUCKET + tl.arange(0, BUCKET)[None, :]
+        x = _ld(x_ptr + offs, offs < n, 0.0, MASKED)
+        scale = _row_absmax(x)
+        _st(scale_ptr + rows, scale, rows < nb, MASKED)
+        r = _div_rows(x, scale)
+    else:
+        offs = pid * (ROWS * BUCKET) + tl.arange(0, ROWS * BUCKET)
+        x = _ld(x_ptr + offs, offs < n, 0.0, MASKED)
+        if ONE_SCALE:
+            scale = tl.load(scale_ptr)
+            r = _div_scalar(x, scale)
+        elif NORM:
+            scale = _ld(scale_ptr + offs // bucket, offs < n, 1.0, MASKED)
+            r = tl.div_rn(x, tl.where(scale > 0, scale, 1.0))
+        else:
+            r = x
+    codes = _dm_codes(x, r, cell_ptr, t_ptr, lo, hi, NORM, SIGNED, PAPER, DYN,
+                      PIVOT0, SHIFT, KBASE, NCELL)
+    _st(code_ptr + offs, codes.to(tl.uint8), offs < n, MASKED)
+
+
+@triton.jit
+def _dm_encode_kernel(x_ptr, scale_ptr, code_ptr, cell_ptr, t_ptr, lo, hi, n, nb, bucket,
+                      BUCKET: tl.constexpr, ROWS: tl.constexpr, FUSED: tl.constexpr, NORM: tl.constexpr,
+                      SIGNED: tl.constexpr, PAPER: tl.constexpr, DYN: tl.constexpr, PIVOT0: tl.constexpr,
+                      SHIFT: tl.constexpr, KBASE: tl.constexpr, NCELL: tl.constexpr, ONE_SCALE: tl.constexpr, I64: tl.constexpr):
+    pid = _pid(I64, not FUSED)
+    if (pid + 1) * (ROWS * BUCKET) <= n:
+        _dm_encode_body(x_ptr, scale_ptr, code_ptr, cell_ptr, t_ptr, lo, hi, n, nb, bucket, pid,
+                        BUCKET, ROWS, FUSED, NORM, SIGNED, PAPER, DYN, PIVOT0, SHIFT, KBASE, NCELL, ONE_SCALE,
+                        False)
+    else:
+        _dm_encode_body(x_ptr, scale_ptr, code_ptr, cell_ptr, t_ptr, lo, hi, n, nb, bucket, pid,
+                        BUCKET, ROWS, FUSED, NORM, SIGNED, PAPER, DYN, PIVOT0, SHIFT, KBASE, NCELL, ONE_SCALE,
+                        True)
+
+
+@triton.jit
+def _dm_onepass_tile(x_ptr, code_ptr, offs, n, scale, cell_ptr, t_ptr, lo, hi, x,
+                     SIGNED: tl.constexpr, PAPER: tl.constexpr, DYN: tl.constexpr, PIVOT0: tl.constexpr,
+                     SHIFT: tl.constexpr, KBASE: tl.constexpr, NCELL: tl.constexpr):
+    codes = _dm_codes(x, _div_scalar(x, scale), cell_ptr, t_ptr, lo, hi, True, SIGNED, PAPER, DYN,
+                      PIVOT0, SHIFT, KBASE, NCELL)
+    tl.store(code_ptr + offs, codes.to(tl.uint8), mask=offs < n)
+
+
+@triton.jit
+def _dm_onepass_kernel(x_ptr, scale_ptr, code_ptr, ws_ptr, cell_ptr, t_ptr, lo, hi, n, per, ntiles,
+                       TILE: tl.constexpr, REG: tl.constexpr, SIGNED: tl.constexpr, PAPER: tl.constexpr,
+                       DYN: tl.constexpr, PIVOT0: tl.constexpr, SHIFT: tl.constexpr, KBASE: tl.constexpr,
+                       NCELL: tl.constexpr, I64: tl.constexpr):
+    """Dettmers encode with one scale for the whole tensor, reading the input (nearly) once.
+
+    A persistent grid whose programs all run at once (a cooperative launch): program p owns
+    ``per = ntiles * TILE + REG`` elements from ``p * per``. Phase 1 reads its head tiles (asking L2 to
+    keep them) and then its last REG elements into registers, and folds max |x| into ws[0] (int bits,
+    atomic max); then every program waits at a grid barrier (ws[1] counts arrivals). Phase 2 encodes the
+    register-held elements without reading them again, then the head tiles, newest first, mostly from
+    L2. Program 0 stores the scale."""
+    pid = _pid(I64)
+    nprog = tl.num_programs(0)
+    start = pid * per
+    acc = tl.zeros((TILE,), tl.int32)
+    if ntiles > 0:  # two tiles in flight: load the next before folding the last
+        offs = start + tl.arange(0, TILE)
+        xv = tl.load(x_ptr + offs, mask=offs < n, other=0.0, eviction_policy="evict_last")
+        for t in range(1, ntiles):
+            offs = start + t * TILE + tl.arange(0, TILE)
+            nxt = tl.load(x_ptr + offs, mask=offs < n, other=0.0, eviction_policy="evict_last")
+            acc = tl.maximum(acc, tl.abs(xv).to(tl.int32, bitcast=True))
+            xv = nxt
+        acc = tl.maximum(acc, tl.abs(xv).to(tl.int32, bitcast=True))
+    roffs = start + ntiles * TILE + tl.arange(0, REG)
+    xr = tl.load(x_ptr + roffs, mask=roffs < n, other=0.0, eviction_policy="evict_first")
+    m = tl.maximum(tl.max(acc, axis=0), tl.max(tl.abs(xr).to(tl.int32, bitcast=True), axis=0))
+    tl.atomic_max(ws_ptr, tl.where(m > 0x7F800000, 0x7FC00000, m), sem="relaxed")
+    tl.atomic_add(ws_ptr + 1, 1, sem="release")  # orders the max above before the arrival
+    arrived = tl.atomic_add(ws_ptr + 1, 0, sem="acquire")
+    while arrived < nprog:
+        arrived = tl.atomic_add(ws_ptr + 1, 0, sem="acquire")
+    scale = tl.atomic_max(ws_ptr, 0, sem="acquire").to(tl.float32, bitcast=True)
+    if pid == 0:
+        tl.store(scale_ptr, scale)
+    _dm_onepass_tile(x_ptr, code_ptr, roffs, n, scale, cell_ptr, t_ptr, lo, hi, xr,
+                     SIGNED, PAPER, DYN, PIVOT0, SHIFT, KBASE, NCELL)
+    for t in range(ntiles):
+        offs = start + (ntiles - 1 - t) * TILE + tl.arange(0, TILE)
+        xv = tl.load(x_ptr + offs, mask=offs < n, other=0.0, eviction_policy="evict_first")
+        _dm_onepass_tile(x_ptr, code_ptr, offs, n, scale, cell_ptr, t_ptr, lo, hi, xv,
+                         SIGNED, PAPER, DYN, PIVOT0, SHIFT, KBASE, NCELL)
+
+
+@triton.jit
+def _dm_decode_body(scale_ptr, code_ptr, lut_ptr, out_ptr, n, nb, bucket, pid,
+                    BUCKET: tl.constexpr, ROWS: tl.constexpr, NORM: tl.constexpr, FUSED: tl.constexpr,
+                    ONE_SCALE: tl.constexpr, MASKED: tl.constexpr):
+    if FUSED:
+        rows = pid * ROWS + tl.arange(0, ROWS)
+        offs = rows[:, None] * BUCKET + tl.arange(0, BUCKET)[None, :]
+    else:
+        offs = pid * (ROWS * BUCKET) + tl.arange(0, ROWS * BUCKET)
+    inb = offs < n
+    codes = _ld(code_ptr + offs, inb, 0, MASKED).to(tl.int32)
+    vals = tl.load(lut_ptr + codes)
+    if NORM:
+        if FUSED:
+            vals = vals * _ld(scale_ptr + rows, rows < nb, 0.0, MASKED)[:, None]
+        elif ONE_SCALE:
+            vals = vals * tl.load(scale_ptr)
+        else:
+            vals = vals * _ld(scale_ptr + offs // bucket, inb, 0.0, MASKED)
+    _st(out_ptr + offs, vals, inb, MASKED)
+
+
+@triton.jit
+def _dm_decode_kernel(scale_ptr, code_ptr, lut_ptr, out_ptr, n, nb, bucket,
+                      BUCKET: tl.constexpr, ROWS: tl.constexpr, NORM: tl.constexpr, FUSED: tl.constexpr,
+                      ONE_SCALE: tl.constexpr, I64: tl.constexpr):
+    pid = _pid(I64)
+    if (pid + 1) * (ROWS * BUCKET) <= n:
+        _dm_decode_body(scale_ptr, code_ptr, lut_ptr, out_ptr, n, nb, bucket, pid, BUCKET, ROWS, NORM, FUSED,
+                        ONE_SCALE, False)
+    else:
+        _dm_decode_body(scale_ptr, code_ptr, lut_ptr, out_ptr, n, nb, bucket, pid, BUCKET, ROWS, NORM, FUSED,
+                        ONE_SCALE, True)
+
+
+# ===================================================================================== host side
+def _is_pow2(v: int) -> bool:
+    return v > 0 and (v & (v - 1)) == 0
+
+
+def _fused(bucket: int) -> bool:
+    """Whole buckets fit a program's tile (a power of two, at least one packed byte of 1-bit codes)."""
+    return _is_pow2(bucket) and 8 <= bucket <= CONFIG["max_fused_bucket"]
+
+
+def _rows(bucket: int) -> int:
+    return max(1, CONFIG["elems"] // bucket)
+
+
+def _warps(block: int) -> int:
+    return max(1, min(CONFIG["warps"], block // 256))
+
+
+def _i64(n: int, block: int) -> bool:
+    return n + 2 * block + 16 >= 2**31
+
+
+def _signed_key(seed: int) -> int:
+    k = ref.seed_key(seed)
+    return k - (1 << 32) if k >= (1 << 31) else k
+
+
+def _aligned(payload: torch.Tensor) -> torch.Tensor:
+    """A payload whose first byte is 4-byte aligned, so its scales can be read as float32 (a slice of
+    a received buffer may not be: then it is copied). Triton compiles a variant with narrower loads
+    for pointers that are not 16-byte aligned."""
+    payload = payload.reshape(-1)
+    if payload.data_ptr() % 4:
+        payload = payload.clone()
+    return payload
+
+
+def _new_payload(head: int, total: int, device: torch.device) -> torch.Tensor:
+    """An uninitialised (total,) uint8 payload whose code stream (from byte ``head``, a multiple of 4)
+    starts 16-byte aligned, so the kernels store codes in 16-byte vectors: a view at offset 0, 4, 8 or
+    12 of a slightly larger buffer."""
+    buf = torch.empty(total + 16, dtype=torch.uint8, device=device)
+    skew = (-(buf.data_ptr() + head)) % 16
+    return buf[skew : skew + total]
+
+
+def _scale_view(payload: torch.Tensor, nscales: int) -> torch.Tensor:
+    return payload[: 4 * nscales].view(torch.float32)
+
+
+def _tiling(bucket: int, fused: bool) -> tuple[int, int, int]:
+    """(BUCKET, ROWS, block): a fused tile is ROWS whole buckets; a linear one ROWS=1 x CONFIG elems."""
+    if fused:
+        rows = _rows(bucket)
+        return bucket, rows, rows * bucket
+    return CONFIG["elems"], 1, CONFIG["elems"]
+
+
+def _bucket_scales_general(x: torch.Tensor, bucket: int, scales: torch.Tensor) -> None:
+    """scales[b] = max |x| over bucket b (NaN-propagating, as reference.bucket_absmax), any bucket."""
+    n = x.numel()
+    nb = scales.numel()
+    ab = CONFIG["absmax_elems"]
+    while ab > CONFIG["elems"] and nb > 1 and bucket % ab:
+        ab //= 2
+    if nb == 1 or bucket % ab == 0:  # every block lies in one bucket: one pass, atomic max
+        scales.zero_()
+        _absmax_atomic[(triton.cdiv(n, ab),)](x, scales.view(torch.int32), n, bucket, BLOCK=ab,
+                                              I64=_i64(n, ab), num_warps=min(8, max(1, ab // 256)), **_LAUNCH)
+        return
+    # Chunks of at most 4096 elements of one bucket each, UR chunks per program; then torch's amax.
+    ch = min(1 << max(0, (bucket - 1).bit_length()), 4096)
+    cpb = (bucket + ch - 1) // ch
+    ur = max(1, 4096 // ch)
+    nunits = nb * cpb
+    part = torch.empty(nunits, dtype=torch.float32, device=x.device)
+    _partial_absmax[(triton.cdiv(nunits, ur),)](x, part, n, bucket, cpb, nunits, CH=ch, UR=ur,
+                                                I64=_i64(max(n, nunits * ch), ur * ch),
+                                                num_warps=_warps(ur * ch), **_LAUNCH)
+    scales.copy_(part if cpb == 1 else part.view(nb, cpb).amax(dim=1))  # amax propagates NaN
+
+
+# ------------------------------------------------------------------------------------- qsgd
+def qsgd_encode(
+    x: torch.Tensor, bits: int, bucket: int, norm: str, stochastic: bool, seed: int
+) -> torch.Tensor:
+    """x: (n,) float32 contiguous -> payload uint8: [scales (nb,) f32][codes packed at ``bits``]."""
+    if bits not in PACKED_BITS:
+        return ref.qsgd_encode(x, bits, bucket, norm, stochastic, seed)
+    x = x.reshape(-1).contiguous()
+    n = x.numel()
+    nb = (n + bucket - 1) // bucket
+    nbytes = ref.packed_nbytes(n, bits)
+    payload = _new_payload(4 * nb, 4 * nb + nbytes, x.device)
+    if n == 0:
+        return payload
+    fused = _fused(bucket)
+    if not fused:
+        scales = _scale_view(payload, nb)
+        if norm == "l2":
+            scales.copy_(ref.bucket_l2(ref.to_buckets(x, bucket)))
+        else:
+            _bucket_scales_general(x, bucket, scales)
+    bsize, rows, block = _tiling(bucket, fused)
+    _qsgd_encode_kernel[(triton.cdiv(n, block),)](
+        x, payload, payload[4 * nb :], n, nb, bucket, nbytes, _signed_key(seed),
+        BUCKET=bsize, ROWS=rows, FUSED=fused, BITS=bits, S=ref.qsgd_levels(bits), L2=norm == "l2",
+        STOCH=bool(stochastic), I64=_i64(n, block), num_warps=_warps(block), **_LAUNCH)
+    return payload
+
+
+@functools.lru_cache(maxsize=None)
+def _scalar_inverse(device: torch.device, bits: int) -> float:
+    """0.0 if torch computes ``t / s`` (a float32 tensor by a Python float) as a true division on
+    ``device``, else float32(1/s), the reciprocal it multiplies by (torch's CUDA kernel does that for
+    a CPU-scalar divisor). Probed once per device and bit width, so qsgd decode matches the reference
+    bit for bit on whichever device it runs."""
+    s = ref.qsgd_levels(bits)
+    inv = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(s, dtype=torch.float32))
+    if inv * s == 1.0:  # exact reciprocal (s = 0.5, 1): both ways agree
+        return 0.0
+    g = torch.Generator().manual_seed(0)
+    t = (torch.rand(1 << 14, generator=g) * 2.0**torch.randint(-20, 20, (1 << 14,), generator=g)).to(device)
+    torch_way = t / s
+    true_div = t / torch.full_like(t, s)  # tensor / tensor: a true division everywhere
+    if torch.equal(torch_way, true_div):
+        return 0.0
+    if torch.equal(torch_way, t * inv):
+        return inv
+    raise RuntimeError(f"lowbit: cannot tell how torch divides by a scalar on {device}")
+
+
+def _qsgd_decode_into(payloads: Sequence[torch.Tensor], n: int, bits: int, bucket: int,
+                      out: torch.Tensor) -> torch.Tensor:
+    nb = (n + bucket - 1) // bucket
+    nbytes = ref.packed_nbytes(n, bits)
+    fused = _fused(bucket)
+    bsize, rows, block = _tiling(bucket, fused)
+    grid = (triton.cdiv(n, block),)
+    meta = dict(FUSED=fused, BUCKET=bsize, ROWS=rows, BITS=bits, S=ref.qsgd_levels(bits),
+                INV=_scalar_inverse(out.device, bits), I64=_i64(n, block), num_warps=_warps(block), **_LAUNCH)
+    args = []
+    for p in payloads:
+        p = _aligned(p)
+        args += [p, p[4 * nb :]]
+    if len(payloads) == 1:
+        _qsgd_decode_kernel[grid](out, n, nb, bucket, nbytes, *args, **meta)
+        return out
+    for start in range(0, len(args), 2 * MAX_SUM):
+        chunk = args[start : start + 2 * MAX_SUM]
+        k = len(chunk) // 2
+        chunk += chunk[:2] * (MAX_SUM - k)
+        _qsgd_decode_sum_kernel[grid](out, n, nb, bucket, nbytes, *chunk, K=k, ACC=start > 0, **meta)
+    return out
+
+
+def qsgd_decode(payload: torch.Tensor, n: int, bits: int, bucket: int, out: torch.Tensor) -> torch.Tensor:
+    if bits not in PACKED_BITS:
+        return ref.qsgd_decode(payload, n, bits, bucket, out)
+    if n == 0:
+        return out
+    return _qsgd_decode_into([payload], n, bits, bucket, out)
+
+
+def qsgd_decode_sum(payloads: Sequence[torch.Tensor], n: int, bits: int, bucket: int,
+                    out: torch.Tensor) -> torch.Tensor:
+    """out = decode(p0) + decode(p1) + ..., added in this order in float32, in one pass over ``out``
+    per 8 payloads: bit-identical to summing reference decodes in the same order."""
+    if len(payloads) == 0:
+        raise ValueError("qsgd_decode_sum needs at least one payload")
+    if n == 0:
+        return out
+    if bits not in PACKED_BITS:
+        ref.qsgd_decode(payloads[0], n, bits, bucket, out)
+        tmp = torch.empty_like(out)
+        for p in payloads[1:]:
+            out.add_(ref.qsgd_decode(p, n, bits, bucket, tmp))
+        return out
+    return _qsgd_decode_into(list(payloads), n, bits, bucket, out)
+
+
+# ------------------------------------------------------------------------------------- onebit
+def onebit_encode_buckets(x: torch.Tensor, bucket: int) -> torch.Tensor:
+    """x: (n,) -> [(mean_pos, mean_neg) per bucket: float32 x 2nb][sign bits: 1 = non-negative]."""
+    x = x.reshape(-1).contiguous()
+    n = x.numel()
+    nb = (n + bucket - 1) // bucket
+    nbytes = ref.packed_nbytes(n, 1)
+    payload = _new_payload(8 * nb, 8 * nb + nbytes, x.device)
+    if n == 0:
+        return payload
+    scales = _scale_view(payload, 2 * nb)
+    fused = _fused(bucket)
+    if not fused:
+        xb = ref.to_buckets(x, bucket)
+        valid = None
+        if nb * bucket != n:
+            valid = (torch.arange(nb * bucket, device=x.device) < n).view(nb, bucket)
+        _, mp, mn = ref.onebit_stats(xb, valid)
+        scales.view(nb, 2).copy_(torch.stack([mp, mn], dim=1))
+    bsize, rows, block = _tiling(bucket, fused)
+    _onebit_encode_kernel[(triton.cdiv(n, block),)](
+        x, scales, payload[8 * nb :], n, nb, nbytes, BUCKET=bsize, ROWS=rows, FUSED=fused,
+        I64=_i64(n, block), num_warps=_warps(block), **_LAUNCH)
+    return payload
+
+
+def onebit_decode_buckets(payload: torch.Tensor, n: int, bucket: int, out: torch.Tensor) -> torch.Tensor:
+    if n == 0:
+        return out
+    nb = (n + bucket - 1) // bucket
+    payload = _aligned(payload)
+    fused = _fused(bucket)
+    bsize, rows, block = _tiling(bucket, fused)
+    _onebit_decode_kernel[(triton.cdiv(n, block),)](
+        _scale_view(payload, 2 * nb), payload[8 * nb :], out, n, nb, bucket, ref.packed_nbytes(n, 1),
+        BUCKET=bsize, ROWS=rows, FUSED=fused, I64=_i64(n, block), num_warps=_warps(block), **_LAUNCH)
+    return out
+
+
+# ------------------------------------------------------------------------------------- dettmers
+_NORMALISED = ("dynamic", "linear", "dynamic_bnb")
+
+
+@functools.lru_cache(maxsize=None)
+def _dm_host_tables(type_: str, offset: int) -> dict:
+    """Host-side tables of a Dettmers type (see the module doc, "Dettmers' nearest search")."""
+    import numpy as np
+
+    from lowbit.codecs import dettmers as dm  # late: the codec may import the dispatcher
+
+    signed = type_ == "dynamic_bnb"
+    values = list(dm.bnb_dynamic_map()) if signed else list(dm.magnitudes(type_, offset))
+    # Exactly the codec's _nearest_codes: sorted unique values, float64 midpoints rounded to float32.
+    uniq = sorted(set(values))
+    first_code = [values.index(v) for v in uniq]
+    sv = torch.tensor(uniq, dtype=torch.float64)
+    mids = ((sv[1:] + sv[:-1]) / 2).to(torch.float32).numpy()
+    bits = mids.view(np.int32).astype(np.int64)
+    mkeys = np.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # order-preserving integer keys
+    assert np.all(np.diff(mkeys) > 0)
+    # The coarsest cells (a power of two of keys each) holding at most one midpoint; magnitude entries
+    # keep the midpoint's offset in SHIFT <= 18 bits, beside two 7-bit codes.
+    shift = 18 if not signed else 23
+    while shift > 8 and np.unique(mkeys >> shift, return_counts=True)[1].max() > 1:
+        shift -= 1
+    kmax = 0x7F800000  # +inf
+    kmin = (0xFF800000 - (1 << 32)) ^ 0x7FFFFFFF if signed else 0  # -inf, or +0 for magnitudes
+    kbase = kmin >> shift
+    ncell = (kmax >> shift) - kbase + 1
+    starts = (np.arange(ncell, dtype=np.int64) + kbase) << shift
+    p_lo = np.searchsorted(mkeys, starts, side="left")  # midpoints below each cell
+    nxt = mkeys[np.minimum(p_lo, len(mkeys) - 1)]
+    has_mid = (p_lo < len(mkeys)) & (nxt < starts + (1 << shift))
+    mid_off = np.where(has_mid, nxt - starts, (1 << shift) - 1)  # none: no offset is above it
+    if signed:
+        if first_code != list(range(len(uniq))):
+            raise ValueError(f"dettmers {type_}: codes are not sorted positions")
+        entry = (p_lo.astype(np.uint64) << 24) | mid_off.astype(np.uint64)
+    else:
+        codes = np.array(first_code, dtype=np.uint64)
+        lo_code = codes[p_lo]
+        hi_code = codes[np.minimum(p_lo + 1, len(codes) - 1)]
+        entry = (lo_code << 25) | (hi_code << shift) | mid_off.astype(np.uint64)
+    cells = entry.astype(np.uint32).view(np.int32)
+    # The paper search reads a 130-entry table (index `size` = the 2015 kernel's overread).
+    size, pivot0 = (126, 63) if type_ == "dynamic" else (128, 64)
+    tbl = list(values[:size]) + [1.0] * (130 - size) if not signed else [0.0] * 130
+    scale10 = 10.0**offset
+    lo, hi = {"linear": (1.5e-6, 0.990703), "static": (5e-7 * scale10, 93 * scale10),
+              "mantissa": (5e-7 * scale10, 150 * scale10)}.get(type_, (0.0, 0.0))
+    return {
+        "cells": torch.from_numpy(cells.copy()),
+        "paper": torch.tensor(tbl, dtype=torch.float32),
+        "lut": torch.tensor(dm.decode_table(type_, offset), dtype=torch.float32),
+        "consts": dict(SHIFT=shift, KBASE=kbase, NCELL=ncell, PIVOT0=pivot0,
+                       SIGNED=signed, DYN=type_ == "dynamic"),
+        "lo": lo,
+        "hi": hi,
+    }
+
+
+@functools.lru_cache(maxsize=64)
+def _dm_tables(type_: str, offset: int, device: torch.device) -> dict:
+    host = _dm_host_tables(type_, offset)
+    out = dict(host)
+    for k in ("cells", "paper", "lut"):
+        out[k] = host[k].to(device)
+    return out
+
+
+_ONEPASS_FAILED: dict[torch.device, str] = {}  # devices where the one-pass launch failed, and why
+
+
+@functools.lru_cache(maxsize=None)
+def _cooperative_launch() -> bool:
+    """Whether this Triton can launch a grid cooperatively (all programs resident at once)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except Exception:  # pragma: no cover - no CUDA backend
+        return False
+    return "launch_cooperative_grid" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+def _onepass_programs(device: torch.device) -> int:
+    """Programs of the one-pass Dettmers encode on this device, 0 where it cannot run: it needs a
+    cooperative launch (its grid barrier waits for every program). Triton's CPU interpreter runs
+    programs one after another, so there it runs as a single program (the arithmetic, not the barrier)."""
+    if not CONFIG["onepass_per_sm"] or device in _ONEPASS_FAILED:
+        return 0
+    if device.type != "cuda":
+        return 1
+    if not _cooperative_launch():
+        return 0
+    return CONFIG["onepass_per_sm"] * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def dettmers_encode(x: torch.Tensor, type_: str, search: str, bucket: int, offset: int) -> torch.Tensor:
+    """Dettmers' 8-bit codec: x (n,) float32 -> [absmax f32 per bucket (normalised types)][code byte each].
+
+    ``bucket=0`` means one scale for the whole tensor. Same bytes as ``Dettmers(...).encode`` for every
+    type and both searches."""
+    x = x.reshape(-1).contiguous()
+    n = x.numel()
+    if n == 0:
+        return torch.empty(0, dtype=torch.uint8, device=x.device)
+    norm = type_ in _NORMALISED
+    eff_bucket = (bucket or n) if norm else n
+    nb = (n + eff_bucket - 1) // eff_bucket if norm else 0
+    payload = _new_payload(4 * nb, 4 * nb + n, x.device)
+    scales = _scale_view(payload, nb)
+    t = _dm_tables(type_, offset, x.device)
+    fused = norm and _fused(eff_bucket)
+    nprog = _onepass_programs(x.device) if norm and nb == 1 and not fused and n >= CONFIG["onepass_min"] else 0
+    if nprog:
+        tile, reg = CONFIG["onepass_tile"], CONFIG["onepass_reg"]
+        ntiles = max(0, -(-(-(-n // nprog) - reg) // tile))
+        ws = torch.zeros(2, dtype=torch.int32, device=x.device)  # max |x| bits, arrivals
+        extra = {"launch_cooperative_grid": True} if x.device.type == "cuda" else {}
+        try:
+            _dm_onepass_kernel[(nprog,)](
+                x, scales, payload[4:], ws, t["cells"], t["paper"], float(t["lo"]), float(t["hi"]), n,
+                ntiles * tile + reg, ntiles, TILE=tile, REG=reg, PAPER=search == "paper",
+                I64=_i64(nprog * (ntiles * tile + reg), tile), num_warps=CONFIG["onepass_warps"],
+                **t["consts"], **extra, **_LAUNCH)
+            return payload
+        except RuntimeError as exc:  # e.g. a cooperative grid too large for this device: two passes
+            _ONEPASS_FAILED[x.device] = str(exc)
+            warnings.warn(f"lowbit: one-pass Dettmers encode unavailable on {x.device} ({exc}); "
+                          "using two passes", RuntimeWarning, stacklevel=2)
+    if norm and not fused:
+        _bucket_scales_general(x, eff_bucket, scales)
+    bsize, rows, block = _tiling(eff_bucket, fused)
+    _dm_encode_kernel[(triton.cdiv(n, block),)](
+        x, scales if norm else x, payload[4 * nb :], t["cells"], t["paper"], float(t["lo"]),
+        float(t["hi"]), n, max(nb, 1), eff_bucket, BUCKET=bsize, ROWS=rows, FUSED=fused, NORM=norm,
+        PAPER=search == "paper", ONE_SCALE=nb == 1 and not fused, I64=_i64(n, block), num_warps=_warps(block), **t["consts"], **_LAUNCH)
+    return payload
+
+
+def dettmers_decode(payload: torch.Tensor, n: int, type_: str, bucket: int, offset: int,
+                    out: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`dettmers_encode`: 256-entry table lookup times the bucket's absmax."""
+    if n == 0:
+        return out
+    norm = type_ in _NORMALISED
+    eff_bucket = (bucket or n) if norm else n
+    nb = (n + eff_bucket - 1) // eff_bucket if norm else 0
+    payload = _aligned(payload)
+    t = _dm_tables(type_, offset, payload.device)
+    fused = norm and _fused(eff_bucket)
+    bsize, rows, block = _tiling(eff_bucket, fused)
+    _dm_decode_kernel[(triton.cdiv(n, block),)](
+        _scale_view(payload, nb) if nb else t["lut"], payload[4 * nb :], t["lut"], out, n, max(nb, 1),
+        eff_bucket, BUCKET=bsize, ROWS=rows, NORM=norm, FUSED=fused, ONE_SCALE=nb == 1 and not fused,
+        I64=_i64(n, block),
+        num_warps=_warps(block), **_LAUNCH)
+    return out
