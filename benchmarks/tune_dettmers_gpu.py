@@ -80,6 +80,72 @@ def _diag_quantize(x_ptr, s_ptr, code_ptr, cell_ptr, n, BLOCK: tl.constexpr, DIV
 
 
 @triton.jit
+def _diag_fused(x_ptr, scale_ptr, code_ptr, cell_ptr, t_ptr, n, BUCKET: tl.constexpr, GATHER: tl.constexpr,
+                HINTS: tl.constexpr, SHIFT: tl.constexpr, TWO_D: tl.constexpr = False,
+                BRANCH: tl.constexpr = False, LIB: tl.constexpr = False):
+    """The fused (one bucket per program) Dettmers dynamic encode, bounded fast path only, with the
+    gather swapped: GATHER 1 the cell table (right codes), 3 a 128-entry gather, 0 none. HINTS: x loads
+    evict_first and table loads evict_last. TWO_D: a (1, BUCKET) tile as the library has; BRANCH: the
+    library's runtime fast/slow branch; LIB: the library's _div_tile and _dm_codes (1D only)."""
+    pid = tl.program_id(0)
+    if TWO_D:
+        rows = pid + tl.arange(0, 1)
+        offs = rows[:, None] * BUCKET + tl.arange(0, BUCKET)[None, :]
+    else:
+        offs = pid * BUCKET + tl.arange(0, BUCKET)
+    if HINTS:
+        x = tl.load(x_ptr + offs, eviction_policy="evict_first")
+    else:
+        x = tl.load(x_ptr + offs)
+    if TWO_D:
+        scale = tl.max(tl.abs(x).to(tl.int32, bitcast=True), axis=1).to(tl.float32, bitcast=True)
+        tl.store(scale_ptr + rows, scale)
+    else:
+        scale = tl.max(tl.abs(x).to(tl.int32, bitcast=True), axis=0).to(tl.float32, bitcast=True)
+        tl.store(scale_ptr + pid, scale)
+    if LIB:
+        code = tk._dm_codes(x, tk._div_tile(x, scale, 1, BUCKET, True, 0.0), cell_ptr, t_ptr, 0.0, 0.0, True,
+                            False, False, True, 63, SHIFT, 0, 8161, True)
+    else:
+        safe = tl.where(scale > 0, scale, 1.0)
+        if TWO_D:
+            safe = safe[:, None]
+        inv = tl.div_rn(1.0, safe)
+        if TWO_D:
+            fast = tk._all_fast(scale)
+        else:
+            fast = tk._fast_ok(scale)
+        if BRANCH:
+            if fast:
+                q = x * inv
+                r = tl.fma(tl.fma(-q, safe, x), inv, q)
+            else:
+                r = tl.div_rn(x, safe)
+                r = tl.where(r != r, 0.0, r)
+                r = tl.minimum(tl.maximum(r, -1.0), 1.0)
+        else:
+            q = x * inv
+            r = tl.fma(tl.fma(-q, safe, x), inv, q)
+        b = tl.abs(r).to(tl.int32, bitcast=True)
+        if GATHER == 1:
+            if HINTS:
+                ent = tl.load(cell_ptr + (b >> SHIFT), eviction_policy="evict_last")
+            else:
+                ent = tl.load(cell_ptr + (b >> SHIFT))
+            above = (b & ((1 << SHIFT) - 1)) > (ent & ((1 << SHIFT) - 1))
+            code = tl.where(above, (ent >> SHIFT) & 0x7F, (ent >> 25) & 0x7F)
+        elif GATHER == 3:
+            code = tl.load(cell_ptr + ((b >> SHIFT) & 127)) & 0x7F
+        else:
+            code = (b >> SHIFT) & 0x7F
+        code = tl.where((r < 0) & (code != 0), code | 128, code)
+    if HINTS:
+        tl.store(code_ptr + offs, code.to(tl.uint8), eviction_policy="evict_first")
+    else:
+        tl.store(code_ptr + offs, code.to(tl.uint8))
+
+
+@triton.jit
 def _persistent_absmax(x_ptr, bits_ptr, n, BLOCK: tl.constexpr):
     """max |x| as int32 bits: each program strides over blocks, keeps a running max, one atomic."""
     pid = tl.program_id(0)
@@ -197,6 +263,27 @@ def diag_rows(x, n, sms, add, bench):
         assert bits.view(torch.float32).item() == x.abs().max().item()
         add(f"absmax persistent {per_sm}/SM block={block} warps={warps}", bench(pabs), 4 * n)
 
+    # -- the fused encode (bucket 4096), gather swapped, warps and cache hints
+    t = tk._dm_tables("dynamic", 0, dev)
+    shift = t["consts"]["SHIFT"]
+    codes = torch.empty(n, dtype=torch.uint8, device=dev)
+    scales = torch.empty(n // 4096, device=dev)
+    want = tk.dettmers_encode(x, "dynamic", "nearest", 4096, 0)
+    for gather, hints, warps, two_d, branch, lib in (
+            (1, 0, 4, 0, 0, 0), (1, 1, 4, 0, 0, 0), (0, 0, 4, 0, 0, 0), (1, 0, 4, 1, 0, 0), (1, 0, 4, 0, 1, 0),
+            (1, 0, 4, 1, 1, 0), (1, 0, 4, 0, 0, 1)):
+        def f(gather=gather, hints=hints, warps=warps, two_d=two_d, branch=branch, lib=lib):
+            _diag_fused[(n // 4096,)](x, scales, codes, t["cells"], t["paper"], n, BUCKET=4096, GATHER=gather,
+                                      HINTS=hints, SHIFT=shift, TWO_D=two_d, BRANCH=branch, LIB=lib,
+                                      num_warps=warps, enable_fp_fusion=False)
+        f()
+        same = bool(torch.equal(codes, want[4 * (n // 4096):]))
+        add(f"fused b4096 gather={gather} hints={hints} warps={warps} 2d={two_d} branch={branch} lib={lib} "
+            f"same_bytes={same}", bench(f), 5 * n)
+    tk.CONFIG["warps"], saved_w = 2, tk.CONFIG["warps"]
+    fn = lambda: tk.dettmers_encode(x, "dynamic", "nearest", 4096, 0)
+    add("library encode dettmers b4096 warps=2", bench(fn), 5 * n)
+    tk.CONFIG["warps"] = saved_w
     # -- quantise pass alone (read 4n, write n), scale known
     t = tk._dm_tables("dynamic", 0, dev)
     shift = t["consts"]["SHIFT"]

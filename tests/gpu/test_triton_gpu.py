@@ -224,7 +224,7 @@ def _div_exhaustive_kernel():
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # every float bit pattern 0 .. bits(s)
         x = i.to(tl.float32, bitcast=True)
         want = tl.div_rn(x, s)
-        got = tk._div_scalar(x, s)
+        got = tk._div_tile(x, s, 1, 1, False, 0.0)
         tiny = (tl.abs(want) < 2.0**-42) & (tl.abs(got) < 2.0**-42)
         bad = (i <= last) & (got.to(tl.int32, bitcast=True) != want.to(tl.int32, bitcast=True)) & ~tiny
         tl.atomic_add(bad_ptr, tl.sum(bad.to(tl.int32), axis=0))
@@ -235,7 +235,7 @@ def _div_exhaustive_kernel():
 @gpu
 @needs_cuda
 def test_division_shortcut_exhaustive() -> None:
-    """_div_scalar against div.rn for every non-negative float x <= s (up to 2**31 values per scale),
+    """_div_tile (scalar scale) against div.rn for every non-negative float x <= s (up to 2**31 values per scale),
     at scales across the fast path's range, its edges and all-ones significands (the sign of x only
     mirrors the result)."""
     import numpy as np

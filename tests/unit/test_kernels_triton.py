@@ -229,17 +229,20 @@ import triton.language as tl  # noqa: E402
 
 @triton.jit
 def _div_probe(x_ptr, s_ptr, out_rows_ptr, out_scalar_ptr, C: tl.constexpr):
-    """Row pid of x (C values) divided by s[pid] with _div_rows (a 1-row tile) and _div_scalar."""
+    """Rows 2*pid and 2*pid+1 of x (C values each) divided by their s with _div_tile as a 1D tile of two
+    buckets, and each row again with a scalar scale (ROWS=1)."""
     pid = tl.program_id(0)
-    offs = pid * C + tl.arange(0, C)
-    x = tl.load(x_ptr + offs)
-    s = tl.load(s_ptr + pid + tl.arange(0, 1))
-    tl.store(out_rows_ptr + offs, tl.reshape(tk._div_rows(tl.reshape(x, (1, C)), s), (C,)))
-    tl.store(out_scalar_ptr + offs, tk._div_scalar(x, tl.load(s_ptr + pid)))
+    offs = 2 * pid * C + tl.arange(0, 2 * C)
+    s2 = tl.load(s_ptr + 2 * pid + tl.arange(0, 2))
+    tl.store(out_rows_ptr + offs, tk._div_tile(tl.load(x_ptr + offs), s2, 2, C, False, 0.0))
+    for k in tl.static_range(2):
+        o = (2 * pid + k) * C + tl.arange(0, C)
+        tl.store(out_scalar_ptr + o, tk._div_tile(tl.load(x_ptr + o), tl.load(s_ptr + 2 * pid + k), 1, 1, False,
+                                                  0.0))
 
 
 def test_division_shortcut_rounds_like_true_division() -> None:
-    """_div_rows / _div_scalar (Markstein's correction of x * (1/s)) give the correctly rounded x / s
+    """_div_tile (Markstein's correction of x * (1/s)) gives the correctly rounded x / s
     for every |x| <= s the codecs can meet, at scales spread over the whole float range and at the
     edges of the fast path's range, and follow div_rn outside it (0, inf, NaN, subnormal scales)."""
     import numpy as np
@@ -251,6 +254,8 @@ def test_division_shortcut_rounds_like_true_division() -> None:
               np.float32(3.4e38)]
     scales += list(np.float32(10.0) ** rng.uniform(-18, 37, 40))
     scales += list(np.float32(2.0) ** rng.integers(-60, 126, 8) * np.float32(1.99999988))  # all-ones significand
+    if len(scales) % 2:
+        scales.append(0.75)
     s = np.array(scales, dtype=np.float32)
     x = np.empty((len(s), C), dtype=np.float32)
     for i, sv in enumerate(s):
@@ -263,7 +268,7 @@ def test_division_shortcut_rounds_like_true_division() -> None:
         x[i] = np.minimum(np.abs(row), base) * np.sign(row)
     xt, st = torch.from_numpy(x).to(DEV), torch.from_numpy(s).to(DEV)
     out_rows, out_scalar = torch.empty_like(xt), torch.empty_like(xt)
-    _div_probe[(len(s),)](xt, st, out_rows, out_scalar, C=C)
+    _div_probe[(len(s) // 2,)](xt, st, out_rows, out_scalar, C=C)
     safe = np.where(s > 0, s, np.float32(1.0)).astype(np.float32)
     with np.errstate(all="ignore"):
         want = (x / safe[:, None]).astype(np.float32)  # numpy float32 division rounds correctly

@@ -176,25 +176,73 @@ def _all_fast(scale):
 
 
 @triton.jit
-def _div_rows(x, scale):
-    """x (R, C) / safe scale (R,) broadcast along rows, rounded as tl.div_rn (see _markstein)."""
-    safe = _safe(scale)
-    if _all_fast(scale):
-        r = _markstein(x, safe[:, None], tl.div_rn(1.0, safe)[:, None])
+def _tile_scales(x, ROWS: tl.constexpr, BUCKET: tl.constexpr):
+    """x: (ROWS * BUCKET,) a 1D tile of whole buckets -> max |x| of each bucket: a scalar when
+    ROWS == 1, else (ROWS,). Tiles stay 1D: a (ROWS, BUCKET) tile made the Dettmers gather ~1.8x slower
+    on an H200 (benchmarks/tune_dettmers_gpu.py), whatever the bucket."""
+    if ROWS == 1:
+        scale = _absmax_bits(x, 0).to(tl.float32, bitcast=True)
     else:
-        r = tl.div_rn(x, safe[:, None])
+        scale = _row_absmax(tl.reshape(x, (ROWS, BUCKET)))
+    return scale
+
+
+@triton.jit
+def _per_elem(v, ROWS: tl.constexpr, BUCKET: tl.constexpr):
+    """A per-bucket value (scalar or (ROWS,)) for each element of the 1D tile (scalar stays scalar)."""
+    if ROWS == 1:
+        out = v
+    else:
+        out = tl.reshape(tl.broadcast_to(v[:, None], (ROWS, BUCKET)), (ROWS * BUCKET,))
+    return out
+
+
+@triton.jit
+def _tile_fast(scale, ROWS: tl.constexpr):
+    """Scalar: every scale of the tile passes _fast_ok."""
+    if ROWS == 1:
+        fast = _fast_ok(scale)
+    else:
+        fast = _all_fast(scale)
+    return fast
+
+
+@triton.jit
+def _div_tile(x, scale, ROWS: tl.constexpr, BUCKET: tl.constexpr, SANITIZE: tl.constexpr, NAN_TO: tl.constexpr):
+    """r = x / safe scale of its bucket, rounded as tl.div_rn, for a 1D tile of whole buckets (or any x
+    with ROWS == 1 and a scalar scale). Where every scale passes _fast_ok, _markstein divides and r is
+    finite with |r| <= 1 already; otherwise div_rn, and with SANITIZE NaN -> NAN_TO and a clamp to
+    [-1, 1] make r bounded too (the codecs' own handling of those values, see _quantize, _dm_codes), so
+    that the code after this needs no checks either way."""
+    safe = _safe(scale)
+    s = _per_elem(safe, ROWS, BUCKET)
+    if _tile_fast(scale, ROWS):
+        r = _markstein(x, s, _per_elem(tl.div_rn(1.0, safe), ROWS, BUCKET))
+    else:
+        r = tl.div_rn(x, s)
+        if SANITIZE:
+            r = tl.where(r != r, NAN_TO, r)
+            r = tl.minimum(tl.maximum(r, -1.0), 1.0)
     return r
 
 
 @triton.jit
-def _div_scalar(x, scale):
-    """x / the safe scale of one scalar scale, rounded as tl.div_rn (see _markstein)."""
-    safe = _safe(scale)
-    if _fast_ok(scale):
-        r = _markstein(x, safe, tl.div_rn(1.0, safe))
+def _tile_sums(v, ROWS: tl.constexpr, BUCKET: tl.constexpr):
+    """Sum of v over each bucket of a 1D tile (scalar when ROWS == 1)."""
+    if ROWS == 1:
+        out = tl.sum(v, axis=0)
     else:
-        r = tl.div_rn(x, safe)
-    return r
+        out = tl.sum(tl.reshape(v, (ROWS, BUCKET)), axis=1)
+    return out
+
+
+@triton.jit
+def _store_scales(scale_ptr, scale, pid, nb, ROWS: tl.constexpr, MASKED: tl.constexpr):
+    if ROWS == 1:
+        _st(scale_ptr + pid, scale, pid < nb, MASKED)
+    else:
+        rows = pid * ROWS + tl.arange(0, ROWS)
+        _st(scale_ptr + rows, scale, rows < nb, MASKED)
 
 
 @triton.jit
@@ -202,9 +250,9 @@ def _quantize(r, idx, key, S: tl.constexpr, STOCH: tl.constexpr, BOUNDED: tl.con
     """QSGD code of each r = x / (its bucket's safe scale): uint32 in [0, 2S].
 
     The reference floors q + u, maps NaN to 0 and clamps to [0, 2S]. Clamping first gives the same
-    codes (the bounds are integers), and then truncation is the floor. BOUNDED: every r is known to be
-    finite with |r| <= 1 (the scales passed _fast_ok: finite, so is every x, and |x| <= scale), so
-    q + u >= 0 and is no NaN: only the upper clamp is left."""
+    codes (the bounds are integers), and then truncation is the floor. BOUNDED: r is finite with
+    |r| <= 1 (_div_tile with NAN_TO=-1, whose r = -1 gives q = 0, the code of a NaN), so q + u >= 0
+    and only the upper clamp is left."""
     q = r * S + S
     if STOCH:
         q = q + _uniform(idx, key)
@@ -276,22 +324,16 @@ def _qsgd_encode_body(x_ptr, pay_ptr, code_ptr, n, nb, bucket, nbytes, key, pid,
                       S: tl.constexpr, L2: tl.constexpr, STOCH: tl.constexpr, MASKED: tl.constexpr):
     BLOCK: tl.constexpr = ROWS * BUCKET
     scale_ptr = pay_ptr.to(tl.pointer_type(tl.float32))  # the payload starts with the scales
-    if FUSED:  # (ROWS, BUCKET) tile of whole buckets: scales computed here
-        rows = pid * ROWS + tl.arange(0, ROWS)
-        offs = rows[:, None] * BUCKET + tl.arange(0, BUCKET)[None, :]
+    if FUSED:  # a 1D tile of ROWS whole buckets: scales computed here
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
         inb = offs < n
         x = _ld(x_ptr + offs, inb, 0.0, MASKED)
-        scale = _row_absmax(x)
+        scale = _tile_scales(x, ROWS, BUCKET)
         if L2:
-            y = _div_rows(x, scale)
-            scale = scale * tl.sqrt_rn(tl.sum(y * y, axis=1))
-        _st(scale_ptr + rows, scale, rows < nb, MASKED)
-        safe = _safe(scale)
-        if _all_fast(scale):
-            r = _markstein(x, safe[:, None], tl.div_rn(1.0, safe)[:, None])
-            codes = _quantize(r, offs, key, S, STOCH, True)
-        else:
-            codes = _quantize(tl.div_rn(x, safe[:, None]), offs, key, S, STOCH, False)
+            y = _div_tile(x, scale, ROWS, BUCKET, False, 0.0)
+            scale = scale * tl.sqrt_rn(_tile_sums(y * y, ROWS, BUCKET))
+        _store_scales(scale_ptr, scale, pid, nb, ROWS, MASKED)
+        codes = _quantize(_div_tile(x, scale, ROWS, BUCKET, True, -1.0), offs, key, S, STOCH, True)
     else:  # (BLOCK,) elements of any buckets: scales precomputed, gathered
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         inb = offs < n
@@ -565,8 +607,8 @@ def _dm_codes(x, r, cell_ptr, t_ptr, lo, hi,
               NORM: tl.constexpr, SIGNED: tl.constexpr, PAPER: tl.constexpr, DYN: tl.constexpr,
               PIVOT0: tl.constexpr, SHIFT: tl.constexpr, KBASE: tl.constexpr, NCELL: tl.constexpr,
               BOUNDED: tl.constexpr = False):
-    """Code byte of each x; NORM: r = x / its bucket's safe scale (ignored otherwise). BOUNDED: every r
-    is known finite with |r| <= 1 (see _quantize), so the NaN test and the clamp are skipped."""
+    """Code byte of each x; NORM: r = x / its bucket's safe scale (ignored otherwise). BOUNDED: r is
+    finite with |r| <= 1 already (_div_tile with NAN_TO=0), so the NaN test and the clamp are skipped."""
     if NORM:
         if not BOUNDED:
             r = tl.where(r != r, 0.0, r)
@@ -593,48 +635,21 @@ def _dm_codes(x, r, cell_ptr, t_ptr, lo, hi,
 
 
 @triton.jit
-def _dm_codes_scaled(x, scale, cell_ptr, t_ptr, lo, hi, ROWWISE: tl.constexpr, SIGNED: tl.constexpr,
-                     PAPER: tl.constexpr, DYN: tl.constexpr, PIVOT0: tl.constexpr, SHIFT: tl.constexpr,
-                     KBASE: tl.constexpr, NCELL: tl.constexpr):
-    """Codes of a normalised type: x (R, C) with scale (R,) (ROWWISE), or x with one scalar scale.
-    Where every scale passes _fast_ok: Markstein division and BOUNDED codes; else div_rn and checks."""
-    safe = _safe(scale)
-    if ROWWISE:
-        fast = _all_fast(scale)
-        s = safe[:, None]
-        inv = tl.div_rn(1.0, safe)[:, None]
-    else:
-        fast = _fast_ok(scale)
-        s = safe
-        inv = tl.div_rn(1.0, safe)
-    if fast:
-        codes = _dm_codes(x, _markstein(x, s, inv), cell_ptr, t_ptr, lo, hi, True, SIGNED, PAPER, DYN,
-                          PIVOT0, SHIFT, KBASE, NCELL, True)
-    else:
-        codes = _dm_codes(x, tl.div_rn(x, s), cell_ptr, t_ptr, lo, hi, True, SIGNED, PAPER, DYN,
-                          PIVOT0, SHIFT, KBASE, NCELL, False)
-    return codes
-
-
-@triton.jit
 def _dm_encode_body(x_ptr, scale_ptr, code_ptr, cell_ptr, t_ptr, lo, hi, n, nb, bucket, pid,
                     BUCKET: tl.constexpr, ROWS: tl.constexpr, FUSED: tl.constexpr, NORM: tl.constexpr,
                     SIGNED: tl.constexpr, PAPER: tl.constexpr, DYN: tl.constexpr, PIVOT0: tl.constexpr,
                     SHIFT: tl.constexpr, KBASE: tl.constexpr, NCELL: tl.constexpr, ONE_SCALE: tl.constexpr, MASKED: tl.constexpr):
-    if FUSED:
-        rows = pid * ROWS + tl.arange(0, ROWS)
-        offs = rows[:, None] * BUCKET + tl.arange(0, BUCKET)[None, :]
-        x = _ld(x_ptr + offs, offs < n, 0.0, MASKED)
-        scale = _row_absmax(x)
-        _st(scale_ptr + rows, scale, rows < nb, MASKED)
-        codes = _dm_codes_scaled(x, scale, cell_ptr, t_ptr, lo, hi, True, SIGNED, PAPER, DYN, PIVOT0,
-                                 SHIFT, KBASE, NCELL)
+    offs = pid * (ROWS * BUCKET) + tl.arange(0, ROWS * BUCKET)
+    x = _ld(x_ptr + offs, offs < n, 0.0, MASKED)
+    if FUSED:  # a 1D tile of ROWS whole buckets (see _tile_scales)
+        scale = _tile_scales(x, ROWS, BUCKET)
+        _store_scales(scale_ptr, scale, pid, nb, ROWS, MASKED)
+        codes = _dm_codes(x, _div_tile(x, scale, ROWS, BUCKET, True, 0.0), cell_ptr, t_ptr, lo, hi, True,
+                          SIGNED, PAPER, DYN, PIVOT0, SHIFT, KBASE, NCELL, True)
     else:
-        offs = pid * (ROWS * BUCKET) + tl.arange(0, ROWS * BUCKET)
-        x = _ld(x_ptr + offs, offs < n, 0.0, MASKED)
         if ONE_SCALE:
-            codes = _dm_codes_scaled(x, tl.load(scale_ptr), cell_ptr, t_ptr, lo, hi, False, SIGNED, PAPER,
-                                     DYN, PIVOT0, SHIFT, KBASE, NCELL)
+            codes = _dm_codes(x, _div_tile(x, tl.load(scale_ptr), 1, 1, True, 0.0), cell_ptr, t_ptr, lo, hi,
+                              True, SIGNED, PAPER, DYN, PIVOT0, SHIFT, KBASE, NCELL, True)
         elif NORM:
             scale = _ld(scale_ptr + offs // bucket, offs < n, 1.0, MASKED)
             codes = _dm_codes(x, tl.div_rn(x, _safe(scale)), cell_ptr, t_ptr, lo, hi, NORM, SIGNED, PAPER,
@@ -665,8 +680,8 @@ def _dm_encode_kernel(x_ptr, scale_ptr, code_ptr, cell_ptr, t_ptr, lo, hi, n, nb
 def _dm_onepass_tile(x_ptr, code_ptr, offs, n, scale, cell_ptr, t_ptr, lo, hi, x,
                      SIGNED: tl.constexpr, PAPER: tl.constexpr, DYN: tl.constexpr, PIVOT0: tl.constexpr,
                      SHIFT: tl.constexpr, KBASE: tl.constexpr, NCELL: tl.constexpr):
-    codes = _dm_codes_scaled(x, scale, cell_ptr, t_ptr, lo, hi, False, SIGNED, PAPER, DYN, PIVOT0, SHIFT,
-                             KBASE, NCELL)
+    codes = _dm_codes(x, _div_tile(x, scale, 1, 1, True, 0.0), cell_ptr, t_ptr, lo, hi, True, SIGNED, PAPER,
+                      DYN, PIVOT0, SHIFT, KBASE, NCELL, True)
     tl.store(code_ptr + offs, codes.to(tl.uint8), mask=offs < n)
 
 
