@@ -85,7 +85,9 @@ __all__ = [
 #: onepass_*: the one-pass Dettmers encode with one scale per tensor (_dm_onepass_kernel): used from
 #: onepass_min elements, onepass_per_sm programs per SM (0: never), each holding onepass_reg elements in
 #: registers and streaming the rest in tiles of onepass_tile.
-CONFIG: dict[str, int] = {"elems": 2048, "warps": 4, "max_fused_bucket": 8192, "absmax_elems": 16384,
+#: qsgd_enc_warps: warps of the qsgd encoder (2 beat 4 on an H200: more programs in flight per SM).
+CONFIG: dict[str, int] = {"elems": 2048, "warps": 4, "qsgd_enc_warps": 2, "max_fused_bucket": 8192,
+                          "absmax_elems": 16384,
                           "onepass_min": 1 << 22, "onepass_per_sm": 1, "onepass_tile": 4096,
                           "onepass_reg": 16384, "onepass_warps": 16}
 
@@ -780,8 +782,8 @@ def _rows(bucket: int) -> int:
     return max(1, CONFIG["elems"] // bucket)
 
 
-def _warps(block: int) -> int:
-    return max(1, min(CONFIG["warps"], block // 256))
+def _warps(block: int, most: int | None = None) -> int:
+    return max(1, min(CONFIG["warps"] if most is None else most, block // 256))
 
 
 def _i64(n: int, block: int) -> bool:
@@ -873,7 +875,7 @@ def qsgd_encode(
     _qsgd_encode_kernel[(triton.cdiv(n, block),)](
         x, payload, payload[4 * nb :], n, nb, bucket, nbytes, _signed_key(seed),
         BUCKET=bsize, ROWS=rows, FUSED=fused, BITS=bits, S=ref.qsgd_levels(bits), L2=norm == "l2",
-        STOCH=bool(stochastic), I64=_i64(n, block), num_warps=_warps(block), **_LAUNCH)
+        STOCH=bool(stochastic), I64=_i64(n, block), num_warps=_warps(block, CONFIG['qsgd_enc_warps']), **_LAUNCH)
     return payload
 
 
