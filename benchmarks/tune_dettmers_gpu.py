@@ -1,4 +1,5 @@
-"""Where does Dettmers' encode spend its time on a GPU?  A diagnostic sweep (issue 4).
+"""Where does Dettmers' encode spend its time on a GPU?  A diagnostic sweep (issue 4); with --qsgd, a
+sweep of the qsgd encoder's tiling instead.
 
 Dettmers dynamic-tree encode with one scale per tensor (``bucket=0``) runs in two passes: a max |x|
 pass (atomic integer max per block) and a quantise pass (divide by the scale, look the code up in the
@@ -29,6 +30,8 @@ import triton.language as tl
 from triton.testing import do_bench
 
 from lowbit.kernels import triton_kernels as tk
+
+from gputime import graph_ms
 
 MiB = 1 << 20
 # (programs per SM, warps, elements held in registers, streamed tile); per_sm 0 = the two-pass encode
@@ -161,6 +164,20 @@ def _persistent_absmax(x_ptr, bits_ptr, n, BLOCK: tl.constexpr):
     tl.atomic_max(bits_ptr, tl.where(mx > 0x7F800000, 0x7FC00000, mx))
 
 
+def qsgd_rows(x, n, add, bench):
+    """qsgd encode (stochastic, max norm) over bit widths, buckets, elements per program and warps."""
+    saved = dict(tk.CONFIG)
+    for bits in (8, 4, 2):
+        for bucket in (128, 512, 2048):
+            for elems, warps in ((2048, 2), (2048, 4), (4096, 2), (4096, 4), (1024, 1), (1024, 2)):
+                tk.CONFIG.update(elems=elems, qsgd_enc_warps=warps)
+                fn = lambda: tk.qsgd_encode(x, bits, bucket, "max", True, 1)
+                p = fn()
+                add(f"qsgd{bits} b{bucket} elems={elems} warps={warps}", bench(fn), 4 * n + p.numel())
+    tk.CONFIG.clear()
+    tk.CONFIG.update(saved)
+
+
 def library_rows(x, n, add, bench):
     """The library's whole encode: dettmers b0 in one pass (cooperative grid) under grid shapes and in
     two passes, then dettmers b4096 and qsgd for comparison."""
@@ -203,16 +220,20 @@ def main() -> None:
     ap.add_argument("--out", default="tune_dettmers.json")
     ap.add_argument("--sizes-mib", default="64,256,1024")
     ap.add_argument("--skip-diag", action="store_true", help="only the library encode rows")
+    ap.add_argument("--timing", choices=("graph", "do_bench"), default="graph", help="see bench_kernels_gpu")
+    ap.add_argument("--qsgd", action="store_true", help="instead: qsgd encode over bits x bucket x tile x warps")
     args = ap.parse_args()
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "sm_count": sms, "cooperative_launch": tk._cooperative_launch(), "method": "do_bench median, L2 flushed; pct = (4n + n) bytes / time vs copy 8n"}
+            "sm_count": sms, "cooperative_launch": tk._cooperative_launch(), "method": "GPU time per call (gputime.graph_ms) or do_bench (--timing); pct = bytes / time vs "
+            "copy 8n"}
     rows = []
     t0 = time.time()
 
     def bench(fn):
-        return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+        return graph_ms(fn) if args.timing == "graph" else float(do_bench(fn, warmup=25, rep=100,
+                                                                          return_mode="median"))
 
     w = torch.empty(64 * MiB, device=dev)  # a second of work first: clocks up before the first size
     t_end = time.time() + 1.0
@@ -234,9 +255,12 @@ def main() -> None:
             rows.append(r)
             print(json.dumps(r), flush=True)
 
-        if not args.skip_diag:
-            diag_rows(x, n, sms, add, bench)
-        library_rows(x, n, add, bench)
+        if args.qsgd:
+            qsgd_rows(x, n, add, bench)
+        else:
+            if not args.skip_diag:
+                diag_rows(x, n, sms, add, bench)
+            library_rows(x, n, add, bench)
         del x, dst
         torch.cuda.empty_cache()
         with open(args.out, "w") as f:

@@ -1,0 +1,63 @@
+"""GPU time of one call, without the host's launch overhead and with a cold L2.
+
+``triton.testing.do_bench`` times each call between two events after an L2-flushing memset; when the
+host takes longer to issue a call than the GPU takes to run it (about 30 us of Python and launch per
+call here, against 25-35 us of GPU work for 64 MiB on an H200), the GPU idles inside the timed region
+and the figure measures the host. ``graph_ms`` captures ``reps`` rounds of (flush, call) into one CUDA
+graph and subtracts a graph of the flushes alone: what is left is the GPU's own time per call, with
+the same cold L2 as do_bench. Host overhead per call is reported separately by the benchmarks.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+_FLUSH: dict[torch.device, torch.Tensor] = {}
+
+
+def _flush_buffer(device: torch.device) -> torch.Tensor:
+    if device not in _FLUSH:
+        _FLUSH[device] = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device=device)  # as do_bench
+    return _FLUSH[device]
+
+
+def _replay_ms(graph: torch.cuda.CUDAGraph, times: int) -> float:
+    graph.replay()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(times):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return statistics.median(out)
+
+
+def graph_ms(fn, reps: int = 20, times: int = 7) -> float:
+    """Median GPU milliseconds of one ``fn()`` with a cold L2 (see the module doc)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    flush = _flush_buffer(dev)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream, as graph capture wants
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    work, flushes = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(work):
+        for _ in range(reps):
+            flush.zero_()
+            fn()
+    with torch.cuda.graph(flushes):
+        for _ in range(reps):
+            flush.zero_()
+    ms = (_replay_ms(work, times) - _replay_ms(flushes, times)) / reps
+    del work, flushes
+    torch.cuda.empty_cache()
+    return ms
