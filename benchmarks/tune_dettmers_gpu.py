@@ -169,7 +169,7 @@ def qsgd_rows(x, n, add, bench):
     saved = dict(tk.CONFIG)
     for bits in (8, 4, 2):
         for bucket in (128, 512, 2048):
-            for elems, warps in ((2048, 2), (2048, 4), (4096, 2), (4096, 4), (1024, 1), (1024, 2)):
+            for elems, warps in ((2048, 2), (2048, 4), (4096, 2), (4096, 4), (1024, 2), (8192, 4)):
                 tk.CONFIG.update(elems=elems, qsgd_enc_warps=warps)
                 fn = lambda: tk.qsgd_encode(x, bits, bucket, "max", True, 1)
                 p = fn()
@@ -246,7 +246,8 @@ def main() -> None:
         g = torch.Generator(device=dev).manual_seed(mib)
         x = torch.randn(n, device=dev, generator=g)
         dst = torch.empty_like(x)
-        t_copy = bench(lambda: dst.copy_(x))
+        t_copy = min(bench(lambda: dst.copy_(x)),  # see bench_kernels_gpu: the stricter of two copies
+                     float(do_bench(lambda: dst.copy_(x), warmup=10, rep=40, return_mode="median")))
         copy_gbps = 8 * n / t_copy / 1e6
         rows.append({"size_mib": mib, "what": "copy", "ms": t_copy, "GBps": copy_gbps})
 
