@@ -167,14 +167,13 @@ def _persistent_absmax(x_ptr, bits_ptr, n, BLOCK: tl.constexpr):
 def qsgd_rows(x, n, add, bench):
     """qsgd encode (stochastic, max norm) over bit widths, buckets, elements per program and warps."""
     saved = dict(tk.CONFIG)
-    for bits in (4, 2, 1):
+    for bits in (8, 4, 2):
         for bucket in (128, 512, 2048):
-            for elems, warps, words in ((2048, 2, 0), (2048, 2, 1), (4096, 4, 0), (4096, 4, 1), (1024, 2, 1),
-                                        (4096, 2, 1)):
-                tk.CONFIG.update(elems=elems, qsgd_enc_warps=warps, pack_words=words)
+            for elems, warps in ((2048, 2), (2048, 4), (4096, 2), (4096, 4), (1024, 2), (8192, 4)):
+                tk.CONFIG.update(elems=elems, qsgd_enc_warps=warps)
                 fn = lambda: tk.qsgd_encode(x, bits, bucket, "max", True, 1)
                 p = fn()
-                add(f"qsgd{bits} b{bucket} elems={elems} warps={warps}/{words}", bench(fn), 4 * n + p.numel())
+                add(f"qsgd{bits} b{bucket} elems={elems} warps={warps}", bench(fn), 4 * n + p.numel())
     tk.CONFIG.clear()
     tk.CONFIG.update(saved)
 

@@ -86,8 +86,7 @@ __all__ = [
 #: onepass_min elements, onepass_per_sm programs per SM (0: never), each holding onepass_reg elements in
 #: registers and streaming the rest in tiles of onepass_tile.
 #: qsgd_enc_warps: warps of the qsgd encoder (2 beat 4 on an H200: more programs in flight per SM).
-#: pack_words: the qsgd encoder stores 1/2/4-bit codes as uint32 words (else bytes).
-CONFIG: dict[str, int] = {"elems": 2048, "warps": 4, "qsgd_enc_warps": 2, "pack_words": 1, "max_fused_bucket": 8192,
+CONFIG: dict[str, int] = {"elems": 2048, "warps": 4, "qsgd_enc_warps": 2, "max_fused_bucket": 8192,
                           "absmax_elems": 16384,
                           "onepass_min": 1 << 22, "onepass_per_sm": 1, "onepass_tile": 4096,
                           "onepass_reg": 16384, "onepass_warps": 16}
@@ -269,7 +268,7 @@ def _quantize(r, idx, key, S: tl.constexpr, STOCH: tl.constexpr, BOUNDED: tl.con
 
 @triton.jit
 def _pack_store(codes, code_ptr, elem0, nbytes, n,
-                BLOCK: tl.constexpr, BITS: tl.constexpr, MASKED: tl.constexpr, WORDS: tl.constexpr = False):
+                BLOCK: tl.constexpr, BITS: tl.constexpr, MASKED: tl.constexpr):
     """Store BLOCK codes (any shape, row-major = element order; codes of elements >= n already zero)
     of elements elem0 .. elem0+BLOCK-1 (elem0 a multiple of 8) into the LSB-first stream."""
     if BITS == 8:
@@ -279,15 +278,6 @@ def _pack_store(codes, code_ptr, elem0, nbytes, n,
         offs = elem0 + tl.arange(0, BLOCK)
         code16_ptr = code_ptr.to(tl.pointer_type(tl.uint16))
         _st(code16_ptr + offs, tl.reshape(codes, (BLOCK,)).to(tl.uint16), offs < n, MASKED)
-    elif not MASKED and WORDS:
-        # Whole tile: 32 // BITS codes per uint32 word, stored as words (the code stream is 16-byte
-        # aligned and elem0 a multiple of BLOCK); little-endian words are the LSB-first byte stream.
-        CPW: tl.constexpr = 32 // BITS
-        c = tl.reshape(codes, (BLOCK // CPW, CPW))
-        shifts = (tl.arange(0, CPW) * BITS).to(tl.uint32)
-        word = tl.sum(c << shifts[None, :], axis=1)
-        woffs = elem0 // CPW + tl.arange(0, BLOCK // CPW)
-        tl.store(code_ptr.to(tl.pointer_type(tl.uint32)) + woffs, word)
     else:
         CPB: tl.constexpr = 8 // BITS
         c = tl.reshape(codes, (BLOCK // CPB, CPB))
@@ -333,8 +323,7 @@ def _pid(I64: tl.constexpr, REVERSE: tl.constexpr = False):
 @triton.jit
 def _qsgd_encode_body(x_ptr, pay_ptr, code_ptr, n, nb, bucket, nbytes, key, pid,
                       BUCKET: tl.constexpr, ROWS: tl.constexpr, FUSED: tl.constexpr, BITS: tl.constexpr,
-                      S: tl.constexpr, L2: tl.constexpr, STOCH: tl.constexpr, MASKED: tl.constexpr,
-                      WORDS: tl.constexpr):
+                      S: tl.constexpr, L2: tl.constexpr, STOCH: tl.constexpr, MASKED: tl.constexpr):
     BLOCK: tl.constexpr = ROWS * BUCKET
     scale_ptr = pay_ptr.to(tl.pointer_type(tl.float32))  # the payload starts with the scales
     if FUSED:  # a 1D tile of ROWS whole buckets: scales computed here
@@ -355,22 +344,21 @@ def _qsgd_encode_body(x_ptr, pay_ptr, code_ptr, n, nb, bucket, nbytes, key, pid,
         codes = _quantize(tl.div_rn(x, _safe(scale)), offs, key, S, STOCH, False)
     if MASKED:
         codes = tl.where(inb, codes, 0)
-    _pack_store(codes, code_ptr, pid * BLOCK, nbytes, n, BLOCK, BITS, MASKED, WORDS)
+    _pack_store(codes, code_ptr, pid * BLOCK, nbytes, n, BLOCK, BITS, MASKED)
 
 
 @triton.jit(do_not_specialize=["key"])
 def _qsgd_encode_kernel(x_ptr, pay_ptr, code_ptr, n, nb, bucket, nbytes, key,
                         BUCKET: tl.constexpr, ROWS: tl.constexpr, FUSED: tl.constexpr, BITS: tl.constexpr,
-                        S: tl.constexpr, L2: tl.constexpr, STOCH: tl.constexpr, I64: tl.constexpr,
-                        WORDS: tl.constexpr):
+                        S: tl.constexpr, L2: tl.constexpr, STOCH: tl.constexpr, I64: tl.constexpr):
     pid = _pid(I64, not FUSED)
     ukey = key.to(tl.uint32, bitcast=True)
     if (pid + 1) * (ROWS * BUCKET) <= n:
         _qsgd_encode_body(x_ptr, pay_ptr, code_ptr, n, nb, bucket, nbytes, ukey, pid,
-                          BUCKET, ROWS, FUSED, BITS, S, L2, STOCH, False, WORDS)
+                          BUCKET, ROWS, FUSED, BITS, S, L2, STOCH, False)
     else:
         _qsgd_encode_body(x_ptr, pay_ptr, code_ptr, n, nb, bucket, nbytes, ukey, pid,
-                          BUCKET, ROWS, FUSED, BITS, S, L2, STOCH, True, WORDS)
+                          BUCKET, ROWS, FUSED, BITS, S, L2, STOCH, True)
 
 
 @triton.jit
@@ -887,8 +875,7 @@ def qsgd_encode(
     _qsgd_encode_kernel[(triton.cdiv(n, block),)](
         x, payload, payload[4 * nb :], n, nb, bucket, nbytes, _signed_key(seed),
         BUCKET=bsize, ROWS=rows, FUSED=fused, BITS=bits, S=ref.qsgd_levels(bits), L2=norm == "l2",
-        STOCH=bool(stochastic), I64=_i64(n, block), WORDS=bool(CONFIG["pack_words"]) and bits < 8,
-        num_warps=_warps(block, CONFIG["qsgd_enc_warps"]), **_LAUNCH)
+        STOCH=bool(stochastic), I64=_i64(n, block), num_warps=_warps(block, CONFIG['qsgd_enc_warps']), **_LAUNCH)
     return payload
 
 
