@@ -38,8 +38,7 @@ MiB = 1 << 20
 ONEPASS_CONFIGS = [(0, 0, 0, 0), (1, 16, 16384, 4096), (1, 16, 16384, 8192), (1, 32, 32768, 8192),
                    (1, 8, 8192, 4096), (1, 8, 16384, 2048), (1, 4, 8192, 2048)]
 # fused Dettmers encode: (bucket, elements per program, warps)
-FUSED_CONFIGS = [(4096, 2048, 4), (4096, 4096, 4), (4096, 8192, 8), (4096, 4096, 8), (512, 2048, 4),
-                 (1024, 4096, 4), (2048, 4096, 8)]
+FUSED_CONFIGS = [(4096, 2048, 4), (512, 2048, 4), (1024, 2048, 4), (2048, 2048, 4)]
 
 
 @triton.jit
@@ -198,6 +197,13 @@ def library_rows(x, n, add, bench):
         label = "two-pass" if per_sm == 0 else f"onepass {per_sm}/SM warps={warps} reg={reg} tile={tile}"
         add(f"library encode b0 {label} same_bytes={same} failed={dict(tk._ONEPASS_FAILED)}",
             bench(enc), 4 * n + p.numel())
+    tk.CONFIG.update(onepass_per_sm=0)
+    for per_sm, tile, warps in ((2, 4096, 8), (4, 4096, 8), (4, 2048, 4), (8, 2048, 4), (2, 8192, 8), (1, 8192, 16)):
+        tk.CONFIG.update(absmax_stream_per_sm=per_sm, absmax_stream_tile=tile, absmax_stream_warps=warps)
+        enc = lambda: tk.dettmers_encode(x, "dynamic", "nearest", 0, 0)
+        p = enc()
+        add(f"library encode b0 two-pass, streaming absmax {per_sm}/SM tile={tile} warps={warps} "
+            f"same_bytes={bool(torch.equal(p, two))}", bench(enc), 4 * n + p.numel())
     tk.CONFIG.clear()
     tk.CONFIG.update(saved)
     for bucket, elems, warps in FUSED_CONFIGS:

@@ -324,3 +324,16 @@ def test_qsgd_top_level_rounding_up_is_clamped() -> None:
     got = tk.qsgd_encode(x, bits, bucket, "max", True, seed).cpu()
     assert int(want[4 * (n // bucket) + i]) == 2 * s
     assert torch.equal(got, want)
+
+
+def test_streaming_absmax_two_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The two-pass Dettmers encode with one scale, its max |x| taken by the streaming kernel (a few
+    programs, each folding several tiles): the codec's bytes, NaN and inf included."""
+    monkeypatch.setenv("LOWBIT_KERNELS", "reference")
+    monkeypatch.setitem(tk.CONFIG, "onepass_per_sm", 0)
+    monkeypatch.setitem(tk.CONFIG, "absmax_stream_per_sm", 3)
+    monkeypatch.setitem(tk.CONFIG, "absmax_stream_tile", 128)
+    codec = lowbit.get_codec("dettmers")
+    for n, special in ((5, False), (3000, False), (3000, True)):
+        x = _x(n, seed=n + 5, special=special)
+        assert torch.equal(tk.dettmers_encode(x, "dynamic", "nearest", 0, 0), codec.encode(x)), (n, special)

@@ -87,7 +87,8 @@ __all__ = [
 #: registers and streaming the rest in tiles of onepass_tile.
 #: qsgd_enc_warps: warps of the qsgd encoder (2 beat 4 on an H200: more programs in flight per SM).
 CONFIG: dict[str, int] = {"elems": 2048, "warps": 4, "qsgd_enc_warps": 2, "max_fused_bucket": 8192,
-                          "absmax_elems": 16384,
+                          "absmax_elems": 16384, "absmax_stream_per_sm": 0, "absmax_stream_tile": 4096,
+                          "absmax_stream_warps": 8,
                           "onepass_min": 1 << 22, "onepass_per_sm": 1, "onepass_tile": 4096,
                           "onepass_reg": 16384, "onepass_warps": 16}
 
@@ -393,6 +394,24 @@ def _absmax_atomic(x_ptr, scale_bits_ptr, n, bucket, BLOCK: tl.constexpr, I64: t
         _absmax_atomic_body(x_ptr, scale_bits_ptr, n, bucket, pid, BLOCK, False)
     else:
         _absmax_atomic_body(x_ptr, scale_bits_ptr, n, bucket, pid, BLOCK, True)
+
+
+@triton.jit
+def _absmax_stream(x_ptr, bits_ptr, n, per, ntiles, TILE: tl.constexpr, I64: tl.constexpr):
+    """max |x| of the whole tensor into bits_ptr (int bits, atomic max): a grid of a few programs per SM,
+    each folding its ``per = ntiles * TILE`` elements with the next tile's load in flight."""
+    start = _pid(I64) * per
+    acc = tl.zeros((TILE,), tl.int32)
+    offs = start + tl.arange(0, TILE)
+    xv = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+    for t in range(1, ntiles):
+        offs = start + t * TILE + tl.arange(0, TILE)
+        nxt = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+        acc = tl.maximum(acc, tl.abs(xv).to(tl.int32, bitcast=True))
+        xv = nxt
+    acc = tl.maximum(acc, tl.abs(xv).to(tl.int32, bitcast=True))
+    m = tl.max(acc, axis=0)
+    tl.atomic_max(bits_ptr, tl.where(m > 0x7F800000, 0x7FC00000, m))
 
 
 @triton.jit
@@ -833,6 +852,16 @@ def _bucket_scales_general(x: torch.Tensor, bucket: int, scales: torch.Tensor) -
     ab = CONFIG["absmax_elems"]
     while ab > CONFIG["elems"] and nb > 1 and bucket % ab:
         ab //= 2
+    if nb == 1 and CONFIG["absmax_stream_per_sm"]:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.device.type == "cuda" else 1
+        nprog = CONFIG["absmax_stream_per_sm"] * sms
+        tile = CONFIG["absmax_stream_tile"]
+        ntiles = max(1, -(-n // (nprog * tile)))
+        scales.zero_()
+        _absmax_stream[(nprog,)](x, scales.view(torch.int32), n, ntiles * tile, ntiles, TILE=tile,
+                                 I64=_i64(nprog * ntiles * tile, tile),
+                                 num_warps=CONFIG["absmax_stream_warps"], **_LAUNCH)
+        return
     if nb == 1 or bucket % ab == 0:  # every block lies in one bucket: one pass, atomic max
         scales.zero_()
         _absmax_atomic[(triton.cdiv(n, ab),)](x, scales.view(torch.int32), n, bucket, BLOCK=ab,
