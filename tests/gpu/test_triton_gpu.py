@@ -184,35 +184,6 @@ def test_dettmers_large() -> None:
             os.environ["LOWBIT_KERNELS"] = old
 
 
-@gpu
-@needs_cuda
-def test_dettmers_onepass_configs_and_repeats() -> None:
-    """The one-pass encode (cooperative grid, barrier) under several grid shapes, 30 runs each on the
-    same input: every run must give the two-pass bytes (a race would make runs differ)."""
-    tk = _tk()
-    n = 16 * M + 5
-    x = _x(n, seed=21)
-    saved = dict(tk.CONFIG)
-    try:
-        tk.CONFIG["onepass_per_sm"] = 0
-        want = tk.dettmers_encode(x, "dynamic", "nearest", 0, 0)
-        for per_sm, warps, reg, tile in ((1, 16, 16384, 4096), (2, 8, 8192, 4096), (1, 8, 4096, 8192)):
-            tk.CONFIG.update(onepass_per_sm=per_sm, onepass_warps=warps, onepass_reg=reg, onepass_tile=tile,
-                             onepass_min=0)
-            assert tk._onepass_programs(x.device) > 0, "no cooperative launch in this Triton"
-            for _ in range(30):
-                assert torch.equal(tk.dettmers_encode(x, "dynamic", "nearest", 0, 0), want), (per_sm, warps)
-            assert x.device not in tk._ONEPASS_FAILED, tk._ONEPASS_FAILED
-        small = _x(1000, seed=3)  # fewer elements than programs: most own nothing
-        tk.CONFIG["onepass_per_sm"] = 0
-        want_small = tk.dettmers_encode(small, "dynamic", "nearest", 0, 0)
-        tk.CONFIG["onepass_per_sm"] = 1
-        assert torch.equal(tk.dettmers_encode(small, "dynamic", "nearest", 0, 0), want_small)
-    finally:
-        tk.CONFIG.clear()
-        tk.CONFIG.update(saved)
-
-
 def _div_exhaustive_kernel():
     import triton
     import triton.language as tl

@@ -283,24 +283,6 @@ def test_division_shortcut_rounds_like_true_division() -> None:
     assert (out_rows.cpu().numpy()[:, 8:40].view(np.int32) == want[:, 8:40].view(np.int32)).all()
 
 
-@pytest.mark.parametrize("spec", ["dettmers", "dettmers:type=linear", "dettmers:type=dynamic_bnb",
-                                  "dettmers:search=paper"])
-def test_dettmers_onepass_bit_identical(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The one-pass encode (one scale per tensor; on a GPU a cooperative grid with a barrier) gives the
-    codec's bytes. Here it runs as one program: head tiles, the register-held tail, masks, specials."""
-    monkeypatch.setenv("LOWBIT_KERNELS", "reference")
-    monkeypatch.setitem(tk.CONFIG, "onepass_min", 0)
-    monkeypatch.setitem(tk.CONFIG, "onepass_tile", 64)
-    monkeypatch.setitem(tk.CONFIG, "onepass_reg", 256)
-    codec = lowbit.get_codec(spec)
-    for n in (1, 7, 200, 3000):
-        x = _x(n, seed=n + 11)
-        got = tk.dettmers_encode(x, codec.type, codec.search, 0, codec.offset)
-        assert torch.equal(got, codec.encode(x)), (spec, n)
-    zeros = torch.zeros(700, device=DEV)
-    assert torch.equal(tk.dettmers_encode(zeros, codec.type, codec.search, 0, codec.offset), codec.encode(zeros))
-
-
 def test_qsgd_top_level_rounding_up_is_clamped() -> None:
     """q = 2S (a bucket's maximum) plus a uniform just below 1 rounds up to 2S + 1 in float32; the
     reference's floor-then-clamp keeps code 2S, and so must the kernels (whose fast path drops the other
@@ -325,15 +307,3 @@ def test_qsgd_top_level_rounding_up_is_clamped() -> None:
     assert int(want[4 * (n // bucket) + i]) == 2 * s
     assert torch.equal(got, want)
 
-
-def test_streaming_absmax_two_pass(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The two-pass Dettmers encode with one scale, its max |x| taken by the streaming kernel (a few
-    programs, each folding several tiles): the codec's bytes, NaN and inf included."""
-    monkeypatch.setenv("LOWBIT_KERNELS", "reference")
-    monkeypatch.setitem(tk.CONFIG, "onepass_per_sm", 0)
-    monkeypatch.setitem(tk.CONFIG, "absmax_stream_per_sm", 3)
-    monkeypatch.setitem(tk.CONFIG, "absmax_stream_tile", 128)
-    codec = lowbit.get_codec("dettmers")
-    for n, special in ((5, False), (3000, False), (3000, True)):
-        x = _x(n, seed=n + 5, special=special)
-        assert torch.equal(tk.dettmers_encode(x, "dynamic", "nearest", 0, 0), codec.encode(x)), (n, special)

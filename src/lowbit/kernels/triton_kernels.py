@@ -7,15 +7,25 @@ torch's summation order (``norm="l2"`` scales and the onebit means; see below).
 
 Plan of the encoders (qsgd, onebit, dettmers)
     When the bucket is a power of two between 8 and 8192 ("fused path"), one program owns ``ROWS``
-    whole buckets, a ``(ROWS, BUCKET)`` tile: it loads the tile once, reduces each row to its scale,
-    quantises, packs the codes and writes scales and codes. Input is read exactly once.
+    whole buckets: it loads them once, reduces each bucket to its scale, quantises, packs the codes and
+    writes scales and codes. Input is read exactly once. The qsgd and dettmers tiles are 1D (per-bucket
+    values reach the elements through a reshape): a ``(ROWS, BUCKET)`` tile made the Dettmers gather
+    1.8x slower on an H200 (benchmarks/tune_encode_gpu.py).
     Other buckets (odd sizes, larger than 8192, dettmers' ``bucket=0`` = one scale for the tensor) take
-    the "general path", reading the input twice: first the scales (an atomic integer max per block when
-    every block lies in one bucket, else chunk partials and a small ``amax`` in torch), then a linear
-    kernel over blocks that gathers each element's scale, walking the blocks backwards so that it
-    starts on the part of the input the first pass left in L2.
+    the "general path", reading the input twice: first the scales (an atomic integer max per block of
+    ``absmax_elems`` when every block lies in one bucket, else chunk partials and a small ``amax`` in
+    torch), then a linear kernel over blocks that gathers each element's scale, walking the blocks
+    backwards so that it starts on the part of the input the first pass left in L2.
     Every kernel compiles a full-tile variant without masks (16-byte loads and stores whatever ``n``
     is) and a masked one for the last tile.
+
+Division by the scale
+    Where every scale of a tile is 0 or within [2**-60, 2**126) (_fast_ok) -- always, unless a bucket
+    holds inf or NaN or is extreme -- x / scale is computed as Markstein's correction of x * (1/scale):
+    three instructions instead of a full ``div.rn`` each, and the same correctly rounded quotient
+    (tested against numpy's division and, on a GPU, against ``div.rn`` for every float x <= scale at
+    dozens of scales). Such quotients are finite with |r| <= 1, so the code after them skips the NaN
+    tests and clamps; other tiles take ``div_rn`` and the checks (_div_tile).
 
 Bit-exactness
     * Arithmetic mirrors the reference op by op in float32: true divisions use ``div_rn`` (Triton's
@@ -45,9 +55,8 @@ Dettmers' nearest search
     to ``torch.bucketize`` over the codec's float32 midpoints. ``search="paper"`` emulates the 2015
     binary search with table gathers, as the codec does.
 
-Measured (H100, Triton 3.6, benchmarks/results/kernels_gpu_h100.json): qsgd 8/4/2-bit encode 75-99% and
-decode 87-96% of a device-to-device copy's bandwidth at 64 MiB-1 GiB; dettmers 44-64% encode (its
-division and table gather make it compute-bound), 87-96% decode.
+Measured (H200, Triton 3.6, GPU time per call, benchmarks/results/kernels_gpu_h200.json): see
+docs/kernels.md for the table against a device-to-device copy of the same bytes.
 
 Importing this module raises ImportError when Triton is missing (the dispatcher then falls back).
 """
@@ -55,7 +64,6 @@ Importing this module raises ImportError when Triton is missing (the dispatcher 
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Sequence
 
 import torch
@@ -82,15 +90,9 @@ __all__ = [
 #: Tuning knobs: elements per program and warps per program (the benchmark sweeps them).
 #: absmax_elems: block of the atomic max |x| pass of the general path (a read-only pass: larger blocks
 #: mean fewer atomics on one address and more bytes in flight).
-#: onepass_*: the one-pass Dettmers encode with one scale per tensor (_dm_onepass_kernel): used from
-#: onepass_min elements, onepass_per_sm programs per SM (0: never), each holding onepass_reg elements in
-#: registers and streaming the rest in tiles of onepass_tile.
 #: qsgd_enc_warps: warps of the qsgd encoder (2 beat 4 on an H200: more programs in flight per SM).
 CONFIG: dict[str, int] = {"elems": 2048, "warps": 4, "qsgd_enc_warps": 2, "max_fused_bucket": 8192,
-                          "absmax_elems": 16384, "absmax_stream_per_sm": 0, "absmax_stream_tile": 4096,
-                          "absmax_stream_warps": 8,
-                          "onepass_min": 1 << 22, "onepass_per_sm": 1, "onepass_tile": 4096,
-                          "onepass_reg": 16384, "onepass_warps": 16}
+                          "absmax_elems": 16384}
 
 #: Bit widths with a packed Triton path; others run the reference.
 PACKED_BITS = (1, 2, 4, 8, 16)
@@ -182,7 +184,7 @@ def _all_fast(scale):
 def _tile_scales(x, ROWS: tl.constexpr, BUCKET: tl.constexpr):
     """x: (ROWS * BUCKET,) a 1D tile of whole buckets -> max |x| of each bucket: a scalar when
     ROWS == 1, else (ROWS,). Tiles stay 1D: a (ROWS, BUCKET) tile made the Dettmers gather ~1.8x slower
-    on an H200 (benchmarks/tune_dettmers_gpu.py), whatever the bucket."""
+    on an H200 (benchmarks/tune_encode_gpu.py), whatever the bucket."""
     if ROWS == 1:
         scale = _absmax_bits(x, 0).to(tl.float32, bitcast=True)
     else:
@@ -394,24 +396,6 @@ def _absmax_atomic(x_ptr, scale_bits_ptr, n, bucket, BLOCK: tl.constexpr, I64: t
         _absmax_atomic_body(x_ptr, scale_bits_ptr, n, bucket, pid, BLOCK, False)
     else:
         _absmax_atomic_body(x_ptr, scale_bits_ptr, n, bucket, pid, BLOCK, True)
-
-
-@triton.jit
-def _absmax_stream(x_ptr, bits_ptr, n, per, ntiles, TILE: tl.constexpr, I64: tl.constexpr):
-    """max |x| of the whole tensor into bits_ptr (int bits, atomic max): a grid of a few programs per SM,
-    each folding its ``per = ntiles * TILE`` elements with the next tile's load in flight."""
-    start = _pid(I64) * per
-    acc = tl.zeros((TILE,), tl.int32)
-    offs = start + tl.arange(0, TILE)
-    xv = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
-    for t in range(1, ntiles):
-        offs = start + t * TILE + tl.arange(0, TILE)
-        nxt = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
-        acc = tl.maximum(acc, tl.abs(xv).to(tl.int32, bitcast=True))
-        xv = nxt
-    acc = tl.maximum(acc, tl.abs(xv).to(tl.int32, bitcast=True))
-    m = tl.max(acc, axis=0)
-    tl.atomic_max(bits_ptr, tl.where(m > 0x7F800000, 0x7FC00000, m))
 
 
 @triton.jit
@@ -698,61 +682,6 @@ def _dm_encode_kernel(x_ptr, scale_ptr, code_ptr, cell_ptr, t_ptr, lo, hi, n, nb
 
 
 @triton.jit
-def _dm_onepass_tile(x_ptr, code_ptr, offs, n, scale, cell_ptr, t_ptr, lo, hi, x,
-                     SIGNED: tl.constexpr, PAPER: tl.constexpr, DYN: tl.constexpr, PIVOT0: tl.constexpr,
-                     SHIFT: tl.constexpr, KBASE: tl.constexpr, NCELL: tl.constexpr):
-    codes = _dm_codes(x, _div_tile(x, scale, 1, 1, True, 0.0), cell_ptr, t_ptr, lo, hi, True, SIGNED, PAPER,
-                      DYN, PIVOT0, SHIFT, KBASE, NCELL, True)
-    tl.store(code_ptr + offs, codes.to(tl.uint8), mask=offs < n)
-
-
-@triton.jit
-def _dm_onepass_kernel(x_ptr, scale_ptr, code_ptr, ws_ptr, cell_ptr, t_ptr, lo, hi, n, per, ntiles,
-                       TILE: tl.constexpr, REG: tl.constexpr, SIGNED: tl.constexpr, PAPER: tl.constexpr,
-                       DYN: tl.constexpr, PIVOT0: tl.constexpr, SHIFT: tl.constexpr, KBASE: tl.constexpr,
-                       NCELL: tl.constexpr, I64: tl.constexpr):
-    """Dettmers encode with one scale for the whole tensor, reading the input (nearly) once.
-
-    A persistent grid whose programs all run at once (a cooperative launch): program p owns
-    ``per = ntiles * TILE + REG`` elements from ``p * per``. Phase 1 reads its head tiles (asking L2 to
-    keep them) and then its last REG elements into registers, and folds max |x| into ws[0] (int bits,
-    atomic max); then every program waits at a grid barrier (ws[1] counts arrivals). Phase 2 encodes the
-    register-held elements without reading them again, then the head tiles, newest first, mostly from
-    L2. Program 0 stores the scale."""
-    pid = _pid(I64)
-    nprog = tl.num_programs(0)
-    start = pid * per
-    acc = tl.zeros((TILE,), tl.int32)
-    if ntiles > 0:  # two tiles in flight: load the next before folding the last
-        offs = start + tl.arange(0, TILE)
-        xv = tl.load(x_ptr + offs, mask=offs < n, other=0.0, eviction_policy="evict_last")
-        for t in range(1, ntiles):
-            offs = start + t * TILE + tl.arange(0, TILE)
-            nxt = tl.load(x_ptr + offs, mask=offs < n, other=0.0, eviction_policy="evict_last")
-            acc = tl.maximum(acc, tl.abs(xv).to(tl.int32, bitcast=True))
-            xv = nxt
-        acc = tl.maximum(acc, tl.abs(xv).to(tl.int32, bitcast=True))
-    roffs = start + ntiles * TILE + tl.arange(0, REG)
-    xr = tl.load(x_ptr + roffs, mask=roffs < n, other=0.0, eviction_policy="evict_first")
-    m = tl.maximum(tl.max(acc, axis=0), tl.max(tl.abs(xr).to(tl.int32, bitcast=True), axis=0))
-    tl.atomic_max(ws_ptr, tl.where(m > 0x7F800000, 0x7FC00000, m), sem="relaxed")
-    tl.atomic_add(ws_ptr + 1, 1, sem="release")  # orders the max above before the arrival
-    arrived = tl.atomic_add(ws_ptr + 1, 0, sem="acquire")
-    while arrived < nprog:
-        arrived = tl.atomic_add(ws_ptr + 1, 0, sem="acquire")
-    scale = tl.atomic_max(ws_ptr, 0, sem="acquire").to(tl.float32, bitcast=True)
-    if pid == 0:
-        tl.store(scale_ptr, scale)
-    _dm_onepass_tile(x_ptr, code_ptr, roffs, n, scale, cell_ptr, t_ptr, lo, hi, xr,
-                     SIGNED, PAPER, DYN, PIVOT0, SHIFT, KBASE, NCELL)
-    for t in range(ntiles):
-        offs = start + (ntiles - 1 - t) * TILE + tl.arange(0, TILE)
-        xv = tl.load(x_ptr + offs, mask=offs < n, other=0.0, eviction_policy="evict_first")
-        _dm_onepass_tile(x_ptr, code_ptr, offs, n, scale, cell_ptr, t_ptr, lo, hi, xv,
-                         SIGNED, PAPER, DYN, PIVOT0, SHIFT, KBASE, NCELL)
-
-
-@triton.jit
 def _dm_decode_body(scale_ptr, code_ptr, lut_ptr, out_ptr, n, nb, bucket, pid,
                     BUCKET: tl.constexpr, ROWS: tl.constexpr, NORM: tl.constexpr, FUSED: tl.constexpr,
                     ONE_SCALE: tl.constexpr, MASKED: tl.constexpr):
@@ -852,16 +781,6 @@ def _bucket_scales_general(x: torch.Tensor, bucket: int, scales: torch.Tensor) -
     ab = CONFIG["absmax_elems"]
     while ab > CONFIG["elems"] and nb > 1 and bucket % ab:
         ab //= 2
-    if nb == 1 and CONFIG["absmax_stream_per_sm"]:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.device.type == "cuda" else 1
-        nprog = CONFIG["absmax_stream_per_sm"] * sms
-        tile = CONFIG["absmax_stream_tile"]
-        ntiles = max(1, -(-n // (nprog * tile)))
-        scales.zero_()
-        _absmax_stream[(nprog,)](x, scales.view(torch.int32), n, ntiles * tile, ntiles, TILE=tile,
-                                 I64=_i64(nprog * ntiles * tile, tile),
-                                 num_warps=CONFIG["absmax_stream_warps"], **_LAUNCH)
-        return
     if nb == 1 or bucket % ab == 0:  # every block lies in one bucket: one pass, atomic max
         scales.zero_()
         _absmax_atomic[(triton.cdiv(n, ab),)](x, scales.view(torch.int32), n, bucket, BLOCK=ab,
@@ -1088,32 +1007,6 @@ def _dm_tables(type_: str, offset: int, device: torch.device) -> dict:
     return out
 
 
-_ONEPASS_FAILED: dict[torch.device, str] = {}  # devices where the one-pass launch failed, and why
-
-
-@functools.lru_cache(maxsize=None)
-def _cooperative_launch() -> bool:
-    """Whether this Triton can launch a grid cooperatively (all programs resident at once)."""
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-    except Exception:  # pragma: no cover - no CUDA backend
-        return False
-    return "launch_cooperative_grid" in getattr(CUDAOptions, "__dataclass_fields__", {})
-
-
-def _onepass_programs(device: torch.device) -> int:
-    """Programs of the one-pass Dettmers encode on this device, 0 where it cannot run: it needs a
-    cooperative launch (its grid barrier waits for every program). Triton's CPU interpreter runs
-    programs one after another, so there it runs as a single program (the arithmetic, not the barrier)."""
-    if not CONFIG["onepass_per_sm"] or device in _ONEPASS_FAILED:
-        return 0
-    if device.type != "cuda":
-        return 1
-    if not _cooperative_launch():
-        return 0
-    return CONFIG["onepass_per_sm"] * torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def dettmers_encode(x: torch.Tensor, type_: str, search: str, bucket: int, offset: int) -> torch.Tensor:
     """Dettmers' 8-bit codec: x (n,) float32 -> [absmax f32 per bucket (normalised types)][code byte each].
 
@@ -1130,23 +1023,6 @@ def dettmers_encode(x: torch.Tensor, type_: str, search: str, bucket: int, offse
     scales = _scale_view(payload, nb)
     t = _dm_tables(type_, offset, x.device)
     fused = norm and _fused(eff_bucket)
-    nprog = _onepass_programs(x.device) if norm and nb == 1 and not fused and n >= CONFIG["onepass_min"] else 0
-    if nprog:
-        tile, reg = CONFIG["onepass_tile"], CONFIG["onepass_reg"]
-        ntiles = max(0, -(-(-(-n // nprog) - reg) // tile))
-        ws = torch.zeros(2, dtype=torch.int32, device=x.device)  # max |x| bits, arrivals
-        extra = {"launch_cooperative_grid": True} if x.device.type == "cuda" else {}
-        try:
-            _dm_onepass_kernel[(nprog,)](
-                x, scales, payload[4:], ws, t["cells"], t["paper"], float(t["lo"]), float(t["hi"]), n,
-                ntiles * tile + reg, ntiles, TILE=tile, REG=reg, PAPER=search == "paper",
-                I64=_i64(nprog * (ntiles * tile + reg), tile), num_warps=CONFIG["onepass_warps"],
-                **t["consts"], **extra, **_LAUNCH)
-            return payload
-        except RuntimeError as exc:  # e.g. a cooperative grid too large for this device: two passes
-            _ONEPASS_FAILED[x.device] = str(exc)
-            warnings.warn(f"lowbit: one-pass Dettmers encode unavailable on {x.device} ({exc}); "
-                          "using two passes", RuntimeWarning, stacklevel=2)
     if norm and not fused:
         _bucket_scales_general(x, eff_bucket, scales)
     bsize, rows, block = _tiling(eff_bucket, fused)

@@ -1,21 +1,24 @@
-"""Where does Dettmers' encode spend its time on a GPU?  A diagnostic sweep (issue 4); with --qsgd, a
-sweep of the qsgd encoder's tiling instead.
+"""Where do the Triton encoders spend their time on a GPU?  Diagnostic sweeps for issue 4.
 
-Dettmers dynamic-tree encode with one scale per tensor (``bucket=0``) runs in two passes: a max |x|
-pass (atomic integer max per block) and a quantise pass (divide by the scale, look the code up in the
-cell table). This script times each pass alone and variants of each, at one size, against a copy in
-the same run:
+Default: Dettmers' dynamic-tree encode, at each size, against a copy measured in the same run:
 
-* absmax pass: block size, and a persistent grid (a few programs per SM, one atomic each);
-* quantise pass: the library's kernel, and a copy of it with one cost removed at a time (the true
-  division replaced by a multiplication, or by a Markstein-corrected one; the table gather replaced
-  by bit arithmetic; both) -- the diagnostic variants compute wrong codes and exist only to weigh
-  each cost; the Markstein variant is checked for identical bytes;
-* the library's whole encode (``bucket=0`` and ``bucket=4096``) under tile sizes and warps.
+* the max |x| pass of the two-pass encode (one scale per tensor): block sizes, and a persistent grid;
+* the quantise pass alone, with one cost removed at a time (the true division replaced by a
+  multiplication or by the Markstein-corrected one the library uses, the cell-table gather replaced
+  by bit arithmetic or by a gather confined to 128 entries). Variants marked same_bytes=False compute
+  wrong codes on purpose: they only weigh each cost;
+* the fused encode (one bucket per program) with the gather swapped, cache hints, a 1D against a
+  (1, BUCKET) 2D tile, the fast/slow division branch, and the library's own helpers. This is where the
+  2D tile turned out to cost 1.8x (H200, Triton 3.6: 48% against 86% of copy at 256 MiB), which is why
+  the library's encoders now work on 1D tiles;
+* the library's whole encode (bucket 0 and per-bucket) under tile sizes and warps.
 
-    PYTHONPATH=src python3 benchmarks/tune_dettmers_gpu.py --out $OUT/tune_dettmers.json
+With ``--qsgd``: the qsgd encoder over bit widths x buckets x elements per program x warps.
+Timing is GPU time per call from CUDA graphs (benchmarks/gputime.py) unless ``--timing do_bench``.
 
-Writes JSON and prints a short table last.
+    PYTHONPATH=src python3 benchmarks/tune_encode_gpu.py --out $OUT/tune_encode.json [--qsgd]
+
+Writes JSON and prints a short table last. Results: benchmarks/results/tune_encode_*.
 """
 
 from __future__ import annotations
@@ -34,11 +37,8 @@ from lowbit.kernels import triton_kernels as tk
 from gputime import graph_ms
 
 MiB = 1 << 20
-# (programs per SM, warps, elements held in registers, streamed tile); per_sm 0 = the two-pass encode
-ONEPASS_CONFIGS = [(0, 0, 0, 0), (1, 16, 16384, 4096), (1, 16, 16384, 8192), (1, 32, 32768, 8192),
-                   (1, 8, 8192, 4096), (1, 8, 16384, 2048), (1, 4, 8192, 2048)]
-# fused Dettmers encode: (bucket, elements per program, warps)
-FUSED_CONFIGS = [(4096, 2048, 4), (512, 2048, 4), (1024, 2048, 4), (2048, 2048, 4)]
+# Dettmers encode: (bucket, elements per program, warps); bucket 0 = one scale, two passes
+FUSED_CONFIGS = [(0, 2048, 4), (4096, 2048, 4), (4096, 4096, 8), (512, 2048, 4), (1024, 2048, 4)]
 
 
 @triton.jit
@@ -178,43 +178,16 @@ def qsgd_rows(x, n, add, bench):
 
 
 def library_rows(x, n, add, bench):
-    """The library's whole encode: dettmers b0 in one pass (cooperative grid) under grid shapes and in
-    two passes, then dettmers b4096 and qsgd for comparison."""
+    """The library's whole encode: dettmers with one scale (two passes) and per bucket (fused), qsgd."""
     saved = dict(tk.CONFIG)
-    two = None
-    for per_sm, warps, reg, tile in ONEPASS_CONFIGS:
-        tk._ONEPASS_FAILED.clear()
-        tk.CONFIG.update(onepass_per_sm=per_sm, onepass_warps=warps, onepass_reg=reg, onepass_tile=tile)
-        enc = lambda: tk.dettmers_encode(x, "dynamic", "nearest", 0, 0)
-        try:
-            p = enc()
-        except Exception as exc:  # noqa: BLE001 - record and go on
-            print(f"onepass {per_sm}/SM {warps} warps: {exc!r}", flush=True)
-            continue
-        if two is None:
-            two = p
-        same = bool(torch.equal(p, two))
-        label = "two-pass" if per_sm == 0 else f"onepass {per_sm}/SM warps={warps} reg={reg} tile={tile}"
-        add(f"library encode b0 {label} same_bytes={same} failed={dict(tk._ONEPASS_FAILED)}",
-            bench(enc), 4 * n + p.numel())
-    tk.CONFIG.update(onepass_per_sm=0)
-    for per_sm, tile, warps in ((2, 4096, 8), (4, 4096, 8), (4, 2048, 4), (8, 2048, 4), (2, 8192, 8), (1, 8192, 16)):
-        tk.CONFIG.update(absmax_stream_per_sm=per_sm, absmax_stream_tile=tile, absmax_stream_warps=warps)
-        enc = lambda: tk.dettmers_encode(x, "dynamic", "nearest", 0, 0)
-        p = enc()
-        add(f"library encode b0 two-pass, streaming absmax {per_sm}/SM tile={tile} warps={warps} "
-            f"same_bytes={bool(torch.equal(p, two))}", bench(enc), 4 * n + p.numel())
-    tk.CONFIG.clear()
-    tk.CONFIG.update(saved)
     for bucket, elems, warps in FUSED_CONFIGS:
         tk.CONFIG.update(elems=elems, warps=warps)
-        fn = lambda: tk.dettmers_encode(x, "dynamic", "nearest", bucket, 0)
+        fn = lambda bucket=bucket: tk.dettmers_encode(x, "dynamic", "nearest", bucket, 0)
         p = fn()
         add(f"library encode dettmers b{bucket} elems={elems} warps={warps}", bench(fn), 4 * n + p.numel())
     tk.CONFIG.clear()
     tk.CONFIG.update(saved)
-    for label, fn in (("library encode dettmers b4096", lambda: tk.dettmers_encode(x, "dynamic", "nearest", 4096, 0)),
-                      ("library encode qsgd8 b512", lambda: tk.qsgd_encode(x, 8, 512, "max", True, 1)),
+    for label, fn in (("library encode qsgd8 b512", lambda: tk.qsgd_encode(x, 8, 512, "max", True, 1)),
                       ("library encode qsgd4 b512", lambda: tk.qsgd_encode(x, 4, 512, "max", True, 1)),
                       ("library encode qsgd2 b128", lambda: tk.qsgd_encode(x, 2, 128, "max", True, 1))):
         p = fn()
@@ -223,7 +196,7 @@ def library_rows(x, n, add, bench):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="tune_dettmers.json")
+    ap.add_argument("--out", default="tune_encode.json")
     ap.add_argument("--sizes-mib", default="64,256,1024")
     ap.add_argument("--skip-diag", action="store_true", help="only the library encode rows")
     ap.add_argument("--timing", choices=("graph", "do_bench"), default="graph", help="see bench_kernels_gpu")
