@@ -121,6 +121,9 @@ def test_qsgd_decode_sum_large() -> None:
                 want = want + ref.qsgd_decode(p, n, bits, bucket, torch.empty(n, device="cuda"))
             got = tk.qsgd_decode_sum(ps[:k], n, bits, bucket, _poisoned(n))
             assert _same(got, want), (bits, bucket, k)
+            for d in (2, 3):  # the fused mean: as torch's out.div_(d) on the same device
+                got = tk.qsgd_decode_sum(ps[:k], n, bits, bucket, _poisoned(n), divide_by=d)
+                assert _same(got, want.clone().div_(d)), (bits, bucket, k, d)
         # payloads as slices of one received buffer (code streams at arbitrary alignment)
         size = ps[0].numel()
         buf = torch.empty(3 * size + 1, dtype=torch.uint8, device="cuda")

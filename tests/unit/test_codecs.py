@@ -389,3 +389,24 @@ def test_error_feedback_accumulates_and_checkpoints() -> None:
         lowbit.ErrorFeedback("qsgd").load_state_dict(state)
     with pytest.raises(ValueError, match="residual has 640"):
         ef.encode("w", torch.randn(10))
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+def test_decode_sum_divide_by_matches_sum_then_div(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """decode_sum(..., divide_by=k) is decode_sum(...) followed by out.div_(k), bit for bit, whichever
+    backend runs it (after the sum on these; fused in the kernel on Triton: test_kernels_triton.py);
+    bad divisors are errors."""
+    if backend == "numba":
+        pytest.importorskip("numba")
+    monkeypatch.setenv("LOWBIT_KERNELS", backend)
+    n = 5000
+    g = torch.Generator().manual_seed(3)
+    for spec in ("qsgd:bits=4,bucket=64", "qsgd:bits=8,bucket=100", "dettmers:type=dynamic", "fp16"):
+        codec = lowbit.get_codec(spec)
+        ps = [codec.encode(torch.randn(n, generator=g), seed=i) for i in range(3)]
+        want = codec.decode_sum(ps, n).clone().div_(3)
+        got = codec.decode_sum(ps, n, divide_by=3)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (backend, spec)
+        for bad in (0, -2, 1.5, True):
+            with pytest.raises(ValueError, match="divide_by"):
+                codec.decode_sum(ps, n, divide_by=bad)

@@ -107,6 +107,10 @@ def test_qsgd_decode_sum_bit_identical_in_order() -> None:
                     want = want + ref.qsgd_decode(p, n, bits, bucket, torch.empty(n, device=DEV))
                 got = tk.qsgd_decode_sum(ps[:k], n, bits, bucket, torch.full((n,), 7.0, device=DEV))
                 assert _same(got, want), (n, bits, bucket, k)
+                for d in (2, 3, 7):  # the mean in the same pass: as summing, then out.div_(d)
+                    got = tk.qsgd_decode_sum(ps[:k], n, bits, bucket, torch.full((n,), 7.0, device=DEV),
+                                             divide_by=d)
+                    assert _same(got, want.clone().div_(d)), (n, bits, bucket, k, d)
     with pytest.raises(ValueError):
         tk.qsgd_decode_sum([], 4, 4, 64, torch.empty(4, device=DEV))
 
@@ -307,3 +311,15 @@ def test_qsgd_top_level_rounding_up_is_clamped() -> None:
     assert int(want[4 * (n // bucket) + i]) == 2 * s
     assert torch.equal(got, want)
 
+
+
+def test_codec_decode_sum_divide_by_on_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the codec and the dispatcher with the Triton backend forced: the fused mean equals
+    summing and then out.div_(k), for qsgd (fused in the kernel) and other codecs (divided after)."""
+    monkeypatch.setenv("LOWBIT_KERNELS", "triton")
+    n = 3000
+    for spec in ("qsgd:bits=4,bucket=64", "qsgd:bits=8,bucket=100", "dettmers:type=dynamic"):
+        codec = lowbit.get_codec(spec)
+        ps = [codec.encode(_x(n, seed=i, special=False), seed=i) for i in range(3)]
+        want = codec.decode_sum(ps, n).clone().div_(3)
+        assert _same(codec.decode_sum(ps, n, divide_by=3), want), spec

@@ -92,17 +92,25 @@ class Codec:
         numel: int,
         out: torch.Tensor | None = None,
         shape: Sequence[int] | None = None,
+        divide_by: int = 1,
     ) -> torch.Tensor:
         """Sum of the decoded payloads, added in the given order in float32 (so every rank that sums
-        the same payloads in the same order gets a bit-identical result). Fused backends override."""
+        the same payloads in the same order gets a bit-identical result), then ``div_(divide_by)``
+        (an allreduce's mean; fused backends do it in the same pass). Fused backends override."""
         if not payloads:
             raise ValueError("decode_sum needs at least one payload")
+        self._check_divisor(divide_by)
         acc = self.decode(payloads[0], numel, out=out, shape=shape)
         if len(payloads) > 1:
             tmp = torch.empty_like(acc)
             for p in payloads[1:]:
                 acc.add_(self.decode(p, numel, out=tmp, shape=shape))
-        return acc
+        return acc.div_(divide_by) if divide_by != 1 else acc
+
+    @staticmethod
+    def _check_divisor(divide_by: int) -> None:
+        if isinstance(divide_by, bool) or not isinstance(divide_by, int) or divide_by < 1:
+            raise ValueError(f"decode_sum: divide_by must be a positive int, got {divide_by!r}")
 
     # ----------------------------------------------------------------------------- helpers
     @staticmethod

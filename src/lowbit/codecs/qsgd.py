@@ -61,11 +61,14 @@ class QSGD(Codec):
         y = self._output(out, numel, payload.device)
         return dispatch.qsgd_decode(payload, numel, self.bits, self.bucket, y)
 
-    def decode_sum(self, payloads, numel, out=None, shape=None):  # type: ignore[override]
+    def decode_sum(self, payloads, numel, out=None, shape=None, divide_by=1):  # type: ignore[override]
         if not payloads:
             raise ValueError("decode_sum needs at least one payload")
+        self._check_divisor(divide_by)
         for p in payloads:
             self._check_payload(p, numel, shape)
         y = self._output(out, numel, payloads[0].device)
-        fused = dispatch.qsgd_decode_sum(list(payloads), numel, self.bits, self.bucket, y)
-        return fused if fused is not None else super().decode_sum(payloads, numel, out=y, shape=shape)
+        fused = dispatch.qsgd_decode_sum(list(payloads), numel, self.bits, self.bucket, y, divide_by)
+        if fused is not None:
+            return fused
+        return super().decode_sum(payloads, numel, out=y, shape=shape, divide_by=divide_by)

@@ -187,10 +187,10 @@ def _allgather(comp, codec, group, op, rank, k, feedback, seed, stats) -> Finish
             stats.bytes_sent += (k - 1) * payload.numel()
         with _Timer(stats, "t_decode", comp):
             p = payload.numel()
-            # comp is not needed any more (the residual was taken above): sum into it
-            out = codec.decode_sum([gathered[i * p : (i + 1) * p] for i in range(k)], n, out=comp)
-            if op == "mean" and k > 1:
-                out.div_(k)
+            # comp is not needed any more (the residual was taken above): sum into it, and take the
+            # mean in the same pass where the backend can (else decode_sum divides after summing)
+            out = codec.decode_sum([gathered[i * p : (i + 1) * p] for i in range(k)], n, out=comp,
+                                   divide_by=k if op == "mean" and k > 1 else 1)
         return out, residual
 
     return finish

@@ -82,12 +82,18 @@ def onebit_decode_columns(payload: torch.Tensor, n: int, rows: int, out: torch.T
     return backend_for(out, "onebit_decode_columns").onebit_decode_columns(payload, n, rows, out)
 
 
-def qsgd_decode_sum(payloads: list[torch.Tensor], n: int, bits: int, bucket: int, out: torch.Tensor) -> torch.Tensor | None:
-    """Fused decode-and-accumulate when a backend has one; None means "decode one by one"."""
+def qsgd_decode_sum(payloads: list[torch.Tensor], n: int, bits: int, bucket: int, out: torch.Tensor,
+                    divide_by: int = 1) -> torch.Tensor | None:
+    """Fused decode-and-accumulate (then ``out.div_(divide_by)``, fused too where the backend can) when a
+    backend has one; None means "decode one by one"."""
     mod = backend_for(out, "qsgd_decode_sum")
     if mod is ref:
         return None
-    return mod.qsgd_decode_sum(payloads, n, bits, bucket, out)
+    if divide_by == 1:
+        return mod.qsgd_decode_sum(payloads, n, bits, bucket, out)
+    if getattr(mod, "DECODE_SUM_DIVIDES", False):
+        return mod.qsgd_decode_sum(payloads, n, bits, bucket, out, divide_by=divide_by)
+    return mod.qsgd_decode_sum(payloads, n, bits, bucket, out).div_(divide_by)
 
 
 def dettmers_backend(x: torch.Tensor, op: str) -> Any | None:

@@ -433,8 +433,9 @@ def _qsgd_decode_body(out_ptr, n, nb, bucket, nbytes, pid, p0, c0, p1, c1, p2, c
                       p4, c4, p5, c5, p6, c6, p7, c7,
                       K: tl.constexpr, ACC: tl.constexpr, FUSED: tl.constexpr, BUCKET: tl.constexpr,
                       ROWS: tl.constexpr, BITS: tl.constexpr, S: tl.constexpr, INV: tl.constexpr,
-                      MASKED: tl.constexpr):
-    """out = [out +] dec(p0) + dec(p1) + ... + dec(p_{K-1}), added left to right in float32.
+                      MASKED: tl.constexpr, DIV: tl.constexpr = 1.0, DINV: tl.constexpr = 0.0):
+    """out = [out +] dec(p0) + dec(p1) + ... + dec(p_{K-1}), added left to right in float32, then divided
+    by DIV (when not 1) the way torch's ``out.div_(DIV)`` divides on this device (see _step).
 
     FUSED: a (ROWS, BUCKET) tile of whole buckets (BUCKET a power of two), one scale load per row;
     otherwise a (ROWS*BUCKET,) block with a gathered scale per element (any ``bucket``).
@@ -462,6 +463,8 @@ def _qsgd_decode_body(out_ptr, n, nb, bucket, nbytes, pid, p0, c0, p1, c1, p2, c
         acc = acc + _qsgd_dec_one(p6, c6, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
     if K > 7:
         acc = acc + _qsgd_dec_one(p7, c7, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
+    if DIV != 1.0:
+        acc = _step(acc, DIV, DINV)
     _st(out_ptr + offs, acc, inb, MASKED)
 
 
@@ -484,15 +487,18 @@ def _qsgd_decode_sum_kernel(out_ptr, n, nb, bucket, nbytes, p0, c0, p1, c1, p2, 
                             p4, c4, p5, c5, p6, c6, p7, c7,
                             K: tl.constexpr, ACC: tl.constexpr, FUSED: tl.constexpr, BUCKET: tl.constexpr,
                             ROWS: tl.constexpr, BITS: tl.constexpr, S: tl.constexpr, INV: tl.constexpr,
-                            I64: tl.constexpr):
-    """Up to 8 payloads per launch; ACC adds onto out (the sum of the payloads before these)."""
+                            I64: tl.constexpr, DIV: tl.constexpr, DINV: tl.constexpr):
+    """Up to 8 payloads per launch; ACC adds onto out (the sum of the payloads before these); the last
+    launch divides by DIV (1: no division)."""
     pid = _pid(I64)
     if (pid + 1) * (ROWS * BUCKET) <= n:
         _qsgd_decode_body(out_ptr, n, nb, bucket, nbytes, pid, p0, c0, p1, c1, p2, c2, p3, c3,
-                          p4, c4, p5, c5, p6, c6, p7, c7, K, ACC, FUSED, BUCKET, ROWS, BITS, S, INV, False)
+                          p4, c4, p5, c5, p6, c6, p7, c7, K, ACC, FUSED, BUCKET, ROWS, BITS, S, INV, False,
+                          DIV, DINV)
     else:
         _qsgd_decode_body(out_ptr, n, nb, bucket, nbytes, pid, p0, c0, p1, c1, p2, c2, p3, c3,
-                          p4, c4, p5, c5, p6, c6, p7, c7, K, ACC, FUSED, BUCKET, ROWS, BITS, S, INV, True)
+                          p4, c4, p5, c5, p6, c6, p7, c7, K, ACC, FUSED, BUCKET, ROWS, BITS, S, INV, True,
+                          DIV, DINV)
 
 
 # ===================================================================================== onebit kernels
@@ -833,7 +839,13 @@ def _scalar_inverse(device: torch.device, bits: int) -> float:
     ``device``, else float32(1/s), the reciprocal it multiplies by (torch's CUDA kernel does that for
     a CPU-scalar divisor). Probed once per device and bit width, so qsgd decode matches the reference
     bit for bit on whichever device it runs."""
-    s = ref.qsgd_levels(bits)
+    return _torch_scalar_division(device, ref.qsgd_levels(bits))
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_scalar_division(device: torch.device, s: float) -> float:
+    """How torch divides a float32 tensor by the Python number ``s`` on ``device`` (``t / s``,
+    ``t.div_(s)``): 0.0 for a true division, else the float32 reciprocal it multiplies by."""
     inv = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(s, dtype=torch.float32))
     if inv * s == 1.0:  # exact reciprocal (s = 0.5, 1): both ways agree
         return 0.0
@@ -849,7 +861,7 @@ def _scalar_inverse(device: torch.device, bits: int) -> float:
 
 
 def _qsgd_decode_into(payloads: Sequence[torch.Tensor], n: int, bits: int, bucket: int,
-                      out: torch.Tensor) -> torch.Tensor:
+                      out: torch.Tensor, divide_by: int = 1) -> torch.Tensor:
     nb = (n + bucket - 1) // bucket
     nbytes = ref.packed_nbytes(n, bits)
     fused = _fused(bucket)
@@ -861,14 +873,18 @@ def _qsgd_decode_into(payloads: Sequence[torch.Tensor], n: int, bits: int, bucke
     for p in payloads:
         p = _aligned(p)
         args += [p, p[4 * nb :]]
-    if len(payloads) == 1:
+    if len(payloads) == 1 and divide_by == 1:
         _qsgd_decode_kernel[grid](out, n, nb, bucket, nbytes, *args, **meta)
         return out
+    div = float(divide_by)
+    dinv = _torch_scalar_division(out.device, div) if divide_by != 1 else 0.0
     for start in range(0, len(args), 2 * MAX_SUM):
         chunk = args[start : start + 2 * MAX_SUM]
         k = len(chunk) // 2
+        last = start + 2 * MAX_SUM >= len(args)
         chunk += chunk[:2] * (MAX_SUM - k)
-        _qsgd_decode_sum_kernel[grid](out, n, nb, bucket, nbytes, *chunk, K=k, ACC=start > 0, **meta)
+        _qsgd_decode_sum_kernel[grid](out, n, nb, bucket, nbytes, *chunk, K=k, ACC=start > 0,
+                                      DIV=div if last else 1.0, DINV=dinv if last else 0.0, **meta)
     return out
 
 
@@ -880,10 +896,15 @@ def qsgd_decode(payload: torch.Tensor, n: int, bits: int, bucket: int, out: torc
     return _qsgd_decode_into([payload], n, bits, bucket, out)
 
 
+#: qsgd_decode_sum takes ``divide_by`` and divides in the same pass (dispatch checks this).
+DECODE_SUM_DIVIDES = True
+
+
 def qsgd_decode_sum(payloads: Sequence[torch.Tensor], n: int, bits: int, bucket: int,
-                    out: torch.Tensor) -> torch.Tensor:
-    """out = decode(p0) + decode(p1) + ..., added in this order in float32, in one pass over ``out``
-    per 8 payloads: bit-identical to summing reference decodes in the same order."""
+                    out: torch.Tensor, divide_by: int = 1) -> torch.Tensor:
+    """out = (decode(p0) + decode(p1) + ...) / divide_by, added in this order in float32, in one pass
+    over ``out`` per 8 payloads: bit-identical to summing reference decodes in the same order and then
+    ``out.div_(divide_by)`` (an allreduce's mean without a second pass over the result)."""
     if len(payloads) == 0:
         raise ValueError("qsgd_decode_sum needs at least one payload")
     if n == 0:
@@ -893,8 +914,8 @@ def qsgd_decode_sum(payloads: Sequence[torch.Tensor], n: int, bits: int, bucket:
         tmp = torch.empty_like(out)
         for p in payloads[1:]:
             out.add_(ref.qsgd_decode(p, n, bits, bucket, tmp))
-        return out
-    return _qsgd_decode_into(list(payloads), n, bits, bucket, out)
+        return out.div_(divide_by) if divide_by != 1 else out
+    return _qsgd_decode_into(list(payloads), n, bits, bucket, out, divide_by)
 
 
 # ------------------------------------------------------------------------------------- onebit
