@@ -187,6 +187,33 @@ def test_dettmers_large() -> None:
             os.environ["LOWBIT_KERNELS"] = old
 
 
+@gpu
+@needs_cuda
+def test_dettmers_decode_sum_large() -> None:
+    """Fused Dettmers decode-and-sum with the mean, at 16M values: as the codec's torch decodes added
+    in order and then out.div_(k) on the GPU, bit for bit (one scale, fused and general buckets)."""
+    tk = _tk()
+    old = os.environ.get("LOWBIT_KERNELS")
+    n = 16 * M + 5
+    try:
+        for spec in ("dettmers", "dettmers:bucket=4096", "dettmers:bucket=1000"):
+            c = lowbit.get_codec(spec)
+            ps = [c.encode(_x(n, seed=k)) for k in range(3)]
+            os.environ["LOWBIT_KERNELS"] = "reference"
+            want = c.decode(ps[0], n)
+            for p in ps[1:]:
+                want = want + c.decode(p, n)
+            os.environ.pop("LOWBIT_KERNELS")
+            for d in (1, 3):
+                got = tk.dettmers_decode_sum(ps, n, c.type, c.bucket, c.offset, _poisoned(n), divide_by=d)
+                assert _same(got, want.clone().div_(d) if d != 1 else want), (spec, d)
+    finally:
+        if old is None:
+            os.environ.pop("LOWBIT_KERNELS", None)
+        else:
+            os.environ["LOWBIT_KERNELS"] = old
+
+
 def _div_exhaustive_kernel():
     import triton
     import triton.language as tl

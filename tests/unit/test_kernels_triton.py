@@ -323,3 +323,29 @@ def test_codec_decode_sum_divide_by_on_triton(monkeypatch: pytest.MonkeyPatch) -
         ps = [codec.encode(_x(n, seed=i, special=False), seed=i) for i in range(3)]
         want = codec.decode_sum(ps, n).clone().div_(3)
         assert _same(codec.decode_sum(ps, n, divide_by=3), want), spec
+
+
+def test_dettmers_decode_sum_bit_identical_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused Dettmers decode-and-sum (fused buckets, general buckets, one scale, non-normalised
+    types with NaN codes), 1, 3 and 11 payloads (11 > MAX_SUM: chained launches), with and without the
+    mean: as decoding one by one, adding in order and then out.div_(d)."""
+    for spec in ("dettmers", "dettmers:bucket=64", "dettmers:bucket=100", "dettmers:type=static",
+                 "dettmers:type=dynamic_bnb,bucket=256"):
+        codec = lowbit.get_codec(spec)
+        for n in (7, 3000):
+            xs = [_x(n, seed=k) for k in range(11)]
+            if not codec.normalised:
+                xs = [x * 10.0 ** (codec.offset - 2) for x in xs]
+            ps = [codec.encode(x) for x in xs]
+            for k in (1, 3, 11):
+                monkeypatch.setenv("LOWBIT_KERNELS", "reference")  # the codec's own torch decode
+                want = codec.decode(ps[0], n)
+                for p in ps[1:k]:
+                    want = want + codec.decode(p, n)
+                monkeypatch.delenv("LOWBIT_KERNELS")
+                for d in (1, 3):
+                    got = tk.dettmers_decode_sum(ps[:k], n, codec.type, codec.bucket, codec.offset,
+                                                 torch.full((n,), 7.0, device=DEV), divide_by=d)
+                    assert _same(got, want.clone().div_(d) if d != 1 else want), (spec, n, k, d)
+    with pytest.raises(ValueError):
+        tk.dettmers_decode_sum([], 4, "dynamic", 0, 0, torch.empty(4, device=DEV))

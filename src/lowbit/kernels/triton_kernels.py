@@ -84,6 +84,7 @@ __all__ = [
     "onebit_decode_buckets",
     "dettmers_encode",
     "dettmers_decode",
+    "dettmers_decode_sum",
     "CONFIG",
 ]
 
@@ -688,15 +689,9 @@ def _dm_encode_kernel(x_ptr, scale_ptr, code_ptr, cell_ptr, t_ptr, lo, hi, n, nb
 
 
 @triton.jit
-def _dm_decode_body(scale_ptr, code_ptr, lut_ptr, out_ptr, n, nb, bucket, pid,
-                    BUCKET: tl.constexpr, ROWS: tl.constexpr, NORM: tl.constexpr, FUSED: tl.constexpr,
-                    ONE_SCALE: tl.constexpr, MASKED: tl.constexpr):
-    if FUSED:
-        rows = pid * ROWS + tl.arange(0, ROWS)
-        offs = rows[:, None] * BUCKET + tl.arange(0, BUCKET)[None, :]
-    else:
-        offs = pid * (ROWS * BUCKET) + tl.arange(0, ROWS * BUCKET)
-    inb = offs < n
+def _dm_dec_one(scale_ptr, code_ptr, lut_ptr, offs, rows, inb, nb, bucket, NORM: tl.constexpr,
+                FUSED: tl.constexpr, ONE_SCALE: tl.constexpr, MASKED: tl.constexpr):
+    """Decoded values of one payload at offs: the 256-entry table lookup times the bucket's scale."""
     codes = _ld(code_ptr + offs, inb, 0, MASKED).to(tl.int32)
     vals = tl.load(lut_ptr + codes)
     if NORM:
@@ -706,20 +701,72 @@ def _dm_decode_body(scale_ptr, code_ptr, lut_ptr, out_ptr, n, nb, bucket, pid,
             vals = vals * tl.load(scale_ptr)
         else:
             vals = vals * _ld(scale_ptr + offs // bucket, inb, 0.0, MASKED)
-    _st(out_ptr + offs, vals, inb, MASKED)
+    return vals
+
+
+@triton.jit
+def _dm_decode_body(lut_ptr, out_ptr, n, nb, bucket, pid, s0, c0, s1, c1, s2, c2, s3, c3, s4, c4, s5, c5,
+                    s6, c6, s7, c7, K: tl.constexpr, ACC: tl.constexpr, BUCKET: tl.constexpr,
+                    ROWS: tl.constexpr, NORM: tl.constexpr, FUSED: tl.constexpr, ONE_SCALE: tl.constexpr,
+                    MASKED: tl.constexpr, DIV: tl.constexpr, DINV: tl.constexpr):
+    """out = ([out +] dec(p0) + ... + dec(p_{K-1})) / DIV, added left to right in float32 (s_k: scales
+    of payload k, c_k: its codes); DIV as torch's out.div_(DIV) on this device (see _step)."""
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    if FUSED:
+        offs = rows[:, None] * BUCKET + tl.arange(0, BUCKET)[None, :]
+    else:
+        offs = pid * (ROWS * BUCKET) + tl.arange(0, ROWS * BUCKET)
+    inb = offs < n
+    acc = _dm_dec_one(s0, c0, lut_ptr, offs, rows, inb, nb, bucket, NORM, FUSED, ONE_SCALE, MASKED)
+    if ACC:
+        acc = _ld(out_ptr + offs, inb, 0.0, MASKED) + acc
+    if K > 1:
+        acc = acc + _dm_dec_one(s1, c1, lut_ptr, offs, rows, inb, nb, bucket, NORM, FUSED, ONE_SCALE, MASKED)
+    if K > 2:
+        acc = acc + _dm_dec_one(s2, c2, lut_ptr, offs, rows, inb, nb, bucket, NORM, FUSED, ONE_SCALE, MASKED)
+    if K > 3:
+        acc = acc + _dm_dec_one(s3, c3, lut_ptr, offs, rows, inb, nb, bucket, NORM, FUSED, ONE_SCALE, MASKED)
+    if K > 4:
+        acc = acc + _dm_dec_one(s4, c4, lut_ptr, offs, rows, inb, nb, bucket, NORM, FUSED, ONE_SCALE, MASKED)
+    if K > 5:
+        acc = acc + _dm_dec_one(s5, c5, lut_ptr, offs, rows, inb, nb, bucket, NORM, FUSED, ONE_SCALE, MASKED)
+    if K > 6:
+        acc = acc + _dm_dec_one(s6, c6, lut_ptr, offs, rows, inb, nb, bucket, NORM, FUSED, ONE_SCALE, MASKED)
+    if K > 7:
+        acc = acc + _dm_dec_one(s7, c7, lut_ptr, offs, rows, inb, nb, bucket, NORM, FUSED, ONE_SCALE, MASKED)
+    if DIV != 1.0:
+        acc = _step(acc, DIV, DINV)
+    _st(out_ptr + offs, acc, inb, MASKED)
 
 
 @triton.jit
 def _dm_decode_kernel(scale_ptr, code_ptr, lut_ptr, out_ptr, n, nb, bucket,
                       BUCKET: tl.constexpr, ROWS: tl.constexpr, NORM: tl.constexpr, FUSED: tl.constexpr,
                       ONE_SCALE: tl.constexpr, I64: tl.constexpr):
+    """One payload (few arguments: Triton's per-argument launch cost is most of a small call)."""
+    pid = _pid(I64)
+    s, c = scale_ptr, code_ptr
+    if (pid + 1) * (ROWS * BUCKET) <= n:
+        _dm_decode_body(lut_ptr, out_ptr, n, nb, bucket, pid, s, c, s, c, s, c, s, c, s, c, s, c, s, c, s, c,
+                        1, False, BUCKET, ROWS, NORM, FUSED, ONE_SCALE, False, 1.0, 0.0)
+    else:
+        _dm_decode_body(lut_ptr, out_ptr, n, nb, bucket, pid, s, c, s, c, s, c, s, c, s, c, s, c, s, c, s, c,
+                        1, False, BUCKET, ROWS, NORM, FUSED, ONE_SCALE, True, 1.0, 0.0)
+
+
+@triton.jit
+def _dm_decode_sum_kernel(lut_ptr, out_ptr, n, nb, bucket, s0, c0, s1, c1, s2, c2, s3, c3, s4, c4, s5, c5,
+                          s6, c6, s7, c7, K: tl.constexpr, ACC: tl.constexpr, BUCKET: tl.constexpr,
+                          ROWS: tl.constexpr, NORM: tl.constexpr, FUSED: tl.constexpr,
+                          ONE_SCALE: tl.constexpr, I64: tl.constexpr, DIV: tl.constexpr, DINV: tl.constexpr):
+    """Up to 8 payloads per launch; ACC adds onto out; the last launch divides by DIV (1: none)."""
     pid = _pid(I64)
     if (pid + 1) * (ROWS * BUCKET) <= n:
-        _dm_decode_body(scale_ptr, code_ptr, lut_ptr, out_ptr, n, nb, bucket, pid, BUCKET, ROWS, NORM, FUSED,
-                        ONE_SCALE, False)
+        _dm_decode_body(lut_ptr, out_ptr, n, nb, bucket, pid, s0, c0, s1, c1, s2, c2, s3, c3, s4, c4, s5, c5,
+                        s6, c6, s7, c7, K, ACC, BUCKET, ROWS, NORM, FUSED, ONE_SCALE, False, DIV, DINV)
     else:
-        _dm_decode_body(scale_ptr, code_ptr, lut_ptr, out_ptr, n, nb, bucket, pid, BUCKET, ROWS, NORM, FUSED,
-                        ONE_SCALE, True)
+        _dm_decode_body(lut_ptr, out_ptr, n, nb, bucket, pid, s0, c0, s1, c1, s2, c2, s3, c3, s4, c4, s5, c5,
+                        s6, c6, s7, c7, K, ACC, BUCKET, ROWS, NORM, FUSED, ONE_SCALE, True, DIV, DINV)
 
 
 # ===================================================================================== host side
@@ -1052,6 +1099,40 @@ def dettmers_encode(x: torch.Tensor, type_: str, search: str, bucket: int, offse
         float(t["hi"]), n, max(nb, 1), eff_bucket, BUCKET=bsize, ROWS=rows, FUSED=fused, NORM=norm,
         PAPER=search == "paper", ONE_SCALE=nb == 1 and not fused, I64=_i64(n, block), num_warps=_warps(block), **t["consts"], **_LAUNCH)
     return payload
+
+
+def dettmers_decode_sum(payloads: Sequence[torch.Tensor], n: int, type_: str, bucket: int, offset: int,
+                        out: torch.Tensor, divide_by: int = 1) -> torch.Tensor:
+    """out = (decode(p0) + decode(p1) + ...) / divide_by, added in order in float32, one pass over
+    ``out`` per 8 payloads: bit-identical to summing :func:`dettmers_decode` results in the same order
+    and then ``out.div_(divide_by)``."""
+    if len(payloads) == 0:
+        raise ValueError("dettmers_decode_sum needs at least one payload")
+    if n == 0:
+        return out
+    norm = type_ in _NORMALISED
+    eff_bucket = (bucket or n) if norm else n
+    nb = (n + eff_bucket - 1) // eff_bucket if norm else 0
+    t = _dm_tables(type_, offset, out.device)
+    fused = norm and _fused(eff_bucket)
+    bsize, rows, block = _tiling(eff_bucket, fused)
+    args = []
+    for p in payloads:
+        p = _aligned(p)
+        args += [_scale_view(p, nb) if nb else t["lut"], p[4 * nb :]]
+    div = float(divide_by)
+    dinv = _torch_scalar_division(out.device, div) if divide_by != 1 else 0.0
+    meta = dict(BUCKET=bsize, ROWS=rows, NORM=norm, FUSED=fused, ONE_SCALE=nb == 1 and not fused,
+                I64=_i64(n, block), num_warps=_warps(block), **_LAUNCH)
+    for start in range(0, len(args), 2 * MAX_SUM):
+        chunk = args[start : start + 2 * MAX_SUM]
+        k = len(chunk) // 2
+        last = start + 2 * MAX_SUM >= len(args)
+        chunk += chunk[:2] * (MAX_SUM - k)
+        _dm_decode_sum_kernel[(triton.cdiv(n, block),)](
+            t["lut"], out, n, max(nb, 1), eff_bucket, *chunk, K=k, ACC=start > 0,
+            DIV=div if last else 1.0, DINV=dinv if last else 0.0, **meta)
+    return out
 
 
 def dettmers_decode(payload: torch.Tensor, n: int, type_: str, bucket: int, offset: int,
