@@ -150,7 +150,13 @@ def test_onebit_large() -> None:
             torch.testing.assert_close(got[: 8 * nb].view(torch.float32), want[: 8 * nb].view(torch.float32),
                                        rtol=2e-6, atol=0, equal_nan=True)
             dec = tk.onebit_decode_buckets(want, n, bucket, _poisoned(n))
-            assert _same(dec, ref.onebit_decode_buckets(want, n, bucket, torch.empty(n, device="cuda")))
+            ref_dec = ref.onebit_decode_buckets(want, n, bucket, torch.empty(n, device="cuda"))
+            assert _same(dec, ref_dec)
+            other = ref.onebit_encode_buckets(_x(n, seed=3), bucket)
+            total = ref_dec + ref.onebit_decode_buckets(other, n, bucket, torch.empty(n, device="cuda"))
+            for d in (1, 3):  # fused decode-and-sum with the mean, as adding then out.div_(d)
+                got_sum = tk.onebit_decode_sum_buckets([want, other], n, bucket, _poisoned(n), divide_by=d)
+                assert _same(got_sum, total.clone().div_(d) if d != 1 else total), (n, bucket, d)
 
 
 @gpu

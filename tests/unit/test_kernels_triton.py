@@ -349,3 +349,25 @@ def test_dettmers_decode_sum_bit_identical_in_order(monkeypatch: pytest.MonkeyPa
                     assert _same(got, want.clone().div_(d) if d != 1 else want), (spec, n, k, d)
     with pytest.raises(ValueError):
         tk.dettmers_decode_sum([], 4, "dynamic", 0, 0, torch.empty(4, device=DEV))
+
+
+def test_onebit_decode_sum_bit_identical_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fused onebit (per bucket) decode-and-sum, with and without the mean, directly and through the
+    codec: as the reference decodes added in order and then out.div_(d)."""
+    for bucket in (64, 100):
+        for n in (7, 3000):
+            ps = [ref.onebit_encode_buckets(_x(n, seed=k), bucket) for k in range(11)]
+            for k in (1, 3, 11):
+                want = ref.onebit_decode_buckets(ps[0], n, bucket, torch.empty(n, device=DEV))
+                for p in ps[1:k]:
+                    want = want + ref.onebit_decode_buckets(p, n, bucket, torch.empty(n, device=DEV))
+                for d in (1, 3):
+                    got = tk.onebit_decode_sum_buckets(ps[:k], n, bucket, torch.full((n,), 7.0, device=DEV),
+                                                       divide_by=d)
+                    assert _same(got, want.clone().div_(d) if d != 1 else want), (bucket, n, k, d)
+    codec = lowbit.get_codec("onebit:bucket=64")
+    ps = [codec.encode(_x(3000, seed=k)) for k in range(3)]
+    monkeypatch.setenv("LOWBIT_KERNELS", "reference")
+    want = codec.decode_sum(ps, 3000, divide_by=3)
+    monkeypatch.setenv("LOWBIT_KERNELS", "triton")
+    assert _same(codec.decode_sum(ps, 3000, divide_by=3), want)

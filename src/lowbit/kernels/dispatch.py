@@ -96,6 +96,12 @@ def qsgd_decode_sum(payloads: list[torch.Tensor], n: int, bits: int, bucket: int
     return mod.qsgd_decode_sum(payloads, n, bits, bucket, out).div_(divide_by)
 
 
+def onebit_decode_sum_backend(out: torch.Tensor) -> Any | None:
+    """The module with a fused onebit decode-and-sum for ``out`` (None: decode one by one)."""
+    mod = backend_for(out, "onebit_decode_sum_buckets")
+    return None if mod is ref else mod
+
+
 def dettmers_backend(x: torch.Tensor, op: str) -> Any | None:
     """The Triton module for Dettmers' codec on CUDA (None: use the codec's torch path)."""
     mod = backend_for(x, op)

@@ -82,6 +82,7 @@ __all__ = [
     "qsgd_decode_sum",
     "onebit_encode_buckets",
     "onebit_decode_buckets",
+    "onebit_decode_sum_buckets",
     "dettmers_encode",
     "dettmers_decode",
     "dettmers_decode_sum",
@@ -542,13 +543,13 @@ def _onebit_encode_kernel(x_ptr, scale_ptr, code_ptr, n, nb, nbytes,
 
 
 @triton.jit
-def _onebit_decode_body(scale_ptr, code_ptr, out_ptr, n, nb, bucket, nbytes, pid,
-                        BUCKET: tl.constexpr, ROWS: tl.constexpr, FUSED: tl.constexpr, MASKED: tl.constexpr):
+def _onebit_dec_one(scale_ptr, code_ptr, pid, n, nb, bucket, nbytes, BUCKET: tl.constexpr, ROWS: tl.constexpr,
+                    FUSED: tl.constexpr, MASKED: tl.constexpr):
+    """Decoded values of one payload for this program's tile: its bucket's mean of the sign's side."""
     BLOCK: tl.constexpr = ROWS * BUCKET
     bits = _load_codes(code_ptr, pid * BLOCK, nbytes, n, BLOCK, 1, MASKED)
     if FUSED:
         rows = pid * ROWS + tl.arange(0, ROWS)
-        offs = rows[:, None] * BUCKET + tl.arange(0, BUCKET)[None, :]
         mp = _ld(scale_ptr + 2 * rows, rows < nb, 0.0, MASKED)[:, None]
         mn = _ld(scale_ptr + 2 * rows + 1, rows < nb, 0.0, MASKED)[:, None]
         b = tl.reshape(bits, (ROWS, BUCKET))
@@ -558,17 +559,69 @@ def _onebit_decode_body(scale_ptr, code_ptr, out_ptr, n, nb, bucket, nbytes, pid
         mp = _ld(scale_ptr + 2 * g, offs < n, 0.0, MASKED)
         mn = _ld(scale_ptr + 2 * g + 1, offs < n, 0.0, MASKED)
         b = bits
-    _st(out_ptr + offs, tl.where(b != 0, mp, mn), offs < n, MASKED)
+    return tl.where(b != 0, mp, mn)
+
+
+@triton.jit
+def _onebit_decode_body(out_ptr, n, nb, bucket, nbytes, pid, s0, c0, s1, c1, s2, c2, s3, c3, s4, c4, s5, c5,
+                        s6, c6, s7, c7, K: tl.constexpr, ACC: tl.constexpr, BUCKET: tl.constexpr,
+                        ROWS: tl.constexpr, FUSED: tl.constexpr, MASKED: tl.constexpr, DIV: tl.constexpr,
+                        DINV: tl.constexpr):
+    """out = ([out +] dec(p0) + ... + dec(p_{K-1})) / DIV, added left to right in float32."""
+    BLOCK: tl.constexpr = ROWS * BUCKET
+    if FUSED:
+        rows = pid * ROWS + tl.arange(0, ROWS)
+        offs = rows[:, None] * BUCKET + tl.arange(0, BUCKET)[None, :]
+    else:
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+    acc = _onebit_dec_one(s0, c0, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, MASKED)
+    if ACC:
+        acc = _ld(out_ptr + offs, offs < n, 0.0, MASKED) + acc
+    if K > 1:
+        acc = acc + _onebit_dec_one(s1, c1, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, MASKED)
+    if K > 2:
+        acc = acc + _onebit_dec_one(s2, c2, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, MASKED)
+    if K > 3:
+        acc = acc + _onebit_dec_one(s3, c3, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, MASKED)
+    if K > 4:
+        acc = acc + _onebit_dec_one(s4, c4, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, MASKED)
+    if K > 5:
+        acc = acc + _onebit_dec_one(s5, c5, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, MASKED)
+    if K > 6:
+        acc = acc + _onebit_dec_one(s6, c6, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, MASKED)
+    if K > 7:
+        acc = acc + _onebit_dec_one(s7, c7, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, MASKED)
+    if DIV != 1.0:
+        acc = _step(acc, DIV, DINV)
+    _st(out_ptr + offs, acc, offs < n, MASKED)
 
 
 @triton.jit
 def _onebit_decode_kernel(scale_ptr, code_ptr, out_ptr, n, nb, bucket, nbytes,
                           BUCKET: tl.constexpr, ROWS: tl.constexpr, FUSED: tl.constexpr, I64: tl.constexpr):
     pid = _pid(I64)
+    s, c = scale_ptr, code_ptr
     if (pid + 1) * (ROWS * BUCKET) <= n:
-        _onebit_decode_body(scale_ptr, code_ptr, out_ptr, n, nb, bucket, nbytes, pid, BUCKET, ROWS, FUSED, False)
+        _onebit_decode_body(out_ptr, n, nb, bucket, nbytes, pid, s, c, s, c, s, c, s, c, s, c, s, c, s, c, s, c,
+                            1, False, BUCKET, ROWS, FUSED, False, 1.0, 0.0)
     else:
-        _onebit_decode_body(scale_ptr, code_ptr, out_ptr, n, nb, bucket, nbytes, pid, BUCKET, ROWS, FUSED, True)
+        _onebit_decode_body(out_ptr, n, nb, bucket, nbytes, pid, s, c, s, c, s, c, s, c, s, c, s, c, s, c, s, c,
+                            1, False, BUCKET, ROWS, FUSED, True, 1.0, 0.0)
+
+
+@triton.jit
+def _onebit_decode_sum_kernel(out_ptr, n, nb, bucket, nbytes, s0, c0, s1, c1, s2, c2, s3, c3, s4, c4, s5, c5,
+                              s6, c6, s7, c7, K: tl.constexpr, ACC: tl.constexpr, BUCKET: tl.constexpr,
+                              ROWS: tl.constexpr, FUSED: tl.constexpr, I64: tl.constexpr, DIV: tl.constexpr,
+                              DINV: tl.constexpr):
+    """Up to 8 payloads per launch; ACC adds onto out; the last launch divides by DIV (1: none)."""
+    pid = _pid(I64)
+    if (pid + 1) * (ROWS * BUCKET) <= n:
+        _onebit_decode_body(out_ptr, n, nb, bucket, nbytes, pid, s0, c0, s1, c1, s2, c2, s3, c3, s4, c4, s5, c5,
+                            s6, c6, s7, c7, K, ACC, BUCKET, ROWS, FUSED, False, DIV, DINV)
+    else:
+        _onebit_decode_body(out_ptr, n, nb, bucket, nbytes, pid, s0, c0, s1, c1, s2, c2, s3, c3, s4, c4, s5, c5,
+                            s6, c6, s7, c7, K, ACC, BUCKET, ROWS, FUSED, True, DIV, DINV)
 
 
 # ===================================================================================== dettmers kernels
@@ -989,6 +1042,35 @@ def onebit_encode_buckets(x: torch.Tensor, bucket: int) -> torch.Tensor:
         x, scales, payload[8 * nb :], n, nb, nbytes, BUCKET=bsize, ROWS=rows, FUSED=fused,
         I64=_i64(n, block), num_warps=_warps(block), **_LAUNCH)
     return payload
+
+
+def onebit_decode_sum_buckets(payloads: Sequence[torch.Tensor], n: int, bucket: int, out: torch.Tensor,
+                              divide_by: int = 1) -> torch.Tensor:
+    """out = (decode(p0) + decode(p1) + ...) / divide_by, added in order in float32, one pass over
+    ``out`` per 8 payloads (bit-identical to decoding one by one, adding, then ``out.div_``)."""
+    if len(payloads) == 0:
+        raise ValueError("onebit_decode_sum_buckets needs at least one payload")
+    if n == 0:
+        return out
+    nb = (n + bucket - 1) // bucket
+    fused = _fused(bucket)
+    bsize, rows, block = _tiling(bucket, fused)
+    args = []
+    for p in payloads:
+        p = _aligned(p)
+        args += [_scale_view(p, 2 * nb), p[8 * nb :]]
+    div = float(divide_by)
+    dinv = _torch_scalar_division(out.device, div) if divide_by != 1 else 0.0
+    for start in range(0, len(args), 2 * MAX_SUM):
+        chunk = args[start : start + 2 * MAX_SUM]
+        k = len(chunk) // 2
+        last = start + 2 * MAX_SUM >= len(args)
+        chunk += chunk[:2] * (MAX_SUM - k)
+        _onebit_decode_sum_kernel[(triton.cdiv(n, block),)](
+            out, n, nb, bucket, ref.packed_nbytes(n, 1), *chunk, K=k, ACC=start > 0, BUCKET=bsize, ROWS=rows,
+            FUSED=fused, I64=_i64(n, block), DIV=div if last else 1.0, DINV=dinv if last else 0.0,
+            num_warps=_warps(block), **_LAUNCH)
+    return out
 
 
 def onebit_decode_buckets(payload: torch.Tensor, n: int, bucket: int, out: torch.Tensor) -> torch.Tensor:
