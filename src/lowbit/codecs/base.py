@@ -112,6 +112,15 @@ class Codec:
         if isinstance(divide_by, bool) or not isinstance(divide_by, int) or divide_by < 1:
             raise ValueError(f"decode_sum: divide_by must be a positive int, got {divide_by!r}")
 
+    def _sum_output(self, payloads, numel, out, shape, divide_by) -> torch.Tensor:
+        """Checks of a fused decode_sum override (payloads, divisor) and its (numel,) float32 output."""
+        if not payloads:
+            raise ValueError("decode_sum needs at least one payload")
+        self._check_divisor(divide_by)
+        for p in payloads:
+            self._check_payload(p, numel, shape)
+        return self._output(out, numel, payloads[0].device)
+
     # ----------------------------------------------------------------------------- helpers
     @staticmethod
     def _flat_input(x: torch.Tensor) -> torch.Tensor:

@@ -207,12 +207,7 @@ class Dettmers(Codec):
 
     # ----------------------------------------------------------------------------- decode
     def decode_sum(self, payloads, numel, out=None, shape=None, divide_by=1):  # type: ignore[override]
-        if not payloads:
-            raise ValueError("decode_sum needs at least one payload")
-        self._check_divisor(divide_by)
-        for p in payloads:
-            self._check_payload(p, numel, shape)
-        y = self._output(out, numel, payloads[0].device)
+        y = self._sum_output(payloads, numel, out, shape, divide_by)
         fast = dispatch.dettmers_backend(y, "dettmers_decode_sum") if numel else None
         if fast is not None:  # one pass: lookups, sum and mean together
             return fast.dettmers_decode_sum(list(payloads), numel, self.type, self.bucket, self.offset, y,

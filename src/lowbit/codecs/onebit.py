@@ -66,12 +66,7 @@ class OneBit(Codec):
         return dispatch.onebit_encode_columns(flat, self._rows(flat.numel(), tuple(x.shape)))
 
     def decode_sum(self, payloads, numel, out=None, shape=None, divide_by=1):  # type: ignore[override]
-        if not payloads:
-            raise ValueError("decode_sum needs at least one payload")
-        self._check_divisor(divide_by)
-        for p in payloads:
-            self._check_payload(p, numel, shape)
-        y = self._output(out, numel, payloads[0].device)
+        y = self._sum_output(payloads, numel, out, shape, divide_by)
         fast = dispatch.onebit_decode_sum_backend(y) if self.bucket and numel else None
         if fast is not None:  # one pass: sign lookups, sum and mean together
             return fast.onebit_decode_sum_buckets(list(payloads), numel, self.bucket, y, divide_by)

@@ -62,12 +62,7 @@ class QSGD(Codec):
         return dispatch.qsgd_decode(payload, numel, self.bits, self.bucket, y)
 
     def decode_sum(self, payloads, numel, out=None, shape=None, divide_by=1):  # type: ignore[override]
-        if not payloads:
-            raise ValueError("decode_sum needs at least one payload")
-        self._check_divisor(divide_by)
-        for p in payloads:
-            self._check_payload(p, numel, shape)
-        y = self._output(out, numel, payloads[0].device)
+        y = self._sum_output(payloads, numel, out, shape, divide_by)
         fused = dispatch.qsgd_decode_sum(list(payloads), numel, self.bits, self.bucket, y, divide_by)
         if fused is not None:
             return fused
