@@ -273,7 +273,7 @@ def _quantize(r, idx, key, S: tl.constexpr, STOCH: tl.constexpr, BOUNDED: tl.con
 
 @triton.jit
 def _pack_store(codes, code_ptr, elem0, nbytes, n,
-                BLOCK: tl.constexpr, BITS: tl.constexpr, MASKED: tl.constexpr):
+                BLOCK: tl.constexpr, BITS: tl.constexpr, MASKED: tl.constexpr, HINT: tl.constexpr = False):
     """Store BLOCK codes (any shape, row-major = element order; codes of elements >= n already zero)
     of elements elem0 .. elem0+BLOCK-1 (elem0 a multiple of 8) into the LSB-first stream."""
     if BITS == 8:
@@ -284,6 +284,14 @@ def _pack_store(codes, code_ptr, elem0, nbytes, n,
         code16_ptr = code_ptr.to(tl.pointer_type(tl.uint16))
         _st(code16_ptr + offs, tl.reshape(codes, (BLOCK,)).to(tl.uint16), offs < n, MASKED)
     else:
+        if HINT and not MASKED:
+            # A layout hint: a uint8 store of the tile's shape whose mask is never true (a full tile
+            # has every offset < n), so Triton lays the tile out 16 values per thread, as it does for
+            # 8-bit codes: per-bucket reductions then cover 16 values per lane and bytes pack within a
+            # thread. Measured on an H200: 2-bit encode +3-5 points of copy bandwidth, 1-bit +0-3;
+            # 4-bit mixed and onebit worse, so only qsgd at 1-2 bits asks for it.
+            offs8 = elem0 + tl.arange(0, BLOCK)
+            tl.store(code_ptr + offs8, tl.reshape(codes, (BLOCK,)).to(tl.uint8), mask=offs8 >= n)
         CPB: tl.constexpr = 8 // BITS
         c = tl.reshape(codes, (BLOCK // CPB, CPB))
         shifts = (tl.arange(0, CPB) * BITS).to(tl.uint32)
@@ -349,7 +357,7 @@ def _qsgd_encode_body(x_ptr, pay_ptr, code_ptr, n, nb, bucket, nbytes, key, pid,
         codes = _quantize(tl.div_rn(x, _safe(scale)), offs, key, S, STOCH, False)
     if MASKED:
         codes = tl.where(inb, codes, 0)
-    _pack_store(codes, code_ptr, pid * BLOCK, nbytes, n, BLOCK, BITS, MASKED)
+    _pack_store(codes, code_ptr, pid * BLOCK, nbytes, n, BLOCK, BITS, MASKED, BITS <= 2)
 
 
 @triton.jit(do_not_specialize=["key"])
