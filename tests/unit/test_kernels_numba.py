@@ -108,6 +108,9 @@ def test_qsgd_decode_sum_is_ordered_float32_sum(bits: int) -> None:
             got = nk.qsgd_decode_sum(order, n, bits, bucket, out)
             assert got is out
             assert torch.equal(_bits32(got), _bits32(want)), (bits, bucket, n, len(order))
+            for d in (3, 7):  # the mean in the same pass: as torch's CPU out.div_(d) after the sum
+                got = nk.qsgd_decode_sum(order, n, bits, bucket, torch.empty(n), divide_by=d)
+                assert torch.equal(_bits32(got), _bits32(want.clone().div_(d))), (bits, bucket, n, d)
     with pytest.raises(ValueError):
         nk.qsgd_decode_sum([], 4, 8, 512, torch.empty(4))
 

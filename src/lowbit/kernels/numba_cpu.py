@@ -513,9 +513,10 @@ def _decode_range(payload, nb, lo, hi, bits, bucket, s, out, accumulate, buf):
 
 
 @njit(**_PJIT)
-def _qsgd_decode_kernel(addrs, nbytes, n, nb, bits, bucket, s, out, block):
+def _qsgd_decode_kernel(addrs, nbytes, n, nb, bits, bucket, s, out, block, div):
     """Decode the K payloads at byte addresses ``addrs`` (each ``nbytes`` long) and sum them in order
-    into out, a block of ``block`` values per task (K = 1: plain decode)."""
+    into out, a block of ``block`` values per task (K = 1: plain decode), then divide the block by
+    ``div`` (float32; 1: not at all) while it is in cache, as torch's CPU ``out.div_(div)`` does."""
     nblocks = (n + block - 1) // block
     for c in prange(nblocks):
         buf = np.empty(_SUB + 8, np.uint8)
@@ -524,6 +525,9 @@ def _qsgd_decode_kernel(addrs, nbytes, n, nb, bits, bucket, s, out, block):
         for k in range(addrs.size):
             payload = numba.carray(_u8_ptr(addrs[k]), nbytes)
             _decode_range(payload, nb, lo, hi, bits, bucket, s, out, k > 0, buf)
+        if div != _F1:
+            for i in range(lo, hi):
+                out[i] = out[i] / div
 
 
 # --------------------------------------------------------------------------------- onebit
@@ -834,7 +838,8 @@ def qsgd_encode(x: torch.Tensor, bits: int, bucket: int, norm: str, stochastic: 
 
 
 def _decode_payloads(
-    payloads: Sequence[torch.Tensor], n: int, bits: int, bucket: int, out: torch.Tensor, block: int
+    payloads: Sequence[torch.Tensor], n: int, bits: int, bucket: int, out: torch.Tensor, block: int,
+    divide_by: int = 1,
 ) -> None:
     nb = (n + bucket - 1) // bucket
     nbytes = 4 * nb + ref.packed_nbytes(n, bits)
@@ -845,7 +850,8 @@ def _decode_payloads(
     addrs = np.array([a.ctypes.data for a in arrays], dtype=np.int64)
     s = np.float32(ref.qsgd_levels(bits))
     _match_torch_threads()
-    _qsgd_decode_kernel(addrs, nbytes, n, nb, bits, bucket, s, out.detach().view(-1).numpy(), block)
+    _qsgd_decode_kernel(addrs, nbytes, n, nb, bits, bucket, s, out.detach().view(-1).numpy(), block,
+                        np.float32(divide_by))
 
 
 def qsgd_decode(payload: torch.Tensor, n: int, bits: int, bucket: int, out: torch.Tensor) -> torch.Tensor:
@@ -859,11 +865,16 @@ def qsgd_decode(payload: torch.Tensor, n: int, bits: int, bucket: int, out: torc
     return out
 
 
+#: qsgd_decode_sum takes ``divide_by`` and divides in the same pass (dispatch checks this).
+DECODE_SUM_DIVIDES = True
+
+
 def qsgd_decode_sum(
-    payloads: Sequence[torch.Tensor], n: int, bits: int, bucket: int, out: torch.Tensor
+    payloads: Sequence[torch.Tensor], n: int, bits: int, bucket: int, out: torch.Tensor, divide_by: int = 1
 ) -> torch.Tensor:
     """Sum of the decoded payloads into ``out``, added in the given order in float32
-    (``acc = p0; acc += p1; ...``, as Codec.decode_sum over reference.qsgd_decode), in one pass."""
+    (``acc = p0; acc += p1; ...``, as Codec.decode_sum over reference.qsgd_decode), then divided by
+    ``divide_by`` as ``out.div_(divide_by)`` would, in one pass."""
     _check_bits(bits)
     if len(payloads) == 0:
         raise ValueError("decode_sum needs at least one payload")
@@ -872,11 +883,11 @@ def qsgd_decode_sum(
         tmp = torch.empty_like(acc)
         for p in payloads[1:]:
             acc.add_(ref.qsgd_decode(p, n, bits, bucket, tmp))
-        return acc
+        return acc.div_(divide_by) if divide_by != 1 else acc
     if n == 0:
         return out
-    # a block of the output stays in L1/L2 while the K payloads are added to it
-    _decode_payloads(payloads, n, bits, bucket, out, 4096)
+    # a block of the output stays in L1/L2 while the K payloads are added to it (and divided)
+    _decode_payloads(payloads, n, bits, bucket, out, 4096, divide_by)
     return out
 
 
