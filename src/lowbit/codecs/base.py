@@ -17,6 +17,7 @@ draws from a counter-based hash keyed by ``(seed, element index)``.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -109,7 +110,7 @@ class Codec:
 
     @staticmethod
     def _check_divisor(divide_by: int) -> None:
-        if isinstance(divide_by, bool) or not isinstance(divide_by, int) or divide_by < 1:
+        if isinstance(divide_by, bool) or not isinstance(divide_by, numbers.Integral) or divide_by < 1:
             raise ValueError(f"decode_sum: divide_by must be a positive int, got {divide_by!r}")
 
     def _sum_output(self, payloads, numel, out, shape, divide_by) -> torch.Tensor:
