@@ -899,7 +899,7 @@ def _bucket_scales_general(x: torch.Tensor, bucket: int, scales: torch.Tensor) -
     if nb == 1 or bucket % ab == 0:  # every block lies in one bucket: one pass, atomic max
         scales.zero_()
         _absmax_atomic[(triton.cdiv(n, ab),)](x, scales.view(torch.int32), n, bucket, BLOCK=ab,
-                                              I64=_i64(n, ab), num_warps=min(8, max(1, ab // 256)), **_LAUNCH)
+                                              I64=_i64(n, ab), num_warps=_warps(ab, 8), **_LAUNCH)
         return
     # Chunks of at most 4096 elements of one bucket each, UR chunks per program; then torch's amax.
     ch = min(1 << max(0, (bucket - 1).bit_length()), 4096)
@@ -969,6 +969,20 @@ def _torch_scalar_division(device: torch.device, s: float) -> float:
     raise RuntimeError(f"lowbit: cannot tell how torch divides by a scalar on {device}")
 
 
+def _sum_launches(args: list, device: torch.device, divide_by: int):
+    """Launch plan of a decode-and-sum over payload argument pairs ``args`` (2 per payload): per launch
+    the 8 pairs (padded with the first one), K, ACC (add onto out) and the divisor constants, which only
+    the last launch applies (as torch's ``out.div_(divide_by)`` on ``device``)."""
+    div = float(divide_by)
+    dinv = _torch_scalar_division(device, div) if divide_by != 1 else 0.0
+    for start in range(0, len(args), 2 * MAX_SUM):
+        chunk = args[start : start + 2 * MAX_SUM]
+        k = len(chunk) // 2
+        last = start + 2 * MAX_SUM >= len(args)
+        yield (chunk + chunk[:2] * (MAX_SUM - k), dict(K=k, ACC=start > 0, DIV=div if last else 1.0,
+                                                       DINV=dinv if last else 0.0))
+
+
 def _qsgd_decode_into(payloads: Sequence[torch.Tensor], n: int, bits: int, bucket: int,
                       out: torch.Tensor, divide_by: int = 1) -> torch.Tensor:
     nb = (n + bucket - 1) // bucket
@@ -985,15 +999,8 @@ def _qsgd_decode_into(payloads: Sequence[torch.Tensor], n: int, bits: int, bucke
     if len(payloads) == 1 and divide_by == 1:
         _qsgd_decode_kernel[grid](out, n, nb, bucket, nbytes, *args, **meta)
         return out
-    div = float(divide_by)
-    dinv = _torch_scalar_division(out.device, div) if divide_by != 1 else 0.0
-    for start in range(0, len(args), 2 * MAX_SUM):
-        chunk = args[start : start + 2 * MAX_SUM]
-        k = len(chunk) // 2
-        last = start + 2 * MAX_SUM >= len(args)
-        chunk += chunk[:2] * (MAX_SUM - k)
-        _qsgd_decode_sum_kernel[grid](out, n, nb, bucket, nbytes, *chunk, K=k, ACC=start > 0,
-                                      DIV=div if last else 1.0, DINV=dinv if last else 0.0, **meta)
+    for chunk, launch in _sum_launches(args, out.device, divide_by):
+        _qsgd_decode_sum_kernel[grid](out, n, nb, bucket, nbytes, *chunk, **launch, **meta)
     return out
 
 
@@ -1068,17 +1075,10 @@ def onebit_decode_sum_buckets(payloads: Sequence[torch.Tensor], n: int, bucket: 
     for p in payloads:
         p = _aligned(p)
         args += [_scale_view(p, 2 * nb), p[8 * nb :]]
-    div = float(divide_by)
-    dinv = _torch_scalar_division(out.device, div) if divide_by != 1 else 0.0
-    for start in range(0, len(args), 2 * MAX_SUM):
-        chunk = args[start : start + 2 * MAX_SUM]
-        k = len(chunk) // 2
-        last = start + 2 * MAX_SUM >= len(args)
-        chunk += chunk[:2] * (MAX_SUM - k)
+    for chunk, launch in _sum_launches(args, out.device, divide_by):
         _onebit_decode_sum_kernel[(triton.cdiv(n, block),)](
-            out, n, nb, bucket, ref.packed_nbytes(n, 1), *chunk, K=k, ACC=start > 0, BUCKET=bsize, ROWS=rows,
-            FUSED=fused, I64=_i64(n, block), DIV=div if last else 1.0, DINV=dinv if last else 0.0,
-            num_warps=_warps(block), **_LAUNCH)
+            out, n, nb, bucket, ref.packed_nbytes(n, 1), *chunk, BUCKET=bsize, ROWS=rows, FUSED=fused,
+            I64=_i64(n, block), num_warps=_warps(block), **launch, **_LAUNCH)
     return out
 
 
@@ -1153,18 +1153,11 @@ def dettmers_decode_sum(payloads: Sequence[torch.Tensor], n: int, type_: str, bu
     for p in payloads:
         p = _aligned(p)
         args += [_scale_view(p, nb) if nb else t["lut"], p[4 * nb :]]
-    div = float(divide_by)
-    dinv = _torch_scalar_division(out.device, div) if divide_by != 1 else 0.0
     meta = dict(BUCKET=bsize, ROWS=rows, NORM=norm, FUSED=fused, ONE_SCALE=nb == 1 and not fused,
                 I64=_i64(n, block), num_warps=_warps(block), **_LAUNCH)
-    for start in range(0, len(args), 2 * MAX_SUM):
-        chunk = args[start : start + 2 * MAX_SUM]
-        k = len(chunk) // 2
-        last = start + 2 * MAX_SUM >= len(args)
-        chunk += chunk[:2] * (MAX_SUM - k)
-        _dm_decode_sum_kernel[(triton.cdiv(n, block),)](
-            t["lut"], out, n, max(nb, 1), eff_bucket, *chunk, K=k, ACC=start > 0,
-            DIV=div if last else 1.0, DINV=dinv if last else 0.0, **meta)
+    for chunk, launch in _sum_launches(args, out.device, divide_by):
+        _dm_decode_sum_kernel[(triton.cdiv(n, block),)](t["lut"], out, n, max(nb, 1), eff_bucket, *chunk,
+                                                        **launch, **meta)
     return out
 
 
