@@ -183,7 +183,7 @@ class Dettmers(Codec):
     def encode(self, x: torch.Tensor, seed: int = 0) -> torch.Tensor:
         flat = self._flat_input(x)
         n = flat.numel()
-        fast = dispatch.dettmers_backend(flat, "dettmers_encode") if n else None
+        fast = dispatch.compiled_backend(flat, "dettmers_encode") if n else None
         if fast is not None:
             return fast.dettmers_encode(flat, self.type, self.search, self.bucket, self.offset)
         if n == 0:
@@ -208,7 +208,7 @@ class Dettmers(Codec):
     # ----------------------------------------------------------------------------- decode
     def decode_sum(self, payloads, numel, out=None, shape=None, divide_by=1):  # type: ignore[override]
         y = self._sum_output(payloads, numel, out, shape, divide_by)
-        fast = dispatch.dettmers_backend(y, "dettmers_decode_sum") if numel else None
+        fast = dispatch.compiled_backend(y, "dettmers_decode_sum") if numel else None
         if fast is not None:  # one pass: lookups, sum and mean together
             return fast.dettmers_decode_sum(list(payloads), numel, self.type, self.bucket, self.offset, y,
                                             divide_by)
@@ -219,7 +219,7 @@ class Dettmers(Codec):
         y = self._output(out, numel, payload.device)
         if numel == 0:
             return y
-        fast = dispatch.dettmers_backend(y, "dettmers_decode")
+        fast = dispatch.compiled_backend(y, "dettmers_decode")
         if fast is not None:
             return fast.dettmers_decode(payload, numel, self.type, self.bucket, self.offset, y)
         ns = self._nscales(numel)

@@ -67,7 +67,7 @@ class OneBit(Codec):
 
     def decode_sum(self, payloads, numel, out=None, shape=None, divide_by=1):  # type: ignore[override]
         y = self._sum_output(payloads, numel, out, shape, divide_by)
-        fast = dispatch.onebit_decode_sum_backend(y) if self.bucket and numel else None
+        fast = dispatch.compiled_backend(y, "onebit_decode_sum_buckets") if self.bucket and numel else None
         if fast is not None:  # one pass: sign lookups, sum and mean together
             return fast.onebit_decode_sum_buckets(list(payloads), numel, self.bucket, y, divide_by)
         return super().decode_sum(payloads, numel, out=y, shape=shape, divide_by=divide_by)

@@ -86,8 +86,8 @@ def qsgd_decode_sum(payloads: list[torch.Tensor], n: int, bits: int, bucket: int
                     divide_by: int = 1) -> torch.Tensor | None:
     """Fused decode-and-accumulate (then ``out.div_(divide_by)``, fused too where the backend can) when a
     backend has one; None means "decode one by one"."""
-    mod = backend_for(out, "qsgd_decode_sum")
-    if mod is ref:
+    mod = compiled_backend(out, "qsgd_decode_sum")
+    if mod is None:
         return None
     if divide_by == 1:
         return mod.qsgd_decode_sum(payloads, n, bits, bucket, out)
@@ -96,13 +96,8 @@ def qsgd_decode_sum(payloads: list[torch.Tensor], n: int, bits: int, bucket: int
     return mod.qsgd_decode_sum(payloads, n, bits, bucket, out).div_(divide_by)
 
 
-def onebit_decode_sum_backend(out: torch.Tensor) -> Any | None:
-    """The module with a fused onebit decode-and-sum for ``out`` (None: decode one by one)."""
-    mod = backend_for(out, "onebit_decode_sum_buckets")
-    return None if mod is ref else mod
-
-
-def dettmers_backend(x: torch.Tensor, op: str) -> Any | None:
-    """The Triton module for Dettmers' codec on CUDA (None: use the codec's torch path)."""
+def compiled_backend(x: torch.Tensor, op: str) -> Any | None:
+    """The compiled module (Triton on CUDA, numba on CPU) with ``op`` for ``x``; None: use the codec's
+    own torch path."""
     mod = backend_for(x, op)
     return None if mod is ref else mod
