@@ -870,14 +870,7 @@ def _dm_encode_kernel(x, n, bucket, norm, signed, paper, dyn, cells, shift, kbas
         part = np.empty(nchunks, np.float32)
         for c in prange(nchunks):
             part[c] = _dm_absmax(x, c * chunk, min(n, (c + 1) * chunk))
-        m = _F0
-        for c in range(nchunks):
-            if part[c] != part[c]:
-                m = _NAN
-                break
-            if part[c] > m:
-                m = part[c]
-        scales[0] = m
+        scales[0] = _dm_absmax(part, 0, nchunks)  # the partial maxima are >= 0 or NaN
     for c in prange(nchunks):
         lo_i = c * chunk
         hi_i = min(n, lo_i + chunk)
@@ -1076,6 +1069,13 @@ def onebit_decode_buckets(payload: torch.Tensor, n: int, bucket: int, out: torch
 _DM_NORMALISED = ("dynamic", "linear", "dynamic_bnb")
 
 
+def _dm_nscales(n: int, norm: bool, bucket: int) -> int:
+    """Scales in a payload: one per bucket (``bucket=0``: one) for normalised types, none otherwise."""
+    if not norm or n == 0:
+        return 0
+    return (n + bucket - 1) // bucket if bucket else 1
+
+
 def _dm_args(type_: str, offset: int) -> tuple:
     from lowbit.kernels.dettmers_tables import host_tables
 
@@ -1091,7 +1091,7 @@ def dettmers_encode(x: torch.Tensor, type_: str, search: str, bucket: int, offse
     x = x.reshape(-1).to(torch.float32).contiguous()
     n = x.numel()
     norm = type_ in _DM_NORMALISED
-    nb = (((n + bucket - 1) // bucket) if bucket else 1) if norm and n else 0
+    nb = _dm_nscales(n, norm, bucket)
     payload = torch.empty(4 * nb + n, dtype=torch.uint8)
     if n == 0:
         return payload
@@ -1099,12 +1099,10 @@ def dettmers_encode(x: torch.Tensor, type_: str, search: str, bucket: int, offse
     bkt = bucket if norm else 0
     chunk = bkt * max(1, _BLOCK // bkt) if bkt else _BLOCK
     p = payload.numpy()
-    scales = np.zeros(max(nb, 1), np.float32)
+    scales = p[: 4 * nb].view(np.float32) if nb else np.empty(1, np.float32)  # fresh allocation: aligned
     _match_torch_threads()
     _dm_encode_kernel(_np_in(x), n, bkt, norm, signed, search == "paper", dyn, cells, shift, kbase, ncell, tbl,
                       lo, hi, pivot0, scales, p[4 * nb :], chunk)
-    if nb:
-        p[: 4 * nb] = scales[:nb].view(np.uint8)
     return payload
 
 
@@ -1114,7 +1112,7 @@ def dettmers_decode(payload: torch.Tensor, n: int, type_: str, bucket: int, offs
     if n == 0:
         return out
     norm = type_ in _DM_NORMALISED
-    nb = (((n + bucket - 1) // bucket) if bucket else 1) if norm else 0
+    nb = _dm_nscales(n, norm, bucket)
     p = _payload_np(payload)
     if p.size != 4 * nb + n:
         raise ValueError(f"dettmers: payload has {p.size} bytes, expected {4 * nb + n}")
