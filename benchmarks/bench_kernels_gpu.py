@@ -30,9 +30,9 @@ from lowbit.kernels import reference as ref
 from lowbit.kernels import triton_kernels as tk
 
 try:
-    from gputime import graph_ms
+    from gputime import copy_ms, graph_ms, warm_up
 except ImportError:  # run from elsewhere
-    from benchmarks.gputime import graph_ms
+    from benchmarks.gputime import copy_ms, graph_ms, warm_up
 
 MiB = 1 << 20
 
@@ -141,13 +141,8 @@ def main() -> None:
     }
     print(json.dumps(info), flush=True)
     sizes = [int(s) for s in args.sizes_mib.split(",")]
-    if not DRY_RUN:  # a second of copies first, so the first size is not timed on an idle GPU's clocks
-        w = torch.empty(64 * MiB, device=dev)
-        t_end = time.time() + 1.0
-        while time.time() < t_end:
-            w.mul_(1.0)
-        torch.cuda.synchronize()
-        del w
+    if not DRY_RUN:
+        warm_up(dev)
     copies, rows, sweep, extra = [], [], [], []
 
     def save() -> None:
@@ -160,11 +155,7 @@ def main() -> None:
         big = mib >= 256
         x = torch.randn(n, device=dev, generator=g)
         dst = torch.empty_like(x)
-        # The stricter (faster) of two copies: captured in a graph, a large copy_ can become a memcpy
-        # node run by a copy engine, slower than the SM copy kernel that eager copy_ runs.
-        t_copy = min(bench(lambda: dst.copy_(x), big),
-                     float(do_bench(lambda: dst.copy_(x), warmup=10, rep=40, return_mode="median"))
-                     if not DRY_RUN else float("inf"))
+        t_copy = bench(lambda: dst.copy_(x), big) if DRY_RUN else copy_ms(dst, x, lambda fn: bench(fn, big))
         copy_gbps = 2 * 4 * n / t_copy / 1e6
         copies.append({"size_mib": mib, "ms": t_copy, "GBps": copy_gbps})
         print(f"copy {mib} MiB: {t_copy:.4f} ms  {copy_gbps:.0f} GB/s", flush=True)

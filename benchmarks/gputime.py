@@ -61,3 +61,24 @@ def graph_ms(fn, reps: int = 20, times: int = 7) -> float:
     del work, flushes
     torch.cuda.empty_cache()
     return ms
+
+
+def warm_up(device: torch.device, seconds: float = 1.0) -> None:
+    """Keep the GPU busy for a moment, so the first size is not timed on an idle card's clocks."""
+    import time
+
+    w = torch.empty(16 * 2**20, device=device)
+    t_end = time.time() + seconds
+    while time.time() < t_end:
+        w.mul_(1.0)
+    torch.cuda.synchronize()
+
+
+def copy_ms(dst: torch.Tensor, src: torch.Tensor, timed) -> float:
+    """Milliseconds of ``dst.copy_(src)``, the baseline of the bandwidth ratios: the faster (stricter) of
+    ``timed(fn)`` and do_bench. Captured in a graph, a large copy_ can become a memcpy node run by a copy
+    engine, slower than the SM copy kernel that an eager copy_ runs."""
+    from triton.testing import do_bench
+
+    fn = lambda: dst.copy_(src)  # noqa: E731
+    return min(timed(fn), float(do_bench(fn, warmup=10, rep=40, return_mode="median")))

@@ -34,7 +34,7 @@ from triton.testing import do_bench
 
 from lowbit.kernels import triton_kernels as tk
 
-from gputime import graph_ms
+from gputime import copy_ms, graph_ms, warm_up
 
 MiB = 1 << 20
 # Dettmers encode: (bucket, elements per program, warps); bucket 0 = one scale, two passes
@@ -205,7 +205,7 @@ def main() -> None:
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "sm_count": sms, "cooperative_launch": tk._cooperative_launch(), "method": "GPU time per call (gputime.graph_ms) or do_bench (--timing); pct = bytes / time vs "
+            "sm_count": sms, "method": "GPU time per call (gputime.graph_ms) or do_bench (--timing); pct = bytes / time vs "
             "copy 8n"}
     rows = []
     t0 = time.time()
@@ -214,19 +214,13 @@ def main() -> None:
         return graph_ms(fn) if args.timing == "graph" else float(do_bench(fn, warmup=25, rep=100,
                                                                           return_mode="median"))
 
-    w = torch.empty(64 * MiB, device=dev)  # a second of work first: clocks up before the first size
-    t_end = time.time() + 1.0
-    while time.time() < t_end:
-        w.mul_(1.0)
-    torch.cuda.synchronize()
-    del w
+    warm_up(dev)
     for mib in [int(s) for s in args.sizes_mib.split(",")]:
         n = mib * MiB // 4
         g = torch.Generator(device=dev).manual_seed(mib)
         x = torch.randn(n, device=dev, generator=g)
         dst = torch.empty_like(x)
-        t_copy = min(bench(lambda: dst.copy_(x)),  # see bench_kernels_gpu: the stricter of two copies
-                     float(do_bench(lambda: dst.copy_(x), warmup=10, rep=40, return_mode="median")))
+        t_copy = copy_ms(dst, x, bench)
         copy_gbps = 8 * n / t_copy / 1e6
         rows.append({"size_mib": mib, "what": "copy", "ms": t_copy, "GBps": copy_gbps})
 
