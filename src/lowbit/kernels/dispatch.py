@@ -84,16 +84,12 @@ def onebit_decode_columns(payload: torch.Tensor, n: int, rows: int, out: torch.T
 
 def qsgd_decode_sum(payloads: list[torch.Tensor], n: int, bits: int, bucket: int, out: torch.Tensor,
                     divide_by: int = 1) -> torch.Tensor | None:
-    """Fused decode-and-accumulate (then ``out.div_(divide_by)``, fused too where the backend can) when a
+    """Fused decode-and-accumulate, then ``out.div_(divide_by)`` in the same pass, when a compiled
     backend has one; None means "decode one by one"."""
     mod = compiled_backend(out, "qsgd_decode_sum")
     if mod is None:
         return None
-    if divide_by == 1:
-        return mod.qsgd_decode_sum(payloads, n, bits, bucket, out)
-    if getattr(mod, "DECODE_SUM_DIVIDES", False):
-        return mod.qsgd_decode_sum(payloads, n, bits, bucket, out, divide_by=divide_by)
-    return mod.qsgd_decode_sum(payloads, n, bits, bucket, out).div_(divide_by)
+    return mod.qsgd_decode_sum(payloads, n, bits, bucket, out, divide_by=divide_by)
 
 
 def compiled_backend(x: torch.Tensor, op: str) -> Any | None:

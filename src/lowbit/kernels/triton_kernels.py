@@ -1012,10 +1012,6 @@ def qsgd_decode(payload: torch.Tensor, n: int, bits: int, bucket: int, out: torc
     return _qsgd_decode_into([payload], n, bits, bucket, out)
 
 
-#: qsgd_decode_sum takes ``divide_by`` and divides in the same pass (dispatch checks this).
-DECODE_SUM_DIVIDES = True
-
-
 def qsgd_decode_sum(payloads: Sequence[torch.Tensor], n: int, bits: int, bucket: int,
                     out: torch.Tensor, divide_by: int = 1) -> torch.Tensor:
     """out = (decode(p0) + decode(p1) + ...) / divide_by, added in this order in float32, in one pass
