@@ -13,6 +13,17 @@ import functools
 
 import torch
 
+#: Types whose payload carries one absmax scale per bucket (the others are absolute values).
+NORMALISED = ("dynamic", "linear", "dynamic_bnb")
+
+
+def layout(n: int, type_: str, bucket: int) -> tuple[bool, int, int]:
+    """(normalised, values per scale, number of scales) of a payload of ``n`` values; ``bucket=0`` means
+    one scale for the whole tensor, and types that are not normalised carry none."""
+    norm = type_ in NORMALISED
+    per = (bucket or n) if norm else n
+    return norm, per, ((n + per - 1) // per if norm and n else 0)
+
 @functools.lru_cache(maxsize=None)
 def host_tables(type_: str, offset: int) -> dict:
     """Host-side tables of a Dettmers type (torch tensors on the CPU, and the kernels' constants)."""

@@ -53,6 +53,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from lowbit.kernels import reference as ref
+from lowbit.kernels.dettmers_tables import host_tables, layout
 
 if sys.byteorder != "little":  # the wire format is little-endian; keep the reference on such hosts
     raise ImportError("lowbit.kernels.numba_cpu supports little-endian hosts only")
@@ -1062,19 +1063,7 @@ def onebit_decode_buckets(payload: torch.Tensor, n: int, bucket: int, out: torch
 
 
 # --------------------------------------------------------------------------------- dettmers (host)
-_DM_NORMALISED = ("dynamic", "linear", "dynamic_bnb")
-
-
-def _dm_nscales(n: int, norm: bool, bucket: int) -> int:
-    """Scales in a payload: one per bucket (``bucket=0``: one) for normalised types, none otherwise."""
-    if not norm or n == 0:
-        return 0
-    return (n + bucket - 1) // bucket if bucket else 1
-
-
 def _dm_args(type_: str, offset: int) -> tuple:
-    from lowbit.kernels.dettmers_tables import host_tables
-
     t = host_tables(type_, offset)
     c = t["consts"]
     return (t["cells"].numpy(), c["SHIFT"], c["KBASE"], c["NCELL"], t["paper"].numpy(), np.float32(t["lo"]),
@@ -1086,8 +1075,7 @@ def dettmers_encode(x: torch.Tensor, type_: str, search: str, bucket: int, offse
     the same bytes as ``Dettmers(...).encode``; ``bucket=0`` is one scale for the whole tensor."""
     x = x.reshape(-1).to(torch.float32).contiguous()
     n = x.numel()
-    norm = type_ in _DM_NORMALISED
-    nb = _dm_nscales(n, norm, bucket)
+    norm, _, nb = layout(n, type_, bucket)
     payload = torch.empty(4 * nb + n, dtype=torch.uint8)
     if n == 0:
         return payload
@@ -1107,8 +1095,7 @@ def dettmers_decode(payload: torch.Tensor, n: int, type_: str, bucket: int, offs
     """Inverse of :func:`dettmers_encode` into ``out`` (n,) float32: table lookup times the scale."""
     if n == 0:
         return out
-    norm = type_ in _DM_NORMALISED
-    nb = _dm_nscales(n, norm, bucket)
+    norm, _, nb = layout(n, type_, bucket)
     p = _payload_np(payload)
     if p.size != 4 * nb + n:
         raise ValueError(f"dettmers: payload has {p.size} bytes, expected {4 * nb + n}")

@@ -76,6 +76,7 @@ except Exception as exc:  # pragma: no cover - exercised only where Triton is ab
 
 from lowbit.kernels import reference as ref
 from lowbit.kernels.dettmers_tables import host_tables as _dm_host_tables
+from lowbit.kernels.dettmers_tables import layout as _dm_layout
 
 __all__ = [
     "qsgd_encode",
@@ -1092,7 +1093,6 @@ def onebit_decode_buckets(payload: torch.Tensor, n: int, bucket: int, out: torch
 
 
 # ------------------------------------------------------------------------------------- dettmers
-_NORMALISED = ("dynamic", "linear", "dynamic_bnb")
 
 
 @functools.lru_cache(maxsize=64)
@@ -1113,9 +1113,7 @@ def dettmers_encode(x: torch.Tensor, type_: str, search: str, bucket: int, offse
     n = x.numel()
     if n == 0:
         return torch.empty(0, dtype=torch.uint8, device=x.device)
-    norm = type_ in _NORMALISED
-    eff_bucket = (bucket or n) if norm else n
-    nb = (n + eff_bucket - 1) // eff_bucket if norm else 0
+    norm, eff_bucket, nb = _dm_layout(n, type_, bucket)
     payload = _new_payload(4 * nb, 4 * nb + n, x.device)
     scales = _scale_view(payload, nb)
     t = _dm_tables(type_, offset, x.device)
@@ -1139,9 +1137,7 @@ def dettmers_decode_sum(payloads: Sequence[torch.Tensor], n: int, type_: str, bu
         raise ValueError("dettmers_decode_sum needs at least one payload")
     if n == 0:
         return out
-    norm = type_ in _NORMALISED
-    eff_bucket = (bucket or n) if norm else n
-    nb = (n + eff_bucket - 1) // eff_bucket if norm else 0
+    norm, eff_bucket, nb = _dm_layout(n, type_, bucket)
     t = _dm_tables(type_, offset, out.device)
     fused = norm and _fused(eff_bucket)
     bsize, rows, block = _tiling(eff_bucket, fused)
@@ -1162,9 +1158,7 @@ def dettmers_decode(payload: torch.Tensor, n: int, type_: str, bucket: int, offs
     """Inverse of :func:`dettmers_encode`: 256-entry table lookup times the bucket's absmax."""
     if n == 0:
         return out
-    norm = type_ in _NORMALISED
-    eff_bucket = (bucket or n) if norm else n
-    nb = (n + eff_bucket - 1) // eff_bucket if norm else 0
+    norm, eff_bucket, nb = _dm_layout(n, type_, bucket)
     payload = _aligned(payload)
     t = _dm_tables(type_, offset, payload.device)
     fused = norm and _fused(eff_bucket)
