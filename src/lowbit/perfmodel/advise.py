@@ -567,12 +567,10 @@ def _gbps(bps: float | None) -> str:
 
 # ------------------------------------------------------------------------------------------ command
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from lowbit.perfmodel.cli import add_cluster_arguments, add_codec_rate_arguments
+
     p.add_argument("--network", required=True, help="a known network (lowbit predict --help lists them)")
-    p.add_argument("--gpus", type=int, default=8, help="number of GPUs / workers (default 8)")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
-    p.add_argument("--intra", default=None, help="intra-node link (default nvlink, or the calibrated link)")
-    p.add_argument("--inter", default="100gbit", help="inter-node link (default 100gbit)")
-    p.add_argument("--nics-per-node", type=int, default=1, help="inter-node links per node (default 1)")
+    add_cluster_arguments(p)
     p.add_argument("--tolerance", type=float, default=0.5,
                    help="final test accuracy loss allowed, in percentage points (default 0.5)")
     p.add_argument("--evidence", default=None,
@@ -588,8 +586,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=64, help="samples per GPU per step (default 64)")
     p.add_argument("--device-tflops", type=float, default=None,
                    help="sustained TFLOP/s of one GPU (default 100, or the calibrated device rate)")
-    p.add_argument("--encode-gbps", type=float, default=200.0, help="encode GB/s of float32 (default 200; 0 = free)")
-    p.add_argument("--decode-gbps", type=float, default=200.0, help="decode GB/s of float32 (default 200; 0 = free)")
+    add_codec_rate_arguments(p)
     p.add_argument("--json", action="store_true", help="print JSON")
 
 

@@ -31,6 +31,23 @@ __all__ = ["register", "run_predict", "format_prediction", "format_sweep", "form
            "run_calibrate", "run_validate"]
 
 
+def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
+    """The cluster options shared by ``lowbit predict`` and ``lowbit advise``."""
+    p.add_argument("--gpus", type=int, default=8, help="number of GPUs / workers (default 8)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--intra", default=None, help="intra-node link (default nvlink, or the calibrated link)")
+    p.add_argument("--inter", default="100gbit", help="inter-node link (default 100gbit)")
+    p.add_argument("--nics-per-node", type=int, default=1, help="inter-node links per node (default 1)")
+
+
+def add_codec_rate_arguments(p: argparse.ArgumentParser) -> None:
+    """The codec throughput options shared by ``lowbit predict`` and ``lowbit advise``."""
+    p.add_argument("--encode-gbps", type=float, default=200.0,
+                   help="encode throughput, GB/s of float32 input (default 200; 0 = free)")
+    p.add_argument("--decode-gbps", type=float, default=200.0,
+                   help="decode throughput, GB/s of float32 output (default 200; 0 = free)")
+
+
 def register(subparsers: Any) -> None:
     """Add ``predict`` to the ``lowbit`` command."""
     p = subparsers.add_parser(
@@ -56,11 +73,7 @@ def register(subparsers: Any) -> None:
                    help="for --validate: leave out every seed of the predicted run's configuration (config, "
                    "default) or only the run itself (run)")
     g.add_argument("--transport", default=None, help="with --calibration: which calibrated transport")
-    p.add_argument("--gpus", type=int, default=8, help="number of GPUs (default 8)")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
-    p.add_argument("--intra", default=None, help="intra-node link (default nvlink, or the calibrated link)")
-    p.add_argument("--inter", default="100gbit", help="inter-node link (default 100gbit)")
-    p.add_argument("--nics-per-node", type=int, default=1, help="inter-node links per node (default 1)")
+    add_cluster_arguments(p)
     p.add_argument("--codec", default="qsgd:bits=8,bucket=512",
                    help="codec spec (default qsgd:bits=8,bucket=512)")
     p.add_argument("--bits", type=float, default=None, help="bits per value; overrides what --codec implies")
@@ -69,10 +82,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--batch", type=int, default=64, help="samples per GPU per step (default 64)")
     p.add_argument("--device-tflops", type=float, default=None,
                    help="sustained TFLOP/s of one GPU on this network (default 100, or the calibrated device rate)")
-    p.add_argument("--encode-gbps", type=float, default=200.0,
-                   help="encode throughput, GB/s of float32 input (default 200; 0 = free)")
-    p.add_argument("--decode-gbps", type=float, default=200.0,
-                   help="decode throughput, GB/s of float32 output (default 200; 0 = free)")
+    add_codec_rate_arguments(p)
     p.add_argument("--bucket-mb", type=float, default=25.0,
                    help="gradient bucket size in MiB (default 25; 0 = per layer)")
     p.add_argument("--no-overlap", action="store_true", help="communicate only after the backward pass")
