@@ -663,7 +663,8 @@ class Calibration:
         out.config_keys = sorted(set(self.config_keys) | set(other.config_keys))
         return out
 
-    def describe(self) -> str:
+    def link_codec_lines(self, codec_name=lambda c: c) -> list[str]:
+        """One line per fitted link and per fitted codec cost (``codec_name`` shortens the specs)."""
         lines = []
         for t, by in sorted(self.links.items()):
             for a, f in sorted(by.items()):
@@ -671,7 +672,11 @@ class Calibration:
         for t, by in sorted(self.codecs.items()):
             for a, by_c in sorted(by.items()):
                 for c, f in sorted(by_c.items()):
-                    lines.append(f"codec [{t}] {c} @ {a}: {f.describe()}")
+                    lines.append(f"codec [{t}] {codec_name(c)} @ {a}: {f.describe()}")
+        return lines
+
+    def describe(self) -> str:
+        lines = self.link_codec_lines()
         for k, v in sorted(self.compute.items()):
             lines.append(f"compute [{k}] {v['step_s'] * 1e3:.3f} ms/step at 1 worker "
                          f"({v['per_sample_s'] * 1e6:.2f} us/sample; {v['runs']} runs)")

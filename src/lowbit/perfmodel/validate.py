@@ -388,14 +388,7 @@ def validate(
         method += (f"; the saved calibration's study-derived parts served {used_given} runs they were not "
                    f"fitted on, and were replaced by held-out refits for {refit} runs they were fitted on")
     notes = []
-    if fixed.links or fixed.codecs:
-        for t, by in sorted(fixed.links.items()):
-            for a, f in sorted(by.items()):
-                notes.append(f"link [{t}] {f.describe()}")
-        for t, by in sorted(fixed.codecs.items()):
-            for a, by_c in sorted(by.items()):
-                for c, f in sorted(by_c.items()):
-                    notes.append(f"codec [{t}] {short_codec(c)} @ {a}: {f.describe()}")
+    notes += fixed.link_codec_lines(short_codec)
     if need_in_situ:
         notes.append(f"links and codec costs for {', '.join(sorted(need_in_situ))}: in situ from the held-out "
                      "study runs' communicate/encode/decode times (no bench file for this backend)")
