@@ -38,10 +38,25 @@ def _replay_ms(graph: torch.cuda.CUDAGraph, times: int) -> float:
     return statistics.median(out)
 
 
-def graph_ms(fn, reps: int = 20, times: int = 7) -> float:
-    """Median GPU milliseconds of one ``fn()`` with a cold L2 (see the module doc)."""
+def _flusher(dev: torch.device, flush: str):
+    """What runs before each timed call. "zero": a 256 MiB memset, as do_bench (L2 then holds tens of MB
+    of dirty lines of the memset, whose write-back the timed call pays as it evicts them); "clean": the
+    memset and then a read of the same buffer (L2 cold and clean); "none": nothing (L2 warm)."""
+    buf = _flush_buffer(dev)
+    out = torch.empty((), dtype=torch.int32, device=dev)
+    if flush == "zero":
+        return buf.zero_
+    if flush == "clean":
+        return lambda: (buf.zero_(), torch.amax(buf, dim=0, out=out))
+    if flush == "none":
+        return lambda: None
+    raise ValueError(f"flush must be 'zero', 'clean' or 'none', not {flush!r}")
+
+
+def graph_ms(fn, reps: int = 20, times: int = 7, flush: str = "zero") -> float:
+    """Median GPU milliseconds of one ``fn()`` with a cold L2 (see the module doc; ``flush``: _flusher)."""
     dev = torch.device("cuda", torch.cuda.current_device())
-    flush = _flush_buffer(dev)
+    flush_fn = _flusher(dev, flush)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up on a side stream, as graph capture wants
@@ -52,11 +67,11 @@ def graph_ms(fn, reps: int = 20, times: int = 7) -> float:
     work, flushes = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with torch.cuda.graph(work):
         for _ in range(reps):
-            flush.zero_()
+            flush_fn()
             fn()
     with torch.cuda.graph(flushes):
         for _ in range(reps):
-            flush.zero_()
+            flush_fn()
     ms = (_replay_ms(work, times) - _replay_ms(flushes, times)) / reps
     del work, flushes
     torch.cuda.empty_cache()

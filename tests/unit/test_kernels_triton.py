@@ -32,9 +32,10 @@ SIZES = (0, 1, 7, 513, 3000)
 
 @pytest.fixture(autouse=True, scope="module")
 def small_tiles():
-    """Tiles of 256 elements and fused buckets up to 256, so small tensors take every code path."""
+    """Tiles of 256 elements (one-scale Dettmers: 4 tiles of 64) and fused buckets up to 256, so small
+    tensors take every code path."""
     saved = dict(tk.CONFIG)
-    tk.CONFIG.update(elems=256, max_fused_bucket=256, absmax_elems=256)
+    tk.CONFIG.update(elems=256, max_fused_bucket=256, absmax_elems=256, one_scale_elems=64)
     yield
     tk.CONFIG.clear()
     tk.CONFIG.update(saved)

@@ -1,0 +1,31 @@
+"""Run the encoders once each inside a CUDA profiler range, for Nsight Compute (ncu).
+
+    ncu --clock-control none --profile-from-start off --section SpeedOfLight ... \
+        python3 benchmarks/profile_onescale.py [--mib 64]
+
+Warm-up (compilation) runs outside the range, so ncu sees only the timed calls: Dettmers dynamic with
+one scale (fill, max pass, quantiser), Dettmers per bucket of 4096, and qsgd 8-bit per bucket of 512.
+"""
+
+import argparse
+
+import torch
+
+from lowbit.kernels import triton_kernels as tk
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--mib", type=int, default=64)
+args = ap.parse_args()
+n = args.mib * 2**20 // 4
+x = torch.randn(n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+calls = [lambda: tk.dettmers_encode(x, "dynamic", "nearest", 0, 0),
+         lambda: tk.dettmers_encode(x, "dynamic", "nearest", 4096, 0),
+         lambda: tk.qsgd_encode(x, 8, 512, "max", True, 1)]
+for f in calls:
+    f()
+torch.cuda.synchronize()
+torch.cuda.cudart().cudaProfilerStart()
+for f in calls:
+    f()
+torch.cuda.synchronize()
+torch.cuda.cudart().cudaProfilerStop()
