@@ -147,6 +147,31 @@ def _quant_pipe(x_ptr, s_ptr, code_ptr, cell_ptr, n, BLOCK: tl.constexpr, TILES:
 
 
 @triton.jit
+def _quant_pipe2(x_ptr, s_ptr, code_ptr, cell_ptr, n, BLOCK: tl.constexpr, TILES: tl.constexpr,
+                 SHIFT: tl.constexpr, KBASE: tl.constexpr, NCELL: tl.constexpr):
+    """_quant_pipe with two tiles' loads in flight ahead of the arithmetic instead of one."""
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)
+    base = pid * (BLOCK * TILES)
+    s = tl.load(s_ptr)
+    o1 = base + (TILES - 1) * BLOCK + tl.arange(0, BLOCK)
+    x1 = tl.load(x_ptr + o1, mask=o1 < n, other=0.0)
+    o2 = o1 - BLOCK
+    x2 = tl.load(x_ptr + o2, mask=(o2 >= base) & (o2 < n), other=0.0)
+    for t in tl.static_range(TILES):
+        xc = x1
+        oc = o1
+        x1 = x2
+        o1 = o2
+        if t + 2 < TILES:
+            o2 = base + (TILES - 3 - t) * BLOCK + tl.arange(0, BLOCK)
+            x2 = tl.load(x_ptr + o2, mask=o2 < n, other=0.0)
+        r = tk._div_tile(xc, s, 1, 1, True, 0.0)
+        codes = tk._dm_codes(xc, r, cell_ptr, cell_ptr, 0.0, 0.0, True, False, False, True, 63, SHIFT, KBASE,
+                             NCELL, True)
+        tl.store(code_ptr + oc, codes.to(tl.uint8), mask=oc < n)
+
+
+@triton.jit
 def _amax_pipe(x_ptr, ws_ptr, n, BLOCK: tl.constexpr, TILES: tl.constexpr):
     """The max pass over TILES tiles per program, the next tile's load issued before the current max."""
     base = tl.program_id(0) * (BLOCK * TILES)
@@ -254,7 +279,12 @@ def pipe_study(args) -> None:
                                                              num_warps=warps)
 
         def quant(block, tiles, warps):
-            if tiles == 0:
+            if tiles < 0:  # two loads ahead
+                _quant_pipe2[(triton.cdiv(n, block * -tiles),)](x, pay[:4].view(torch.float32), codes, cells, n,
+                                                                BLOCK=block, TILES=-tiles, SHIFT=c["SHIFT"],
+                                                                KBASE=c["KBASE"], NCELL=c["NCELL"],
+                                                                num_warps=warps, enable_fp_fusion=False)
+            elif tiles == 0:
                 _quant[(triton.cdiv(n, block),)](x, pay[:4].view(torch.float32), codes, cells, n, BLOCK=block,
                                                  PDL=False, REVERSE=True, EVICT=False, SHIFT=c["SHIFT"],
                                                  KBASE=c["KBASE"], NCELL=c["NCELL"], num_warps=warps,
@@ -268,6 +298,10 @@ def pipe_study(args) -> None:
         amaxes = [(16384, 0, 8), (2048, 4, 4), (2048, 8, 4), (4096, 4, 8), (1024, 8, 4), (1024, 16, 4)]
         quants = [(2048, 0, 4), (1024, 2, 4), (1024, 4, 4), (2048, 2, 4), (2048, 4, 4), (512, 4, 2),
                   (1024, 2, 2), (1024, 4, 2)]
+        if args.sweep2:
+            amaxes = amaxes[:1]
+            quants = [(1024, 4, 4), (512, 4, 2), (512, 8, 2), (1024, 8, 4), (512, 8, 4), (256, 8, 1), (256, 16, 2),
+                      (1024, 4, 8), (1024, -4, 4), (512, -8, 2), (1024, -8, 4), (512, -4, 2)]
         for a in amaxes:
             add(f"piece: fill + max block={a[0]} tiles={a[1]} warps={a[2]}", lambda a=a: amax(*a), check=False)
         amax(16384, 0, 8)
@@ -325,6 +359,7 @@ def main() -> None:
     ap.add_argument("--sizes-mib", default="64,256,1024")
     ap.add_argument("--flush-study", action="store_true",
                     help="instead: copy and the library encoders timed after each L2 flush (gputime._flusher)")
+    ap.add_argument("--sweep2", action="store_true", help="with --pipe: more quantiser shapes, two loads ahead")
     ap.add_argument("--coop", action="store_true", help="with --pipe: the one-launch cooperative encode too")
     ap.add_argument("--pipe", action="store_true",
                     help="instead: the pipelined quantiser and max pass (several tiles per program)")
