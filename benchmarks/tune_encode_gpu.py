@@ -13,8 +13,7 @@ Default: Dettmers' dynamic-tree encode, at each size, against a copy measured in
   the library's encoders now work on 1D tiles;
 * the library's whole encode (bucket 0 and per-bucket) under tile sizes and warps.
 
-With ``--qsgd``: the qsgd encoder of the benchmark's cases over elements per tile x warps x tiles per
-program.
+With ``--qsgd``: the qsgd encoder over bit widths x buckets x elements per program x warps.
 Timing is GPU time per call from CUDA graphs (benchmarks/gputime.py) unless ``--timing do_bench``.
 
     PYTHONPATH=src python3 benchmarks/tune_encode_gpu.py --out $OUT/tune_encode.json [--qsgd]
@@ -165,21 +164,15 @@ def _persistent_absmax(x_ptr, bits_ptr, n, BLOCK: tl.constexpr):
 
 
 def qsgd_rows(x, n, add, bench):
-    """qsgd encode (stochastic, max norm) of the benchmark's cases over elements per tile, warps and
-    tiles per program (CONFIG qsgd_enc_tiles: the next tile's load issued before the current one's
-    arithmetic)."""
+    """qsgd encode (stochastic, max norm) over bit widths, buckets, elements per program and warps."""
     saved = dict(tk.CONFIG)
-    for bits, bucket in ((8, 512), (4, 512), (2, 128), (1, 512)):
-        for elems, warps, tiles in ((2048, 2, 1), (2048, 2, 2), (2048, 2, 4), (1024, 2, 2), (1024, 2, 4),
-                                    (1024, 1, 4), (2048, 4, 2), (4096, 4, 1)):
-            tk.CONFIG.update(elems=elems, qsgd_enc_warps=warps, qsgd_enc_tiles=tiles)
-            fn = lambda: tk.qsgd_encode(x, bits, bucket, "max", True, 1)
-            p = fn()
-            tk.CONFIG.update(saved)
-            same = torch.equal(p, tk.qsgd_encode(x, bits, bucket, "max", True, 1))
-            tk.CONFIG.update(elems=elems, qsgd_enc_warps=warps, qsgd_enc_tiles=tiles)
-            add(f"qsgd{bits} b{bucket} elems={elems} warps={warps} tiles={tiles} same_bytes={same}", bench(fn),
-                4 * n + p.numel())
+    for bits in (8, 4, 2):
+        for bucket in (128, 512, 2048):
+            for elems, warps in ((2048, 2), (2048, 4), (4096, 2), (4096, 4), (1024, 2), (8192, 4)):
+                tk.CONFIG.update(elems=elems, qsgd_enc_warps=warps)
+                fn = lambda: tk.qsgd_encode(x, bits, bucket, "max", True, 1)
+                p = fn()
+                add(f"qsgd{bits} b{bucket} elems={elems} warps={warps}", bench(fn), 4 * n + p.numel())
     tk.CONFIG.clear()
     tk.CONFIG.update(saved)
 

@@ -66,18 +66,6 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("bits", [1, 2, 4, 8, 16])
 def test_qsgd_encode_decode_bit_identical_max_norm(bits: int) -> None:
     # bucket 64: fused tiles; 100 (odd) and 512 (> max_fused_bucket, a multiple of the tile): general path
-    _check_qsgd_max_norm(bits)
-
-
-@pytest.mark.parametrize("bits", [2, 8])
-def test_qsgd_encode_several_tiles_per_program(bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Programs of 3 tiles (the next tile's load issued first): the same bytes, with programs that end
-    past n and tiles wholly past it."""
-    monkeypatch.setitem(tk.CONFIG, "qsgd_enc_tiles", 3)
-    _check_qsgd_max_norm(bits)
-
-
-def _check_qsgd_max_norm(bits: int) -> None:
     for n in SIZES:
         x = _x(n, seed=n + bits)
         for bucket in (64, 100, 512):

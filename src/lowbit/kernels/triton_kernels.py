@@ -97,13 +97,11 @@ __all__ = [
 #: absmax_elems: block of the atomic max |x| pass of the general path (a read-only pass: larger blocks
 #: mean fewer atomics on one address and more bytes in flight).
 #: qsgd_enc_warps: warps of the qsgd encoder (2 beat 4 on an H200: more programs in flight per SM).
-#: qsgd_enc_tiles: tiles per qsgd encode program, the next tile's load issued before the current
-#: tile's arithmetic.
 #: one_scale_*: the Dettmers quantiser with one scale per tensor (_dm_one_scale_kernel): tiles of
 #: one_scale_elems values, one_scale_tiles of them per program with the next tile's load in flight.
 CONFIG: dict[str, int] = {"elems": 2048, "warps": 4, "qsgd_enc_warps": 2, "max_fused_bucket": 8192,
                           "absmax_elems": 16384, "one_scale_elems": 1024, "one_scale_tiles": 4,
-                          "one_scale_warps": 4, "qsgd_enc_tiles": 1}
+                          "one_scale_warps": 4}
 
 #: Bit widths with a packed Triton path; others run the reference.
 PACKED_BITS = (1, 2, 4, 8, 16)
@@ -343,65 +341,44 @@ def _pid(I64: tl.constexpr, REVERSE: tl.constexpr = False):
 
 # ===================================================================================== qsgd kernels
 @triton.jit
-def _tile_load(x_ptr, tile, n, BLOCK: tl.constexpr, MASKED: tl.constexpr):
-    offs = tile * BLOCK + tl.arange(0, BLOCK)
-    return _ld(x_ptr + offs, offs < n, 0.0, MASKED)
-
-
-@triton.jit
-def _qsgd_encode_body(x, pay_ptr, code_ptr, n, nb, bucket, nbytes, key, tile,
+def _qsgd_encode_body(x_ptr, pay_ptr, code_ptr, n, nb, bucket, nbytes, key, pid,
                       BUCKET: tl.constexpr, ROWS: tl.constexpr, FUSED: tl.constexpr, BITS: tl.constexpr,
                       S: tl.constexpr, L2: tl.constexpr, STOCH: tl.constexpr, MASKED: tl.constexpr):
-    """Encode tile ``tile`` (BLOCK = ROWS * BUCKET elements, already loaded as x)."""
     BLOCK: tl.constexpr = ROWS * BUCKET
     scale_ptr = pay_ptr.to(tl.pointer_type(tl.float32))  # the payload starts with the scales
-    offs = tile * BLOCK + tl.arange(0, BLOCK)
-    inb = offs < n
     if FUSED:  # a 1D tile of ROWS whole buckets: scales computed here
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        inb = offs < n
+        x = _ld(x_ptr + offs, inb, 0.0, MASKED)
         scale = _tile_scales(x, ROWS, BUCKET)
         if L2:
             y = _div_tile(x, scale, ROWS, BUCKET, False, 0.0)
             scale = scale * tl.sqrt_rn(_tile_sums(y * y, ROWS, BUCKET))
-        _store_scales(scale_ptr, scale, tile, nb, ROWS, MASKED)
+        _store_scales(scale_ptr, scale, pid, nb, ROWS, MASKED)
         codes = _quantize(_div_tile(x, scale, ROWS, BUCKET, True, -1.0), offs, key, S, STOCH, True)
     else:  # (BLOCK,) elements of any buckets: scales precomputed, gathered
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        inb = offs < n
+        x = _ld(x_ptr + offs, inb, 0.0, MASKED)
         scale = _ld(scale_ptr + offs // bucket, inb, 1.0, MASKED)
         codes = _quantize(tl.div_rn(x, _safe(scale)), offs, key, S, STOCH, False)
     if MASKED:
         codes = tl.where(inb, codes, 0)
-    _pack_store(codes, code_ptr, tile * BLOCK, nbytes, n, BLOCK, BITS, MASKED, BITS <= 2)
-
-
-@triton.jit
-def _qsgd_encode_tiles(x_ptr, pay_ptr, code_ptr, n, nb, bucket, nbytes, key, pid,
-                       BUCKET: tl.constexpr, ROWS: tl.constexpr, FUSED: tl.constexpr, BITS: tl.constexpr,
-                       S: tl.constexpr, L2: tl.constexpr, STOCH: tl.constexpr, TILES: tl.constexpr,
-                       MASKED: tl.constexpr):
-    """TILES consecutive tiles, each tile's load issued before the previous tile's arithmetic."""
-    BLOCK: tl.constexpr = ROWS * BUCKET
-    t0 = pid * TILES
-    xn = _tile_load(x_ptr, t0, n, BLOCK, MASKED)
-    for t in tl.static_range(TILES):
-        x = xn
-        if t + 1 < TILES:
-            xn = _tile_load(x_ptr, t0 + t + 1, n, BLOCK, MASKED)
-        _qsgd_encode_body(x, pay_ptr, code_ptr, n, nb, bucket, nbytes, key, t0 + t,
-                          BUCKET, ROWS, FUSED, BITS, S, L2, STOCH, MASKED)
+    _pack_store(codes, code_ptr, pid * BLOCK, nbytes, n, BLOCK, BITS, MASKED, BITS <= 2)
 
 
 @triton.jit(do_not_specialize=["key"])
 def _qsgd_encode_kernel(x_ptr, pay_ptr, code_ptr, n, nb, bucket, nbytes, key,
                         BUCKET: tl.constexpr, ROWS: tl.constexpr, FUSED: tl.constexpr, BITS: tl.constexpr,
-                        S: tl.constexpr, L2: tl.constexpr, STOCH: tl.constexpr, TILES: tl.constexpr,
-                        I64: tl.constexpr):
+                        S: tl.constexpr, L2: tl.constexpr, STOCH: tl.constexpr, I64: tl.constexpr):
     pid = _pid(I64, not FUSED)
     ukey = key.to(tl.uint32, bitcast=True)
-    if (pid + 1) * (TILES * ROWS * BUCKET) <= n:
-        _qsgd_encode_tiles(x_ptr, pay_ptr, code_ptr, n, nb, bucket, nbytes, ukey, pid,
-                           BUCKET, ROWS, FUSED, BITS, S, L2, STOCH, TILES, False)
+    if (pid + 1) * (ROWS * BUCKET) <= n:
+        _qsgd_encode_body(x_ptr, pay_ptr, code_ptr, n, nb, bucket, nbytes, ukey, pid,
+                          BUCKET, ROWS, FUSED, BITS, S, L2, STOCH, False)
     else:
-        _qsgd_encode_tiles(x_ptr, pay_ptr, code_ptr, n, nb, bucket, nbytes, ukey, pid,
-                           BUCKET, ROWS, FUSED, BITS, S, L2, STOCH, TILES, True)
+        _qsgd_encode_body(x_ptr, pay_ptr, code_ptr, n, nb, bucket, nbytes, ukey, pid,
+                          BUCKET, ROWS, FUSED, BITS, S, L2, STOCH, True)
 
 
 @triton.jit
@@ -1000,12 +977,10 @@ def qsgd_encode(
         else:
             _bucket_scales_general(x, bucket, scales)
     bsize, rows, block = _tiling(bucket, fused)
-    tiles = CONFIG["qsgd_enc_tiles"]
-    _qsgd_encode_kernel[(triton.cdiv(n, block * tiles),)](
+    _qsgd_encode_kernel[(triton.cdiv(n, block),)](
         x, payload, payload[4 * nb :], n, nb, bucket, nbytes, _signed_key(seed),
         BUCKET=bsize, ROWS=rows, FUSED=fused, BITS=bits, S=ref.qsgd_levels(bits), L2=norm == "l2",
-        STOCH=bool(stochastic), TILES=tiles, I64=_i64(n, block * tiles),
-        num_warps=_warps(block, CONFIG['qsgd_enc_warps']), **_LAUNCH)
+        STOCH=bool(stochastic), I64=_i64(n, block), num_warps=_warps(block, CONFIG['qsgd_enc_warps']), **_LAUNCH)
     return payload
 
 
