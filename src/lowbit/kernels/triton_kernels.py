@@ -446,76 +446,47 @@ def _qsgd_dec_one(pp, cp, pid, n, nb, bucket, nbytes, BUCKET: tl.constexpr, ROWS
 
 
 @triton.jit
-def _qsgd_decode_body(out_ptr, n, nb, bucket, nbytes, pid, p0, c0, p1, c1, p2, c2, p3, c3,
-                      p4, c4, p5, c5, p6, c6, p7, c7,
+def _qsgd_decode_body(out_ptr, n, nb, bucket, nbytes, pid, ps,
                       K: tl.constexpr, ACC: tl.constexpr, FUSED: tl.constexpr, BUCKET: tl.constexpr,
                       ROWS: tl.constexpr, BITS: tl.constexpr, S: tl.constexpr, INV: tl.constexpr,
-                      MASKED: tl.constexpr, DIV: tl.constexpr = 1.0, DINV: tl.constexpr = 0.0):
+                      MASKED: tl.constexpr, DIV: tl.constexpr, DINV: tl.constexpr):
     """out = [out +] dec(p0) + dec(p1) + ... + dec(p_{K-1}), added left to right in float32, then divided
     by DIV (when not 1) the way torch's ``out.div_(DIV)`` divides on this device (see _step).
 
     FUSED: a (ROWS, BUCKET) tile of whole buckets (BUCKET a power of two), one scale load per row;
     otherwise a (ROWS*BUCKET,) block with a gathered scale per element (any ``bucket``).
-    p_k: payload k (uint8, its scales first), c_k: its code stream."""
+    ps = (p0, c0, p1, c1, ...): payload k (uint8, its scales first) and its code stream."""
     if FUSED:
         rows = pid * ROWS + tl.arange(0, ROWS)
         offs = rows[:, None] * BUCKET + tl.arange(0, BUCKET)[None, :]
     else:
         offs = pid * (ROWS * BUCKET) + tl.arange(0, ROWS * BUCKET)
     inb = offs < n
-    acc = _qsgd_dec_one(p0, c0, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
+    acc = _qsgd_dec_one(ps[0], ps[1], pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
     if ACC:
         acc = _ld(out_ptr + offs, inb, 0.0, MASKED) + acc
-    if K > 1:
-        acc = acc + _qsgd_dec_one(p1, c1, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
-    if K > 2:
-        acc = acc + _qsgd_dec_one(p2, c2, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
-    if K > 3:
-        acc = acc + _qsgd_dec_one(p3, c3, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
-    if K > 4:
-        acc = acc + _qsgd_dec_one(p4, c4, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
-    if K > 5:
-        acc = acc + _qsgd_dec_one(p5, c5, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
-    if K > 6:
-        acc = acc + _qsgd_dec_one(p6, c6, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
-    if K > 7:
-        acc = acc + _qsgd_dec_one(p7, c7, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
+    for k in tl.static_range(1, K):
+        acc = acc + _qsgd_dec_one(ps[2 * k], ps[2 * k + 1], pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED,
+                                  BITS, S, INV, MASKED)
     if DIV != 1.0:
         acc = _step(acc, DIV, DINV)
     _st(out_ptr + offs, acc, inb, MASKED)
 
 
 @triton.jit
-def _qsgd_decode_kernel(out_ptr, n, nb, bucket, nbytes, p0, c0,
-                        FUSED: tl.constexpr, BUCKET: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr,
-                        S: tl.constexpr, INV: tl.constexpr, I64: tl.constexpr):
-    """One payload (few arguments: Triton's per-argument launch cost is most of a small call)."""
+def _qsgd_decode_kernel(out_ptr, n, nb, bucket, nbytes, ps,
+                        K: tl.constexpr, ACC: tl.constexpr, FUSED: tl.constexpr, BUCKET: tl.constexpr,
+                        ROWS: tl.constexpr, BITS: tl.constexpr, S: tl.constexpr, INV: tl.constexpr,
+                        I64: tl.constexpr, DIV: tl.constexpr, DINV: tl.constexpr):
+    """K (at most MAX_SUM) payloads per launch (K = 1: a plain decode); ACC adds onto out (the sum of the
+    payloads before these); the last launch divides by DIV (1: no division)."""
     pid = _pid(I64)
     if (pid + 1) * (ROWS * BUCKET) <= n:
-        _qsgd_decode_body(out_ptr, n, nb, bucket, nbytes, pid, p0, c0, p0, c0, p0, c0, p0, c0, p0, c0,
-                          p0, c0, p0, c0, p0, c0, 1, False, FUSED, BUCKET, ROWS, BITS, S, INV, False)
+        _qsgd_decode_body(out_ptr, n, nb, bucket, nbytes, pid, ps, K, ACC, FUSED, BUCKET, ROWS, BITS, S, INV,
+                          False, DIV, DINV)
     else:
-        _qsgd_decode_body(out_ptr, n, nb, bucket, nbytes, pid, p0, c0, p0, c0, p0, c0, p0, c0, p0, c0,
-                          p0, c0, p0, c0, p0, c0, 1, False, FUSED, BUCKET, ROWS, BITS, S, INV, True)
-
-
-@triton.jit
-def _qsgd_decode_sum_kernel(out_ptr, n, nb, bucket, nbytes, p0, c0, p1, c1, p2, c2, p3, c3,
-                            p4, c4, p5, c5, p6, c6, p7, c7,
-                            K: tl.constexpr, ACC: tl.constexpr, FUSED: tl.constexpr, BUCKET: tl.constexpr,
-                            ROWS: tl.constexpr, BITS: tl.constexpr, S: tl.constexpr, INV: tl.constexpr,
-                            I64: tl.constexpr, DIV: tl.constexpr, DINV: tl.constexpr):
-    """Up to 8 payloads per launch; ACC adds onto out (the sum of the payloads before these); the last
-    launch divides by DIV (1: no division)."""
-    pid = _pid(I64)
-    if (pid + 1) * (ROWS * BUCKET) <= n:
-        _qsgd_decode_body(out_ptr, n, nb, bucket, nbytes, pid, p0, c0, p1, c1, p2, c2, p3, c3,
-                          p4, c4, p5, c5, p6, c6, p7, c7, K, ACC, FUSED, BUCKET, ROWS, BITS, S, INV, False,
-                          DIV, DINV)
-    else:
-        _qsgd_decode_body(out_ptr, n, nb, bucket, nbytes, pid, p0, c0, p1, c1, p2, c2, p3, c3,
-                          p4, c4, p5, c5, p6, c6, p7, c7, K, ACC, FUSED, BUCKET, ROWS, BITS, S, INV, True,
-                          DIV, DINV)
+        _qsgd_decode_body(out_ptr, n, nb, bucket, nbytes, pid, ps, K, ACC, FUSED, BUCKET, ROWS, BITS, S, INV,
+                          True, DIV, DINV)
 
 
 # ===================================================================================== onebit kernels
@@ -578,65 +549,40 @@ def _onebit_dec_one(scale_ptr, code_ptr, pid, n, nb, bucket, nbytes, BUCKET: tl.
 
 
 @triton.jit
-def _onebit_decode_body(out_ptr, n, nb, bucket, nbytes, pid, s0, c0, s1, c1, s2, c2, s3, c3, s4, c4, s5, c5,
-                        s6, c6, s7, c7, K: tl.constexpr, ACC: tl.constexpr, BUCKET: tl.constexpr,
-                        ROWS: tl.constexpr, FUSED: tl.constexpr, MASKED: tl.constexpr, DIV: tl.constexpr,
-                        DINV: tl.constexpr):
-    """out = ([out +] dec(p0) + ... + dec(p_{K-1})) / DIV, added left to right in float32."""
-    BLOCK: tl.constexpr = ROWS * BUCKET
+def _onebit_decode_body(out_ptr, n, nb, bucket, nbytes, pid, ps, K: tl.constexpr, ACC: tl.constexpr,
+                        BUCKET: tl.constexpr, ROWS: tl.constexpr, FUSED: tl.constexpr, MASKED: tl.constexpr,
+                        DIV: tl.constexpr, DINV: tl.constexpr):
+    """out = ([out +] dec(p0) + ... + dec(p_{K-1})) / DIV, added left to right in float32;
+    ps = (s0, c0, s1, c1, ...): the means and the sign bits of each payload."""
     if FUSED:
         rows = pid * ROWS + tl.arange(0, ROWS)
         offs = rows[:, None] * BUCKET + tl.arange(0, BUCKET)[None, :]
     else:
-        offs = pid * BLOCK + tl.arange(0, BLOCK)
-    acc = _onebit_dec_one(s0, c0, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, MASKED)
+        offs = pid * (ROWS * BUCKET) + tl.arange(0, ROWS * BUCKET)
+    acc = _onebit_dec_one(ps[0], ps[1], pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, MASKED)
     if ACC:
         acc = _ld(out_ptr + offs, offs < n, 0.0, MASKED) + acc
-    if K > 1:
-        acc = acc + _onebit_dec_one(s1, c1, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, MASKED)
-    if K > 2:
-        acc = acc + _onebit_dec_one(s2, c2, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, MASKED)
-    if K > 3:
-        acc = acc + _onebit_dec_one(s3, c3, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, MASKED)
-    if K > 4:
-        acc = acc + _onebit_dec_one(s4, c4, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, MASKED)
-    if K > 5:
-        acc = acc + _onebit_dec_one(s5, c5, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, MASKED)
-    if K > 6:
-        acc = acc + _onebit_dec_one(s6, c6, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, MASKED)
-    if K > 7:
-        acc = acc + _onebit_dec_one(s7, c7, pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, MASKED)
+    for k in tl.static_range(1, K):
+        acc = acc + _onebit_dec_one(ps[2 * k], ps[2 * k + 1], pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED,
+                                    MASKED)
     if DIV != 1.0:
         acc = _step(acc, DIV, DINV)
     _st(out_ptr + offs, acc, offs < n, MASKED)
 
 
 @triton.jit
-def _onebit_decode_kernel(scale_ptr, code_ptr, out_ptr, n, nb, bucket, nbytes,
-                          BUCKET: tl.constexpr, ROWS: tl.constexpr, FUSED: tl.constexpr, I64: tl.constexpr):
-    pid = _pid(I64)
-    s, c = scale_ptr, code_ptr
-    if (pid + 1) * (ROWS * BUCKET) <= n:
-        _onebit_decode_body(out_ptr, n, nb, bucket, nbytes, pid, s, c, s, c, s, c, s, c, s, c, s, c, s, c, s, c,
-                            1, False, BUCKET, ROWS, FUSED, False, 1.0, 0.0)
-    else:
-        _onebit_decode_body(out_ptr, n, nb, bucket, nbytes, pid, s, c, s, c, s, c, s, c, s, c, s, c, s, c, s, c,
-                            1, False, BUCKET, ROWS, FUSED, True, 1.0, 0.0)
-
-
-@triton.jit
-def _onebit_decode_sum_kernel(out_ptr, n, nb, bucket, nbytes, s0, c0, s1, c1, s2, c2, s3, c3, s4, c4, s5, c5,
-                              s6, c6, s7, c7, K: tl.constexpr, ACC: tl.constexpr, BUCKET: tl.constexpr,
-                              ROWS: tl.constexpr, FUSED: tl.constexpr, I64: tl.constexpr, DIV: tl.constexpr,
-                              DINV: tl.constexpr):
-    """Up to 8 payloads per launch; ACC adds onto out; the last launch divides by DIV (1: none)."""
+def _onebit_decode_kernel(out_ptr, n, nb, bucket, nbytes, ps, K: tl.constexpr, ACC: tl.constexpr,
+                          BUCKET: tl.constexpr, ROWS: tl.constexpr, FUSED: tl.constexpr, I64: tl.constexpr,
+                          DIV: tl.constexpr, DINV: tl.constexpr):
+    """K (at most MAX_SUM) payloads per launch (K = 1: a plain decode); ACC adds onto out; the last
+    launch divides by DIV (1: none)."""
     pid = _pid(I64)
     if (pid + 1) * (ROWS * BUCKET) <= n:
-        _onebit_decode_body(out_ptr, n, nb, bucket, nbytes, pid, s0, c0, s1, c1, s2, c2, s3, c3, s4, c4, s5, c5,
-                            s6, c6, s7, c7, K, ACC, BUCKET, ROWS, FUSED, False, DIV, DINV)
+        _onebit_decode_body(out_ptr, n, nb, bucket, nbytes, pid, ps, K, ACC, BUCKET, ROWS, FUSED, False, DIV,
+                            DINV)
     else:
-        _onebit_decode_body(out_ptr, n, nb, bucket, nbytes, pid, s0, c0, s1, c1, s2, c2, s3, c3, s4, c4, s5, c5,
-                            s6, c6, s7, c7, K, ACC, BUCKET, ROWS, FUSED, True, DIV, DINV)
+        _onebit_decode_body(out_ptr, n, nb, bucket, nbytes, pid, ps, K, ACC, BUCKET, ROWS, FUSED, True, DIV,
+                            DINV)
 
 
 # ===================================================================================== dettmers kernels
@@ -809,68 +755,42 @@ def _dm_dec_one(scale_ptr, code_ptr, lut_ptr, offs, rows, inb, nb, bucket, NORM:
 
 
 @triton.jit
-def _dm_decode_body(lut_ptr, out_ptr, n, nb, bucket, pid, s0, c0, s1, c1, s2, c2, s3, c3, s4, c4, s5, c5,
-                    s6, c6, s7, c7, K: tl.constexpr, ACC: tl.constexpr, BUCKET: tl.constexpr,
-                    ROWS: tl.constexpr, NORM: tl.constexpr, FUSED: tl.constexpr, ONE_SCALE: tl.constexpr,
-                    MASKED: tl.constexpr, DIV: tl.constexpr, DINV: tl.constexpr):
-    """out = ([out +] dec(p0) + ... + dec(p_{K-1})) / DIV, added left to right in float32 (s_k: scales
-    of payload k, c_k: its codes); DIV as torch's out.div_(DIV) on this device (see _step)."""
+def _dm_decode_body(lut_ptr, out_ptr, n, nb, bucket, pid, ps, K: tl.constexpr, ACC: tl.constexpr,
+                    BUCKET: tl.constexpr, ROWS: tl.constexpr, NORM: tl.constexpr, FUSED: tl.constexpr,
+                    ONE_SCALE: tl.constexpr, MASKED: tl.constexpr, DIV: tl.constexpr, DINV: tl.constexpr):
+    """out = ([out +] dec(p0) + ... + dec(p_{K-1})) / DIV, added left to right in float32
+    (ps = (s0, c0, s1, c1, ...): the scales and the codes of each payload); DIV as torch's out.div_(DIV)
+    on this device (see _step)."""
     rows = pid * ROWS + tl.arange(0, ROWS)
     if FUSED:
         offs = rows[:, None] * BUCKET + tl.arange(0, BUCKET)[None, :]
     else:
         offs = pid * (ROWS * BUCKET) + tl.arange(0, ROWS * BUCKET)
     inb = offs < n
-    acc = _dm_dec_one(s0, c0, lut_ptr, offs, rows, inb, nb, bucket, NORM, FUSED, ONE_SCALE, MASKED)
+    acc = _dm_dec_one(ps[0], ps[1], lut_ptr, offs, rows, inb, nb, bucket, NORM, FUSED, ONE_SCALE, MASKED)
     if ACC:
         acc = _ld(out_ptr + offs, inb, 0.0, MASKED) + acc
-    if K > 1:
-        acc = acc + _dm_dec_one(s1, c1, lut_ptr, offs, rows, inb, nb, bucket, NORM, FUSED, ONE_SCALE, MASKED)
-    if K > 2:
-        acc = acc + _dm_dec_one(s2, c2, lut_ptr, offs, rows, inb, nb, bucket, NORM, FUSED, ONE_SCALE, MASKED)
-    if K > 3:
-        acc = acc + _dm_dec_one(s3, c3, lut_ptr, offs, rows, inb, nb, bucket, NORM, FUSED, ONE_SCALE, MASKED)
-    if K > 4:
-        acc = acc + _dm_dec_one(s4, c4, lut_ptr, offs, rows, inb, nb, bucket, NORM, FUSED, ONE_SCALE, MASKED)
-    if K > 5:
-        acc = acc + _dm_dec_one(s5, c5, lut_ptr, offs, rows, inb, nb, bucket, NORM, FUSED, ONE_SCALE, MASKED)
-    if K > 6:
-        acc = acc + _dm_dec_one(s6, c6, lut_ptr, offs, rows, inb, nb, bucket, NORM, FUSED, ONE_SCALE, MASKED)
-    if K > 7:
-        acc = acc + _dm_dec_one(s7, c7, lut_ptr, offs, rows, inb, nb, bucket, NORM, FUSED, ONE_SCALE, MASKED)
+    for k in tl.static_range(1, K):
+        acc = acc + _dm_dec_one(ps[2 * k], ps[2 * k + 1], lut_ptr, offs, rows, inb, nb, bucket, NORM, FUSED,
+                                ONE_SCALE, MASKED)
     if DIV != 1.0:
         acc = _step(acc, DIV, DINV)
     _st(out_ptr + offs, acc, inb, MASKED)
 
 
 @triton.jit
-def _dm_decode_kernel(scale_ptr, code_ptr, lut_ptr, out_ptr, n, nb, bucket,
+def _dm_decode_kernel(lut_ptr, out_ptr, n, nb, bucket, ps, K: tl.constexpr, ACC: tl.constexpr,
                       BUCKET: tl.constexpr, ROWS: tl.constexpr, NORM: tl.constexpr, FUSED: tl.constexpr,
-                      ONE_SCALE: tl.constexpr, I64: tl.constexpr):
-    """One payload (few arguments: Triton's per-argument launch cost is most of a small call)."""
-    pid = _pid(I64)
-    s, c = scale_ptr, code_ptr
-    if (pid + 1) * (ROWS * BUCKET) <= n:
-        _dm_decode_body(lut_ptr, out_ptr, n, nb, bucket, pid, s, c, s, c, s, c, s, c, s, c, s, c, s, c, s, c,
-                        1, False, BUCKET, ROWS, NORM, FUSED, ONE_SCALE, False, 1.0, 0.0)
-    else:
-        _dm_decode_body(lut_ptr, out_ptr, n, nb, bucket, pid, s, c, s, c, s, c, s, c, s, c, s, c, s, c, s, c,
-                        1, False, BUCKET, ROWS, NORM, FUSED, ONE_SCALE, True, 1.0, 0.0)
-
-
-@triton.jit
-def _dm_decode_sum_kernel(lut_ptr, out_ptr, n, nb, bucket, s0, c0, s1, c1, s2, c2, s3, c3, s4, c4, s5, c5,
-                          s6, c6, s7, c7, K: tl.constexpr, ACC: tl.constexpr, BUCKET: tl.constexpr,
-                          ROWS: tl.constexpr, NORM: tl.constexpr, FUSED: tl.constexpr,
-                          ONE_SCALE: tl.constexpr, I64: tl.constexpr, DIV: tl.constexpr, DINV: tl.constexpr):
-    """Up to 8 payloads per launch; ACC adds onto out; the last launch divides by DIV (1: none)."""
+                      ONE_SCALE: tl.constexpr, I64: tl.constexpr, DIV: tl.constexpr, DINV: tl.constexpr):
+    """K (at most MAX_SUM) payloads per launch (K = 1: a plain decode); ACC adds onto out; the last
+    launch divides by DIV (1: none)."""
     pid = _pid(I64)
     if (pid + 1) * (ROWS * BUCKET) <= n:
-        _dm_decode_body(lut_ptr, out_ptr, n, nb, bucket, pid, s0, c0, s1, c1, s2, c2, s3, c3, s4, c4, s5, c5,
-                        s6, c6, s7, c7, K, ACC, BUCKET, ROWS, NORM, FUSED, ONE_SCALE, False, DIV, DINV)
+        _dm_decode_body(lut_ptr, out_ptr, n, nb, bucket, pid, ps, K, ACC, BUCKET, ROWS, NORM, FUSED, ONE_SCALE,
+                        False, DIV, DINV)
     else:
-        _dm_decode_body(lut_ptr, out_ptr, n, nb, bucket, pid, s0, c0, s1, c1, s2, c2, s3, c3, s4, c4, s5, c5,
-                        s6, c6, s7, c7, K, ACC, BUCKET, ROWS, NORM, FUSED, ONE_SCALE, True, DIV, DINV)
+        _dm_decode_body(lut_ptr, out_ptr, n, nb, bucket, pid, ps, K, ACC, BUCKET, ROWS, NORM, FUSED, ONE_SCALE,
+                        True, DIV, DINV)
 
 
 # ===================================================================================== host side
@@ -1012,17 +932,16 @@ def _torch_scalar_division(device: torch.device, s: float) -> float:
 
 
 def _sum_launches(args: list, device: torch.device, divide_by: int):
-    """Launch plan of a decode-and-sum over payload argument pairs ``args`` (2 per payload): per launch
-    the 8 pairs (padded with the first one), K, ACC (add onto out) and the divisor constants, which only
-    the last launch applies (as torch's ``out.div_(divide_by)`` on ``device``)."""
+    """Launch plan of a decode (and sum) over payload argument pairs ``args`` (2 per payload): per launch
+    the tuple of at most MAX_SUM pairs and the constants K, ACC (add onto out) and the divisor, which
+    only the last launch applies (as torch's ``out.div_(divide_by)`` on ``device``). One payload with
+    ``divide_by=1`` is a plain decode."""
     div = float(divide_by)
     dinv = _torch_scalar_division(device, div) if divide_by != 1 else 0.0
     for start in range(0, len(args), 2 * MAX_SUM):
-        chunk = args[start : start + 2 * MAX_SUM]
-        k = len(chunk) // 2
+        chunk = tuple(args[start : start + 2 * MAX_SUM])
         last = start + 2 * MAX_SUM >= len(args)
-        yield (chunk + chunk[:2] * (MAX_SUM - k), dict(K=k, ACC=start > 0, DIV=div if last else 1.0,
-                                                       DINV=dinv if last else 0.0))
+        yield chunk, dict(K=len(chunk) // 2, ACC=start > 0, DIV=div if last else 1.0, DINV=dinv if last else 0.0)
 
 
 def _qsgd_decode_into(payloads: Sequence[torch.Tensor], n: int, bits: int, bucket: int,
@@ -1038,11 +957,8 @@ def _qsgd_decode_into(payloads: Sequence[torch.Tensor], n: int, bits: int, bucke
     for p in payloads:
         p = _aligned(p)
         args += [p, p[4 * nb :]]
-    if len(payloads) == 1 and divide_by == 1:
-        _qsgd_decode_kernel[grid](out, n, nb, bucket, nbytes, *args, **meta)
-        return out
     for chunk, launch in _sum_launches(args, out.device, divide_by):
-        _qsgd_decode_sum_kernel[grid](out, n, nb, bucket, nbytes, *chunk, **launch, **meta)
+        _qsgd_decode_kernel[grid](out, n, nb, bucket, nbytes, chunk, **launch, **meta)
     return out
 
 
@@ -1114,23 +1030,14 @@ def onebit_decode_sum_buckets(payloads: Sequence[torch.Tensor], n: int, bucket: 
         p = _aligned(p)
         args += [_scale_view(p, 2 * nb), p[8 * nb :]]
     for chunk, launch in _sum_launches(args, out.device, divide_by):
-        _onebit_decode_sum_kernel[(triton.cdiv(n, block),)](
-            out, n, nb, bucket, ref.packed_nbytes(n, 1), *chunk, BUCKET=bsize, ROWS=rows, FUSED=fused,
+        _onebit_decode_kernel[(triton.cdiv(n, block),)](
+            out, n, nb, bucket, ref.packed_nbytes(n, 1), chunk, BUCKET=bsize, ROWS=rows, FUSED=fused,
             I64=_i64(n, block), num_warps=_warps(block), **launch, **_LAUNCH)
     return out
 
 
 def onebit_decode_buckets(payload: torch.Tensor, n: int, bucket: int, out: torch.Tensor) -> torch.Tensor:
-    if n == 0:
-        return out
-    nb = (n + bucket - 1) // bucket
-    payload = _aligned(payload)
-    fused = _fused(bucket)
-    bsize, rows, block = _tiling(bucket, fused)
-    _onebit_decode_kernel[(triton.cdiv(n, block),)](
-        _scale_view(payload, 2 * nb), payload[8 * nb :], out, n, nb, bucket, ref.packed_nbytes(n, 1),
-        BUCKET=bsize, ROWS=rows, FUSED=fused, I64=_i64(n, block), num_warps=_warps(block), **_LAUNCH)
-    return out
+    return onebit_decode_sum_buckets([payload], n, bucket, out)
 
 
 # ------------------------------------------------------------------------------------- dettmers
@@ -1196,16 +1103,15 @@ def dettmers_decode_sum(payloads: Sequence[torch.Tensor], n: int, type_: str, bu
     meta = dict(BUCKET=bsize, ROWS=rows, NORM=norm, FUSED=fused, ONE_SCALE=nb == 1 and not fused,
                 I64=_i64(n, block), num_warps=_warps(block), **_LAUNCH)
     for chunk, launch in _sum_launches(args, out.device, divide_by):
-        _dm_decode_sum_kernel[(triton.cdiv(n, block),)](t["lut"], out, n, max(nb, 1), eff_bucket, *chunk,
-                                                        **launch, **meta)
+        _dm_decode_kernel[(triton.cdiv(n, block),)](t["lut"], out, n, max(nb, 1), eff_bucket, chunk,
+                                                    **launch, **meta)
     return out
 
 
 def dettmers_decode(payload: torch.Tensor, n: int, type_: str, bucket: int, offset: int,
                     out: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`dettmers_encode`: 256-entry table lookup times the bucket's absmax."""
-    if n == 0:
-        return out
+    return dettmers_decode_sum([payload], n, type_, bucket, offset, out)
     norm, eff_bucket, nb = _dm_layout(n, type_, bucket)
     payload = _aligned(payload)
     t = _dm_tables(type_, offset, payload.device)
