@@ -100,6 +100,20 @@ def _amax_bal(x_ptr, ws_ptr, n, chunk, TILE: tl.constexpr):
 
 
 @triton.jit
+def _quant_store(x, s, code_ptr, offs, cell_ptr, n, SHIFT: tl.constexpr, KBASE: tl.constexpr,
+                 NCELL: tl.constexpr, STORE_CS: tl.constexpr = False):
+    """Dettmers dynamic nearest codes of the tile x (one scale s), stored at offs (the library's
+    helpers, as _dm_one_scale_kernel uses them). STORE_CS: a streaming store, so the codes need not
+    stay in L2 where x is wanted."""
+    codes = tk._dm_codes(x, tk._div_tile(x, s, 1, 1, True, 0.0), cell_ptr, cell_ptr, 0.0, 0.0, True, False,
+                         False, True, 63, SHIFT, KBASE, NCELL, True).to(tl.uint8)
+    if STORE_CS:
+        tl.store(code_ptr + offs, codes, mask=offs < n, cache_modifier=".cs")
+    else:
+        tl.store(code_ptr + offs, codes, mask=offs < n)
+
+
+@triton.jit
 def _quant(x_ptr, s_ptr, code_ptr, cell_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr,
            REVERSE: tl.constexpr, EVICT: tl.constexpr, SHIFT: tl.constexpr, KBASE: tl.constexpr,
            NCELL: tl.constexpr, STORE_CS: tl.constexpr = False):
@@ -114,13 +128,7 @@ def _quant(x_ptr, s_ptr, code_ptr, cell_ptr, n, BLOCK: tl.constexpr, PDL: tl.con
     if PDL:
         gdc_wait()
     s = tl.load(s_ptr)
-    r = tk._div_tile(x, s, 1, 1, True, 0.0)
-    codes = tk._dm_codes(x, r, cell_ptr, cell_ptr, 0.0, 0.0, True, False, False, True, 63, SHIFT, KBASE,
-                         NCELL, True)
-    if STORE_CS:  # streaming store: the codes need not stay in L2 (where x is wanted)
-        tl.store(code_ptr + offs, codes.to(tl.uint8), mask=offs < n, cache_modifier=".cs")
-    else:
-        tl.store(code_ptr + offs, codes.to(tl.uint8), mask=offs < n)
+    _quant_store(x, s, code_ptr, offs, cell_ptr, n, SHIFT, KBASE, NCELL, STORE_CS)
 
 
 @triton.jit
@@ -140,10 +148,7 @@ def _quant_pipe(x_ptr, s_ptr, code_ptr, cell_ptr, n, BLOCK: tl.constexpr, TILES:
         if t + 1 < TILES:
             offs = base + (TILES - 2 - t) * BLOCK + tl.arange(0, BLOCK)
             xn = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
-        r = tk._div_tile(xc, s, 1, 1, True, 0.0)
-        codes = tk._dm_codes(xc, r, cell_ptr, cell_ptr, 0.0, 0.0, True, False, False, True, 63, SHIFT, KBASE,
-                             NCELL, True)
-        tl.store(code_ptr + oc, codes.to(tl.uint8), mask=oc < n)
+        _quant_store(xc, s, code_ptr, oc, cell_ptr, n, SHIFT, KBASE, NCELL)
 
 
 @triton.jit
@@ -165,10 +170,7 @@ def _quant_pipe2(x_ptr, s_ptr, code_ptr, cell_ptr, n, BLOCK: tl.constexpr, TILES
         if t + 2 < TILES:
             o2 = base + (TILES - 3 - t) * BLOCK + tl.arange(0, BLOCK)
             x2 = tl.load(x_ptr + o2, mask=o2 < n, other=0.0)
-        r = tk._div_tile(xc, s, 1, 1, True, 0.0)
-        codes = tk._dm_codes(xc, r, cell_ptr, cell_ptr, 0.0, 0.0, True, False, False, True, 63, SHIFT, KBASE,
-                             NCELL, True)
-        tl.store(code_ptr + oc, codes.to(tl.uint8), mask=oc < n)
+        _quant_store(xc, s, code_ptr, oc, cell_ptr, n, SHIFT, KBASE, NCELL)
 
 
 @triton.jit
@@ -225,10 +227,21 @@ def _coop(x_ptr, scale_ptr, code_ptr, cell_ptr, ws_ptr, n, per, ntiles, TILE: tl
         oc = offs
         offs = offs - TILE
         xn = tl.load(x_ptr + offs, mask=(offs >= start) & (offs < n), other=0.0, eviction_policy="evict_first")
-        r = tk._div_tile(xc, s, 1, 1, True, 0.0)
-        codes = tk._dm_codes(xc, r, cell_ptr, cell_ptr, 0.0, 0.0, True, False, False, True, 63, SHIFT, KBASE,
-                             NCELL, True)
-        tl.store(code_ptr + oc, codes.to(tl.uint8), mask=oc < n)
+        _quant_store(xc, s, code_ptr, oc, cell_ptr, n, SHIFT, KBASE, NCELL)
+
+
+def _print_rows(title: str, rows: list) -> None:
+    """The short table printed last: one line per row (copy rows give the baseline's rate)."""
+    print(f"\n{title}")
+    for r in rows:
+        head = f"{r['size_mib']:5d} " + (f"{r['flush']:5s} " if "flush" in r else "")
+        if r["what"] == "copy":
+            print(f"{head}copy {r['GBps']:.0f} GB/s ({r['ms'] * 1e3:.1f} us)")
+        elif "failed" in r:
+            print(f"{head}FAILED {r['what']}: {r['failed'][:150]}")
+        else:
+            print(f"{head}{r['pct_copy']:6.1f}%  {r['ms'] * 1e3:8.1f} us  "
+                  f"{'' if r.get('same_bytes', True) else 'DIFFERENT BYTES '}{r['what']}")
 
 
 def pipe_study(args) -> None:
@@ -342,15 +355,7 @@ def pipe_study(args) -> None:
         torch.cuda.empty_cache()
         with open(args.out, "w") as fh:
             json.dump({**info, "rows": rows}, fh, indent=1)
-    print(f"\n{info['device']} torch {info['torch']} triton {info['triton']}")
-    for r in rows:
-        if r["what"] == "copy":
-            print(f"{r['size_mib']:5d} copy {r['GBps']:.0f} GB/s ({r['ms'] * 1e3:.1f} us)")
-        elif "failed" in r:
-            print(f"{r['size_mib']:5d} FAILED {r['what']}: {r['failed'][:150]}")
-        else:
-            print(f"{r['size_mib']:5d} {r['pct_copy']:6.1f}%  {r['ms'] * 1e3:8.1f} us  "
-                  f"{'' if r.get('same_bytes', True) else 'DIFFERENT BYTES '}{r['what']}")
+    _print_rows(f"{info['device']} torch {info['torch']} triton {info['triton']}", rows)
 
 
 def main() -> None:
@@ -480,16 +485,8 @@ def main() -> None:
         with open(args.out, "w") as fh:
             json.dump({**info, "rows": rows}, fh, indent=1)
 
-    print(f"\n{info['device']} torch {info['torch']} triton {info['triton']} gdc {HAVE_GDC} "
-          f"({time.time() - t0:.0f} s)")
-    for r in rows:
-        if r["what"] == "copy":
-            print(f"{r['size_mib']:5d} copy {r['GBps']:.0f} GB/s")
-        elif "failed" in r:
-            print(f"{r['size_mib']:5d} FAILED {r['what']}: {r['failed'][:120]}")
-        else:
-            print(f"{r['size_mib']:5d} {r['pct_copy']:6.1f}%  {r['ms'] * 1e3:8.1f} us  "
-                  f"{'' if r.get('same_bytes', True) else 'DIFFERENT BYTES '}{r['what']}")
+    _print_rows(f"{info['device']} torch {info['torch']} triton {info['triton']} gdc {HAVE_GDC} "
+                f"({time.time() - t0:.0f} s)", rows)
 
 
 def flush_study(args) -> None:
@@ -530,12 +527,7 @@ def flush_study(args) -> None:
         torch.cuda.empty_cache()
         with open(args.out, "w") as fh:
             json.dump({**info, "rows": rows}, fh, indent=1)
-    print(f"\n{info['device']} torch {info['torch']} triton {info['triton']}")
-    for r in rows:
-        if r["what"] == "copy":
-            print(f"{r['size_mib']:5d} {r['flush']:5s} copy {r['GBps']:.0f} GB/s ({r['ms'] * 1e3:.1f} us)")
-        else:
-            print(f"{r['size_mib']:5d} {r['flush']:5s} {r['pct_copy']:6.1f}%  {r['ms'] * 1e3:8.1f} us  {r['what']}")
+    _print_rows(f"{info['device']} torch {info['torch']} triton {info['triton']}", rows)
 
 
 if __name__ == "__main__":
