@@ -827,23 +827,20 @@ def _dm_paper(m, tbl, lo, hi, pivot0, dyn):
 @njit(inline="always", **_JIT)
 def _dm_code(x, safe, norm, signed, paper, dyn, cells, shift, kbase, ncell, tbl, lo, hi, pivot0):
     """Code byte of one value (see triton_kernels._dm_codes): the codec's Dettmers encode."""
-    if norm:
-        r = x / safe
-        if r != r:
-            r = _F0
-        r = min(max(r, np.float32(-1.0)), _F1)
+    if norm:  # v = x / its scale, NaN -> 0, clamped to [-1, 1]
+        v = x / safe
+        if v != v:
+            v = _F0
+        v = min(max(v, np.float32(-1.0)), _F1)
         if signed:
-            return _dm_nearest(r, cells, shift, kbase, ncell, True)
-        m = abs(r)
-        code = _dm_paper(m, tbl, lo, hi, pivot0, dyn) if paper else _dm_nearest(m, cells, shift, kbase, ncell, False)
-        if r < _F0 and code != 0:
-            code = code | 128
-        return code
-    if not abs(x) < np.float32(np.inf):  # NaN and +-inf: the NaN marker
-        return 128
-    m = abs(x)
+            return _dm_nearest(v, cells, shift, kbase, ncell, True)
+    else:  # absolute values; NaN and +-inf get the NaN marker
+        if not abs(x) < np.float32(np.inf):
+            return 128
+        v = x
+    m = abs(v)
     code = _dm_paper(m, tbl, lo, hi, pivot0, dyn) if paper else _dm_nearest(m, cells, shift, kbase, ncell, False)
-    if x < _F0 and code != 0:
+    if v < _F0 and code != 0:
         code = code | 128
     return code
 
