@@ -6,6 +6,7 @@ call here, against 25-35 us of GPU work for 64 MiB on an H200), the GPU idles in
 and the figure measures the host. ``graph_ms`` captures ``reps`` rounds of (flush, call) into one CUDA
 graph and subtracts a graph of the flushes alone: what is left is the GPU's own time per call, with
 the same cold L2 as do_bench. Host overhead per call is reported separately by the benchmarks.
+``print_rows`` prints the tuning scripts' closing table.
 """
 
 from __future__ import annotations
@@ -97,3 +98,18 @@ def copy_ms(dst: torch.Tensor, src: torch.Tensor, timed) -> float:
 
     fn = lambda: dst.copy_(src)  # noqa: E731
     return min(timed(fn), float(do_bench(fn, warmup=10, rep=40, return_mode="median")))
+
+
+def print_rows(title: str, rows: list) -> None:
+    """The short table the tuning scripts print last: a line per row of GPU time and % of copy (copy
+    rows give the baseline's rate; rows may name a flush, a failure or different bytes)."""
+    print(f"\n{title}")
+    for r in rows:
+        head = f"{r['size_mib']:5d} " + (f"{r['flush']:5s} " if "flush" in r else "")
+        if r["what"] == "copy":
+            print(f"{head}copy {r['GBps']:.0f} GB/s ({r['ms'] * 1e3:.1f} us)")
+        elif "failed" in r:
+            print(f"{head}FAILED {r['what']}: {r['failed'][:150]}")
+        else:
+            print(f"{head}{r['pct_copy']:6.1f}%  {r['ms'] * 1e3:8.1f} us  "
+                  f"{'' if r.get('same_bytes', True) else 'DIFFERENT BYTES '}{r['what']}")

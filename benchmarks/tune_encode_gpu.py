@@ -34,7 +34,7 @@ from triton.testing import do_bench
 
 from lowbit.kernels import triton_kernels as tk
 
-from gputime import copy_ms, graph_ms, warm_up
+from gputime import copy_ms, graph_ms, print_rows, warm_up
 
 MiB = 1 << 20
 # Dettmers encode: (bucket, elements per program, warps); bucket 0 = one scale, two passes
@@ -240,12 +240,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({**info, "rows": rows}, f, indent=1)
 
-    print(f"\n{info['device']} torch {info['torch']} triton {info['triton']} ({time.time() - t0:.0f} s)")
-    for r in rows:
-        if r["what"] == "copy":
-            print(f"{r['size_mib']:5d} copy {r['GBps']:.0f} GB/s")
-        else:
-            print(f"{r['size_mib']:5d} {r['pct_copy']:6.1f}%  {r['ms'] * 1e3:8.1f} us  {r['what']}")
+    print_rows(f"{info['device']} torch {info['torch']} triton {info['triton']} ({time.time() - t0:.0f} s)", rows)
 
 
 def diag_rows(x, n, sms, add, bench):

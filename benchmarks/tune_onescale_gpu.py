@@ -33,7 +33,7 @@ import triton.language as tl
 
 from lowbit.kernels import triton_kernels as tk
 
-from gputime import copy_ms, graph_ms, warm_up
+from gputime import copy_ms, graph_ms, print_rows, warm_up
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -230,20 +230,6 @@ def _coop(x_ptr, scale_ptr, code_ptr, cell_ptr, ws_ptr, n, per, ntiles, TILE: tl
         _quant_store(xc, s, code_ptr, oc, cell_ptr, n, SHIFT, KBASE, NCELL)
 
 
-def _print_rows(title: str, rows: list) -> None:
-    """The short table printed last: one line per row (copy rows give the baseline's rate)."""
-    print(f"\n{title}")
-    for r in rows:
-        head = f"{r['size_mib']:5d} " + (f"{r['flush']:5s} " if "flush" in r else "")
-        if r["what"] == "copy":
-            print(f"{head}copy {r['GBps']:.0f} GB/s ({r['ms'] * 1e3:.1f} us)")
-        elif "failed" in r:
-            print(f"{head}FAILED {r['what']}: {r['failed'][:150]}")
-        else:
-            print(f"{head}{r['pct_copy']:6.1f}%  {r['ms'] * 1e3:8.1f} us  "
-                  f"{'' if r.get('same_bytes', True) else 'DIFFERENT BYTES '}{r['what']}")
-
-
 def pipe_study(args) -> None:
     """Pipelined quantiser and max pass (several tiles per program, next load issued first)."""
     dev = torch.device("cuda")
@@ -355,7 +341,7 @@ def pipe_study(args) -> None:
         torch.cuda.empty_cache()
         with open(args.out, "w") as fh:
             json.dump({**info, "rows": rows}, fh, indent=1)
-    _print_rows(f"{info['device']} torch {info['torch']} triton {info['triton']}", rows)
+    print_rows(f"{info['device']} torch {info['torch']} triton {info['triton']}", rows)
 
 
 def main() -> None:
@@ -485,7 +471,7 @@ def main() -> None:
         with open(args.out, "w") as fh:
             json.dump({**info, "rows": rows}, fh, indent=1)
 
-    _print_rows(f"{info['device']} torch {info['torch']} triton {info['triton']} gdc {HAVE_GDC} "
+    print_rows(f"{info['device']} torch {info['torch']} triton {info['triton']} gdc {HAVE_GDC} "
                 f"({time.time() - t0:.0f} s)", rows)
 
 
@@ -527,7 +513,7 @@ def flush_study(args) -> None:
         torch.cuda.empty_cache()
         with open(args.out, "w") as fh:
             json.dump({**info, "rows": rows}, fh, indent=1)
-    _print_rows(f"{info['device']} torch {info['torch']} triton {info['triton']}", rows)
+    print_rows(f"{info['device']} torch {info['torch']} triton {info['triton']}", rows)
 
 
 if __name__ == "__main__":
