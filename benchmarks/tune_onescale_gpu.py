@@ -230,6 +230,18 @@ def _coop(x_ptr, scale_ptr, code_ptr, cell_ptr, ws_ptr, n, per, ntiles, TILE: tl
         _quant_store(xc, s, code_ptr, oc, cell_ptr, n, SHIFT, KBASE, NCELL)
 
 
+def _size_setup(mib: int, dev: torch.device):
+    """One size of a study: n, the input x (seeded randn), a copy destination, the copy row measured now
+    (the baseline), the library's one-scale payload and the bytes the percentages count."""
+    n = mib * MiB // 4
+    x = torch.randn(n, device=dev, generator=torch.Generator(device=dev).manual_seed(mib))
+    dst = torch.empty_like(x)
+    t_copy = copy_ms(dst, x, graph_ms)
+    copy_row = {"size_mib": mib, "what": "copy", "ms": t_copy, "GBps": 8 * n / t_copy / 1e6}
+    ref = tk.dettmers_encode(x, "dynamic", "nearest", 0, 0)
+    return n, x, dst, copy_row, ref, 4 * n + ref.numel()
+
+
 def pipe_study(args) -> None:
     """Pipelined quantiser and max pass (several tiles per program, next load issued first)."""
     dev = torch.device("cuda")
@@ -241,14 +253,9 @@ def pipe_study(args) -> None:
     rows = []
     warm_up(dev)
     for mib in [int(s) for s in args.sizes_mib.split(",")]:
-        n = mib * MiB // 4
-        x = torch.randn(n, device=dev, generator=torch.Generator(device=dev).manual_seed(mib))
-        dst = torch.empty_like(x)
-        t_copy = copy_ms(dst, x, graph_ms)
-        gbps = 8 * n / t_copy / 1e6
-        rows.append({"size_mib": mib, "what": "copy", "ms": t_copy, "GBps": gbps})
-        ref = tk.dettmers_encode(x, "dynamic", "nearest", 0, 0)
-        moved = 4 * n + ref.numel()
+        n, x, dst, copy_row, ref, moved = _size_setup(mib, dev)
+        rows.append(copy_row)
+        gbps = copy_row["GBps"]
         pay = tk._new_payload(4, 4 + n, dev)
         sbits = pay[:4].view(torch.int32)
         codes = pay[4:]
@@ -368,14 +375,9 @@ def main() -> None:
     rows, t0 = [], time.time()
     warm_up(dev)
     for mib in [int(s) for s in args.sizes_mib.split(",")]:
-        n = mib * MiB // 4
-        x = torch.randn(n, device=dev, generator=torch.Generator(device=dev).manual_seed(mib))
-        dst = torch.empty_like(x)
-        t_copy = copy_ms(dst, x, graph_ms)
-        gbps = 8 * n / t_copy / 1e6
-        rows.append({"size_mib": mib, "what": "copy", "ms": t_copy, "GBps": gbps})
-        ref = tk.dettmers_encode(x, "dynamic", "nearest", 0, 0)
-        moved = 4 * n + ref.numel()
+        n, x, dst, copy_row, ref, moved = _size_setup(mib, dev)
+        rows.append(copy_row)
+        gbps = copy_row["GBps"]
 
         def add(what, fn, check=None):
             r = {"size_mib": mib, "what": what}
