@@ -28,7 +28,7 @@ def _meta_model(name: str, **kwargs) -> nn.Module:
 
 
 def test_registry_names_and_unknown_name():
-    assert set(available_models()) == set(SEED_TABLE_M) | {"mlp", "small_cnn"}
+    assert set(available_models()) == set(SEED_TABLE_M) | {"mlp", "small_cnn", "gpt2_small"}
     with pytest.raises(ValueError, match="unknown model 'resnet18'.*alexnet.*vgg19"):
         build_model("resnet18")
     with pytest.raises(ValueError, match="known models"):
@@ -103,8 +103,10 @@ def test_small_cnn_is_small():
 def test_default_shapes_forward_on_meta(name):
     info = model_info(name)
     model = _meta_model(name)
+    tokens = info.task == "sequence" and len(info.in_shape) == 1
     with torch.device("meta"):
-        out = model(torch.empty(2, *info.in_shape))
+        x = torch.empty(2, *info.in_shape, dtype=torch.int64 if tokens else torch.float32)
+        out = model(x)
     if info.task == "classify":
         expected: tuple[int, ...] = (2, info.num_classes)
     else:
@@ -170,3 +172,53 @@ def test_tiny_training_reduces_loss():
         losses.append(float(_train_step(model, x, y).detach()))
         opt.step()
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_gpt2_small_shape_and_count():
+    model = _meta_model("gpt2_small")
+    info = model_info("gpt2_small")
+    assert (info.in_shape, info.num_classes, info.task) == ((256,), 50257, "sequence")
+    assert all(p.is_meta for p in model.parameters())
+    count = num_parameters(model)
+    assert count == info.params == 163_037_184
+    # GPT-2 small (tied head): 124,439,808; the untied head adds vocab x d_model, no bias.
+    v, t, d, L = 50257, 1024, 768, 12
+    per_block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d)
+    gpt2 = v * d + t * d + L * per_block + 2 * d
+    assert gpt2 == 124_439_808
+    assert count == gpt2 + v * d
+    assert model.head.bias is None and model.head.weight is not model.tok_emb.weight
+    assert (len(model.blocks), model.blocks[0].attn.n_heads, model.pos_emb.num_embeddings) == (12, 12, 1024)
+    with pytest.raises(ValueError, match="exceeds the context"):
+        _meta_model("gpt2_small", in_shape=(2048,))
+
+
+def _tiny_gpt(**kw) -> nn.Module:
+    torch.manual_seed(0)
+    return build_model("gpt2_small", num_classes=97, in_shape=(16,), context=32, n_layers=2,
+                       n_heads=2, d_model=32, **kw)
+
+
+def test_gpt_tiny_forward_backward():
+    model = _tiny_gpt()
+    x = torch.randint(0, 97, (3, 16))
+    assert model(x).shape == (3, 16, 97)
+    assert model(x[:, :5]).shape == (3, 5, 97)  # any T up to the context
+    loss = _train_step(model, x, torch.randint(0, 97, (3, 16)))
+    assert torch.isfinite(loss)
+    assert abs(float(loss.detach()) - math.log(97)) < 0.5  # small init: close to uniform
+    for pname, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), pname
+    with pytest.raises(ValueError, match="exceeds the context"):
+        model(torch.randint(0, 97, (1, 33)))
+
+
+def test_gpt_is_causal():
+    model = _tiny_gpt().eval()
+    x = torch.randint(0, 97, (2, 16))
+    y = x.clone()
+    y[:, 10] = (y[:, 10] + 1) % 97  # change one later token
+    with torch.no_grad():
+        a, b = model(x), model(y)
+    torch.testing.assert_close(a[:, :10], b[:, :10])  # earlier positions see nothing of it
+    assert not torch.allclose(a[:, 10:], b[:, 10:])

@@ -7,7 +7,8 @@
         big = build_model("vgg19")
 
 Networks of Grubic et al. (2018), Figure 3 — built as CNTK built them, since the seed ran CNTK's
-example networks — plus Dettmers' (2016) MNIST MLP and a small CNN for CPU-sized data:
+example networks — plus Dettmers' (2016) MNIST MLP, a small CNN for CPU-sized data and a
+GPT-2-small-shaped decoder (a transformer for throughput runs; not in the seed):
 
 ============ ================== ===== ====================================================
 name         input, classes     seed  ours (parameters)
@@ -21,6 +22,7 @@ bn_inception 3x224x224, 1000    11M   11,285,224
 lstm         16x363 frames, 132 13M   13,637,764 (CNTK's LSTMP c1024 p512 x3: 13,634,692)
 mlp          784, 10            —     1,863,690 (Dettmers' 784-1024-1024-10)
 small_cnn    1x8x8, 10          —     25,866
+gpt2_small   256 tokens, 50257  —     163,037,184 (GPT-2 small 124,439,808 + untied head)
 ============ ================== ===== ====================================================
 
 The seed prints whole millions rounded down; ``ModelInfo.seed_params_m`` keeps its number as printed.
@@ -36,6 +38,7 @@ from typing import Any
 from torch import nn
 
 from lowbit.models.alexnet import AlexNet
+from lowbit.models.gpt import GPT, GPT2_CONTEXT
 from lowbit.models.inception import BNInception
 from lowbit.models.lstm import AN4_FEATURES, AN4_SENONES, LSTMP
 from lowbit.models.resnet import CifarResNet, ImageNetResNet
@@ -84,6 +87,16 @@ def _build_lstm(num_classes: int, in_shape: tuple[int, ...], **kw: Any) -> nn.Mo
     if len(in_shape) != 2:
         raise ValueError(f"lstm wants in_shape (T, features) or (T,) tokens; got {in_shape}")
     return LSTMP(num_classes=num_classes, input_dim=in_shape[1], **kw)
+
+
+def _build_gpt(num_classes: int, in_shape: tuple[int, ...], **kw: Any) -> nn.Module:
+    # (T,) tokens; the vocabulary is the output classes. T may not exceed the context (default 1024).
+    if len(in_shape) != 1:
+        raise ValueError(f"gpt2_small wants in_shape (T,) tokens; got {in_shape}")
+    context = int(kw.setdefault("context", GPT2_CONTEXT))
+    if in_shape[0] > context:
+        raise ValueError(f"gpt2_small: sequence length {in_shape[0]} exceeds the context {context}")
+    return GPT(vocab_size=num_classes, **kw)
 
 
 _FIG3 = "Grubic et al. 2018, Figure 3"
@@ -139,6 +152,14 @@ _REGISTRY: dict[str, tuple[Callable[..., nn.Module], ModelInfo]] = {
         lambda c, s, **kw: SmallCNN(in_shape=s, num_classes=c, **kw),
         ModelInfo("small_cnn", "Small CNN (CPU-sized data)", (1, 8, 8), 10, "classify", 25_866,
                   None, "lowbit", "2-D for (C, H, W), 1-D for (C, L) or (L,)"),
+    ),
+    "gpt2_small": (
+        _build_gpt,
+        ModelInfo("gpt2_small", "GPT-2 small shape, untied head", (256,), 50257, "sequence",
+                  163_037_184, None, "Radford et al. 2019 (GPT-2 small shape); lowbit",
+                  "12 layers, 12 heads, d_model 768, context 1024, pre-LayerNorm, GELU MLP 4x, "
+                  "learned positions; untied lm head (no bias): 124,439,808 + 38,597,376; "
+                  "(N, T) int64 tokens -> (N, T, 50257) logits"),
     ),
 }
 
