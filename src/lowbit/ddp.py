@@ -7,27 +7,37 @@ or, with the raw pieces, ``model.register_comm_hook(LowbitState(...), lowbit.ddp
 
 How a step goes (per DDP bucket, as the backward pass makes it ready):
 
-1. ``hook`` splits the bucket's flat gradient by the codec each parameter gets (:class:`lowbit.Policy`:
-   small and 1-D tensors stay fp32, the rest is compressed).
-2. fp32 groups go through the native allreduce; compressed groups are compensated with their error-
-   feedback residual and *encoded right away* on the calling thread.
-3. Communication and decoding run on lowbit's communication thread in submission order, so encoding the
-   next bucket overlaps communicating this one and the backward pass goes on (the seed's double
-   buffering). The returned future completes with the bucket holding the mean gradient.
+1. The first time lowbit sees a (rebuilt) DDP bucket it computes its *layout*, once: which parameters
+   take which codec (:class:`lowbit.Policy`: small and 1-D tensors stay fp32, the rest is compressed),
+   in model order, with a persistent staging buffer, an error-feedback residual buffer and the views
+   that copy between them and the bucket. A bucket that is all fp32 needs none of it.
+2. ``hook`` gathers the bucket's compressed gradients into the staging buffer (one fused copy), adds
+   the residual, encodes them in one call and issues the collective, all on the calling thread and
+   without waiting: collectives keep DDP's program order (``find_unused_parameters`` and the user's own
+   collectives mix freely), and on CUDA the host never waits for the device. With the ``allgather``
+   algorithm (the default for two ranks) the bucket's fp32 tensors ride raw in the same message: one
+   collective per bucket.
+3. Decoding, the mean and the copy back into the bucket run when the data has arrived: on CUDA on a
+   pool stream that waits for the collective (the backward pass goes on), on CPU on gloo's thread.
+   DDP waits for the returned future before the optimizer step.
 
 Tuning guide (``LowbitState``):
 
 * ``codec`` / ``policy`` — 8-bit QSGD (bucket 512) recovered full accuracy in every experiment of the
   seed; 4-bit usually does; 2-bit loses about a point on conv nets. onebit needs error feedback.
-* ``algorithm`` — ``scatter_gather`` (default) sends about 2(K-1)/K payloads per rank and scales;
-  ``allgather`` sends (K-1) payloads: only for small K.
-* ``error_feedback`` — ``"auto"`` (default) turns it on for biased codecs (onebit, topk, dettmers) and
-  off for unbiased QSGD, whose large variance at few bits can feed on itself through the residual.
+* ``algorithm`` — ``auto`` (default): ``allgather`` for two ranks, ``scatter_gather`` above (it sends
+  about 2(K-1)/K payloads per rank and scales; allgather sends (K-1)).
+* ``error_feedback`` — ``"auto"`` (default) turns it on for biased codecs (``codec.biased``: onebit,
+  topk, dettmers) and off for unbiased QSGD, whose large variance at few bits can feed on itself
+  through the residual.
 * ``start_iter`` — DDP rebuilds its buckets after the first iteration, so compression (and error
   feedback) starts at iteration 2 by default; before, the plain fp32 allreduce runs.
+* ``state.stats`` counts calls and bytes sent; ``state.stats.timing = True`` adds the time per phase
+  (on CUDA it synchronises the device around each phase: for profiling, not for speed).
 
-Residuals are kept per parameter (not per bucket), so they survive bucket rebuilds and checkpoints:
-``state.state_dict()`` / ``load_state_dict()`` resume a run bit-identically.
+Residuals live in one flat buffer per bucket layout; ``state.residuals`` holds per-parameter views of
+them, so they survive bucket rebuilds and checkpoints: ``state.state_dict()`` / ``load_state_dict()``
+resume a run bit-identically. Residuals differ between ranks: save and load each rank's own.
 
 No ``from __future__ import annotations`` here: DDP inspects the hook's annotations at registration.
 """
@@ -40,18 +50,117 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lowbit.codecs.base import Codec
+from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
-from lowbit.comm.allreduce import ALGORITHMS, NATIVE, CommStats, engine_for, prepare_flat
+from lowbit.comm.allreduce import ALGORITHMS, CommStats, resolve_algorithm, start
 from lowbit.policy import Policy
 
 __all__ = ["LowbitState", "hook", "make_state", "register", "ConfigMismatchError"]
 
-BIASED = ("onebit", "topk", "dettmers")
+_FP32 = get_codec("fp32")
 
 
 class ConfigMismatchError(ValueError):
     """The ranks of a group registered different codecs, policies or algorithms."""
+
+
+class _Unit:
+    """One collective of a bucket: the parameters sent in one codec (plus, for allgather, the bucket's
+    fp32 parameters riding raw), their staging buffer and residual, and the views that copy between the
+    staging buffer and the bucket."""
+
+    def __init__(self, state: "LowbitState", codec: Codec, members: List[Tuple[str, int, int]],
+                 exact: List[Tuple[str, int, int]], flat: torch.Tensor, algorithm: str) -> None:
+        self.codec = codec
+        self.algorithm = algorithm
+        self.n = sum(m[2] for m in members)
+        self.exact = sum(m[2] for m in exact)
+        self.seed_base = state.order[(members or exact)[0][0]] * 7
+        everything = members + exact
+        offsets = [o for _, o, _ in everything]
+        contiguous = all(offsets[i] + everything[i][2] == offsets[i + 1] for i in range(len(everything) - 1))
+        if contiguous and flat.dtype == torch.float32:
+            # The bucket already holds these values in this order: work on it directly, no copies.
+            lo = offsets[0]
+            self.stage = flat[lo : lo + self.n + self.exact]
+            self.src: List[torch.Tensor] = []
+            self.dst: List[torch.Tensor] = []
+        else:
+            self.stage = torch.empty(self.n + self.exact, dtype=torch.float32, device=flat.device)
+            self.src = [flat[o : o + n] for _, o, n in everything]
+            pos, self.dst = 0, []
+            for _, _, n in everything:
+                self.dst.append(self.stage[pos : pos + n])
+                pos += n
+        self.residual: Optional[torch.Tensor] = None
+        if state.uses_feedback(codec) and self.n:
+            self.residual = torch.zeros(self.n, dtype=torch.float32, device=flat.device)
+            pos = 0
+            for name, _, n in members:
+                view = self.residual[pos : pos + n]
+                old = state.residuals.get(name)
+                if old is not None:
+                    if old.numel() != n:
+                        raise ValueError(f"lowbit: the residual of {name} holds {old.numel()} values, the "
+                                         f"parameter has {n}")
+                    view.copy_(old.reshape(-1))
+                state.residuals[name] = view
+                pos += n
+
+    def gather(self) -> None:
+        if self.src:
+            _copy_all(self.dst, self.src)
+
+    def scatter(self) -> None:
+        if self.src:
+            _copy_all(self.src, self.dst)
+
+
+def _copy_all(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
+    if len(dst) == 1:
+        dst[0].copy_(src[0])
+    elif dst[0].dtype == src[0].dtype:
+        torch._foreach_copy_(dst, src)  # one fused launch (a few for big buckets) on CUDA
+    else:
+        for d, s in zip(dst, src):
+            d.copy_(s)
+
+
+class _Layout:
+    """How one DDP bucket maps onto lowbit's collectives; built once per (rebuilt) bucket."""
+
+    def __init__(self, state: "LowbitState", bucket: dist.GradBucket, flat: torch.Tensor, k: int) -> None:
+        groups: Dict[str, Tuple[Codec, List[Tuple[str, int, int]]]] = {}
+        offset = 0
+        for p in bucket.parameters():
+            name = state.params.get(id(p))
+            if name is None:
+                raise ValueError("lowbit: a DDP bucket holds a parameter the state does not know; "
+                                 "register lowbit on the same model DDP wraps")
+            codec = state.plan[name]
+            groups.setdefault(codec.spec, (codec, []))[1].append((name, offset, p.numel()))
+            offset += p.numel()
+        # Canonical order (model order, codecs by spec): DDP's first-iteration buckets list parameters in
+        # forward order and rebuilt ones in gradient-ready order; sorting makes the payloads and so the
+        # results independent of that, which keeps resumed runs bit-identical.
+        # Quantised groups in canonical order (model order, codecs by spec): DDP's first-iteration
+        # buckets list parameters in forward order and rebuilt ones in gradient-ready order; sorting
+        # makes the payloads and so the results independent of that. Groups summed natively are
+        # elementwise and keep the bucket's order, so an all-fp32 bucket is reduced in place.
+        order = state.order
+        ordered = [(c, m if c.sums_on_wire else sorted(m, key=lambda t: order[t[0]]))
+                   for _, (c, m) in sorted(groups.items())]
+        quantised = [c for c, _ in ordered if not c.sums_on_wire]
+        rider = None
+        if quantised and resolve_algorithm(state.algorithm, quantised[0], k) == "allgather":
+            # the fp32 tensors ride raw in the first quantised unit's message: one collective per bucket
+            rider = next((m for c, m in ordered if c.spec == _FP32.spec), None)
+        self.units: List[_Unit] = []
+        for c, m in ordered:
+            if m is rider:
+                continue
+            extra = rider if (rider is not None and c is quantised[0]) else []
+            self.units.append(_Unit(state, c, m, extra or [], flat, resolve_algorithm(state.algorithm, c, k)))
 
 
 class LowbitState:
@@ -62,7 +171,7 @@ class LowbitState:
         process_group: Optional[dist.ProcessGroup],
         plan: Dict[str, Codec],
         params: Dict[int, str],
-        algorithm: str = "scatter_gather",
+        algorithm: str = "auto",
         error_feedback: Union[bool, str] = "auto",
         start_iter: int = 2,
         seed: int = 0,
@@ -87,13 +196,14 @@ class LowbitState:
         self.residuals: Dict[str, torch.Tensor] = {}
         self.stats = CommStats()
         self._devices: Dict[str, torch.device] = {}
+        self._layouts: Dict[Tuple[int, int, int], _Layout] = {}
 
     # ------------------------------------------------------------------------------ helpers
     def uses_feedback(self, codec: Codec) -> bool:
-        if codec.name in ("fp32", "fp16", "bf16"):
+        if codec.sums_on_wire:
             return False
         if self.error_feedback == "auto":
-            return codec.name in BIASED
+            return codec.biased
         return bool(self.error_feedback)
 
     def config(self) -> Dict[str, Any]:
@@ -112,6 +222,13 @@ class LowbitState:
         if bucket.is_last():
             self.iter += 1
 
+    def _layout(self, bucket: dist.GradBucket, flat: torch.Tensor, k: int) -> _Layout:
+        key = (bucket.index(), flat.data_ptr(), flat.numel())
+        lay = self._layouts.get(key)
+        if lay is None:
+            lay = self._layouts[key] = _Layout(self, bucket, flat, k)
+        return lay
+
     # ------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> Dict[str, Any]:
         return {
@@ -128,30 +245,13 @@ class LowbitState:
             )
         self.iter = int(state["iter"])
         self.residuals = {k: v.to(self._devices.get(k, "cpu")).clone() for k, v in state["residuals"].items()}
+        self._layouts.clear()  # rebuilt on the next step, from these residuals
 
     def __getstate__(self) -> Dict[str, Any]:
         d = dict(self.__dict__)
         d["process_group"] = None
+        d["_layouts"] = {}
         return d
-
-
-def _segments(state: LowbitState, bucket: dist.GradBucket) -> List[Tuple[Codec, List[Tuple[str, int, int]]]]:
-    """Group the bucket's parameters by codec: [(codec, [(name, offset, numel), ...]), ...]."""
-    groups: Dict[str, Tuple[Codec, List[Tuple[str, int, int]]]] = {}
-    offset = 0
-    for p in bucket.parameters():
-        name = state.params.get(id(p))
-        if name is None:
-            raise ValueError("lowbit: a DDP bucket holds a parameter the state does not know; "
-                             "register lowbit on the same model DDP wraps")
-        codec = state.plan[name]
-        groups.setdefault(codec.spec, (codec, []))[1].append((name, offset, p.numel()))
-        offset += p.numel()
-    # Canonical order (model order, codecs by spec): DDP's first-iteration buckets list parameters in
-    # forward order and rebuilt ones in gradient-ready order; sorting makes the payloads, the chunking
-    # and so the results independent of that, which keeps resumed runs bit-identical.
-    order = state.order
-    return [(c, sorted(m, key=lambda t: order[t[0]])) for _, (c, m) in sorted(groups.items())]
 
 
 def hook(state: LowbitState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -160,39 +260,41 @@ def hook(state: LowbitState, bucket: dist.GradBucket) -> torch.futures.Future[to
     _, world = C.world(group)
     buf = bucket.buffer()
     if state.iter < state.start_iter:
-        # Before DDP's bucket rebuild: the plain fp32 allreduce (read the result from our buffer).
+        # Before DDP's bucket rebuild: the plain fp32 allreduce, as torch's own hook does it.
         state._advance(bucket)
-        fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
-        return fut.then(lambda _: buf.div_(world))
+        return start(buf, _FP32, group, "allreduce", "mean", stats=state.stats)
 
     flat = buf.reshape(-1)
-    finishes = []
-    for codec, members in _segments(state, bucket):
-        # Keyed by step and the group's first parameter, not by bucket index (which a rebuild changes).
-        seed = state.seed * 1_000_003 + state.iter * 1_009 + state.order[members[0][0]] * 7
-        x = torch.cat([flat[o : o + n] for _, o, n in members]).to(torch.float32)
-        residual = None
-        if state.uses_feedback(codec):
-            residual = torch.cat([
-                state.residuals.get(name, torch.zeros(n, dtype=torch.float32, device=x.device)) for name, _, n in members
-            ])
-        # fp32/fp16/bf16 sum fine on the wire: they take the native allreduce, never a gather
-        algorithm = "allreduce" if codec.name in NATIVE else state.algorithm
-        finishes.append((members, prepare_flat(x, codec, group, algorithm, "mean", residual, seed, state.stats)))
+    lay = state._layout(bucket, flat, world)
+    step_seed = state.seed * 1_000_003 + state.iter * 1_009
+    futs = []
+    for u in lay.units:
+        u.gather()
+        fut = start(u.stage, u.codec, group, u.algorithm, "mean", u.residual, step_seed + u.seed_base,
+                    state.stats, exact=u.exact)
+        futs.append(fut.then(_scatter_back(u, buf)) if u.src or len(lay.units) > 1 else fut)
     state._advance(bucket)
+    if len(futs) == 1:
+        return futs[0]  # its value is the whole bucket (staged back, or reduced in place)
+    return torch.futures.collect_all(futs).then(_bucket_value(buf))
 
-    def communicate() -> torch.Tensor:
-        for members, finish in finishes:
-            out, new_res = finish()
-            pos = 0
-            for name, o, n in members:
-                flat[o : o + n].copy_(out[pos : pos + n])
-                if new_res is not None:
-                    state.residuals[name] = new_res[pos : pos + n].clone()
-                pos += n
+
+def _scatter_back(u: _Unit, buf: torch.Tensor):
+    def cb(f: torch.futures.Future) -> torch.Tensor:
+        f.value()
+        u.scatter()
         return buf
 
-    return engine_for(group, buf.device).submit(communicate)
+    return cb
+
+
+def _bucket_value(buf: torch.Tensor):
+    def cb(f: torch.futures.Future) -> torch.Tensor:
+        for x in f.value():
+            x.value()  # re-raise a unit's failure
+        return buf
+
+    return cb
 
 
 def _check_same_config(state: LowbitState, group: Optional[dist.ProcessGroup]) -> None:
@@ -213,7 +315,7 @@ def _check_same_config(state: LowbitState, group: Optional[dist.ProcessGroup]) -
 def make_state(
     module: nn.Module,
     codec: Union[str, Codec, None] = None,
-    algorithm: str = "scatter_gather",
+    algorithm: str = "auto",
     policy: Union[Policy, str, None] = None,
     error_feedback: Union[bool, str] = "auto",
     start_iter: int = 2,
@@ -240,7 +342,7 @@ def make_state(
 def register(
     ddp_model: nn.Module,
     codec: Union[str, Codec, None] = None,
-    algorithm: str = "scatter_gather",
+    algorithm: str = "auto",
     policy: Union[Policy, str, None] = None,
     error_feedback: Union[bool, str] = "auto",
     start_iter: int = 2,

@@ -26,6 +26,19 @@ class ErrorFeedback:
         self.codec = get_codec(codec) if isinstance(codec, str) else codec
         self.residuals: dict[Hashable, torch.Tensor] = {}
 
+    def residual(self, key: Hashable, numel: int, device: torch.device | str) -> torch.Tensor:
+        """The residual buffer of ``key`` ((numel,) float32, zeros the first time); collectives update
+        it in place."""
+        e = self.residuals.get(key)
+        if e is None:
+            e = self.residuals[key] = torch.zeros(numel, dtype=torch.float32, device=device)
+        elif e.numel() != numel:
+            raise ValueError(
+                f"error feedback for key {key!r}: residual has {e.numel()} elements but the tensor has "
+                f"{numel} (did the model or bucket layout change?)"
+            )
+        return e
+
     def compensate(self, key: Hashable, x: torch.Tensor) -> torch.Tensor:
         """x + e (float32, flat). Does not modify ``x``."""
         flat = x.reshape(-1).to(torch.float32)

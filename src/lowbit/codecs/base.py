@@ -51,6 +51,22 @@ class Codec:
     stochastic: ClassVar[bool] = False
     #: True when the payload layout depends on the tensor's shape (per-column codecs).
     needs_shape: ClassVar[bool] = False
+    #: The dtype in which payloads can be summed by a native (reducing) allreduce, or None when the
+    #: payload is packed bytes that must be decoded before summing (every quantiser).
+    wire_dtype: ClassVar[torch.dtype | None] = None
+    #: True when E[decode(encode(x))] != x: such codecs need error feedback to converge, and
+    #: ``error_feedback="auto"`` turns it on for them.
+    biased: ClassVar[bool] = False
+
+    @property
+    def sums_on_wire(self) -> bool:
+        """True when a native allreduce can carry (and sum) this codec's values."""
+        return self.wire_dtype is not None
+
+    @property
+    def label(self) -> str:
+        """Short human label, e.g. ``qsgd 4-bit`` (tables, plots, logs)."""
+        return self.spec
 
     # ----------------------------------------------------------------------------- description
     @property

@@ -125,6 +125,7 @@ def _paper_search(m: torch.Tensor, tbl: Sequence[float], size: int, pivot0: int)
 @dataclasses.dataclass(frozen=True)
 class Dettmers(Codec):
     name: ClassVar[str] = "dettmers"
+    biased: ClassVar[bool] = True
 
     type: str = "dynamic"
     search: str = "nearest"
@@ -142,6 +143,10 @@ class Dettmers(Codec):
             raise ValueError(f"dettmers: offset applies to the fixed-offset types (static, mantissa), not {self.type}")
         if self.type not in NORMALISED and self.bucket != 0:
             raise ValueError(f"dettmers: type={self.type} has no scale, so bucket must be 0")
+
+    @property
+    def label(self) -> str:  # type: ignore[override]
+        return f"8bit {self.type} (Dettmers)"
 
     @property
     def normalised(self) -> bool:

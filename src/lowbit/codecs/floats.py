@@ -17,6 +17,14 @@ class _FloatCodec(Codec):
     dtype: ClassVar[torch.dtype] = torch.float32
     itemsize: ClassVar[int] = 4
 
+    @property
+    def wire_dtype(self) -> torch.dtype:  # type: ignore[override]
+        return self.dtype
+
+    @property
+    def label(self) -> str:
+        return "32bit" if self.itemsize == 4 else f"16bit ({self.name})"
+
     def nbytes(self, numel: int, shape: Sequence[int] | None = None) -> int:
         return self.itemsize * numel
 

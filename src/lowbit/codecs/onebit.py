@@ -31,11 +31,16 @@ from lowbit.kernels import dispatch
 @dataclasses.dataclass(frozen=True)
 class OneBit(Codec):
     name: ClassVar[str] = "onebit"
+    biased: ClassVar[bool] = True
 
     bucket: int = 64
 
     def __post_init__(self) -> None:
         check_int("onebit", "bucket", self.bucket, 0, 1 << 30)
+
+    @property
+    def label(self) -> str:  # type: ignore[override]
+        return "1bitSGD" if self.bucket == 0 else f"1bitSGD*/{self.bucket}"
 
     @property
     def needs_shape(self) -> bool:  # type: ignore[override]

@@ -49,6 +49,12 @@ class QSGD(Codec):
     def stochastic(self) -> bool:  # type: ignore[override]
         return self.rounding == "stochastic"
 
+    @property
+    def label(self) -> str:  # type: ignore[override]
+        extra = [f"{k}={v}" for k, v, d in (("norm", self.norm, "max"), ("rounding", self.rounding, "stochastic"))
+                 if v != d]
+        return f"QSGD {self.bits}bit/{self.bucket}" + (" " + ",".join(extra) if extra else "")
+
     def nbytes(self, numel: int, shape: Sequence[int] | None = None) -> int:
         return 4 * ceil_div(numel, self.bucket) + (numel * self.bits + 7) // 8
 

@@ -22,6 +22,7 @@ from lowbit.kernels.reference import view_as
 @dataclasses.dataclass(frozen=True)
 class TopK(Codec):
     name: ClassVar[str] = "topk"
+    biased: ClassVar[bool] = True
 
     ratio: float = 0.01
 
@@ -29,6 +30,10 @@ class TopK(Codec):
         r = self.ratio
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not (0.0 < r <= 1.0):
             raise ValueError(f"topk: ratio={r!r} is out of range; it must be a number in (0, 1]")
+
+    @property
+    def label(self) -> str:  # type: ignore[override]
+        return f"top-k {self.ratio}"
 
     def k(self, numel: int) -> int:
         return 0 if numel == 0 else min(numel, max(1, math.ceil(self.ratio * numel)))

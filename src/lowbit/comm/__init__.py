@@ -1,6 +1,6 @@
 """Compressed collectives over any torch.distributed process group."""
 
-from lowbit.comm.allreduce import ALGORITHMS, CommStats, all_reduce, bytes_sent_per_rank
+from lowbit.comm.allreduce import ALGORITHMS, CommStats, Handle, all_reduce, bytes_sent_per_rank
 from lowbit.comm.collectives import CollectiveError
 
-__all__ = ["ALGORITHMS", "CollectiveError", "CommStats", "all_reduce", "bytes_sent_per_rank"]
+__all__ = ["ALGORITHMS", "CollectiveError", "CommStats", "Handle", "all_reduce", "bytes_sent_per_rank"]

@@ -20,21 +20,24 @@ Algorithms (K ranks, tensor of n values, payload size P(m) for m values):
 
 ``allreduce`` — the native allreduce in fp32, fp16 or bf16 (the seed's "NCCL 32-bit" baseline).
 
-Error feedback keeps one residual per key (per tensor). The server's quantisation error on the chunk
-that rank r owns is folded into rank r's residual (times K for a mean), so it re-enters the next step's
-sum; the residual therefore does not depend on how the tensor is chunked, which keeps checkpoints valid
-across DDP's bucket rebuilds.
+Error feedback keeps one residual per key (per tensor), updated in place. The server's quantisation
+error on the chunk that rank r owns is folded into rank r's residual (times K for a mean), so it
+re-enters the next step's sum; the residual therefore does not depend on how the tensor is chunked,
+which keeps checkpoints valid across DDP's bucket rebuilds.
 
-Asynchrony: ``async_op=True`` hands the communication to one worker thread per process group, which
-runs jobs in submission order (so every rank issues its collectives in the same order) while the caller
-goes on — the seed's double buffering: encoding the next tensor overlaps communicating this one.
+Issue order and asynchrony: every collective of a call is issued on the caller's thread before the call
+returns, so lowbit's collectives keep the caller's program order and mix freely with torch's own and
+with DDP's. Nothing blocks the host on CUDA: encoding runs on the caller's current stream, NCCL orders
+the collective after it, and decoding runs in the collective's future callback, on a pool stream that
+waits for it (scatter_gather's middle phase runs on a side stream that waits for the all-to-all). On
+CPU (gloo) decoding runs on gloo's thread when the data has arrived; scatter_gather waits for its
+all-to-all on the caller's thread before it can issue the all-gather. ``async_op=True`` returns a
+handle whose ``wait()`` gives the result, as torch's Work does.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import queue
-import threading
 import time
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -46,41 +49,73 @@ from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
 from lowbit.feedback import ErrorFeedback
 
-ALGORITHMS = ("scatter_gather", "allgather", "allreduce")
-NATIVE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+ALGORITHMS = ("auto", "scatter_gather", "allgather", "allreduce")
 
-__all__ = ["ALGORITHMS", "CommStats", "all_reduce", "chunk_sizes", "bytes_sent_per_rank"]
+__all__ = ["ALGORITHMS", "CommStats", "Handle", "all_reduce", "chunk_sizes", "bytes_sent_per_rank",
+           "resolve_algorithm", "start"]
 
 
 @dataclasses.dataclass
 class CommStats:
-    """Accumulated cost of compressed collectives (seconds; bytes this rank sent)."""
+    """Accumulated cost of compressed collectives: calls, bytes this rank put on the wire, and (only when
+    ``timing`` is on) seconds in encode / communicate / decode.
+
+    Bytes are counted from the buffers actually handed to torch.distributed. Timing is opt-in: on CUDA
+    it synchronises the device around each phase (a profiling mode that serialises the pipeline); on
+    CPU it reads the clock only (``t_comm`` is then the time from issuing a collective to its data
+    being there, queueing behind earlier collectives included).
+    """
 
     calls: int = 0
     bytes_sent: int = 0
     t_encode: float = 0.0
     t_comm: float = 0.0
     t_decode: float = 0.0
+    timing: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
 class _Timer:
-    """Adds wall time (after device synchronisation on CUDA) to a CommStats field."""
+    """Adds wall time to a CommStats field when its ``timing`` is on (after a device sync on CUDA)."""
 
-    def __init__(self, stats: CommStats | None, field: str, ref: torch.Tensor) -> None:
-        self.stats, self.field, self.ref = stats, field, ref
+    __slots__ = ("stats", "field", "cuda", "t0")
+
+    def __init__(self, stats: CommStats | None, field: str, device: torch.device) -> None:
+        self.stats = stats if stats is not None and stats.timing else None
+        self.field, self.cuda = field, device.type == "cuda"
 
     def __enter__(self) -> None:
         if self.stats is not None:
-            C.barrier_device(self.ref)
+            if self.cuda:
+                torch.cuda.synchronize()
             self.t0 = time.perf_counter()
 
     def __exit__(self, *exc: object) -> None:
         if self.stats is not None:
-            C.barrier_device(self.ref)
+            if self.cuda:
+                torch.cuda.synchronize()
             setattr(self.stats, self.field, getattr(self.stats, self.field) + time.perf_counter() - self.t0)
+
+
+def _comm_clock(stats: CommStats | None, work: object, device: torch.device) -> Callable[[], None]:
+    """Timing of a collective: on CUDA wait for it now (timing mode only); on CPU return a stamp that the
+    completion callback calls, so t_comm spans issue to arrival without blocking anyone."""
+    if stats is None or not stats.timing:
+        return lambda: None
+    t0 = time.perf_counter()
+    if device.type == "cuda":
+        if hasattr(work, "wait"):
+            work.wait()  # type: ignore[attr-defined]
+        torch.cuda.synchronize()
+        stats.t_comm += time.perf_counter() - t0
+        return lambda: None
+
+    def stamp() -> None:
+        stats.t_comm += time.perf_counter() - t0
+
+    return stamp
 
 
 def chunk_sizes(n: int, k: int) -> list[int]:
@@ -88,10 +123,24 @@ def chunk_sizes(n: int, k: int) -> list[int]:
     return [n // k + (1 if i < n % k else 0) for i in range(k)]
 
 
+def resolve_algorithm(algorithm: str, codec: Codec, k: int) -> str:
+    """The algorithm a call really runs: native allreduce for codecs that sum on the wire; ``auto`` is
+    ``allgather`` for two ranks (one exchange, the same bytes as scatter_gather's two, half the coding
+    work) and ``scatter_gather`` above (its bytes per rank stay ~2 payloads as K grows)."""
+    if codec.sums_on_wire:
+        return "allreduce"
+    if algorithm == "auto":
+        return "allgather" if k <= 2 else "scatter_gather"
+    return algorithm
+
+
 def bytes_sent_per_rank(codec: Codec, n: int, k: int, algorithm: str, rank: int = 0) -> int:
-    """Bytes rank ``rank`` puts on the wire for one call (ring all-gather / allreduce accounting)."""
+    """What rank ``rank`` puts on the wire for one call of ``n`` values, predicted from the codec's sizes
+    (ring all-gather / allreduce accounting). The collectives count the buffers they really send; this
+    is the model's side (perfmodel, docs)."""
     if k == 1 or n == 0:
         return 0
+    algorithm = resolve_algorithm(algorithm, codec, k)
     if algorithm == "allreduce":
         return int(2 * (k - 1) * codec.nbytes(n) // k)
     if algorithm == "allgather":
@@ -113,223 +162,239 @@ def _check_args(tensor: torch.Tensor, codec: Codec, algorithm: str, op: str) -> 
         raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {list(ALGORITHMS)}")
     if op not in ("mean", "sum"):
         raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
-    if algorithm == "allreduce" and codec.name not in NATIVE:
+    if algorithm == "allreduce" and not codec.sums_on_wire:
         raise ValueError(
             f"algorithm 'allreduce' sums on the wire, so it only takes fp32/fp16/bf16, not {codec.spec}; "
             "use 'scatter_gather' or 'allgather' for quantised codecs"
         )
 
 
-Finish = Callable[[], "tuple[torch.Tensor, torch.Tensor | None]"]
+def _keep(t: torch.Tensor) -> None:
+    """Tell the caching allocator that ``t`` (allocated on another stream) is used on the current one."""
+    if t.is_cuda:
+        t.record_stream(torch.cuda.current_stream(t.device))
 
 
-def prepare_flat(
+def start(
     x: torch.Tensor,
     codec: Codec,
     group: dist.ProcessGroup | None,
     algorithm: str,
     op: str,
-    residual: torch.Tensor | None,
-    seed: int,
+    residual: torch.Tensor | None = None,
+    seed: int = 0,
     stats: CommStats | None = None,
-) -> Finish:
-    """Stage 1 (runs on the caller's thread): compensate and encode. Returns stage 2, which communicates
-    and decodes and returns (reduced (n,) float32, new residual or None). Splitting the two lets the
-    encode of the next tensor overlap the communication of this one (the seed's double buffering).
+    out: torch.Tensor | None = None,
+    exact: int = 0,
+) -> torch.futures.Future:
+    """Issue one reduction now, on this thread; returns a future of ``out`` holding the result.
 
-    x: (n,) float32. ``residual`` (same shape) enables error feedback: x + residual is what gets sent.
+    x: (n + exact,) float32 contiguous. The first n values cross in ``codec``'s precision; the last
+    ``exact`` (allgather only: a DDP bucket's small tensors) ride raw in fp32 in the same message and are
+    summed exactly. ``residual`` ((n,) float32, updated in place) enables error feedback: x + residual is
+    what gets sent. ``out`` (default ``x``) may alias ``x``; ``x`` is not read after the call's own
+    stream work. ``algorithm`` is resolved (see :func:`resolve_algorithm`).
     """
     rank, k = C.world(group)
-    n = x.numel()
+    out = x if out is None else out
+    algorithm = resolve_algorithm(algorithm, codec, k)
     if stats is not None:
         stats.calls += 1
+    if exact and algorithm != "allgather":
+        raise ValueError("exact values ride only with the allgather algorithm")
     if algorithm == "allreduce":
-        return _native(x, codec, group, op, k, stats)
-    comp = x if residual is None else x + residual
-    if n == 0:
-        return lambda: (comp.clone(), (comp.clone() if residual is not None else None))
+        return _native(x, codec, group, op, k, stats, out)
+    n = x.numel() - exact
+    comp = x[:n] if residual is None else x[:n] + residual
+    if n == 0 and not exact:
+        if out.data_ptr() != x.data_ptr():
+            out.copy_(x)
+        return C.done(out, x.device)
     if algorithm == "allgather":
-        return _allgather(comp, codec, group, op, rank, k, residual is not None, seed, stats)
-    return _scatter_gather(comp, codec, group, op, rank, k, residual is not None, seed, stats)
+        return _allgather(x, comp, n, exact, codec, group, op, rank, k, residual, seed, stats, out)
+    return _scatter_gather(comp, codec, group, op, rank, k, residual, seed, stats, out)
 
 
-def _native(x: torch.Tensor, codec: Codec, group, op: str, k: int, stats: CommStats | None) -> Finish:
-    dt = NATIVE[codec.name]
-    with _Timer(stats, "t_encode", x):
-        # fp32 reduces in place: x is either the caller's tensor (all_reduce is in place by contract)
-        # or a fresh concatenation (the DDP hook), so no copy is needed.
-        buf = x.to(dt) if dt != torch.float32 else x
+def _native(x, codec, group, op, k, stats, out) -> torch.futures.Future:
+    dt = codec.wire_dtype
+    with _Timer(stats, "t_encode", x.device):
+        buf = x.to(dt) if dt != torch.float32 else out if out.data_ptr() == x.data_ptr() else out.copy_(x)
+        if op == "mean" and k > 1:
+            buf.div_(k)  # before the sum, as torch's DDP does (no overflow of the 16-bit types)
+    work = C.all_reduce_async(buf, group)
+    if stats is not None:
+        stats.bytes_sent += 2 * (k - 1) * buf.numel() * buf.element_size() // k if k > 1 else 0
+    stamp = _comm_clock(stats, work, x.device)
 
-    def finish() -> tuple[torch.Tensor, None]:
-        with _Timer(stats, "t_comm", x):
-            C.all_reduce_sum(buf, group)
-        if stats is not None:
-            stats.bytes_sent += bytes_sent_per_rank(codec, x.numel(), k, "allreduce")
-        with _Timer(stats, "t_decode", x):
-            out = buf.to(torch.float32)
-            if op == "mean" and k > 1:
-                out.div_(k)
-        return out, None
+    def finish() -> torch.Tensor:
+        stamp()
+        if buf.data_ptr() != out.data_ptr():
+            _keep(buf)
+            out.copy_(buf)
+        return out
 
-    return finish
-
-
-def _allgather(comp, codec, group, op, rank, k, feedback, seed, stats) -> Finish:
-    n = comp.numel()
-    with _Timer(stats, "t_encode", comp):
-        payload = codec.encode(comp, seed=_seed(seed, rank, 0, 0))
-        residual = comp - codec.decode(payload, n) if feedback else None
-
-    def finish():
-        with _Timer(stats, "t_comm", comp):
-            gathered = C.all_gather(payload, group)
-        if stats is not None:
-            stats.bytes_sent += (k - 1) * payload.numel()
-        with _Timer(stats, "t_decode", comp):
-            p = payload.numel()
-            # comp is not needed any more (the residual was taken above): sum into it, and take the
-            # mean in the same pass where the backend can (else decode_sum divides after summing)
-            out = codec.decode_sum([gathered[i * p : (i + 1) * p] for i in range(k)], n, out=comp,
-                                   divide_by=k if op == "mean" and k > 1 else 1)
-        return out, residual
-
-    return finish
+    return C.then(work, finish, "all_reduce", group)
 
 
-def _scatter_gather(comp, codec, group, op, rank, k, feedback, seed, stats) -> Finish:
+def _encode_with_feedback(codec: Codec, comp: torch.Tensor, residual: torch.Tensor | None, seed: int) -> torch.Tensor:
+    """Encode ``comp``; with error feedback leave ``residual = comp - decode(payload)`` (in place)."""
+    payload = codec.encode(comp, seed=seed)
+    if residual is not None and comp.numel():
+        codec.decode(payload, comp.numel(), out=residual)
+        torch.sub(comp, residual, out=residual)
+    return payload
+
+
+def _allgather(x, comp, n, exact, codec, group, op, rank, k, residual, seed, stats, out) -> torch.futures.Future:
+    dev = x.device
+    with _Timer(stats, "t_encode", dev):
+        payload = _encode_with_feedback(codec, comp, residual, _seed(seed, rank, 0, 0))
+        p = payload.numel()
+        if exact:
+            pad = -p % 4  # the raw fp32 values start 4-byte aligned, so they can be viewed as floats
+            parts = [payload] + ([payload.new_zeros(pad)] if pad else []) + [x[n:].view(torch.uint8)]
+            send = torch.cat(parts)
+        else:
+            pad, send = 0, payload
+        s = send.numel()
+        recv = torch.empty(k * s, dtype=torch.uint8, device=dev)
+    work = C.all_gather_async(recv, send, group)
+    if stats is not None:
+        stats.bytes_sent += (k - 1) * s
+    stamp = _comm_clock(stats, work, dev)
+    divide_by = k if op == "mean" else 1
+
+    def finish() -> torch.Tensor:
+        stamp()
+        with _Timer(stats, "t_decode", dev):
+            _keep(recv)
+            _keep(out)
+            if n:
+                codec.decode_sum([recv[i * s : i * s + p] for i in range(k)], n, out=out[:n], divide_by=divide_by)
+            if exact:
+                vals = recv.view(k, s)[:, p + pad :].view(torch.float32)  # (k, exact), rank order
+                tail = out[n:]
+                torch.sum(vals, dim=0, out=tail)
+                if divide_by != 1:
+                    tail.div_(divide_by)
+        return out
+
+    return C.then(work, finish, "all_gather_into_tensor", group)
+
+
+_SIDE: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    s = _SIDE.get(device)
+    if s is None:
+        s = _SIDE[device] = torch.cuda.Stream(device)
+    return s
+
+
+def _scatter_gather(comp, codec, group, op, rank, k, residual, seed, stats, out) -> torch.futures.Future:
+    dev = comp.device
     n = comp.numel()
     sizes = chunk_sizes(n, k)
     starts = [sum(sizes[:i]) for i in range(k)]
     nbytes = [codec.nbytes(s) for s in sizes]
+    pmax = max(nbytes)
     # Phase 1: encode my copy of every other rank's chunk (worker quantisation); chunk i goes to rank i.
     # My own chunk stays in fp32 on this rank: it never crosses the wire, so quantising it would only
     # add error and work (its residual is 0).
-    empty = torch.empty(0, dtype=torch.uint8, device=comp.device)
-    with _Timer(stats, "t_encode", comp):
-        payloads = [empty if i == rank else codec.encode(comp[starts[i] : starts[i] + sizes[i]], seed=_seed(seed, rank, i, 0))
-                    for i in range(k)]
-        residual = None
-        if feedback:
-            residual = torch.zeros_like(comp)
-            for i in range(k):
-                if i != rank:
-                    chunk = comp[starts[i] : starts[i] + sizes[i]]
-                    torch.sub(chunk, codec.decode(payloads[i], sizes[i]), out=residual[starts[i] : starts[i] + sizes[i]])
-        send = torch.cat(payloads)
-    send_splits = [0 if i == rank else nbytes[i] for i in range(k)]
-    recv_splits = [0 if i == rank else nbytes[rank] for i in range(k)]
+    with _Timer(stats, "t_encode", dev):
+        payloads = []
+        for i in range(k):
+            if i == rank:
+                continue
+            lo, hi = starts[i], starts[i] + sizes[i]
+            payloads.append(_encode_with_feedback(codec, comp[lo:hi], None if residual is None else residual[lo:hi],
+                                                  _seed(seed, rank, i, 0)))
+        if residual is not None:
+            residual[starts[rank] : starts[rank] + sizes[rank]].zero_()
+        send = torch.cat(payloads) if payloads else torch.empty(0, dtype=torch.uint8, device=dev)
+        send_splits = [0 if i == rank else nbytes[i] for i in range(k)]
+        recv_splits = [0 if i == rank else nbytes[rank] for i in range(k)]
+        recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=dev)
+    work1 = C.all_to_all_async(recv, send, send_splits, recv_splits, group)
+    if stats is not None:
+        stats.bytes_sent += sum(send_splits)
+    stamp1 = _comm_clock(stats, work1, dev)
 
-    def finish():
-        with _Timer(stats, "t_comm", comp):
-            recv = C.all_to_all(send, send_splits, recv_splits, group)
-        # Phase 2: decode the other ranks' copies of my chunk and sum them (rank order, fp32), add my own
-        # fp32 copy, then re-encode the result (server quantisation).
+    def phase2() -> tuple[object, torch.Tensor]:
+        # Decode the other ranks' copies of my chunk and sum them (rank order, fp32), add my own fp32
+        # copy, take the mean, then re-encode (server quantisation) and all-gather.
         mine, nb = sizes[rank], nbytes[rank]
-        with _Timer(stats, "t_decode", comp):
-            reduced = C.workspace("reduced", mine, torch.float32, comp.device)
+        with _Timer(stats, "t_decode", dev):
             own_chunk = comp[starts[rank] : starts[rank] + mine]
-            if k > 1:
+            reduced = torch.empty(mine, dtype=torch.float32, device=dev)
+            if k > 1 and mine:
                 codec.decode_sum([recv[j * nb : (j + 1) * nb] for j in range(k - 1)], mine, out=reduced)
                 reduced.add_(own_chunk)
             else:
                 reduced.copy_(own_chunk)
             if op == "mean" and k > 1:
                 reduced.div_(k)
-        with _Timer(stats, "t_encode", comp):
+        with _Timer(stats, "t_encode", dev):
             own = codec.encode(reduced, seed=_seed(seed, rank, rank, 1))
-            if feedback and mine:
+            if residual is not None and mine:
                 # Fold the server's error into my residual; it re-enters next step's sum (x K for a mean).
                 server_err = reduced - codec.decode(own, mine)
                 if op == "mean":
                     server_err.mul_(k)
                 residual[starts[rank] : starts[rank] + mine].add_(server_err)
-            pmax = max(nbytes)
             if own.numel() < pmax:  # all_gather needs equal sizes; the pad bytes are counted as sent
                 own = torch.cat([own, own.new_zeros(pmax - own.numel())])
-        # Phase 3: every rank gets every re-encoded chunk and decodes it.
-        with _Timer(stats, "t_comm", comp):
-            gathered = C.all_gather(own, group)
+            gathered = torch.empty(k * pmax, dtype=torch.uint8, device=dev)
+        work2 = C.all_gather_async(gathered, own, group)
         if stats is not None:
-            stats.bytes_sent += bytes_sent_per_rank(codec, n, k, "scatter_gather", rank)
-        with _Timer(stats, "t_decode", comp):
-            # comp is not needed any more (the residual was taken in phase 1): decode into it. When
-            # comp is the caller's own fp32 tensor this also saves the final copy.
-            out = comp
+            stats.bytes_sent += (k - 1) * own.numel()
+        return work2, gathered
+
+    if dev.type == "cuda":
+        # The middle phase waits for the all-to-all on a side stream: the caller's stream (the backward
+        # pass) never waits for the network, and the host never waits at all.
+        side = _side_stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            work1.wait()  # type: ignore[union-attr]  # a stream wait on NCCL, not a host wait
+            stamp1()
+            for t in (comp, recv):
+                _keep(t)
+            if residual is not None:
+                _keep(residual)
+            work2, gathered = phase2()
+    else:
+        C.wait(work1 if isinstance(work1, torch.futures.Future) else work1.get_future(), "all_to_all_single", group)
+        stamp1()
+        work2, gathered = phase2()
+    stamp2 = _comm_clock(stats, work2, dev)
+
+    def finish() -> torch.Tensor:
+        # Phase 3: every rank decodes every re-encoded chunk (bit-identical everywhere).
+        stamp2()
+        with _Timer(stats, "t_decode", dev):
+            _keep(gathered)
+            _keep(out)
             for i in range(k):
                 if sizes[i]:
-                    codec.decode(gathered[i * pmax : i * pmax + nbytes[i]], sizes[i], out=out[starts[i] : starts[i] + sizes[i]])
-        return out, residual
+                    lo = starts[i]
+                    codec.decode(gathered[i * pmax : i * pmax + nbytes[i]], sizes[i], out=out[lo : lo + sizes[i]])
+        return out
 
-    return finish
-
-
-# ------------------------------------------------------------------------------------- async engine
-class _Engine:
-    """One worker thread per process group; runs communication jobs strictly in submission order.
-
-    On CUDA the thread issues its work on its own stream, so collectives and decoding overlap the
-    backward kernels instead of queueing behind them (and, worse, making them queue behind the
-    network). A job first waits for an event recorded on the submitter's stream, so it sees the
-    tensors the submitter produced; its result is synchronised before the future completes.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.jobs: queue.Queue[tuple[Callable[[], Any], torch.futures.Future, Any] | None] = queue.Queue()
-        self.device = device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.thread = threading.Thread(target=self._loop, name="lowbit-comm", daemon=True)
-        self.thread.start()
-
-    def _loop(self) -> None:
-        if self.stream is not None:
-            torch.cuda.set_device(self.device)
-            torch.cuda.set_stream(self.stream)
-        while True:
-            item = self.jobs.get()
-            if item is None:
-                return
-            fn, fut, ready = item
-            try:
-                if ready is not None:
-                    self.stream.wait_event(ready)  # type: ignore[union-attr]
-                result = fn()
-                if self.stream is not None:
-                    self.stream.synchronize()
-                fut.set_result(result)
-            except BaseException as exc:  # noqa: BLE001 — delivered to whoever waits
-                fut.set_exception(exc)
-
-    def submit(self, fn: Callable[[], Any]) -> torch.futures.Future:
-        fut: torch.futures.Future = torch.futures.Future()
-        ready = None
-        if self.stream is not None:
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
-        self.jobs.put((fn, fut, ready))
-        return fut
-
-
-_ENGINES: dict[tuple[int, str], _Engine] = {}
-_ENGINES_LOCK = threading.Lock()
-
-
-def engine_for(group: dist.ProcessGroup | None, device: torch.device) -> _Engine:
-    key = (id(group) if group is not None else 0, str(device))
-    with _ENGINES_LOCK:
-        eng = _ENGINES.get(key)
-        if eng is None or not eng.thread.is_alive():
-            eng = _ENGINES[key] = _Engine(device)
-        return eng
+    return C.then(work2, finish, "all_gather_into_tensor", group)
 
 
 class Handle:
-    """What ``all_reduce(..., async_op=True)`` returns: ``wait()`` and ``get_future()`` like a Work."""
+    """What ``all_reduce(..., async_op=True)`` returns: ``wait()``, ``is_completed()`` and
+    ``get_future()`` like torch's Work. On CUDA ``wait()`` makes the current stream wait (no host wait)."""
 
-    def __init__(self, fut: torch.futures.Future) -> None:
+    def __init__(self, fut: torch.futures.Future, group: dist.ProcessGroup | None) -> None:
         self._fut = fut
+        self._group = group
 
     def wait(self, timeout: float | None = None) -> bool:
-        self._fut.wait()
+        C.wait(self._fut, "all_reduce", self._group)
         return True
 
     def is_completed(self) -> bool:
@@ -355,39 +420,37 @@ def all_reduce(
     """Reduce ``tensor`` in place across ``group`` with its values sent in ``codec``'s precision.
 
     Like ``torch.distributed.all_reduce``: every rank passes a tensor of the same shape and ends with the
-    same (bit-identical) result. ``op="mean"`` (default) or ``"sum"``. ``feedback`` (an
-    :class:`~lowbit.ErrorFeedback` of the same codec) adds error feedback under ``key``. ``seed`` keys the
-    stochastic rounding (pass the step number). ``stats`` accumulates bytes sent and the time in
-    encode / communicate / decode. With ``async_op=True`` returns a handle whose ``wait()`` blocks until
-    ``tensor`` holds the result.
+    same (bit-identical) result, and the collectives are issued now, in the caller's program order.
+    ``op="mean"`` (default) or ``"sum"``. ``algorithm``: ``scatter_gather`` (default), ``allgather``,
+    ``allreduce`` (fp32/fp16/bf16 only) or ``auto`` (allgather for 2 ranks, else scatter_gather).
+    ``feedback`` (an :class:`~lowbit.ErrorFeedback` of the same codec) adds error feedback under ``key``.
+    ``seed`` keys the stochastic rounding (pass the step number). ``stats`` accumulates calls and bytes
+    sent (and phase times when its ``timing`` is on). With ``async_op=True`` returns a handle whose
+    ``wait()`` makes ``tensor`` hold the result.
     """
     codec = get_codec(codec) if isinstance(codec, str) else codec
     _check_args(tensor, codec, algorithm, op)
     if feedback is not None and feedback.codec != codec:
         raise ValueError(f"feedback was built for {feedback.codec.spec}, but the collective uses {codec.spec}")
-    if algorithm == "allreduce" and feedback is not None:
-        raise ValueError("algorithm 'allreduce' is lossless up to the cast; it takes no error feedback")
+    if feedback is not None and (algorithm == "allreduce" or codec.sums_on_wire):
+        raise ValueError(f"{codec.spec} is summed natively and is lossless up to the cast; it takes no error feedback")
 
-    x = tensor.detach().reshape(-1).to(torch.float32)
-    residual = None
-    if feedback is not None:
-        residual = feedback.residuals.get(key)
-        if residual is None:
-            residual = torch.zeros_like(x)
-        elif residual.numel() != x.numel():
-            raise ValueError(f"error feedback for key {key!r} holds {residual.numel()} values, tensor has {x.numel()}")
-    finish = prepare_flat(x, codec, group, algorithm, op, residual, seed, stats)
-
-    def job() -> torch.Tensor:
-        out, new_res = finish()
-        if feedback is not None and new_res is not None:
-            feedback.residuals[key] = new_res
-        if out.data_ptr() != tensor.data_ptr():
+    src = tensor.detach()
+    direct = src.dtype == torch.float32 and src.is_contiguous()
+    x = src.reshape(-1) if direct else src.reshape(-1).to(torch.float32)
+    residual = feedback.residual(key, x.numel(), x.device) if feedback is not None else None
+    fut = start(x, codec, group, algorithm, op, residual, seed, stats)
+    if not direct:
+        def back(f: torch.futures.Future) -> torch.Tensor:
+            res = f.value()
+            _keep(res)
             with torch.no_grad():
-                tensor.copy_(out.view(tensor.shape))
-        return tensor
+                tensor.copy_(res.view(tensor.shape))
+            return tensor
 
-    if not async_op:
-        job()
-        return None
-    return Handle(engine_for(group, tensor.device).submit(job))
+        fut = fut.then(back)
+    handle = Handle(fut, group)
+    if async_op:
+        return handle
+    handle.wait()
+    return None

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from lowbit.codecs.base import get_codec
-from lowbit.comm.allreduce import ALGORITHMS, NATIVE, CommStats, all_reduce
+from lowbit.comm.allreduce import ALGORITHMS, CommStats, all_reduce
 from lowbit.feedback import ErrorFeedback
 
 __all__ = ["BenchConfig", "parse_sizes", "parse_codecs", "parse_algorithms", "register", "run", "format_table"]
@@ -163,7 +163,7 @@ class BenchConfig:
         for spec in self.codecs:
             codec = get_codec(spec)
             for algo in self.algorithms:
-                if algo == "allreduce" and codec.name not in NATIVE:
+                if algo == "allreduce" and not codec.sums_on_wire:
                     skipped.append({"codec": spec, "algorithm": algo,
                                     "reason": "allreduce sums on the wire: fp32/fp16/bf16 only"})
                 elif (codec.spec, algo) != (get_codec(BASELINE[0]).spec, BASELINE[1]):
@@ -257,7 +257,7 @@ def _measure_size(n: int, rank: int, cfg: BenchConfig, pairs: list[tuple[str, st
     for i in range(cfg.reps):
         exact = None  # this rep's mean from the fp32 allreduce (the baseline comes right after RAW)
         for c in cases:
-            s = CommStats() if not split_pass and c != RAW else None
+            s = CommStats(timing=True) if not split_pass and c != RAW else None
             times[c].append(_timed_call(t, x0, c, feedback[c], i, s, device))
             if s is not None:
                 stats[c].append(s)
@@ -271,7 +271,7 @@ def _measure_size(n: int, rank: int, cfg: BenchConfig, pairs: list[tuple[str, st
     if split_pass:
         for i in range(cfg.reps):
             for c in pairs:
-                s = CommStats()
+                s = CommStats(timing=True)
                 _timed_call(t, x0, c, feedback[c], cfg.reps + i, s, device)
                 stats[c].append(s)
     out: dict[tuple[str, str], dict[str, Any]] = {RAW: {"time_s": statistics.median(times[RAW])}}

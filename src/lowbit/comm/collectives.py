@@ -10,12 +10,13 @@
 
 from __future__ import annotations
 
-import threading
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["CollectiveError", "world", "all_to_all", "all_gather", "all_reduce_sum", "all_gather_object"]
+__all__ = ["CollectiveError", "world", "all_to_all_async", "all_gather_async", "all_reduce_async", "then", "wait",
+           "done", "all_reduce_sum", "all_gather_object"]
 
 
 class CollectiveError(RuntimeError):
@@ -39,55 +40,81 @@ def _fail(op: str, group: dist.ProcessGroup | None, exc: BaseException) -> Colle
     )
 
 
-_LOCAL = threading.local()
+# ------------------------------------------------------------------------------ asynchronous ops
+# Every op below is *issued* on the calling thread before it returns (so collectives keep the caller's
+# program order, like torch's own) and returns a torch future. ``then`` runs a callback once the op has
+# completed: on CUDA right away, on a pool stream that waits for the op (NCCL completes futures at
+# enqueue time), on CPU on the backend's thread when the data has arrived. Callbacks never issue
+# collectives: that would break the order.
 
 
-def workspace(tag: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A reusable buffer of at least ``numel`` elements, private to the calling thread.
-
-    Large fresh CPU allocations come back from the OS as untouched pages, and faulting them in costs
-    more than decoding into them; receive buffers are therefore kept per thread and per tag. The
-    contents are garbage. Valid until the same thread asks for the same tag again.
-    """
-    cache = getattr(_LOCAL, "buffers", None)
-    if cache is None:
-        cache = _LOCAL.buffers = {}
-    key = (tag, dtype, str(device))
-    buf = cache.get(key)
-    if buf is None or buf.numel() < numel:
-        buf = cache[key] = torch.empty(max(numel, 1), dtype=dtype, device=device)
-    return buf[:numel]
+def done(value: object, device: torch.device) -> torch.futures.Future:
+    """A future that is already complete with ``value`` (world size 1, nothing to send)."""
+    fut: torch.futures.Future = torch.futures.Future(devices=[device] if device.type == "cuda" else None)
+    fut.set_result(value)
+    return fut
 
 
-def all_to_all(
-    send: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: dist.ProcessGroup | None
-) -> torch.Tensor:
-    """Exchange byte chunks: rank r's chunk i goes to rank i. Returns the received bytes, in rank order
-    (in a per-thread workspace: use them before this thread's next all_to_all)."""
-    out = workspace("all_to_all", sum(recv_splits), send.dtype, send.device)
-    if len(send_splits) == 1:  # world size 1
-        out.copy_(send[: out.numel()])
-        return out
+def then(work: object, fn: Callable[[], object], op: str, group: dist.ProcessGroup | None) -> torch.futures.Future:
+    """Future of ``fn()`` run after ``work`` (a torch Work, or an already complete future) completed.
+    A failed op surfaces as :class:`CollectiveError` naming it."""
+    fut = work if isinstance(work, torch.futures.Future) else work.get_future()  # type: ignore[attr-defined]
+
+    def cb(f: torch.futures.Future) -> object:
+        try:
+            f.value()
+        except Exception as exc:  # noqa: BLE001 — re-raised with context
+            raise _fail(op, group, exc) from exc
+        return fn()
+
+    return fut.then(cb)
+
+
+def _issue(op: str, group: dist.ProcessGroup | None, call: Callable[[], object]) -> object:
     try:
-        dist.all_to_all_single(out, send, recv_splits, send_splits, group=group)
+        return call()
     except Exception as exc:  # noqa: BLE001 — re-raised with context
-        raise _fail("all_to_all_single", group, exc) from exc
-    return out
+        raise _fail(op, group, exc) from exc
 
 
-def all_gather(payload: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Concatenation of every rank's equally sized 1-D ``payload``, in rank order (flat).
+def all_to_all_async(recv: torch.Tensor, send: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+                     group: dist.ProcessGroup | None) -> object:
+    """Issue the byte exchange (rank r's chunk i goes to rank i) into ``recv``; returns the Work."""
+    if len(send_splits) == 1:  # world size 1
+        recv.copy_(send[: recv.numel()])
+        return done(None, recv.device)
+    return _issue("all_to_all_single", group, lambda: dist.all_to_all_single(
+        recv, send, recv_splits, send_splits, group=group, async_op=True))
 
-    The result lives in a per-thread workspace: use it before this thread's next all_gather."""
+
+def all_gather_async(recv: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup | None) -> object:
+    """Issue the all-gather of equally sized 1-D ``send`` into flat ``recv`` (rank order); the Work."""
     _, size = world(group)
     if size == 1:
-        return payload.clone()
-    out = workspace("all_gather", size * payload.numel(), payload.dtype, payload.device)
+        recv.copy_(send)
+        return done(None, recv.device)
+    return _issue("all_gather_into_tensor", group, lambda: _gather_fn(recv, send, group=group, async_op=True))
+
+
+def all_reduce_async(t: torch.Tensor, group: dist.ProcessGroup | None) -> object:
+    """Issue the in-place native sum allreduce (fp32/fp16/bf16 only: never quantised bytes)."""
+    _, size = world(group)
+    if size == 1:
+        return done(None, t.device)
+    return _issue("all_reduce", group, lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True))
+
+
+def wait(fut: torch.futures.Future, op: str, group: dist.ProcessGroup | None) -> object:
+    """``fut.wait()`` with any failure as :class:`CollectiveError` (the callback chain loses the type)."""
     try:
-        _gather_fn(out, payload.contiguous(), group=group)
+        return fut.wait()
+    except CollectiveError:
+        raise
     except Exception as exc:  # noqa: BLE001
-        raise _fail("all_gather_into_tensor", group, exc) from exc
-    return out
+        msg = str(exc)
+        if "lowbit:" in msg:
+            raise CollectiveError(msg[msg.index("lowbit:"):].strip()) from exc
+        raise _fail(op, group, exc) from exc
 
 
 # torch >= 2.12 renames all_gather_into_tensor to all_gather_single (the old name warns).
@@ -116,9 +143,3 @@ def all_gather_object(obj: object, group: dist.ProcessGroup | None) -> list[obje
     except Exception as exc:  # noqa: BLE001
         raise _fail("all_gather_object", group, exc) from exc
     return out
-
-
-def barrier_device(t: torch.Tensor) -> None:
-    """Wait for queued device work on ``t``'s device (CUDA); timing needs it, CPU does not."""
-    if t.is_cuda:
-        torch.cuda.synchronize(t.device)

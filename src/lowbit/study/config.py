@@ -45,7 +45,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from lowbit.codecs.base import get_codec
+from lowbit.codecs.base import Codec, get_codec
 from lowbit.study import seed_data
 
 __all__ = [
@@ -57,15 +57,12 @@ __all__ = [
     "expand_runs",
     "check_runs",
     "codec_label",
-    "NATIVE_CODECS",
     "SCHEMA",
 ]
 
 #: Version of the run-key recipe and the result rows; bump when either changes meaning.
 SCHEMA = 1
 
-NATIVE_CODECS = ("fp32", "fp16", "bf16")
-BIASED_CODECS = ("onebit", "topk", "dettmers")  # lowbit.ddp's "auto" turns error feedback on for these
 BACKENDS = ("gloo", "nccl", "mpi")
 ALGORITHMS = ("scatter_gather", "allgather", "allreduce")
 SCHEDULES = ("cosine", "constant")
@@ -388,34 +385,14 @@ class RunConfig:
 
 def codec_label(spec: str, error_feedback: bool = False) -> str:
     """Short label in the seed's style: 32bit, 16bit, QSGD 4bit/512, 1bitSGD*/64 +EF, ..."""
-    codec = get_codec(spec)
-    p = dataclasses.asdict(codec) if dataclasses.is_dataclass(codec) else {}
-    name = codec.name
-    if name == "fp32":
-        label = "32bit"
-    elif name in ("fp16", "bf16"):
-        label = f"16bit ({name})"
-    elif name == "qsgd":
-        label = f"QSGD {p.get('bits')}bit/{p.get('bucket')}"
-        extra = [f"{k}={p[k]}" for k, d in (("norm", "max"), ("rounding", "stochastic")) if p.get(k, d) != d]
-        if extra:
-            label += " " + ",".join(extra)
-    elif name == "onebit":
-        label = "1bitSGD" if p.get("bucket") == 0 else f"1bitSGD*/{p.get('bucket')}"
-    elif name == "dettmers":
-        label = f"8bit {p.get('type')} (Dettmers)"
-    elif name == "topk":
-        label = f"top-k {p.get('ratio')}"
-    else:
-        label = spec
-    return label + (" +EF" if error_feedback else "")
+    return get_codec(spec).label + (" +EF" if error_feedback else "")
 
 
-def _feedback(cfg: StudyConfig, codec_name: str) -> bool:
-    if codec_name in NATIVE_CODECS:
+def _feedback(cfg: StudyConfig, codec: Codec) -> bool:
+    if codec.sums_on_wire:
         return False
     if cfg.error_feedback == "auto":
-        return codec_name in BIASED_CODECS
+        return codec.biased
     return bool(cfg.error_feedback)
 
 
@@ -436,7 +413,7 @@ def expand_runs(cfg: StudyConfig) -> list[RunConfig]:
             continue
         if ws == 1 and codec.name == "fp32" and not cfg.compress_at_world_size_1:
             eff = "none"
-        elif codec.name in NATIVE_CODECS:
+        elif codec.sums_on_wire:
             eff = "allreduce"
         else:
             eff = algorithm
@@ -454,7 +431,7 @@ def expand_runs(cfg: StudyConfig) -> list[RunConfig]:
         device = cfg.device if cfg.device != "auto" else ("cuda" if backend == "nccl" else "cpu")
         run = RunConfig(
             network=network, dataset=dataset, codec=codec.spec, algorithm=eff,
-            error_feedback=_feedback(cfg, codec.name) if ws > 1 or cfg.compress_at_world_size_1 else False,
+            error_feedback=_feedback(cfg, codec) if ws > 1 or cfg.compress_at_world_size_1 else False,
             world_size=ws, backend=backend, device=device, batch_size=per_worker, epochs=cfg.epochs,
             seed=seed, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
             lr_schedule=cfg.lr_schedule, optimizer=cfg.optimizer, threads_per_worker=cfg.threads_per_worker,

@@ -197,6 +197,9 @@ def train_run(
             net, codec=run.codec, algorithm=run.algorithm if run.algorithm != "none" else "scatter_gather",
             error_feedback=run.error_feedback, start_iter=run.start_iter, seed=run.seed,
         )
+        # The study reports the encode / communicate / decode split (on CUDA this synchronises the
+        # device around each phase, as a profiler does; training outside the study never pays it).
+        state.stats.timing = True
         summary = Policy.coerce(None, run.codec).summary(model)
         compressed = sum(n for spec, n in summary.items() if not spec.startswith("fp32"))
     else:
