@@ -111,9 +111,17 @@ class _Unit:
         if self.src:
             _copy_all(self.dst, self.src)
 
-    def scatter(self) -> None:
-        if self.src:
+    def scatter_into(self, buf: torch.Tensor):
+        """The completion step: copy the reduced values back into the bucket (unless reduced in place)
+        and hand DDP the bucket."""
+        if not self.src:
+            return lambda: buf
+
+        def post() -> torch.Tensor:
             _copy_all(self.src, self.dst)
+            return buf
+
+        return post
 
 
 def _copy_all(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
@@ -264,28 +272,24 @@ def hook(state: LowbitState, bucket: dist.GradBucket) -> torch.futures.Future[to
         state._advance(bucket)
         return start(buf, _FP32, group, "allreduce", "mean", stats=state.stats)
 
+    with torch.autograd.profiler.record_function("lowbit.ddp.hook"):
+        return _compressed(state, bucket, buf, group, world)
+
+
+def _compressed(state: LowbitState, bucket: dist.GradBucket, buf: torch.Tensor, group: Optional[dist.ProcessGroup],
+                world: int) -> torch.futures.Future:
     flat = buf.reshape(-1)
     lay = state._layout(bucket, flat, world)
     step_seed = state.seed * 1_000_003 + state.iter * 1_009
     futs = []
     for u in lay.units:
         u.gather()
-        fut = start(u.stage, u.codec, group, u.algorithm, "mean", u.residual, step_seed + u.seed_base,
-                    state.stats, exact=u.exact)
-        futs.append(fut.then(_scatter_back(u, buf)) if u.src or len(lay.units) > 1 else fut)
+        futs.append(start(u.stage, u.codec, group, u.algorithm, "mean", u.residual, step_seed + u.seed_base,
+                          state.stats, exact=u.exact, post=u.scatter_into(buf)))
     state._advance(bucket)
     if len(futs) == 1:
-        return futs[0]  # its value is the whole bucket (staged back, or reduced in place)
+        return futs[0]  # its value is the whole bucket, reduced
     return torch.futures.collect_all(futs).then(_bucket_value(buf))
-
-
-def _scatter_back(u: _Unit, buf: torch.Tensor):
-    def cb(f: torch.futures.Future) -> torch.Tensor:
-        f.value()
-        u.scatter()
-        return buf
-
-    return cb
 
 
 def _bucket_value(buf: torch.Tensor):

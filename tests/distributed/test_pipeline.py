@@ -144,11 +144,15 @@ def test_bytes_sent_count_what_crosses_the_wire() -> None:
     for key, (counted, spied) in ((k, v[:2]) for k, v in r0.items()):
         assert counted == spied, (key, counted, spied)
     # worked out by hand, independently of the code: 10,000 values, 2 ranks
+    # (messages come in 16-byte slots whose code streams start 16-byte aligned: lead + payload + tail)
     assert r0[("qsgd:bits=8,bucket=512", "allgather")][0] == 4 * 20 + 10_000            # 20 scales + 1 B/value
-    assert r0[("qsgd:bits=4,bucket=512", "scatter_gather")][0] == 2 * (4 * 10 + 2_500)  # 5,000 values a chunk
-    assert r0[("onebit:bucket=64", "scatter_gather")][0] == 2 * (8 * 79 + 625)
+    # 5,000 values a chunk: 10 scales (40 B, so 8 lead bytes) + 2,500 B of codes = 2,548 -> 2,560
+    assert r0[("qsgd:bits=4,bucket=512", "scatter_gather")][0] == 2 * 2_560
+    # 79 (mean+, mean-) pairs = 632 B (8 lead bytes) + 625 B of signs = 1,265 -> 1,280
+    assert r0[("onebit:bucket=64", "scatter_gather")][0] == 2 * 1_280
     assert r0[("fp16", "allreduce")][0] == 20_000                                       # ring: 2(K-1)/K x 2 B
-    # DDP: weights 10,000 + 1,000 values in qsgd 8-bit (in one payload: 22 scales), biases 110 raw fp32
+    # DDP: weights 10,000 + 1,000 values in qsgd 8-bit (in one payload: 22 scales = 88 B, 8 lead bytes,
+    # 11,096 -> 11,104), then the 110 biases raw in fp32 (440 B -> 448)
     counted, spied, calls = r0["ddp"]
     assert calls == 1
-    assert counted == 4 * 22 + 11_000 + 4 * 110
+    assert counted == 11_104 + 448

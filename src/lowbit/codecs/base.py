@@ -91,6 +91,11 @@ class Codec:
     def nbytes(self, numel: int, shape: Sequence[int] | None = None) -> int:
         raise NotImplementedError
 
+    def head_bytes(self, numel: int, shape: Sequence[int] | None = None) -> int:
+        """Bytes of the payload before its packed code stream (the scales). Collectives place payloads
+        so that the code stream starts 16-byte aligned: the kernels then move it in 16-byte vectors."""
+        return 0
+
     def encode(self, x: torch.Tensor, seed: int = 0) -> torch.Tensor:
         raise NotImplementedError
 

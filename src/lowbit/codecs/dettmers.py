@@ -157,6 +157,9 @@ class Dettmers(Codec):
             return 0
         return ceil_div(numel, self.bucket) if self.bucket else 1
 
+    def head_bytes(self, numel: int, shape: Sequence[int] | None = None) -> int:
+        return 4 * self._nscales(numel)
+
     def nbytes(self, numel: int, shape: Sequence[int] | None = None) -> int:
         return 4 * self._nscales(numel) + numel
 

@@ -61,6 +61,9 @@ class OneBit(Codec):
         rows = self._rows(numel, shape)
         return numel // rows if rows else 0
 
+    def head_bytes(self, numel: int, shape: Sequence[int] | None = None) -> int:
+        return 8 * self._groups(numel, shape)
+
     def nbytes(self, numel: int, shape: Sequence[int] | None = None) -> int:
         return 8 * self._groups(numel, shape) + (numel + 7) // 8
 

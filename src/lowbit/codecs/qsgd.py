@@ -55,6 +55,9 @@ class QSGD(Codec):
                  if v != d]
         return f"QSGD {self.bits}bit/{self.bucket}" + (" " + ",".join(extra) if extra else "")
 
+    def head_bytes(self, numel: int, shape: Sequence[int] | None = None) -> int:
+        return 4 * ceil_div(numel, self.bucket)
+
     def nbytes(self, numel: int, shape: Sequence[int] | None = None) -> int:
         return 4 * ceil_div(numel, self.bucket) + (numel * self.bits + 7) // 8
 

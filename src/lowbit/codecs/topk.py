@@ -38,6 +38,9 @@ class TopK(Codec):
     def k(self, numel: int) -> int:
         return 0 if numel == 0 else min(numel, max(1, math.ceil(self.ratio * numel)))
 
+    def head_bytes(self, numel: int, shape: Sequence[int] | None = None) -> int:
+        return 4 * self.k(numel)  # the int32 indices, then the float32 values
+
     def nbytes(self, numel: int, shape: Sequence[int] | None = None) -> int:
         return 8 * self.k(numel)
 

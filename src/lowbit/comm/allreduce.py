@@ -52,7 +52,7 @@ from lowbit.feedback import ErrorFeedback
 ALGORITHMS = ("auto", "scatter_gather", "allgather", "allreduce")
 
 __all__ = ["ALGORITHMS", "CommStats", "Handle", "all_reduce", "chunk_sizes", "bytes_sent_per_rank",
-           "resolve_algorithm", "start"]
+           "resolve_algorithm", "slot_bytes", "start"]
 
 
 @dataclasses.dataclass
@@ -136,17 +136,9 @@ def resolve_algorithm(algorithm: str, codec: Codec, k: int) -> str:
 
 def bytes_sent_per_rank(codec: Codec, n: int, k: int, algorithm: str, rank: int = 0) -> int:
     """What rank ``rank`` puts on the wire for one call of ``n`` values, predicted from the codec's sizes
-    (ring all-gather / allreduce accounting). The collectives count the buffers they really send; this
-    is the model's side (perfmodel, docs)."""
-    if k == 1 or n == 0:
-        return 0
-    algorithm = resolve_algorithm(algorithm, codec, k)
-    if algorithm == "allreduce":
-        return int(2 * (k - 1) * codec.nbytes(n) // k)
-    if algorithm == "allgather":
-        return (k - 1) * codec.nbytes(n)
-    sizes = [codec.nbytes(c) for c in chunk_sizes(n, k)]
-    return sum(s for i, s in enumerate(sizes) if i != rank) + (k - 1) * max(sizes)
+    (ring all-gather / allreduce accounting, 16-byte message slots). The collectives count the buffers
+    they really send; this is the model's side (perfmodel, docs)."""
+    return slot_bytes(codec, n, k, algorithm, rank)
 
 
 def _seed(seed: int, rank: int, chunk: int, phase: int) -> int:
@@ -186,6 +178,7 @@ def start(
     stats: CommStats | None = None,
     out: torch.Tensor | None = None,
     exact: int = 0,
+    post: Callable[[], torch.Tensor] | None = None,
 ) -> torch.futures.Future:
     """Issue one reduction now, on this thread; returns a future of ``out`` holding the result.
 
@@ -193,7 +186,9 @@ def start(
     ``exact`` (allgather only: a DDP bucket's small tensors) ride raw in fp32 in the same message and are
     summed exactly. ``residual`` ((n,) float32, updated in place) enables error feedback: x + residual is
     what gets sent. ``out`` (default ``x``) may alias ``x``; ``x`` is not read after the call's own
-    stream work. ``algorithm`` is resolved (see :func:`resolve_algorithm`).
+    stream work. ``algorithm`` is resolved (see :func:`resolve_algorithm`). ``post`` runs after the
+    result is in ``out``, in the completion callback, and its return value becomes the future's (the
+    DDP hook copies the result into its bucket and returns the bucket).
     """
     rank, k = C.world(group)
     out = x if out is None else out
@@ -203,19 +198,19 @@ def start(
     if exact and algorithm != "allgather":
         raise ValueError("exact values ride only with the allgather algorithm")
     if algorithm == "allreduce":
-        return _native(x, codec, group, op, k, stats, out)
+        return _native(x, codec, group, op, k, stats, out, post)
     n = x.numel() - exact
     comp = x[:n] if residual is None else x[:n] + residual
     if n == 0 and not exact:
         if out.data_ptr() != x.data_ptr():
             out.copy_(x)
-        return C.done(out, x.device)
+        return C.done(out if post is None else post(), x.device)
     if algorithm == "allgather":
-        return _allgather(x, comp, n, exact, codec, group, op, rank, k, residual, seed, stats, out)
-    return _scatter_gather(comp, codec, group, op, rank, k, residual, seed, stats, out)
+        return _allgather(x, comp, n, exact, codec, group, op, rank, k, residual, seed, stats, out, post)
+    return _scatter_gather(comp, codec, group, op, rank, k, residual, seed, stats, out, post)
 
 
-def _native(x, codec, group, op, k, stats, out) -> torch.futures.Future:
+def _native(x, codec, group, op, k, stats, out, post) -> torch.futures.Future:
     dt = codec.wire_dtype
     with _Timer(stats, "t_encode", x.device):
         buf = x.to(dt) if dt != torch.float32 else out if out.data_ptr() == x.data_ptr() else out.copy_(x)
@@ -231,7 +226,7 @@ def _native(x, codec, group, op, k, stats, out) -> torch.futures.Future:
         if buf.data_ptr() != out.data_ptr():
             _keep(buf)
             out.copy_(buf)
-        return out
+        return out if post is None else post()
 
     return C.then(work, finish, "all_reduce", group)
 
@@ -245,17 +240,71 @@ def _encode_with_feedback(codec: Codec, comp: torch.Tensor, residual: torch.Tens
     return payload
 
 
-def _allgather(x, comp, n, exact, codec, group, op, rank, k, residual, seed, stats, out) -> torch.futures.Future:
+#: Message slots start, and payload code streams sit, on 16-byte boundaries: the kernels then read and
+#: write the codes in 16-byte vectors on every rank's slice of a receive buffer (a misaligned slice
+#: makes Triton fall back to narrow loads).
+ALIGN = 16
+
+
+def _slot(codec: Codec, m: int) -> tuple[int, int]:
+    """(lead, size) of the message slot of an m-value payload: ``lead`` zero bytes put its code stream
+    on a 16-byte boundary, and ``size`` (a multiple of 16) holds lead + payload + tail padding."""
+    lead = -codec.head_bytes(m) % ALIGN
+    return lead, _up(lead + codec.nbytes(m))
+
+
+def _up(b: int) -> int:
+    return -(-b // ALIGN) * ALIGN
+
+
+_ZEROS: dict[torch.device, torch.Tensor] = {}
+
+
+def _zeros(nbytes: int, device: torch.device) -> torch.Tensor:
+    z = _ZEROS.get(device)
+    if z is None:
+        z = _ZEROS[device] = torch.zeros(2 * ALIGN, dtype=torch.uint8, device=device)
+    return z[:nbytes]
+
+
+def _framed(parts: list[tuple[int, torch.Tensor, int]], device: torch.device) -> torch.Tensor:
+    """One contiguous message from (lead, bytes, slot size) parts, zero-padded: a single copy kernel."""
+    pieces = []
+    for lead, payload, size in parts:
+        if lead:
+            pieces.append(_zeros(lead, device))
+        pieces.append(payload)
+        tail = size - lead - payload.numel()
+        if tail:
+            pieces.append(_zeros(tail, device))
+    if len(pieces) == 1:
+        return pieces[0]
+    return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
+
+
+def slot_bytes(codec: Codec, n: int, k: int, algorithm: str, rank: int = 0, exact: int = 0) -> int:
+    """Bytes rank ``rank`` sends in one call, 16-byte slot padding included (what the collectives count)."""
+    if k == 1 or (n == 0 and not exact):
+        return 0
+    algorithm = resolve_algorithm(algorithm, codec, k)
+    if algorithm == "allreduce":
+        return int(2 * (k - 1) * codec.nbytes(n) // k)
+    if algorithm == "allgather":
+        return (k - 1) * (_slot(codec, n)[1] + _up(4 * exact))
+    slots = [_slot(codec, c)[1] for c in chunk_sizes(n, k)]
+    return sum(s for i, s in enumerate(slots) if i != rank) + (k - 1) * max(slots)
+
+
+def _allgather(x, comp, n, exact, codec, group, op, rank, k, residual, seed, stats, out, post) -> torch.futures.Future:
     dev = x.device
     with _Timer(stats, "t_encode", dev):
         payload = _encode_with_feedback(codec, comp, residual, _seed(seed, rank, 0, 0))
         p = payload.numel()
+        lead, psize = _slot(codec, n)
+        parts = [(lead, payload, psize)]
         if exact:
-            pad = -p % 4  # the raw fp32 values start 4-byte aligned, so they can be viewed as floats
-            parts = [payload] + ([payload.new_zeros(pad)] if pad else []) + [x[n:].view(torch.uint8)]
-            send = torch.cat(parts)
-        else:
-            pad, send = 0, payload
+            parts.append((0, x[n:].view(torch.uint8), _up(4 * exact)))
+        send = _framed(parts, dev)
         s = send.numel()
         recv = torch.empty(k * s, dtype=torch.uint8, device=dev)
     work = C.all_gather_async(recv, send, group)
@@ -270,14 +319,15 @@ def _allgather(x, comp, n, exact, codec, group, op, rank, k, residual, seed, sta
             _keep(recv)
             _keep(out)
             if n:
-                codec.decode_sum([recv[i * s : i * s + p] for i in range(k)], n, out=out[:n], divide_by=divide_by)
+                codec.decode_sum([recv[i * s + lead : i * s + lead + p] for i in range(k)], n, out=out[:n],
+                                 divide_by=divide_by)
             if exact:
-                vals = recv.view(k, s)[:, p + pad :].view(torch.float32)  # (k, exact), rank order
+                vals = recv.view(k, s)[:, psize : psize + 4 * exact].view(torch.float32)  # (k, exact), rank order
                 tail = out[n:]
                 torch.sum(vals, dim=0, out=tail)
                 if divide_by != 1:
                     tail.div_(divide_by)
-        return out
+        return out if post is None else post()
 
     return C.then(work, finish, "all_gather_into_tensor", group)
 
@@ -292,29 +342,32 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return s
 
 
-def _scatter_gather(comp, codec, group, op, rank, k, residual, seed, stats, out) -> torch.futures.Future:
+def _scatter_gather(comp, codec, group, op, rank, k, residual, seed, stats, out, post) -> torch.futures.Future:
     dev = comp.device
     n = comp.numel()
     sizes = chunk_sizes(n, k)
     starts = [sum(sizes[:i]) for i in range(k)]
-    nbytes = [codec.nbytes(s) for s in sizes]
-    pmax = max(nbytes)
+    slots = [_slot(codec, m) for m in sizes]
+    nbytes = [codec.nbytes(m) for m in sizes]
+    smax = max(sz for _, sz in slots)
     # Phase 1: encode my copy of every other rank's chunk (worker quantisation); chunk i goes to rank i.
     # My own chunk stays in fp32 on this rank: it never crosses the wire, so quantising it would only
     # add error and work (its residual is 0).
     with _Timer(stats, "t_encode", dev):
-        payloads = []
+        parts = []
         for i in range(k):
             if i == rank:
                 continue
             lo, hi = starts[i], starts[i] + sizes[i]
-            payloads.append(_encode_with_feedback(codec, comp[lo:hi], None if residual is None else residual[lo:hi],
-                                                  _seed(seed, rank, i, 0)))
+            payload = _encode_with_feedback(codec, comp[lo:hi], None if residual is None else residual[lo:hi],
+                                            _seed(seed, rank, i, 0))
+            parts.append((slots[i][0], payload, slots[i][1]))
         if residual is not None:
             residual[starts[rank] : starts[rank] + sizes[rank]].zero_()
-        send = torch.cat(payloads) if payloads else torch.empty(0, dtype=torch.uint8, device=dev)
-        send_splits = [0 if i == rank else nbytes[i] for i in range(k)]
-        recv_splits = [0 if i == rank else nbytes[rank] for i in range(k)]
+        send = _framed(parts, dev)
+        send_splits = [0 if i == rank else slots[i][1] for i in range(k)]
+        my_lead, my_slot = slots[rank]
+        recv_splits = [0 if i == rank else my_slot for i in range(k)]
         recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=dev)
     work1 = C.all_to_all_async(recv, send, send_splits, recv_splits, group)
     if stats is not None:
@@ -329,7 +382,8 @@ def _scatter_gather(comp, codec, group, op, rank, k, residual, seed, stats, out)
             own_chunk = comp[starts[rank] : starts[rank] + mine]
             reduced = torch.empty(mine, dtype=torch.float32, device=dev)
             if k > 1 and mine:
-                codec.decode_sum([recv[j * nb : (j + 1) * nb] for j in range(k - 1)], mine, out=reduced)
+                codec.decode_sum([recv[j * my_slot + my_lead : j * my_slot + my_lead + nb] for j in range(k - 1)],
+                                 mine, out=reduced)
                 reduced.add_(own_chunk)
             else:
                 reduced.copy_(own_chunk)
@@ -343,9 +397,8 @@ def _scatter_gather(comp, codec, group, op, rank, k, residual, seed, stats, out)
                 if op == "mean":
                     server_err.mul_(k)
                 residual[starts[rank] : starts[rank] + mine].add_(server_err)
-            if own.numel() < pmax:  # all_gather needs equal sizes; the pad bytes are counted as sent
-                own = torch.cat([own, own.new_zeros(pmax - own.numel())])
-            gathered = torch.empty(k * pmax, dtype=torch.uint8, device=dev)
+            own = _framed([(my_lead, own, smax)], dev)  # all_gather needs equal sizes; pads count as sent
+            gathered = torch.empty(k * smax, dtype=torch.uint8, device=dev)
         work2 = C.all_gather_async(gathered, own, group)
         if stats is not None:
             stats.bytes_sent += (k - 1) * own.numel()
@@ -378,9 +431,9 @@ def _scatter_gather(comp, codec, group, op, rank, k, residual, seed, stats, out)
             _keep(out)
             for i in range(k):
                 if sizes[i]:
-                    lo = starts[i]
-                    codec.decode(gathered[i * pmax : i * pmax + nbytes[i]], sizes[i], out=out[lo : lo + sizes[i]])
-        return out
+                    lo, at = starts[i], i * smax + slots[i][0]
+                    codec.decode(gathered[at : at + nbytes[i]], sizes[i], out=out[lo : lo + sizes[i]])
+        return out if post is None else post()
 
     return C.then(work2, finish, "all_gather_into_tensor", group)
 

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Device recipe for issue 11 (2 GPUs): GPU tests, then bench_ddp over NVLink and over sockets, profiles.
+#   MODE=nvlink|sockets|profile|tests  bash benchmarks/run_device_ddp.sh
+set -uo pipefail
+export PYTHONPATH=src
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '_' | tr -cd 'A-Za-z0-9_')
+STEPS=${STEPS:-30}; ROUNDS=${ROUNDS:-3}; WARMUP=${WARMUP:-8}
+MODELS=${MODELS:-vgg19,resnet50,alexnet,gpt2_small}
+for mode in ${MODE:-tests nvlink}; do
+  case $mode in
+    tests)
+      python -m pytest -q -m gpu tests/gpu/test_nccl.py 2>&1 | tail -5 | tee "$OUT/gpu_tests_nccl.log" ;;
+    nvlink)
+      torchrun --nproc-per-node 2 benchmarks/bench_ddp.py --link nvlink --models "$MODELS" \
+        --steps "$STEPS" --rounds "$ROUNDS" --warmup "$WARMUP" --out "$OUT/ddp_2x${card}_nvlink.json" 2>&1 \
+        | grep -v "^W1\|Warning\|warn" | tail -40 ;;
+    sockets)
+      NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 torchrun --nproc-per-node 2 benchmarks/bench_ddp.py \
+        --link sockets --models "$MODELS" --steps "$STEPS" --rounds "$ROUNDS" --warmup "$WARMUP" \
+        --out "$OUT/ddp_2x${card}_sockets.json" 2>&1 | grep -v "^W1\|Warning\|warn" | tail -40 ;;
+    profile)
+      for h in ${PROFILE_HOOKS:-ddp lowbit:qsgd:bits=8,bucket=512}; do
+        torchrun --nproc-per-node 2 benchmarks/bench_ddp.py --link nvlink --models "${PROFILE_MODEL:-gpt2_small}" \
+          --hooks "$h" --steps 10 --rounds 1 --warmup 8 --profile "$OUT/prof" --profile-hook "$h" \
+          --out "$OUT/prof_run.json" 2>&1 | grep -v "^W1\|Warning\|warn" | tail -3
+      done ;;
+  esac
+done
