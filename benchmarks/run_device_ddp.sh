@@ -25,6 +25,7 @@ for mode in ${MODE:-tests nvlink}; do
         torchrun --nproc-per-node 2 benchmarks/bench_ddp.py --link nvlink --models "${PROFILE_MODEL:-gpt2_small}" \
           --hooks "$h" --steps 10 --rounds 1 --warmup 8 --profile "$OUT/prof" --profile-hook "$h" \
           --out "$OUT/prof_run.json" 2>&1 | grep -v "^W1\|Warning\|warn" | tail -3
-      done ;;
+      done
+      gzip -f "$OUT"/prof/trace_*.json ;;
   esac
 done
