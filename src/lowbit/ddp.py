@@ -30,6 +30,10 @@ Tuning guide (``LowbitState``):
 * ``error_feedback`` — ``"auto"`` (default) turns it on for biased codecs (``codec.biased``: onebit,
   topk, dettmers) and off for unbiased QSGD, whose large variance at few bits can feed on itself
   through the residual.
+* ``message_mb`` — consecutive DDP buckets of one quantised codec go out as one message once their
+  fp32 size reaches this many MiB (default 64; 0 sends every bucket alone). Each collective costs the
+  host a fixed time, which a fast link or a small model cannot hide; a compressed bucket is 4-32x
+  smaller than DDP sized it for, so fewer, larger messages pay. The last bucket of a step always flushes.
 * ``start_iter`` — DDP rebuilds its buckets after the first iteration, so compression (and error
   feedback) starts at iteration 2 by default; before, the plain fp32 allreduce runs.
 * ``state.stats`` counts calls and bytes sent; ``state.stats.timing = True`` adds the time per phase
@@ -64,39 +68,41 @@ class ConfigMismatchError(ValueError):
     """The ranks of a group registered different codecs, policies or algorithms."""
 
 
-class _Unit:
-    """One collective of a bucket: the parameters sent in one codec (plus, for allgather, the bucket's
-    fp32 parameters riding raw), their staging buffer and residual, and the views that copy between the
-    staging buffer and the bucket."""
+Member = Tuple[str, torch.Tensor]  # (parameter name, its gradient's view in a DDP bucket)
 
-    def __init__(self, state: "LowbitState", codec: Codec, members: List[Tuple[str, int, int]],
-                 exact: List[Tuple[str, int, int]], flat: torch.Tensor, algorithm: str) -> None:
+
+class _Unit:
+    """One collective: the parameters sent in one codec (plus, for allgather, fp32 parameters riding raw
+    in the same message), their staging buffer and residual, and the views that copy between the
+    staging buffer and the DDP bucket(s) they come from."""
+
+    def __init__(self, state: "LowbitState", codec: Codec, members: List[Member], exact: List[Member],
+                 algorithm: str, inplace: Optional[torch.Tensor] = None) -> None:
         self.codec = codec
         self.algorithm = algorithm
-        self.n = sum(m[2] for m in members)
-        self.exact = sum(m[2] for m in exact)
-        self.seed_base = state.order[(members or exact)[0][0]] * 7
+        self.n = sum(v.numel() for _, v in members)
+        self.exact = sum(v.numel() for _, v in exact)
         everything = members + exact
-        offsets = [o for _, o, _ in everything]
-        contiguous = all(offsets[i] + everything[i][2] == offsets[i + 1] for i in range(len(everything) - 1))
-        if contiguous and flat.dtype == torch.float32:
+        self.seed_base = state.order[everything[0][0]] * 7
+        device = everything[0][1].device
+        if inplace is not None:
             # The bucket already holds these values in this order: work on it directly, no copies.
-            lo = offsets[0]
-            self.stage = flat[lo : lo + self.n + self.exact]
+            self.stage = inplace
             self.src: List[torch.Tensor] = []
             self.dst: List[torch.Tensor] = []
         else:
-            self.stage = torch.empty(self.n + self.exact, dtype=torch.float32, device=flat.device)
-            self.src = [flat[o : o + n] for _, o, n in everything]
+            self.stage = torch.empty(self.n + self.exact, dtype=torch.float32, device=device)
+            self.src = [v for _, v in everything]
             pos, self.dst = 0, []
-            for _, _, n in everything:
-                self.dst.append(self.stage[pos : pos + n])
-                pos += n
+            for v in self.src:
+                self.dst.append(self.stage[pos : pos + v.numel()])
+                pos += v.numel()
         self.residual: Optional[torch.Tensor] = None
         if state.uses_feedback(codec) and self.n:
-            self.residual = torch.zeros(self.n, dtype=torch.float32, device=flat.device)
+            self.residual = torch.zeros(self.n, dtype=torch.float32, device=device)
             pos = 0
-            for name, _, n in members:
+            for name, v in members:
+                n = v.numel()
                 view = self.residual[pos : pos + n]
                 old = state.residuals.get(name)
                 if old is not None:
@@ -111,14 +117,17 @@ class _Unit:
         if self.src:
             _copy_all(self.dst, self.src)
 
-    def scatter_into(self, buf: torch.Tensor):
-        """The completion step: copy the reduced values back into the bucket (unless reduced in place)
-        and hand DDP the bucket."""
-        if not self.src:
+    def finisher(self, buf: torch.Tensor, waiting: List[Tuple[torch.futures.Future, torch.Tensor]]):
+        """The completion step: copy the reduced values back into the bucket(s) (unless reduced in place),
+        complete the futures of the coalesced buckets before this one, and hand DDP this bucket."""
+        if not self.src and not waiting:
             return lambda: buf
 
         def post() -> torch.Tensor:
-            _copy_all(self.src, self.dst)
+            if self.src:
+                _copy_all(self.src, self.dst)
+            for fut, b in waiting:
+                fut.set_result(b)
             return buf
 
         return post
@@ -135,7 +144,13 @@ def _copy_all(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
 
 
 class _Layout:
-    """How one DDP bucket maps onto lowbit's collectives; built once per (rebuilt) bucket."""
+    """How one DDP bucket maps onto lowbit's collectives; built once per (rebuilt) bucket.
+
+    ``units``: the bucket's own collectives. ``coalesce``: when the bucket is one quantised codec (plus
+    fp32 tensors that can ride along), ``(codec, members, exact)`` instead, so that consecutive such
+    buckets go out as one message of at least ``state.message_mb`` (few, large collectives: each one
+    costs the host a fixed time, which a fast link or a small model cannot hide).
+    """
 
     def __init__(self, state: "LowbitState", bucket: dist.GradBucket, flat: torch.Tensor, k: int) -> None:
         groups: Dict[str, Tuple[Codec, List[Tuple[str, int, int]]]] = {}
@@ -148,9 +163,6 @@ class _Layout:
             codec = state.plan[name]
             groups.setdefault(codec.spec, (codec, []))[1].append((name, offset, p.numel()))
             offset += p.numel()
-        # Canonical order (model order, codecs by spec): DDP's first-iteration buckets list parameters in
-        # forward order and rebuilt ones in gradient-ready order; sorting makes the payloads and so the
-        # results independent of that, which keeps resumed runs bit-identical.
         # Quantised groups in canonical order (model order, codecs by spec): DDP's first-iteration
         # buckets list parameters in forward order and rebuilt ones in gradient-ready order; sorting
         # makes the payloads and so the results independent of that. Groups summed natively are
@@ -159,16 +171,33 @@ class _Layout:
         ordered = [(c, m if c.sums_on_wire else sorted(m, key=lambda t: order[t[0]]))
                    for _, (c, m) in sorted(groups.items())]
         quantised = [c for c, _ in ordered if not c.sums_on_wire]
+
+        def views(m: List[Tuple[str, int, int]]) -> List[Member]:
+            return [(name, flat[o : o + n]) for name, o, n in m]
+
         rider = None
         if quantised and resolve_algorithm(state.algorithm, quantised[0], k) == "allgather":
             # the fp32 tensors ride raw in the first quantised unit's message: one collective per bucket
             rider = next((m for c, m in ordered if c.spec == _FP32.spec), None)
+        self.coalesce: Optional[Tuple[Codec, List[Member], List[Member]]] = None
+        rest = [c for c, m in ordered if m is not rider]
+        if len(rest) == 1 and not rest[0].sums_on_wire and flat.dtype == torch.float32:
+            m = next(m for c, m in ordered if c is rest[0])
+            self.coalesce = (rest[0], views(m), views(rider or []))
         self.units: List[_Unit] = []
         for c, m in ordered:
             if m is rider:
                 continue
-            extra = rider if (rider is not None and c is quantised[0]) else []
-            self.units.append(_Unit(state, c, m, extra or [], flat, resolve_algorithm(state.algorithm, c, k)))
+            extra = (rider or []) if (rider is not None and c is quantised[0]) else []
+            everything = m + extra
+            offsets = [o for _, o, _ in everything]
+            inplace = None
+            if flat.dtype == torch.float32 and all(
+                    offsets[i] + everything[i][2] == offsets[i + 1] for i in range(len(everything) - 1)):
+                lo = offsets[0]
+                inplace = flat[lo : lo + sum(n for _, _, n in everything)]
+            self.units.append(_Unit(state, c, views(m), views(extra), resolve_algorithm(state.algorithm, c, k),
+                                    inplace))
 
 
 class LowbitState:
@@ -184,6 +213,7 @@ class LowbitState:
         start_iter: int = 2,
         seed: int = 0,
         policy_fingerprint: str = "",
+        message_mb: float = 64.0,
     ) -> None:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {list(ALGORITHMS)}")
@@ -191,6 +221,8 @@ class LowbitState:
             raise ValueError(f"error_feedback must be True, False or 'auto', got {error_feedback!r}")
         if start_iter < 0:
             raise ValueError(f"start_iter must be >= 0, got {start_iter}")
+        if isinstance(message_mb, bool) or not isinstance(message_mb, (int, float)) or not message_mb >= 0:
+            raise ValueError(f"message_mb must be a number >= 0 (0: one message per DDP bucket), got {message_mb!r}")
         self.process_group = process_group
         self.plan = plan                      # parameter name -> codec
         self.params = params                  # id(parameter) -> name
@@ -205,6 +237,10 @@ class LowbitState:
         self.stats = CommStats()
         self._devices: Dict[str, torch.device] = {}
         self._layouts: Dict[Tuple[int, int, int], _Layout] = {}
+        self.message_mb = message_mb
+        self._pending: List[Tuple[_Layout, torch.Tensor, torch.futures.Future]] = []
+        self._pending_bytes = 0
+        self._groups: Dict[Tuple[int, ...], _Unit] = {}
 
     # ------------------------------------------------------------------------------ helpers
     def uses_feedback(self, codec: Codec) -> bool:
@@ -219,6 +255,7 @@ class LowbitState:
             "algorithm": self.algorithm,
             "error_feedback": self.error_feedback,
             "start_iter": self.start_iter,
+            "message_mb": self.message_mb,
             "policy": self.policy_fingerprint,
             "plan": {name: c.spec for name, c in sorted(self.plan.items())},
         }
@@ -254,11 +291,15 @@ class LowbitState:
         self.iter = int(state["iter"])
         self.residuals = {k: v.to(self._devices.get(k, "cpu")).clone() for k, v in state["residuals"].items()}
         self._layouts.clear()  # rebuilt on the next step, from these residuals
+        self._groups.clear()
 
     def __getstate__(self) -> Dict[str, Any]:
         d = dict(self.__dict__)
         d["process_group"] = None
         d["_layouts"] = {}
+        d["_groups"] = {}
+        d["_pending"] = []
+        d["_pending_bytes"] = 0
         return d
 
 
@@ -281,15 +322,64 @@ def _compressed(state: LowbitState, bucket: dist.GradBucket, buf: torch.Tensor, 
     flat = buf.reshape(-1)
     lay = state._layout(bucket, flat, world)
     step_seed = state.seed * 1_000_003 + state.iter * 1_009
+    last = bucket.is_last()
+    state._advance(bucket)
+    if lay.coalesce is not None and state.message_mb > 0:
+        pending = state._pending
+        if pending and pending[0][0].coalesce[0].spec != lay.coalesce[0].spec:
+            _flush(state, group, world, step_seed, None)
+        state._pending_bytes += 4 * flat.numel()
+        if last or state._pending_bytes >= state.message_mb * 2**20:
+            return _flush(state, group, world, step_seed, (lay, buf))  # type: ignore[return-value]
+        fut: torch.futures.Future = torch.futures.Future(devices=[flat.device] if flat.is_cuda else None)
+        state._pending.append((lay, buf, fut))
+        return fut
+    if state._pending:
+        _flush(state, group, world, step_seed, None)
     futs = []
     for u in lay.units:
         u.gather()
         futs.append(start(u.stage, u.codec, group, u.algorithm, "mean", u.residual, step_seed + u.seed_base,
-                          state.stats, exact=u.exact, post=u.scatter_into(buf)))
-    state._advance(bucket)
+                          state.stats, exact=u.exact, post=u.finisher(buf, [])))
     if len(futs) == 1:
         return futs[0]  # its value is the whole bucket, reduced
     return torch.futures.collect_all(futs).then(_bucket_value(buf))
+
+
+def _flush(state: LowbitState, group: Optional[dist.ProcessGroup], world: int, step_seed: int,
+           current: Optional[Tuple[_Layout, torch.Tensor]]) -> Optional[torch.futures.Future]:
+    """Issue the coalesced buckets waiting in ``state._pending`` (and ``current``) as one collective.
+    Returns the future of ``current``'s bucket; the waiting buckets' futures complete with it."""
+    entries = [(lay, b) for lay, b, _ in state._pending] + ([current] if current is not None else [])
+    waiting = [(f, b) for _, b, f in state._pending]
+    state._pending, state._pending_bytes = [], 0
+    buf_out = current[1] if current is not None else waiting[-1][1]
+    key = tuple(id(lay) for lay, _ in entries)
+    unit = state._groups.get(key)
+    if unit is None:
+        if len(entries) == 1:
+            unit = entries[0][0].units[0]
+        else:
+            codec = entries[0][0].coalesce[0]  # type: ignore[index]
+            members = sorted((m for lay, _ in entries for m in lay.coalesce[1]),  # type: ignore[index]
+                             key=lambda m: state.order[m[0]])
+            exact = [m for lay, _ in entries for m in lay.coalesce[2]]  # type: ignore[index]
+            unit = _Unit(state, codec, members, exact, entries[0][0].units[0].algorithm)
+        state._groups[key] = unit
+    unit.gather()
+    fut = start(unit.stage, unit.codec, group, unit.algorithm, "mean", unit.residual, step_seed + unit.seed_base,
+                state.stats, exact=unit.exact, post=unit.finisher(buf_out, waiting))
+    if waiting:
+        def fail(f: torch.futures.Future) -> None:
+            try:
+                f.value()
+            except Exception as exc:  # noqa: BLE001 — every waiting bucket fails with the collective
+                for w, _ in waiting:
+                    if not w.done():
+                        w.set_exception(exc)
+
+        fut.add_done_callback(fail)
+    return fut if current is not None else None
 
 
 def _bucket_value(buf: torch.Tensor):
@@ -325,6 +415,7 @@ def make_state(
     start_iter: int = 2,
     seed: int = 0,
     process_group: Optional[dist.ProcessGroup] = None,
+    message_mb: float = 64.0,
 ) -> LowbitState:
     """Build the hook's state for ``module`` (the model *inside* DDP) without registering it.
 
@@ -338,7 +429,8 @@ def make_state(
     pol = Policy.coerce(policy, codec)
     plan = pol.resolve(module)
     params = {id(p): name for name, p in module.named_parameters() if p.requires_grad}
-    state = LowbitState(process_group, plan, params, algorithm, error_feedback, start_iter, seed, pol.fingerprint())
+    state = LowbitState(process_group, plan, params, algorithm, error_feedback, start_iter, seed, pol.fingerprint(),
+                        message_mb)
     state._devices = {name: p.device for name, p in module.named_parameters()}
     return state
 
@@ -352,6 +444,7 @@ def register(
     start_iter: int = 2,
     seed: int = 0,
     process_group: Optional[dist.ProcessGroup] = None,
+    message_mb: float = 64.0,
 ) -> LowbitState:
     """Install lowbit's comm hook on ``ddp_model`` and return its state.
 
@@ -363,7 +456,7 @@ def register(
     if module is None or not hasattr(ddp_model, "register_comm_hook"):
         raise ValueError("lowbit.ddp.register expects a torch.nn.parallel.DistributedDataParallel model")
     group = process_group if process_group is not None else getattr(ddp_model, "process_group", None)
-    state = make_state(module, codec, algorithm, policy, error_feedback, start_iter, seed, group)
+    state = make_state(module, codec, algorithm, policy, error_feedback, start_iter, seed, group, message_mb)
     _check_same_config(state, group)
     ddp_model.register_comm_hook(state, hook)
     return state
