@@ -241,6 +241,7 @@ class LowbitState:
         self._pending: List[Tuple[_Layout, torch.Tensor, torch.futures.Future]] = []
         self._pending_bytes = 0
         self._groups: Dict[Tuple[int, ...], _Unit] = {}
+        self._world: Optional[Tuple[int, int]] = None  # (rank, size), read once
 
     # ------------------------------------------------------------------------------ helpers
     def uses_feedback(self, codec: Codec) -> bool:
@@ -300,21 +301,25 @@ class LowbitState:
         d["_groups"] = {}
         d["_pending"] = []
         d["_pending_bytes"] = 0
+        d["_world"] = None
         return d
 
 
 def hook(state: LowbitState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: low-precision mean of the bucket's gradients across the group."""
     group = state.process_group
-    _, world = C.world(group)
+    if state._world is None:
+        state._world = C.world(group)
+    world = state._world[1]
     buf = bucket.buffer()
     if state.iter < state.start_iter:
         # Before DDP's bucket rebuild: the plain fp32 allreduce, as torch's own hook does it.
         state._advance(bucket)
-        return start(buf, _FP32, group, "allreduce", "mean", stats=state.stats)
-
-    with torch.autograd.profiler.record_function("lowbit.ddp.hook"):
-        return _compressed(state, bucket, buf, group, world)
+        return start(buf, _FP32, group, "allreduce", "mean", stats=state.stats, world=state._world)
+    if torch.autograd.profiler._is_profiler_enabled:  # a range for torch.profiler, free otherwise
+        with torch.autograd.profiler.record_function("lowbit.ddp.hook"):
+            return _compressed(state, bucket, buf, group, world)
+    return _compressed(state, bucket, buf, group, world)
 
 
 def _compressed(state: LowbitState, bucket: dist.GradBucket, buf: torch.Tensor, group: Optional[dist.ProcessGroup],
@@ -340,7 +345,7 @@ def _compressed(state: LowbitState, bucket: dist.GradBucket, buf: torch.Tensor, 
     for u in lay.units:
         u.gather()
         futs.append(start(u.stage, u.codec, group, u.algorithm, "mean", u.residual, step_seed + u.seed_base,
-                          state.stats, exact=u.exact, post=u.finisher(buf, [])))
+                          state.stats, exact=u.exact, post=u.finisher(buf, []), world=state._world))
     if len(futs) == 1:
         return futs[0]  # its value is the whole bucket, reduced
     return torch.futures.collect_all(futs).then(_bucket_value(buf))
@@ -368,7 +373,7 @@ def _flush(state: LowbitState, group: Optional[dist.ProcessGroup], world: int, s
         state._groups[key] = unit
     unit.gather()
     fut = start(unit.stage, unit.codec, group, unit.algorithm, "mean", unit.residual, step_seed + unit.seed_base,
-                state.stats, exact=unit.exact, post=unit.finisher(buf_out, waiting))
+                state.stats, exact=unit.exact, post=unit.finisher(buf_out, waiting), world=state._world)
     if waiting:
         def fail(f: torch.futures.Future) -> None:
             try:

@@ -179,6 +179,7 @@ def start(
     out: torch.Tensor | None = None,
     exact: int = 0,
     post: Callable[[], torch.Tensor] | None = None,
+    world: tuple[int, int] | None = None,
 ) -> torch.futures.Future:
     """Issue one reduction now, on this thread; returns a future of ``out`` holding the result.
 
@@ -188,9 +189,10 @@ def start(
     what gets sent. ``out`` (default ``x``) may alias ``x``; ``x`` is not read after the call's own
     stream work. ``algorithm`` is resolved (see :func:`resolve_algorithm`). ``post`` runs after the
     result is in ``out``, in the completion callback, and its return value becomes the future's (the
-    DDP hook copies the result into its bucket and returns the bucket).
+    DDP hook copies the result into its bucket and returns the bucket). ``world``: (rank, size) in
+    ``group`` when the caller already knows them.
     """
-    rank, k = C.world(group)
+    rank, k = C.world(group) if world is None else world
     out = x if out is None else out
     algorithm = resolve_algorithm(algorithm, codec, k)
     if stats is not None:
