@@ -12,6 +12,8 @@
 Hook configs (``--hooks``, separated by ``;`` since codec specs contain commas):
 
 * ``ddp`` — plain DDP, no hook (its fp32 bucketed allreduce);
+* ``allreduce`` — ``default_hooks.allreduce_hook``: plain DDP's fp32 allreduce, but called as a Python
+  hook (what any Python comm hook costs the host, before it does any work);
 * ``fp16`` / ``bf16`` — ``default_hooks.fp16_compress_hook`` / ``bf16_compress_hook``;
 * ``powersgd`` — ``powerSGD_hook`` with rank 4, ``start_powerSGD_iter=2``, error feedback, warm start;
 * ``lowbit:SPEC`` — ``lowbit.ddp.register(ddp_model, codec=SPEC)`` (``--lowbit-algorithm`` passed as
@@ -141,6 +143,9 @@ def register_hook(model: DDP, hook: str, args: argparse.Namespace) -> Any:
 
     if hook == "ddp":
         return None
+    if hook == "allreduce":  # torch's fp32 allreduce as a Python hook: the floor of any Python comm hook
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
+        return None
     if hook == "fp16":
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
         return None
@@ -158,6 +163,8 @@ def register_hook(model: DDP, hook: str, args: argparse.Namespace) -> Any:
     kw: dict[str, Any] = {"codec": hook[len("lowbit:"):]}
     if args.lowbit_algorithm:
         kw["algorithm"] = args.lowbit_algorithm
+    if args.lowbit_message_mb is not None:
+        kw["message_mb"] = args.lowbit_message_mb
     return lowbit.ddp.register(model, **kw)
 
 
@@ -408,6 +415,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"comma-separated lowbit.models names or mlp10m (default {GPU_MODELS}; CPU: {CPU_MODELS})")
     p.add_argument("--hooks", default=None,
                    help=f"hook configs separated by ';' (default {GPU_HOOKS!r}; CPU: {CPU_HOOKS!r})")
+    p.add_argument("--lowbit-message-mb", type=float, default=None,
+                   help="message_mb= for lowbit.ddp.register (default: library's)")
     p.add_argument("--lowbit-algorithm", default=None, help="algorithm= for lowbit.ddp.register (default: library's)")
     p.add_argument("--batch", type=int, default=64, help="per-rank batch of the CNNs and the MLP")
     p.add_argument("--gpt-batch", type=int, default=16, help="per-rank batch of gpt2_small")
