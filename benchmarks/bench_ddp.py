@@ -129,9 +129,9 @@ def make_batch(feed: dict[str, Any], device: torch.device, seed: int) -> tuple[t
 def parse_hooks(text: str) -> list[str]:
     hooks = [h.strip() for h in text.split(";") if h.strip()]
     for h in hooks:
-        if h not in ("ddp", "fp16", "bf16", "powersgd") and not (h.startswith("lowbit:") and len(h) > 7):
+        if h not in ("ddp", "allreduce", "fp16", "bf16", "powersgd") and not (h.startswith("lowbit:") and len(h) > 7):
             raise SystemExit(f"bench_ddp: unknown hook config {h!r} "
-                             "(ddp, fp16, bf16, powersgd or lowbit:SPEC; separate configs with ';')")
+                             "(ddp, allreduce, fp16, bf16, powersgd or lowbit:SPEC; separate configs with ';')")
     if len(set(hooks)) != len(hooks):
         raise SystemExit(f"bench_ddp: a hook config is listed twice: {hooks}")
     return hooks
