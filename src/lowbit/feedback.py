@@ -53,8 +53,15 @@ class ErrorFeedback:
         return flat + e
 
     def update(self, key: Hashable, compensated: torch.Tensor, delivered: torch.Tensor) -> None:
-        """e = compensated - delivered (both flat float32)."""
-        self.residuals[key] = compensated - delivered
+        """e = compensated - delivered (both flat float32). A step whose input was not finite leaves the
+        residual as it was (its Inf/NaN still reaches the output, so AMP's GradScaler skips the step)."""
+        new = compensated - delivered
+        old = self.residuals.get(key)
+        if old is not None:
+            new = torch.where(torch.isfinite(compensated).all(), new, old)
+        else:
+            new = torch.where(torch.isfinite(compensated).all(), new, torch.zeros_like(new))
+        self.residuals[key] = new
 
     def encode(
         self, key: Hashable, x: torch.Tensor, seed: int = 0, shape: Sequence[int] | None = None

@@ -204,6 +204,8 @@ def start(
         return _native(x, codec, group, op, k, stats, out, post)
     n = x.numel() - exact
     comp = x[:n] if residual is None else x[:n] + residual
+    if residual is not None and n:
+        post = _guard_residual(residual, out, n, post)
     if n == 0 and not exact:
         if out.data_ptr() != x.data_ptr():
             out.copy_(x)
@@ -211,6 +213,23 @@ def start(
     if algorithm == "allgather":
         return _allgather(x, comp, n, exact, codec, group, op, rank, k, residual, seed, stats, out, post)
     return _scatter_gather(comp, codec, group, op, rank, k, residual, seed, stats, out, post)
+
+
+def _guard_residual(residual: torch.Tensor, out: torch.Tensor, n: int,
+                    post: Callable[[], torch.Tensor] | None) -> Callable[[], torch.Tensor]:
+    """A non-finite step must not poison error feedback: when the reduced result holds an Inf or NaN
+    (some rank sent one, so every rank sees it, and AMP's GradScaler skips the step everywhere), every
+    rank puts its residual back to its value before the step, as if the step had not happened. Decided
+    on the device (no host synchronisation): the residual is saved before the step and selected after."""
+    prev = residual.clone()
+
+    def guarded() -> torch.Tensor:
+        _keep(prev)
+        ok = torch.isfinite(out[:n]).all()
+        torch.where(ok, residual, prev, out=residual)
+        return out if post is None else post()
+
+    return guarded
 
 
 def _native(x, codec, group, op, k, stats, out, post) -> torch.futures.Future:
