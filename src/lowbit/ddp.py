@@ -236,6 +236,7 @@ class LowbitState:
         self.residuals: Dict[str, torch.Tensor] = {}
         self.stats = CommStats()
         self._devices: Dict[str, torch.device] = {}
+        self._numels: Dict[str, int] = {}
         self._layouts: Dict[Tuple[int, int, int], _Layout] = {}
         self.message_mb = message_mb
         self._pending: List[Tuple[_Layout, torch.Tensor, torch.futures.Future]] = []
@@ -277,20 +278,61 @@ class LowbitState:
 
     # ------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> Dict[str, Any]:
+        """Iteration counter, configuration, this rank's error-feedback residuals (per parameter), and the
+        rank and world size they belong to: save one per rank."""
+        rank, size = self._world if self._world is not None else C.world(self.process_group)
         return {
             "iter": self.iter,
             "config": self.config(),
+            "rank": rank,
+            "world_size": size,
             "residuals": {k: v.detach().cpu().clone() for k, v in self.residuals.items()},
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`, after checking it: same configuration, same rank and world size
+        (residuals are per rank), a non-negative integer ``iter``, and one finite float tensor of the
+        right size per known parameter. Anything else is a ``ValueError`` naming the problem."""
+        if not isinstance(state, dict) or not {"iter", "config", "residuals"} <= set(state):
+            raise ValueError("lowbit checkpoint must be a dict with 'iter', 'config' and 'residuals' "
+                             f"(from LowbitState.state_dict()), got {type(state).__name__}"
+                             + (f" with keys {sorted(state)}" if isinstance(state, dict) else ""))
         if state.get("config") != self.config():
             raise ValueError(
                 "lowbit checkpoint was saved with a different codec/policy/algorithm configuration: "
                 f"saved {state.get('config')}, current {self.config()}"
             )
-        self.iter = int(state["iter"])
-        self.residuals = {k: v.to(self._devices.get(k, "cpu")).clone() for k, v in state["residuals"].items()}
+        it = state["iter"]
+        if isinstance(it, bool) or not isinstance(it, int) or it < 0:
+            raise ValueError(f"lowbit checkpoint: 'iter' must be a non-negative int, got {it!r}")
+        if "world_size" in state:
+            rank, size = self._world if self._world is not None else C.world(self.process_group)
+            if (state["rank"], state["world_size"]) != (rank, size):
+                raise ValueError(
+                    f"lowbit checkpoint was saved by rank {state['rank']} of {state['world_size']}, this is rank "
+                    f"{rank} of {size}: error-feedback residuals belong to one rank of one world size; save "
+                    "state_dict() on every rank and load each rank's own (or start a new lowbit state)")
+        residuals = state["residuals"]
+        if not isinstance(residuals, dict):
+            raise ValueError(f"lowbit checkpoint: 'residuals' must be a dict, got {type(residuals).__name__}")
+        unknown = sorted(set(residuals) - set(self.plan))
+        if unknown:
+            raise ValueError(f"lowbit checkpoint holds residuals of parameters this model does not have: {unknown[:5]}"
+                             + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""))
+        loaded = {}
+        for name, v in residuals.items():
+            if not isinstance(v, torch.Tensor) or not v.is_floating_point():
+                raise ValueError(f"lowbit checkpoint: the residual of {name} must be a float tensor, got "
+                                 f"{getattr(v, 'dtype', type(v).__name__)}")
+            want = self._numels.get(name)
+            if want is not None and v.numel() != want:
+                raise ValueError(f"lowbit checkpoint: the residual of {name} has {v.numel()} values, the "
+                                 f"parameter has {want}")
+            if not bool(torch.isfinite(v).all()):
+                raise ValueError(f"lowbit checkpoint: the residual of {name} holds Inf or NaN")
+            loaded[name] = v.detach().to(self._devices.get(name, "cpu"), torch.float32).reshape(-1).clone()
+        self.iter = it
+        self.residuals = loaded
         self._layouts.clear()  # rebuilt on the next step, from these residuals
         self._groups.clear()
 
@@ -437,6 +479,7 @@ def make_state(
     state = LowbitState(process_group, plan, params, algorithm, error_feedback, start_iter, seed, pol.fingerprint(),
                         message_mb)
     state._devices = {name: p.device for name, p in module.named_parameters()}
+    state._numels = {name: p.numel() for name, p in module.named_parameters()}
     return state
 
 

@@ -87,11 +87,23 @@ class ErrorFeedback:
         }
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device | str | None = None) -> None:
+        if not isinstance(state, dict):
+            raise ValueError(f"error-feedback checkpoint must be a dict (from state_dict()), got {type(state).__name__}")
         if state.get("codec") != self.codec.spec:
             raise ValueError(
                 f"error-feedback checkpoint was saved for codec {state.get('codec')!r}, "
                 f"but this state uses {self.codec.spec!r}"
             )
+        residuals = state.get("residuals")
+        if not isinstance(residuals, dict):
+            raise ValueError(f"error-feedback checkpoint: 'residuals' must be a dict, got {type(residuals).__name__}")
+        for k, v in residuals.items():
+            if not isinstance(v, torch.Tensor) or not v.is_floating_point():
+                raise ValueError(f"error-feedback checkpoint: residual {k!r} must be a float tensor, got "
+                                 f"{getattr(v, 'dtype', type(v).__name__)}")
+            if not bool(torch.isfinite(v).all()):
+                raise ValueError(f"error-feedback checkpoint: residual {k!r} holds Inf or NaN")
         self.residuals = {
-            k: (v.to(device) if device is not None else v).clone() for k, v in state["residuals"].items()
+            k: (v.to(device) if device is not None else v).to(torch.float32).reshape(-1).clone()
+            for k, v in residuals.items()
         }

@@ -72,3 +72,94 @@ def test_grad_scaler_skips_an_injected_inf_on_every_rank_then_training_goes_on(s
         assert all(torch.isfinite(p).all() for p in r["params"])
     for a, b in zip(r0["params"], r1["params"]):
         assert torch.equal(a, b)
+
+
+def _body_disagree(rank: int, world: int) -> list[str]:
+    msgs = []
+    cases = [
+        lambda: lowbit.all_reduce(torch.ones(100), "fp16" if rank == 0 else "bf16", algorithm="allreduce"),
+        lambda: lowbit.all_reduce(torch.ones(100 + rank), "qsgd:bits=8"),
+        lambda: lowbit.all_reduce(torch.ones(0 if rank == 1 else 50), "qsgd:bits=4", algorithm="allgather"),
+    ]
+    for case in cases:
+        try:
+            case()
+            msgs.append("no error")
+        except lowbit.comm.CollectiveError as exc:
+            msgs.append(str(exc))
+    t = torch.full((64,), float(rank))
+    lowbit.all_reduce(t, "fp32", algorithm="allreduce")  # the ranks are still in step
+    msgs.append(str(float(t[0])))
+    return msgs
+
+
+def test_ranks_that_disagree_get_the_same_clear_error() -> None:
+    m0, m1 = spawn(_body_disagree, 2, backend="gloo", timeout_s=60)
+    assert m0 == m1
+    assert "codec fp16" in m0[0] and "codec bf16" in m0[0]
+    assert "numel 100" in m0[1] and "numel 101" in m0[1]
+    assert "numel 0" in m0[2] and "numel 50" in m0[2]
+    assert m0[3] == "0.5"
+
+
+def _body_checkpoint(rank: int, world: int) -> dict:
+    import copy
+
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)))
+    state = lowbit.ddp.register(model, codec="onebit:bucket=64", start_iter=0)
+    for _ in range(3):
+        model(torch.randn(8, 16)).sum().backward()
+    good = state.state_dict()
+    others = [None] * world
+    torch.distributed.all_gather_object(others, good)
+    name = next(iter(good["residuals"]))
+    bad = {
+        "iter str": {**good, "iter": "3"},
+        "iter negative": {**good, "iter": -1},
+        "nan residual": {**good, "residuals": {**good["residuals"], name: torch.full_like(good["residuals"][name], float("nan"))}},
+        "int residual": {**good, "residuals": {**good["residuals"], name: torch.zeros(good["residuals"][name].numel(), dtype=torch.int64)}},
+        "wrong size": {**good, "residuals": {**good["residuals"], name: torch.zeros(3)}},
+        "unknown name": {**good, "residuals": {**good["residuals"], "nope.weight": torch.zeros(3)}},
+        "world size": {**good, "world_size": 3},
+        "other rank's": others[1 - rank],
+        "not a dict": "checkpoint.pt",
+    }
+    msgs = {}
+    for what, sd in bad.items():
+        try:
+            state.load_state_dict(copy.deepcopy(sd))
+            msgs[what] = "accepted"
+        except ValueError as exc:
+            msgs[what] = str(exc)
+    state.load_state_dict(good)  # the real one still loads
+    msgs["good"] = "ok"
+    return msgs
+
+
+def test_checkpoint_load_validates_everything() -> None:
+    for m in spawn(_body_checkpoint, 2, backend="gloo", timeout_s=60):
+        assert m["good"] == "ok"
+        assert "non-negative int" in m["iter str"] and "non-negative int" in m["iter negative"]
+        assert "Inf or NaN" in m["nan residual"]
+        assert "float tensor" in m["int residual"]
+        assert "has 3 values" in m["wrong size"]
+        assert "nope.weight" in m["unknown name"]
+        assert "of 3" in m["world size"] and "load each rank's own" in m["world size"]
+        assert "saved by rank" in m["other rank's"]
+        assert "must be a dict" in m["not a dict"]
+
+
+@pytest.mark.parametrize("spec", ["fp32", "fp16", "qsgd:bits=4,bucket=64", "onebit:bucket=64", "dettmers:type=dynamic",
+                                  "topk:ratio=0.1"])
+def test_bad_payloads_and_numels_are_value_errors(spec: str) -> None:
+    codec = lowbit.get_codec(spec)
+    payload = codec.encode(torch.randn(100), seed=0)
+    strided = torch.stack([payload, payload], 1).reshape(-1)[::2]  # same bytes, not contiguous
+    assert not strided.is_contiguous() or payload.numel() <= 1
+    if not strided.is_contiguous():
+        with pytest.raises(ValueError, match="contiguous"):
+            codec.decode(strided, 100)
+    for numel in (100.0, "100", True):
+        with pytest.raises(ValueError, match="numel must be an int"):
+            codec.decode(payload, numel)  # type: ignore[arg-type]

@@ -162,6 +162,10 @@ class Codec:
             raise ValueError(f"{self.name}: payload dtype must be torch.uint8, got {payload.dtype}")
         if payload.dim() != 1:
             raise ValueError(f"{self.name}: payload must be 1-D, got shape {tuple(payload.shape)}")
+        if not payload.is_contiguous():
+            raise ValueError(f"{self.name}: payload must be contiguous (a strided view was given; pass .contiguous())")
+        if isinstance(numel, bool) or not isinstance(numel, numbers.Integral):
+            raise ValueError(f"{self.name}: numel must be an int, got {type(numel).__name__} {numel!r}")
         if numel < 0:
             raise ValueError(f"{self.name}: numel must be >= 0, got {numel}")
         want = self.nbytes(numel, shape)

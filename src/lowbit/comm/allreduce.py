@@ -495,6 +495,30 @@ def _scatter_gather(comp, codec, group, op, rank, k, residual, seed, stats, out,
     return C.then(work2, finish, "all_gather_into_tensor", group)
 
 
+_AGREED: dict[tuple[int, Hashable], tuple] = {}
+
+
+def _agree(group: dist.ProcessGroup | None, key: Hashable, fingerprint: tuple) -> None:
+    """Ranks must call a collective alike. The first time a key is seen on a group, and whenever its
+    (codec, algorithm, op, numel, feedback) changes, the ranks exchange that fingerprint (one small
+    object all-gather) and all raise the same :class:`CollectiveError` on a mismatch: never a hang, an
+    abort or silently different results. Unchanged calls cost nothing."""
+    _, k = C.world(group)
+    if k == 1:
+        return
+    slot = (id(group) if group is not None else 0, key)
+    mine = (repr(key), *fingerprint)
+    if _AGREED.get(slot) == mine:
+        return
+    theirs = C.all_gather_object(mine, group)
+    if any(t != theirs[0] for t in theirs):
+        lines = "\n".join(f"  rank {r}: key {t[0]}, codec {t[1]}, algorithm {t[2]}, op {t[3]}, numel {t[4]}, "
+                          f"feedback {t[5]}" for r, t in enumerate(theirs))  # type: ignore[index]
+        _AGREED.pop(slot, None)
+        raise C.CollectiveError(f"lowbit: the ranks called all_reduce differently:\n{lines}")
+    _AGREED[slot] = mine
+
+
 class Handle:
     """What ``all_reduce(..., async_op=True)`` returns: ``wait()``, ``is_completed()`` and
     ``get_future()`` like torch's Work. On CUDA ``wait()`` makes the current stream wait (no host wait)."""
@@ -544,6 +568,8 @@ def all_reduce(
         raise ValueError(f"feedback was built for {feedback.codec.spec}, but the collective uses {codec.spec}")
     if feedback is not None and (algorithm == "allreduce" or codec.sums_on_wire):
         raise ValueError(f"{codec.spec} is summed natively and is lossless up to the cast; it takes no error feedback")
+
+    _agree(group, key, (codec.spec, algorithm, op, tensor.numel(), feedback is not None))
 
     src = tensor.detach()
     direct = src.dtype == torch.float32 and src.is_contiguous()

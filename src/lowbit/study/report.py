@@ -24,6 +24,7 @@ import html
 import math
 import os
 import statistics
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -52,8 +53,15 @@ def load_runs(results: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], di
         raise ValueError(f"no results at {store.path}")
     finished = store.finished()
     runs = []
+    malformed = 0
     for key, row in finished.items():
-        cfg = dict(row.get("config", {}))
+        problem = _malformed(row)
+        if problem:
+            malformed += 1
+            warnings.warn(f"{store.path}, line {store.line_of.get(id(row), '?')}: skipping a malformed run row "
+                          f"(key {key!r}): {problem}", RuntimeWarning, stacklevel=2)
+            continue
+        cfg = dict(row["config"])
         r = {**cfg, "key": key, "summary": row.get("summary", {}), "epoch_rows": row.get("epochs", []),
              "labels": row.get("labels", {}), "env": row.get("env", {}), "study": row.get("study", ""),
              "finished": row.get("finished", "")}
@@ -62,9 +70,35 @@ def load_runs(results: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], di
         r["bits"] = _bits(cfg["codec"])
         runs.append(r)
     incomplete = store.incomplete_attempts()
-    notes = {"path": str(store.path), "skipped_lines": store.skipped_lines, "incomplete_attempts": len(incomplete),
+    notes = {"path": str(store.path), "skipped_lines": store.skipped_lines + malformed,
+             "malformed_rows": malformed, "incomplete_attempts": len(incomplete),
              "incomplete_epochs": sum(len(v) for v in incomplete.values())}
     return runs, notes
+
+
+_ROW_FIELDS = {"network": str, "dataset": str, "codec": str, "algorithm": str, "world_size": int, "backend": str,
+               "batch_size": int, "seed": int, "epochs": int}
+
+
+def _malformed(row: dict[str, Any]) -> str:
+    """Why a run row cannot be reported ('' when it can): what the report reads must be there, typed."""
+    cfg = row.get("config")
+    if not isinstance(cfg, dict):
+        return f"'config' must be an object, got {type(cfg).__name__}"
+    for field, typ in _ROW_FIELDS.items():
+        v = cfg.get(field)
+        if not isinstance(v, typ) or isinstance(v, bool):
+            return f"config.{field} must be {typ.__name__}, got {v!r}"
+    try:
+        get_codec(cfg["codec"])
+    except ValueError as exc:
+        return f"config.codec: {exc}"
+    for field, typ in (("summary", dict), ("epochs", list), ("labels", dict), ("env", dict)):
+        if field in row and not isinstance(row[field], typ):
+            return f"'{field}' must be {'an object' if typ is dict else 'a list'}, got {type(row[field]).__name__}"
+    if any(not isinstance(e, dict) for e in row.get("epochs", [])):
+        return "'epochs' must hold objects"
+    return ""
 
 
 def _bits(spec: str) -> float:

@@ -69,10 +69,11 @@ class ResultStore:
     def rows(self) -> Iterator[dict[str, Any]]:
         """Every readable row, in file order. Lines that do not parse (a torn write) are skipped."""
         self.skipped_lines = 0
+        self.line_of: dict[int, int] = {}  # id(row) -> its line in the file, for messages
         if not self.path.exists():
             return
         with open(self.path, encoding="utf-8", errors="replace") as f:
-            for line in f:
+            for lineno, line in enumerate(f, 1):
                 line = line.strip()
                 if not line:
                     continue
@@ -82,6 +83,7 @@ class ResultStore:
                     self.skipped_lines += 1
                     continue
                 if isinstance(row, dict) and "kind" in row and "key" in row:
+                    self.line_of[id(row)] = lineno
                     yield row
                 else:
                     self.skipped_lines += 1

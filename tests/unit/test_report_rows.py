@@ -1,0 +1,48 @@
+"""`lowbit report` skips parseable but malformed run rows, with a warning naming the line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+from lowbit.study.report import load_runs, write_report
+
+REAL = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "study_cpu_default" / "results.jsonl"
+
+
+def test_malformed_rows_are_skipped_with_their_line(tmp_path: Path) -> None:
+    path = tmp_path / "results.jsonl"
+    shutil.copy(REAL, path)
+    good = [json.loads(x) for x in REAL.read_text().splitlines() if x.strip() and json.loads(x).get("kind") == "run"]
+    n_lines = len(REAL.read_text().splitlines())
+    base = good[0]
+    bad = []
+    for i, change in enumerate([
+        lambda r: r["config"].pop("codec"),
+        lambda r: r.__setitem__("summary", "fast"),
+        lambda r: r.__setitem__("epochs", [1, 2]),
+        lambda r: r["config"].__setitem__("codec", "qsgd:bits=99"),
+        lambda r: r.__setitem__("config", None),
+        lambda r: r["config"].__setitem__("world_size", "two"),
+    ]):
+        row = json.loads(json.dumps(base))
+        row["key"] = f"bad{i}"
+        change(row)
+        bad.append(row)
+    with open(path, "a") as f:
+        for row in bad:
+            f.write(json.dumps(row) + "\n")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runs, notes = load_runs(path)
+    assert len(runs) == len(good)
+    assert notes["malformed_rows"] == len(bad)
+    msgs = [str(w.message) for w in caught]
+    for i in range(len(bad)):
+        assert any(f"line {n_lines + 1 + i}:" in m and f"bad{i}" in m for m in msgs), (i, msgs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        write_report(path, tmp_path / "report")  # the whole report still renders
+    assert (tmp_path / "report" / "index.html").exists()
