@@ -163,3 +163,41 @@ def test_bad_payloads_and_numels_are_value_errors(spec: str) -> None:
     for numel in (100.0, "100", True):
         with pytest.raises(ValueError, match="numel must be an int"):
             codec.decode(payload, numel)  # type: ignore[arg-type]
+
+
+def _body_fault(rank: int, world: int, fault: str) -> str:
+    import os
+    import time
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 4))
+    model = DDP(net)
+    lowbit.ddp.register(model, codec="qsgd:bits=8,bucket=512", start_iter=0)
+    step = [0]
+
+    def die(g: torch.Tensor) -> torch.Tensor:
+        if rank == 1 and step[0] == 3 and fault == "killed":
+            os._exit(0)  # the process vanishes inside the backward pass, between two buckets' hooks
+        return g
+
+    net[2].weight.register_hook(die)
+    t0 = time.monotonic()
+    try:
+        for i in range(8):
+            step[0] = i
+            if rank == 1 and i == 3 and fault == "stalled":
+                time.sleep(14)  # past the group's 6 s timeout
+            model(torch.randn(8, 32)).sum().backward()
+    except Exception as exc:  # noqa: BLE001 — DDP re-raises the hook's CollectiveError as a RuntimeError
+        return f"{time.monotonic() - t0:.1f}|{type(exc).__name__}|{exc}"
+    return "no error"
+
+
+@pytest.mark.parametrize("fault", ["killed", "stalled"])
+def test_a_dead_or_stalled_peer_is_a_clear_error_within_the_timeout(fault: str) -> None:
+    res = spawn(_body_fault, 2, fault, backend="gloo", timeout_s=6)
+    msg = res[0]
+    assert msg != "no error", fault
+    elapsed, _, text = msg.split("|", 2)
+    assert float(elapsed) < 30, msg                         # no hang: within the timeout (plus set-up)
+    assert "lowbit:" in text and "failed on rank 0 of 2" in text, text
