@@ -7,19 +7,20 @@ or, with the raw pieces, ``model.register_comm_hook(LowbitState(...), lowbit.ddp
 
 How a step goes (per DDP bucket, as the backward pass makes it ready):
 
-1. The first time lowbit sees a (rebuilt) DDP bucket it computes its *layout*, once: which parameters
-   take which codec (:class:`lowbit.Policy`: small and 1-D tensors stay fp32, the rest is compressed),
-   in model order, with a persistent staging buffer, an error-feedback residual buffer and the views
-   that copy between them and the bucket. A bucket that is all fp32 needs none of it.
-2. ``hook`` gathers the bucket's compressed gradients into the staging buffer (one fused copy), adds
-   the residual, encodes them in one call and issues the collective, all on the calling thread and
-   without waiting: collectives keep DDP's program order (``find_unused_parameters`` and the user's own
-   collectives mix freely), and on CUDA the host never waits for the device. With the ``allgather``
-   algorithm (the default for two ranks) the bucket's fp32 tensors ride raw in the same message: one
-   collective per bucket.
-3. Decoding, the mean and the copy back into the bucket run when the data has arrived: on CUDA on a
+1. Once, lowbit splits the model's quantised parameters into *message groups* (consecutive tensors in
+   reverse model order, one codec, up to ``message_mb`` of fp32; the fp32 tensors ride along with the
+   ``allgather`` algorithm), each with a persistent staging buffer and one flat error-feedback residual.
+   Groups depend on the model only, not on DDP's buckets. Per (rebuilt) DDP bucket it notes, once,
+   which of the bucket's gradients go to which group; natively summed tensors (fp32 that does not
+   ride, fp16, bf16) are reduced per bucket, in place where the bucket holds them together.
+2. ``hook`` copies the bucket's gradients into their groups' staging buffers (one fused copy); a group
+   whose last gradient has arrived adds its residual, encodes in one call and issues its collective:
+   all on the calling thread and without waiting, so collectives keep DDP's program order
+   (``find_unused_parameters`` and the user's own collectives mix freely), and on CUDA the host never
+   waits for the device.
+3. Decoding, the mean and the copy back into the bucket(s) run when the data has arrived: on CUDA on a
    pool stream that waits for the collective (the backward pass goes on), on CPU on gloo's thread.
-   DDP waits for the returned future before the optimizer step.
+   DDP waits for each bucket's future (its groups' messages) before the optimizer step.
 
 Tuning guide (``LowbitState``):
 
@@ -30,16 +31,19 @@ Tuning guide (``LowbitState``):
 * ``error_feedback`` — ``"auto"`` (default) turns it on for biased codecs (``codec.biased``: onebit,
   topk, dettmers) and off for unbiased QSGD, whose large variance at few bits can feed on itself
   through the residual.
-* ``message_mb`` — consecutive DDP buckets of one quantised codec go out as one message once their
-  fp32 size reaches this many MiB (default 64; 0 sends every bucket alone). Each collective costs the
-  host a fixed time, which a fast link or a small model cannot hide; a compressed bucket is 4-32x
-  smaller than DDP sized it for, so fewer, larger messages pay. The last bucket of a step always flushes.
+* ``message_mb`` — quantised gradients go out in *message groups*: consecutive parameters (in reverse
+  model order, the order their gradients become ready) of one codec, up to this many MiB of fp32
+  (default 64; 0: one message per parameter tensor), plus the fp32 tensors that ride along. A group
+  is sent as soon as its last gradient has arrived. Each collective costs the host a fixed time, which
+  a fast link or a small model cannot hide, and a compressed bucket is 4-32x smaller than DDP sized it
+  for: fewer, larger messages pay. Groups depend on the model only, not on DDP's buckets, so results
+  are the same before and after DDP's bucket rebuild, and a resumed run is bit-identical.
 * ``start_iter`` — DDP rebuilds its buckets after the first iteration, so compression (and error
   feedback) starts at iteration 2 by default; before, the plain fp32 allreduce runs.
 * ``state.stats`` counts calls and bytes sent; ``state.stats.timing = True`` adds the time per phase
   (on CUDA it synchronises the device around each phase: for profiling, not for speed).
 
-Residuals live in one flat buffer per bucket layout; ``state.residuals`` holds per-parameter views of
+Residuals live in one flat buffer per message group; ``state.residuals`` holds per-parameter views of
 them, so they survive bucket rebuilds and checkpoints: ``state.state_dict()`` / ``load_state_dict()``
 resume a run bit-identically. Residuals differ between ranks: save and load each rank's own.
 
@@ -72,9 +76,8 @@ Member = Tuple[str, torch.Tensor]  # (parameter name, its gradient's view in a D
 
 
 class _Unit:
-    """One collective: the parameters sent in one codec (plus, for allgather, fp32 parameters riding raw
-    in the same message), their staging buffer and residual, and the views that copy between the
-    staging buffer and the DDP bucket(s) they come from."""
+    """One collective of a bucket's natively summed tensors (fp32 that does not ride in a message group,
+    fp16, bf16): reduced in place where the bucket holds them together, else through a staging buffer."""
 
     def __init__(self, state: "LowbitState", codec: Codec, members: List[Member], exact: List[Member],
                  algorithm: str, inplace: Optional[torch.Tensor] = None) -> None:
@@ -99,35 +102,20 @@ class _Unit:
                 pos += v.numel()
         self.residual: Optional[torch.Tensor] = None
         if state.uses_feedback(codec) and self.n:
-            self.residual = torch.zeros(self.n, dtype=torch.float32, device=device)
-            pos = 0
-            for name, v in members:
-                n = v.numel()
-                view = self.residual[pos : pos + n]
-                old = state.residuals.get(name)
-                if old is not None:
-                    if old.numel() != n:
-                        raise ValueError(f"lowbit: the residual of {name} holds {old.numel()} values, the "
-                                         f"parameter has {n}")
-                    view.copy_(old.reshape(-1))
-                state.residuals[name] = view
-                pos += n
+            self.residual = _residual_views(state, [(name, v.numel()) for name, v in members], device)
 
     def gather(self) -> None:
         if self.src:
             _copy_all(self.dst, self.src)
 
-    def finisher(self, buf: torch.Tensor, waiting: List[Tuple[torch.futures.Future, torch.Tensor]]):
-        """The completion step: copy the reduced values back into the bucket(s) (unless reduced in place),
-        complete the futures of the coalesced buckets before this one, and hand DDP this bucket."""
-        if not self.src and not waiting:
+    def finisher(self, buf: torch.Tensor):
+        """The completion step: copy the reduced values back into the bucket (unless reduced in place)
+        and hand DDP the bucket."""
+        if not self.src:
             return lambda: buf
 
         def post() -> torch.Tensor:
-            if self.src:
-                _copy_all(self.src, self.dst)
-            for fut, b in waiting:
-                fut.set_result(b)
+            _copy_all(self.src, self.dst)
             return buf
 
         return post
@@ -143,61 +131,154 @@ def _copy_all(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
             d.copy_(s)
 
 
-class _Layout:
-    """How one DDP bucket maps onto lowbit's collectives; built once per (rebuilt) bucket.
+class _Group:
+    """A fixed set of parameters sent as one message: one quantised codec's tensors, consecutive in
+    reverse model order (the order their gradients become ready) up to ``message_mb``, plus (allgather)
+    fp32 tensors riding raw. Groups depend on the model only, never on DDP's bucket layout, so the
+    payloads, and so the results, are the same before and after DDP rebuilds its buckets and after a
+    resume (bit-identical). Its staging buffer and flat residual persist; each step it records which
+    bucket views its gradients came from, and is sent once the last of them has arrived."""
 
-    ``units``: the bucket's own collectives. ``coalesce``: when the bucket is one quantised codec (plus
-    fp32 tensors that can ride along), ``(codec, members, exact)`` instead, so that consecutive such
-    buckets go out as one message of at least ``state.message_mb`` (few, large collectives: each one
-    costs the host a fixed time, which a fast link or a small model cannot hide).
-    """
+    def __init__(self, state: "LowbitState", index: int, codec: Codec, members: List[Tuple[str, int]],
+                 exact: List[Tuple[str, int]], algorithm: str, device: torch.device) -> None:
+        self.index, self.codec, self.algorithm, self.device = index, codec, algorithm, device
+        self.n = sum(n for _, n in members)
+        self.exact = sum(n for _, n in exact)
+        self.size = len(members) + len(exact)
+        self.seed_base = state.order[(members or exact)[0][0]] * 7
+        self.stage = torch.empty(self.n + self.exact, dtype=torch.float32, device=device)
+        self.slot: Dict[str, torch.Tensor] = {}
+        pos = 0
+        for name, n in members + exact:
+            self.slot[name] = self.stage[pos : pos + n]
+            pos += n
+        self.residual: Optional[torch.Tensor] = None
+        if state.uses_feedback(codec) and self.n:
+            self.residual = _residual_views(state, members, device)
+        self.arrived = 0
+        self.src: List[torch.Tensor] = []
+        self.dst: List[torch.Tensor] = []
+        self.fut: Optional[torch.futures.Future] = None
+
+    def arrive(self, name: str, view: torch.Tensor) -> None:
+        if self.arrived == 0:
+            self.src, self.dst = [], []
+            self.fut = torch.futures.Future(devices=[self.device] if self.device.type == "cuda" else None)
+        self.src.append(view)
+        self.dst.append(self.slot[name])
+        self.arrived += 1
+
+    def send(self, state: "LowbitState", group: Optional[dist.ProcessGroup], step_seed: int) -> None:
+        """Issue the message (all gradients have arrived and are staged); completes ``self.fut``."""
+        self.arrived = 0
+        done, src, dst = self.fut, self.src, self.dst
+
+        def post() -> None:
+            _copy_all(src, dst)
+            done.set_result(None)  # type: ignore[union-attr]
+
+        fut = start(self.stage, self.codec, group, self.algorithm, "mean", self.residual,
+                    step_seed + self.seed_base, state.stats, exact=self.exact, post=post, world=state._world)
+
+        def fail(f: torch.futures.Future) -> None:
+            try:
+                f.value()
+            except Exception as exc:  # noqa: BLE001 — the buckets waiting for this message fail with it
+                if not done.done():  # type: ignore[union-attr]
+                    done.set_exception(exc)  # type: ignore[union-attr]
+
+        fut.add_done_callback(fail)
+
+
+def _residual_views(state: "LowbitState", members: List[Tuple[str, int]], device: torch.device) -> torch.Tensor:
+    """One flat residual buffer for ``members``, with per-parameter views in ``state.residuals`` (filled
+    from a loaded checkpoint where it has them)."""
+    flat = torch.zeros(sum(n for _, n in members), dtype=torch.float32, device=device)
+    pos = 0
+    for name, n in members:
+        view = flat[pos : pos + n]
+        old = state.residuals.get(name)
+        if old is not None:
+            if old.numel() != n:
+                raise ValueError(f"lowbit: the residual of {name} holds {old.numel()} values, the parameter has {n}")
+            view.copy_(old.reshape(-1))
+        state.residuals[name] = view
+        pos += n
+    return flat
+
+
+def _plan_groups(state: "LowbitState", k: int, device: torch.device) -> Dict[str, _Group]:
+    """Parameter name -> its message group, for every parameter that is sent quantised (or rides along)."""
+    names = [n for n in reversed(list(state.plan)) if n in state.trainable]
+    unknown = [n for n in names if n not in state._numels]
+    if unknown:
+        raise ValueError("lowbit: the state does not know the sizes of its parameters (e.g. "
+                         f"{unknown[0]}); build it with lowbit.ddp.make_state or register")
+    quantised = [state.plan[n] for n in names if not state.plan[n].sums_on_wire]
+    if not quantised:
+        return {}
+    ride = resolve_algorithm(state.algorithm, quantised[0], k) == "allgather"
+    limit = state.message_mb * 2**20
+    groups: List[Tuple[Codec, List[Tuple[str, int]], List[Tuple[str, int]]]] = []
+    cur: Optional[Tuple[Codec, List[Tuple[str, int]], List[Tuple[str, int]]]] = None
+    riders: List[Tuple[str, int]] = []
+    size = 0
+    for name in names:
+        codec, n = state.plan[name], state._numels[name]
+        if codec.sums_on_wire:
+            if ride and codec.spec == _FP32.spec:
+                (cur[2] if cur is not None else riders).append((name, n))
+            continue
+        if cur is None or cur[0].spec != codec.spec:
+            cur = (codec, [], riders)
+            riders = []
+            groups.append(cur)
+            size = 0
+        cur[1].append((name, n))
+        size += 4 * n
+        if size >= limit:
+            cur = None
+    if riders:  # fp32 tensors after the last quantised one ride in the last message
+        groups[-1][2].extend(riders)
+    out: Dict[str, _Group] = {}
+    for i, (codec, members, exact) in enumerate(groups):
+        g = _Group(state, i, codec, members, exact, resolve_algorithm(state.algorithm, codec, k), device)
+        for name, _ in members + exact:
+            out[name] = g
+    return out
+
+
+class _Layout:
+    """How one DDP bucket maps onto lowbit's messages; built once per (rebuilt) bucket: its gradients
+    that go into message groups (with their views), and its natively summed tensors (fp32 that does not
+    ride, fp16/bf16) as collectives of their own, reduced in place where the bucket holds them together."""
 
     def __init__(self, state: "LowbitState", bucket: dist.GradBucket, flat: torch.Tensor, k: int) -> None:
-        groups: Dict[str, Tuple[Codec, List[Tuple[str, int, int]]]] = {}
+        native: Dict[str, Tuple[Codec, List[Tuple[str, int, int]]]] = {}
+        self.grouped: List[Tuple[_Group, str, torch.Tensor]] = []
         offset = 0
         for p in bucket.parameters():
             name = state.params.get(id(p))
             if name is None:
                 raise ValueError("lowbit: a DDP bucket holds a parameter the state does not know; "
                                  "register lowbit on the same model DDP wraps")
-            codec = state.plan[name]
-            groups.setdefault(codec.spec, (codec, []))[1].append((name, offset, p.numel()))
-            offset += p.numel()
-        # Quantised groups in canonical order (model order, codecs by spec): DDP's first-iteration
-        # buckets list parameters in forward order and rebuilt ones in gradient-ready order; sorting
-        # makes the payloads and so the results independent of that. Groups summed natively are
-        # elementwise and keep the bucket's order, so an all-fp32 bucket is reduced in place.
-        order = state.order
-        ordered = [(c, m if c.sums_on_wire else sorted(m, key=lambda t: order[t[0]]))
-                   for _, (c, m) in sorted(groups.items())]
-        quantised = [c for c, _ in ordered if not c.sums_on_wire]
-
-        def views(m: List[Tuple[str, int, int]]) -> List[Member]:
-            return [(name, flat[o : o + n]) for name, o, n in m]
-
-        rider = None
-        if quantised and resolve_algorithm(state.algorithm, quantised[0], k) == "allgather":
-            # the fp32 tensors ride raw in the first quantised unit's message: one collective per bucket
-            rider = next((m for c, m in ordered if c.spec == _FP32.spec), None)
-        self.coalesce: Optional[Tuple[Codec, List[Member], List[Member]]] = None
-        rest = [c for c, m in ordered if m is not rider]
-        if len(rest) == 1 and not rest[0].sums_on_wire and flat.dtype == torch.float32:
-            m = next(m for c, m in ordered if c is rest[0])
-            self.coalesce = (rest[0], views(m), views(rider or []))
+            n = p.numel()
+            g = state._group_of.get(name)
+            if g is not None:
+                self.grouped.append((g, name, flat[offset : offset + n]))
+            else:
+                codec = state.plan[name]
+                native.setdefault(codec.spec, (codec, []))[1].append((name, offset, n))
+            offset += n
+        self.groups = sorted({id(g): g for g, _, _ in self.grouped}.values(), key=lambda g: g.index)
         self.units: List[_Unit] = []
-        for c, m in ordered:
-            if m is rider:
-                continue
-            extra = (rider or []) if (rider is not None and c is quantised[0]) else []
-            everything = m + extra
-            offsets = [o for _, o, _ in everything]
+        for _, (c, m) in sorted(native.items()):
+            offsets = [o for _, o, _ in m]
             inplace = None
-            if flat.dtype == torch.float32 and all(
-                    offsets[i] + everything[i][2] == offsets[i + 1] for i in range(len(everything) - 1)):
-                lo = offsets[0]
-                inplace = flat[lo : lo + sum(n for _, _, n in everything)]
-            self.units.append(_Unit(state, c, views(m), views(extra), resolve_algorithm(state.algorithm, c, k),
-                                    inplace))
+            if flat.dtype == torch.float32 and all(offsets[i] + m[i][2] == offsets[i + 1] for i in range(len(m) - 1)):
+                inplace = flat[offsets[0] : offsets[0] + sum(n for _, _, n in m)]
+            views = [(name, flat[o : o + n]) for name, o, n in m]
+            self.units.append(_Unit(state, c, views, [], resolve_algorithm(state.algorithm, c, k), inplace))
 
 
 class LowbitState:
@@ -239,9 +320,8 @@ class LowbitState:
         self._numels: Dict[str, int] = {}
         self._layouts: Dict[Tuple[int, int, int], _Layout] = {}
         self.message_mb = message_mb
-        self._pending: List[Tuple[_Layout, torch.Tensor, torch.futures.Future]] = []
-        self._pending_bytes = 0
-        self._groups: Dict[Tuple[int, ...], _Unit] = {}
+        self._group_of: Optional[Dict[str, _Group]] = None  # parameter name -> its message group
+        self.trainable = set(params.values())
         self._world: Optional[Tuple[int, int]] = None  # (rank, size), read once
 
     # ------------------------------------------------------------------------------ helpers
@@ -334,15 +414,13 @@ class LowbitState:
         self.iter = it
         self.residuals = loaded
         self._layouts.clear()  # rebuilt on the next step, from these residuals
-        self._groups.clear()
+        self._group_of = None
 
     def __getstate__(self) -> Dict[str, Any]:
         d = dict(self.__dict__)
         d["process_group"] = None
         d["_layouts"] = {}
-        d["_groups"] = {}
-        d["_pending"] = []
-        d["_pending_bytes"] = 0
+        d["_group_of"] = None
         d["_world"] = None
         return d
 
@@ -367,66 +445,35 @@ def hook(state: LowbitState, bucket: dist.GradBucket) -> torch.futures.Future[to
 def _compressed(state: LowbitState, bucket: dist.GradBucket, buf: torch.Tensor, group: Optional[dist.ProcessGroup],
                 world: int) -> torch.futures.Future:
     flat = buf.reshape(-1)
+    if state._group_of is None:
+        state._group_of = _plan_groups(state, world, flat.device)
     lay = state._layout(bucket, flat, world)
     step_seed = state.seed * 1_000_003 + state.iter * 1_009
     last = bucket.is_last()
     state._advance(bucket)
-    if lay.coalesce is not None and state.message_mb > 0:
-        pending = state._pending
-        if pending and pending[0][0].coalesce[0].spec != lay.coalesce[0].spec:
-            _flush(state, group, world, step_seed, None)
-        state._pending_bytes += 4 * flat.numel()
-        if last or state._pending_bytes >= state.message_mb * 2**20:
-            return _flush(state, group, world, step_seed, (lay, buf))  # type: ignore[return-value]
-        fut: torch.futures.Future = torch.futures.Future(devices=[flat.device] if flat.is_cuda else None)
-        state._pending.append((lay, buf, fut))
-        return fut
-    if state._pending:
-        _flush(state, group, world, step_seed, None)
     futs = []
+    if lay.grouped:
+        dst, src = [], []
+        for g, name, view in lay.grouped:
+            g.arrive(name, view)
+            dst.append(g.slot[name])
+            src.append(view)
+        _copy_all(dst, src)  # this bucket's gradients into their messages' staging buffers: one fused copy
+        for g in lay.groups:
+            futs.append(g.fut)
+            if g.arrived == g.size:
+                g.send(state, group, step_seed)
     for u in lay.units:
         u.gather()
         futs.append(start(u.stage, u.codec, group, u.algorithm, "mean", u.residual, step_seed + u.seed_base,
-                          state.stats, exact=u.exact, post=u.finisher(buf, []), world=state._world))
-    if len(futs) == 1:
-        return futs[0]  # its value is the whole bucket, reduced
+                          state.stats, exact=u.exact, post=u.finisher(buf), world=state._world))
+    if last and state._group_of and any(g.arrived for g in state._group_of.values()):
+        missing = sorted({g.index for g in state._group_of.values() if g.arrived})
+        raise RuntimeError(f"lowbit: the step ended with message groups {missing} incomplete: a parameter the "
+                           "state expects never reached a DDP bucket (was it frozen after register?)")
+    if len(futs) == 1 and not lay.grouped:
+        return futs[0]  # its value is the whole bucket, reduced in place
     return torch.futures.collect_all(futs).then(_bucket_value(buf))
-
-
-def _flush(state: LowbitState, group: Optional[dist.ProcessGroup], world: int, step_seed: int,
-           current: Optional[Tuple[_Layout, torch.Tensor]]) -> Optional[torch.futures.Future]:
-    """Issue the coalesced buckets waiting in ``state._pending`` (and ``current``) as one collective.
-    Returns the future of ``current``'s bucket; the waiting buckets' futures complete with it."""
-    entries = [(lay, b) for lay, b, _ in state._pending] + ([current] if current is not None else [])
-    waiting = [(f, b) for _, b, f in state._pending]
-    state._pending, state._pending_bytes = [], 0
-    buf_out = current[1] if current is not None else waiting[-1][1]
-    key = tuple(id(lay) for lay, _ in entries)
-    unit = state._groups.get(key)
-    if unit is None:
-        if len(entries) == 1:
-            unit = entries[0][0].units[0]
-        else:
-            codec = entries[0][0].coalesce[0]  # type: ignore[index]
-            members = sorted((m for lay, _ in entries for m in lay.coalesce[1]),  # type: ignore[index]
-                             key=lambda m: state.order[m[0]])
-            exact = [m for lay, _ in entries for m in lay.coalesce[2]]  # type: ignore[index]
-            unit = _Unit(state, codec, members, exact, entries[0][0].units[0].algorithm)
-        state._groups[key] = unit
-    unit.gather()
-    fut = start(unit.stage, unit.codec, group, unit.algorithm, "mean", unit.residual, step_seed + unit.seed_base,
-                state.stats, exact=unit.exact, post=unit.finisher(buf_out, waiting), world=state._world)
-    if waiting:
-        def fail(f: torch.futures.Future) -> None:
-            try:
-                f.value()
-            except Exception as exc:  # noqa: BLE001 — every waiting bucket fails with the collective
-                for w, _ in waiting:
-                    if not w.done():
-                        w.set_exception(exc)
-
-        fut.add_done_callback(fail)
-    return fut if current is not None else None
 
 
 def _bucket_value(buf: torch.Tensor):

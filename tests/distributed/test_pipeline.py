@@ -183,7 +183,7 @@ def _body_coalesce(rank: int, world: int) -> dict:
     return out
 
 
-def test_coalesced_buckets_match_per_bucket_messages() -> None:
+def test_message_groups_match_per_tensor_messages() -> None:
     r0, r1 = spawn(_body_coalesce, 2, backend="gloo", timeout_s=60)
     for key, (got, want, calls) in r0.items():
         mb, spec = key

@@ -201,3 +201,46 @@ def test_a_dead_or_stalled_peer_is_a_clear_error_within_the_timeout(fault: str) 
     elapsed, _, text = msg.split("|", 2)
     assert float(elapsed) < 30, msg                         # no hang: within the timeout (plus set-up)
     assert "lowbit:" in text and "failed on rank 0 of 2" in text, text
+
+
+RESUME_CODECS = ["qsgd:bits=8,bucket=512", "qsgd:bits=4,bucket=512", "onebit:bucket=64", "dettmers:type=dynamic",
+                 "topk:ratio=0.1"]
+
+
+def _run(rank: int, spec: str, steps: int, start: int = 0, ckpt_in: str | None = None,
+         ckpt_out: str | None = None) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 10))
+    model = DDP(net, bucket_cap_mb=0.05)  # several buckets, and DDP rebuilds them after the first step
+    state = lowbit.ddp.register(model, codec=spec, message_mb=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if ckpt_in:
+        ck = torch.load(f"{ckpt_in}.{rank}", weights_only=False)
+        net.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+        state.load_state_dict(ck["lowbit"])
+    for step in range(start, start + steps):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    if ckpt_out:
+        torch.save({"model": net.state_dict(), "opt": opt.state_dict(), "lowbit": state.state_dict()},
+                   f"{ckpt_out}.{rank}")
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _body_resume_buckets(rank: int, world: int, tmp: str) -> dict:
+    out = {}
+    for i, spec in enumerate(RESUME_CODECS):
+        straight = _run(rank, spec, 8)
+        _run(rank, spec, 4, ckpt_out=f"{tmp}/ck{i}")
+        resumed = _run(rank, spec, 4, start=4, ckpt_in=f"{tmp}/ck{i}")
+        out[spec] = all(torch.equal(a, b) for a, b in zip(straight, resumed))
+    return out
+
+
+def test_resume_is_bit_identical_with_several_ddp_buckets(tmp_path) -> None:
+    for res in spawn(_body_resume_buckets, 2, str(tmp_path), backend="gloo", timeout_s=120):
+        assert all(res.values()), res
