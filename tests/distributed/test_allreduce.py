@@ -39,7 +39,7 @@ def _body_matrix(rank: int, world: int) -> dict:
             for n in SIZES:
                 t = _inputs(rank, n)
                 stats = lowbit.comm.CommStats()
-                lowbit.all_reduce(t, spec, algorithm=algo, seed=3, stats=stats)
+                lowbit.all_reduce(t, spec, algorithm=algo, op="mean", seed=3, stats=stats)
                 out[(spec, algo, n)] = (t, stats.bytes_sent)
     # reference: the exact mean
     for n in SIZES:
@@ -111,7 +111,7 @@ def _body_feedback(rank: int, world: int, spec: str, algo: str) -> tuple[float, 
         dist.all_reduce(m)
         true_sum += m / world
         t = x.clone()
-        lowbit.all_reduce(t, spec, algorithm=algo, feedback=ef, seed=step)
+        lowbit.all_reduce(t, spec, algorithm=algo, op="mean", feedback=ef, seed=step)
         got_sum += t.double()
         gaps.append(float((true_sum - got_sum).abs().max()))
     # without feedback, the same drift grows
@@ -124,7 +124,7 @@ def _body_feedback(rank: int, world: int, spec: str, algo: str) -> tuple[float, 
         dist.all_reduce(m)
         nofb_true += m / world
         t = x.clone()
-        lowbit.all_reduce(t, spec, algorithm=algo, seed=step)
+        lowbit.all_reduce(t, spec, algorithm=algo, op="mean", seed=step)
         t_sum += t.double()
     return max(gaps[-50:]), max(gaps[:50]), float((nofb_true - t_sum).abs().max())
 
@@ -161,3 +161,40 @@ def test_world_size_one_without_process_group() -> None:
     want = lowbit.get_codec("qsgd:bits=8").decode(lowbit.get_codec("qsgd:bits=8").encode(t, seed=0), 100)
     lowbit.all_reduce(t, "qsgd:bits=8")
     assert torch.allclose(t, want, atol=0.05)
+
+
+def _body_ops(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    out = {}
+    for name, op in [("default", None), ("SUM", dist.ReduceOp.SUM), ("AVG", dist.ReduceOp.AVG), ("sum", "sum"),
+                     ("mean", "mean")]:
+        t = torch.full((1000,), float(rank + 1))
+        kw = {} if op is None else {"op": op}
+        lowbit.all_reduce(t, "fp32", algorithm="allreduce", **kw)
+        q = torch.full((1000,), float(rank + 1))
+        lowbit.all_reduce(q, "qsgd:bits=8", algorithm="allgather", **kw)
+        out[name] = (float(t[0]), float(q.mean()))
+    errors = []
+    for bad in ({"op": dist.ReduceOp.MAX}, {"op": "product"}):
+        try:
+            lowbit.all_reduce(torch.ones(4), "qsgd:bits=8", **bad)
+        except ValueError as exc:
+            errors.append(str(exc))
+    try:
+        lowbit.all_reduce(torch.ones(4), dist.ReduceOp.SUM)  # torch's positional order: a clear error
+    except ValueError as exc:
+        errors.append(str(exc))
+    return {"ops": out, "errors": errors}
+
+
+def test_op_takes_torch_reduce_ops_and_sums_by_default() -> None:
+    res = spawn(_body_ops, 2, backend="gloo")[0]
+    ops = res["ops"]
+    for name in ("default", "SUM", "sum"):
+        assert ops[name][0] == 3.0 and abs(ops[name][1] - 3.0) < 0.05, (name, ops[name])
+    for name in ("AVG", "mean"):
+        assert ops[name][0] == 1.5 and abs(ops[name][1] - 1.5) < 0.05, (name, ops[name])
+    assert len(res["errors"]) == 3
+    assert all("op must be" in e for e in res["errors"][:2])
+    assert "takes the codec second" in res["errors"][2]

@@ -30,7 +30,7 @@ def _body(rank: int, world: int) -> dict:
                 exact = t.double().clone()
                 torch.distributed.all_reduce(exact)
                 exact /= world
-                lowbit.all_reduce(t, spec, algorithm=algo, seed=1)
+                lowbit.all_reduce(t, spec, algorithm=algo, op="mean", seed=1)
                 err = float((t.double() - exact).norm() / exact.norm())
                 out[(spec, algo, n)] = (t.cpu(), err)
     return out

@@ -148,13 +148,30 @@ def _seed(seed: int, rank: int, chunk: int, phase: int) -> int:
     return (seed * 1_000_003 + rank * 7_919 + chunk * 104_729 + phase * 15_485_863) & 0x7FFFFFFF
 
 
+def normalize_op(op: object) -> str:
+    """``"sum"`` or ``"mean"`` from torch's ``ReduceOp.SUM`` / ``ReduceOp.AVG`` or the strings "sum",
+    "mean", "avg" (any case). Other reductions (max, product, ...) are not sums: a ValueError."""
+    if isinstance(op, str):
+        name = op.strip().lower()
+    else:
+        name = str(getattr(op, "name", op)).rsplit(".", 1)[-1].lower()
+        if dist.is_available():
+            if op == dist.ReduceOp.SUM:
+                name = "sum"
+            elif op == dist.ReduceOp.AVG:
+                name = "avg"
+    if name in ("sum",):
+        return "sum"
+    if name in ("mean", "avg"):
+        return "mean"
+    raise ValueError(f"op must be torch.distributed.ReduceOp.SUM or .AVG (or 'sum' / 'mean'), got {op!r}")
+
+
 def _check_args(tensor: torch.Tensor, codec: Codec, algorithm: str, op: str) -> None:
     if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
         raise ValueError(f"all_reduce expects a floating-point tensor, got {getattr(tensor, 'dtype', type(tensor))}")
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {list(ALGORITHMS)}")
-    if op not in ("mean", "sum"):
-        raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
     if algorithm == "allreduce" and not codec.sums_on_wire:
         raise ValueError(
             f"algorithm 'allreduce' sums on the wire, so it only takes fp32/fp16/bf16, not {codec.spec}; "
@@ -543,7 +560,7 @@ def all_reduce(
     codec: Codec | str = "qsgd:bits=8",
     group: dist.ProcessGroup | None = None,
     algorithm: str = "scatter_gather",
-    op: str = "mean",
+    op: object = "sum",
     feedback: ErrorFeedback | None = None,
     async_op: bool = False,
     *,
@@ -555,14 +572,19 @@ def all_reduce(
 
     Like ``torch.distributed.all_reduce``: every rank passes a tensor of the same shape and ends with the
     same (bit-identical) result, and the collectives are issued now, in the caller's program order.
-    ``op="mean"`` (default) or ``"sum"``. ``algorithm``: ``scatter_gather`` (default), ``allgather``,
+    ``op``: ``torch.distributed.ReduceOp.SUM`` (the default, as torch's) or ``ReduceOp.AVG``, or the
+    strings ``"sum"`` / ``"mean"``. ``algorithm``: ``scatter_gather`` (default), ``allgather``,
     ``allreduce`` (fp32/fp16/bf16 only) or ``auto`` (allgather for 2 ranks, else scatter_gather).
     ``feedback`` (an :class:`~lowbit.ErrorFeedback` of the same codec) adds error feedback under ``key``.
     ``seed`` keys the stochastic rounding (pass the step number). ``stats`` accumulates calls and bytes
     sent (and phase times when its ``timing`` is on). With ``async_op=True`` returns a handle whose
     ``wait()`` makes ``tensor`` hold the result.
     """
+    if not isinstance(codec, (str, Codec)):
+        raise ValueError(f"codec must be a codec spec such as 'qsgd:bits=8' or a Codec, got {codec!r} (lowbit.all_reduce "
+                         "takes the codec second; pass the reduction as op=torch.distributed.ReduceOp.SUM)")
     codec = get_codec(codec) if isinstance(codec, str) else codec
+    op = normalize_op(op)
     _check_args(tensor, codec, algorithm, op)
     if feedback is not None and feedback.codec != codec:
         raise ValueError(f"feedback was built for {feedback.codec.spec}, but the collective uses {codec.spec}")
