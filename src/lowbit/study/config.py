@@ -39,7 +39,10 @@ import hashlib
 import itertools
 import json
 import os
-import tomllib
+try:
+    import tomllib  # novermin — Python 3.11+; tomli is the same parser for 3.10
+except ImportError:  # pragma: no cover - exercised by a test that hides tomllib
+    import tomli as tomllib
 from collections.abc import Iterable, Mapping
 from importlib import resources
 from pathlib import Path
