@@ -72,6 +72,15 @@ class Policy:
             for pname, _ in mod.named_parameters(recurse=False):
                 owner[f"{mname}.{pname}" if mname else pname] = type(mod).__name__
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        types = set(owner.values())
+        unknown = sorted(t for t in self.by_type if t not in types)
+        if unknown:
+            raise ValueError(f"Policy.by_type names module types this model does not have: {unknown}; its "
+                             f"types with parameters are {sorted(types)}")
+        idle = sorted(pat for pat in self.by_name if not any(fnmatch.fnmatchcase(n, pat) for n, _ in params))
+        if idle:
+            raise ValueError(f"Policy.by_name patterns match no trainable parameter of this model: {idle} "
+                             f"(names look like {[n for n, _ in params[:3]]})")
         chosen: dict[str, str | None] = {}
         for name, p in params:
             spec = next((s for pat, s in self.by_name.items() if fnmatch.fnmatchcase(name, pat)), None)

@@ -213,6 +213,8 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
         key, eq, value = item.partition("=")
         if not eq or not key.strip():
             raise ValueError(f"codec spec {spec!r}: parameter {item!r} is not of the form key=value")
+        if key.strip() in params:
+            raise ValueError(f"codec spec {spec!r}: parameter {key.strip()!r} is given twice")
         params[key.strip()] = _coerce(value.strip())
     return name.strip().lower(), params
 
@@ -255,6 +257,9 @@ def _ensure_loaded() -> None:
 
 # --------------------------------------------------------------------------------- validation
 def check_choice(codec: str, param: str, value: Any, choices: Sequence[Any]) -> None:
+    numeric = all(isinstance(c, int) and not isinstance(c, bool) for c in choices)
+    if numeric and (isinstance(value, bool) or not isinstance(value, int)):  # 4.0 or True is not the int 4 or 1
+        raise ValueError(f"{codec}: {param}={value!r} must be an integer, one of {list(choices)}")
     if value not in choices:
         raise ValueError(f"{codec}: {param}={value!r} is out of range; choose one of {list(choices)}")
 

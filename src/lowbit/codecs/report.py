@@ -13,6 +13,7 @@ import json
 import platform
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -164,7 +165,28 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def _check(args: argparse.Namespace) -> None:
+    """Every argument checked before any work: one line naming the problem (the CLI exits with 2)."""
+    for name, lo in (("samples", 1), ("bench_numel", 1), ("reps", 1)):
+        v = getattr(args, name)
+        if v < lo:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {lo}, got {v}")
+    for spec in args.codec or []:
+        get_codec(spec)
+    if args.json:
+        path = Path(args.json)
+        existed = path.exists()
+        try:  # can we write there? (found now, not after the whole table is computed)
+            with open(path, "a"):
+                pass
+            if not existed:
+                path.unlink()
+        except OSError as exc:
+            raise ValueError(f"--json {args.json}: cannot write there ({exc.strerror or exc})") from None
+
+
 def run(args: argparse.Namespace) -> int:
+    _check(args)
     specs = args.codec or DEFAULT_SPECS
     rows = measure(specs, args.samples, args.bench_numel, args.reps, progress=not args.quiet)
     meta = {

@@ -1,0 +1,45 @@
+"""Inputs that used to be taken silently, or crash later, are refused at once with a message naming them."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+import lowbit
+
+
+@pytest.mark.parametrize("spec,msg", [
+    ("qsgd:bits=4.0", "must be an integer"),
+    ("qsgd:bits=true", "must be an integer"),
+    ("qsgd:bits=4,bits=8", "given twice"),
+    ("qsgd:bucket=512.5", "bucket"),
+    ("dettmers:type=dynamic,type=linear", "given twice"),
+])
+def test_codec_specs_are_strict(spec: str, msg: str) -> None:
+    with pytest.raises(ValueError, match=msg):
+        lowbit.get_codec(spec)
+
+
+def test_policy_keys_that_match_nothing_are_errors() -> None:
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8 * 30 * 30, 10))
+    with pytest.raises(ValueError, match="Conv2D"):
+        lowbit.Policy("qsgd:bits=4", by_type={"Conv2D": "qsgd:bits=8"}).resolve(net)  # typo of Conv2d
+    with pytest.raises(ValueError, match=r"head\.\*"):
+        lowbit.Policy("qsgd:bits=4", by_name={"head.*": "fp16"}).resolve(net)
+    plan = lowbit.Policy("qsgd:bits=4", by_type={"Conv2d": "qsgd:bits=8"}, by_name={"2.*": "fp16"}).resolve(net)
+    assert plan["0.weight"].spec.startswith("qsgd:bits=8") and plan["2.weight"].name == "fp16"
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--samples", "-5"], "--samples must be >= 1"),
+    (["--bench-numel", "0"], "--bench-numel must be >= 1"),
+    (["--reps", "0"], "--reps must be >= 1"),
+    (["--json", "/proc/no/such/x.json"], "cannot write there"),
+    (["--codec", "qsgd:bits=4.0"], "must be an integer"),
+])
+def test_codecs_command_refuses_bad_arguments_in_one_line(args: list[str], msg: str, capsys) -> None:
+    from lowbit.cli import main
+
+    assert main(["codecs", "--quiet", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert msg in err and len(err.splitlines()) == 1, err
