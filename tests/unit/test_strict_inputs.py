@@ -43,3 +43,16 @@ def test_codecs_command_refuses_bad_arguments_in_one_line(args: list[str], msg: 
     assert main(["codecs", "--quiet", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert msg in err and len(err.splitlines()) == 1, err
+
+
+def test_a_missing_extra_is_one_line_naming_it() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['sklearn'] = None; sys.modules['sklearn.datasets'] = None\n"
+            "from lowbit.cli import main\n"
+            "raise SystemExit(main(['codecs', '--quiet', '--samples', '100', '--bench-numel', '1000', '--reps', '1']))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 2, out.stderr[-2000:]
+    err = out.stderr.strip()
+    assert len(err.splitlines()) == 1 and "pip install 'lowbit[study]'" in err and "sklearn" in err, err

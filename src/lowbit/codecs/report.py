@@ -61,9 +61,9 @@ PAPER_TABLE2 = {
 
 def real_gradients(steps: int = 30, seed: int = 0) -> torch.Tensor:
     """Flattened gradients of a 64-256-256-10 MLP trained on scikit-learn's digits (offline)."""
-    from sklearn.datasets import load_digits
+    from lowbit.extras import require
 
-    data = load_digits()
+    data = require("sklearn.datasets", "study", "lowbit codecs' real-gradient column (scikit-learn's digits)").load_digits()
     x = torch.tensor(data.data, dtype=torch.float32) / 16.0
     y = torch.tensor(data.target, dtype=torch.int64)
     g = torch.Generator().manual_seed(seed)

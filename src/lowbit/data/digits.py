@@ -19,8 +19,10 @@ __all__ = ["load_digits"]
 
 def load_digits(seed: int = 0, test_fraction: float = 0.2) -> Dataset:
     """The digits data set, split by ``seed`` (stratified) and standardised on the training split."""
-    from sklearn.datasets import load_digits as _sk_load_digits
-    from sklearn.model_selection import train_test_split
+    from lowbit.extras import require
+
+    _sk_load_digits = require("sklearn.datasets", "study", "the digits data set").load_digits
+    train_test_split = require("sklearn.model_selection", "study", "the digits data set").train_test_split
 
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")

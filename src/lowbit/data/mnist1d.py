@@ -27,12 +27,10 @@ __all__ = ["load_mnist1d"]
 
 @functools.lru_cache(maxsize=1)
 def _generate() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, str]:
-    try:
-        from mnist1d.data import get_dataset_args, make_dataset
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "the mnist1d data set needs the 'mnist1d' package: pip install 'lowbit[study]'"
-        ) from e
+    from lowbit.extras import require
+
+    m1d = require("mnist1d.data", "study", "the mnist1d data set")
+    get_dataset_args, make_dataset = m1d.get_dataset_args, m1d.make_dataset
     np_state, py_state = np.random.get_state(), random.getstate()
     try:
         data = make_dataset(get_dataset_args())  # default args, generated locally

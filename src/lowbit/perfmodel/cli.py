@@ -306,8 +306,9 @@ def format_sweep(rows: list[Prediction], args: argparse.Namespace) -> str:
 
 def plot_sweep(rows: list[Prediction], path: str) -> str:
     """Samples/s (model, 32-bit, ideal) and speedup over 32-bit against GPUs; PNG at ``path``."""
-    import matplotlib
+    from lowbit.extras import require
 
+    matplotlib = require("matplotlib", "study", "the --plot figure")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

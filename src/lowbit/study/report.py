@@ -242,7 +242,9 @@ def _colors(labels: Sequence[str]) -> dict[str, str]:
 
 
 def _figure(n_panels: int, width: float = 4.6, height: float = 3.4, max_cols: int = 3):
-    from matplotlib.figure import Figure
+    from lowbit.extras import require
+
+    Figure = require("matplotlib.figure", "study", "lowbit report's plots").Figure  # noqa: N806
 
     cols = min(max_cols, max(1, n_panels))
     rows = max(1, math.ceil(n_panels / cols))

@@ -1,0 +1,28 @@
+"""Optional dependencies: one place that names the extra to install when one is missing.
+
+    sklearn = require("sklearn", "study", "the digits data set")
+
+raises :class:`MissingExtra` (a ValueError, so every ``lowbit`` command reports it in one line and exits
+with 2) saying ``pip install 'lowbit[study]'``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+__all__ = ["MissingExtra", "require"]
+
+
+class MissingExtra(ValueError, ImportError):
+    """An optional dependency is not installed; the message names the extra that brings it."""
+
+
+def require(module: str, extra: str, what: str) -> ModuleType:
+    """Import ``module`` or raise :class:`MissingExtra` naming ``extra`` and what needed it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        top = module.split(".")[0]
+        raise MissingExtra(f"{what} needs the '{top}' package, which is not installed: pip install "
+                           f"'lowbit[{extra}]' (or pip install {top})") from exc
