@@ -43,6 +43,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from lowbit.codecs.base import get_codec
 from lowbit.perfmodel.calibrate import Calibration, RunRecord, load_runs
 from lowbit.perfmodel.codecbits import bits_per_value
 from lowbit.perfmodel.links import Link
@@ -309,8 +310,7 @@ class SpeedSetup:
 
 def _layer_codec(spec: str, setup: SpeedSetup) -> LayerCodec:
     bits = bits_per_value(spec)
-    name = spec.split(":", 1)[0]
-    algo = "allreduce" if name in ("fp32", "fp16", "bf16") else setup.algorithm
+    algo = "allreduce" if get_codec(spec).sums_on_wire else setup.algorithm
     kw: dict[str, Any] = dict(encode_Bps=setup.encode_Bps, decode_Bps=setup.decode_Bps)
     link: Link | None = None
     cal = setup.calibration
@@ -342,7 +342,7 @@ def predict_assignment(net: Network, assignment: dict[str, str], setup: SpeedSet
     pred = predict(layers, setup.cluster, batch_per_gpu=setup.batch, network=net.name, layer_codecs=codecs)
     base = predict(layers, setup.cluster, batch_per_gpu=setup.batch, network=net.name,
                    layer_codecs=[fp32] * len(layers))
-    native = all(s.split(":", 1)[0] in ("fp32", "fp16", "bf16") for s in assignment.values())
+    native = all(get_codec(s).sums_on_wire for s in assignment.values())
     if setup.cluster.gpus > 1:
         step = pred.step_s + (setup.overhead_native_s if native else setup.overhead_compressed_s)
         fp32_step = base.step_s + setup.overhead_native_s
@@ -466,7 +466,7 @@ def advise(
         if conv_rule and chosen["Conv2d"].rung <= chosen["Linear"].rung and chosen["Conv2d"].rung < FP32.rung:
             continue
         assignment = {g: c.canonical for g, c in chosen.items()}
-        quantised = any(c.name not in ("fp32", "fp16") for c in combo)
+        quantised = any(not get_codec(c.spec).sums_on_wire for c in combo)
         algos = (LOWBIT_ALGORITHMS if setup.algorithm == "auto" else (setup.algorithm,)) if quantised else ("allreduce",)
         algo, pred = max(((al, predict_assignment(net, assignment, dataclasses.replace(setup, algorithm=al)))
                           for al in algos), key=lambda t: t[1].speedup_vs_fp32)

@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from lowbit.codecs.base import get_codec
 from lowbit.perfmodel.codecbits import bits_per_value
 from lowbit.perfmodel.collectives import Topology, collective
 from lowbit.perfmodel.links import Link
@@ -76,7 +77,13 @@ __all__ = [
 
 _UNIT = Link(latency_s=1.0, bandwidth_Bps=1.0, name="unit")
 SCHEMA = 1
-NATIVE = ("fp32", "fp16", "bf16")
+def sums_on_wire(spec: str) -> bool:
+    """Whether a run's codec is summed by the native allreduce (the codec's own fact; False for a spec
+    that no longer parses, as an old result row may hold)."""
+    try:
+        return get_codec(spec).sums_on_wire
+    except ValueError:
+        return False
 #: DDP's bucket caps: the first bucket (the last layers' gradients) holds 1 MiB, the others 25 MiB.
 DDP_FIRST_BUCKET_BYTES = 1 << 20
 DDP_BUCKET_BYTES = 25 << 20
@@ -380,7 +387,7 @@ class RunRecord:
     def overhead_key(self) -> str:
         """Overheads differ between native (fp32/fp16/bf16: one allreduce) and compressed codecs (encode on
         the training thread, several collectives per bucket)."""
-        return f"{self.scale_key}|{'native' if self.codec_name in NATIVE else 'compressed'}"
+        return f"{self.scale_key}|{'native' if sums_on_wire(self.codec_name) else 'compressed'}"
 
     @property
     def codec_name(self) -> str:
@@ -416,7 +423,7 @@ def _run_record(row: dict[str, Any]) -> RunRecord | None:
     world = int(c.get("world_size", 1))
     codec = str(c.get("codec", "fp32"))
     name = codec.split(":", 1)[0]
-    algo = "allreduce" if name in NATIVE else str(c.get("algorithm") or "scatter_gather")
+    algo = "allreduce" if sums_on_wire(codec) else str(c.get("algorithm") or "scatter_gather")
     if algo == "none":
         algo = "scatter_gather"
     rest = {k: v for k, v in c.items() if k not in (
@@ -716,7 +723,7 @@ def fit_study(runs: Iterable[RunRecord]) -> Calibration:
     one: dict[str, list[RunRecord]] = {}
     at_k: dict[str, list[RunRecord]] = {}
     for r in runs:
-        if r.world == 1 and r.codec_name in NATIVE:
+        if r.world == 1 and sums_on_wire(r.codec_name):
             one.setdefault(r.compute_key, []).append(r)
         elif r.world > 1:
             at_k.setdefault("|".join(map(str, r.setting_key)), []).append(r)
