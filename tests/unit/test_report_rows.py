@@ -46,3 +46,20 @@ def test_malformed_rows_are_skipped_with_their_line(tmp_path: Path) -> None:
         warnings.simplefilter("ignore")
         write_report(path, tmp_path / "report")  # the whole report still renders
     assert (tmp_path / "report" / "index.html").exists()
+
+
+def test_no_verdict_when_fp32_did_not_learn() -> None:
+    from lowbit.study.report import accuracy_matches
+
+    def run(codec: str, acc: float, seed: int) -> dict:
+        return {"network": "mlp", "dataset": "digits", "world_size": 2, "backend": "gloo", "batch_size": 32,
+                "seed": seed, "epochs": 1, "codec": codec, "label": codec, "bits": 32.0 if codec == "fp32" else 8.0,
+                "synthetic": False, "summary": {"final_test_acc": acc, "num_classes": 10}, "algorithm": "allreduce",
+                "batch_preset": ""}
+
+    chance = [run("fp32", 0.085, 0), run("qsgd:bits=8,bucket=512", 0.09, 0)]
+    learned = [run("fp32", 0.95, 0), run("qsgd:bits=8,bucket=512", 0.948, 0)]
+    v = {r["codec"]: r["verdict"] for r in accuracy_matches(chance)}
+    assert v["qsgd:bits=8,bucket=512"] == "fp32 did not learn"
+    v = {r["codec"]: r["verdict"] for r in accuracy_matches(learned)}
+    assert v["qsgd:bits=8,bucket=512"] == "matches"

@@ -117,12 +117,20 @@ def measure(specs: list[str], samples: int, bench_numel: int, reps: int, progres
     from tqdm import tqdm
 
     codecs = [get_codec(s) for s in specs]  # fail on a bad spec before measuring anything
+    bar = tqdm(total=len(DISTRIBUTIONS) + 2 + len(codecs), desc="inputs", disable=not progress, unit="step")
     g = torch.Generator().manual_seed(2016)
-    data = {name: make(samples, g) for name, make in DISTRIBUTIONS.items()}
+    data = {}
+    for name, make in DISTRIBUTIONS.items():
+        data[name] = make(samples, g)
+        bar.update(1)
+    bar.set_description("real gradients (digits MLP)")
     data["gradients"] = real_gradients()
+    bar.update(1)
     bench_x = torch.randn(bench_numel, generator=g)
+    bar.update(1)
     rows = []
-    for codec in tqdm(codecs, desc="measuring codecs", disable=not progress, unit="codec"):
+    for codec in codecs:
+        bar.set_description(f"measuring {codec.spec}")
         row: dict[str, Any] = {
             "codec": codec.spec,
             "bits_per_value": round(codec.bits_per_value(bench_numel), 4),
@@ -140,7 +148,15 @@ def measure(specs: list[str], samples: int, bench_numel: int, reps: int, progres
         row["encode_GBps"] = round(enc, 3)
         row["decode_GBps"] = round(dec, 3)
         rows.append(row)
+        bar.update(1)
+    bar.close()
     return rows
+
+
+def _pct(v: float) -> str:
+    """An error in %: two decimals where readable, scientific notation where huge (a codec that is not
+    meant for that distribution, e.g. top-k on uniform data)."""
+    return f"{v:.2f}" if abs(v) < 1e4 else f"{v:.2e}"
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -150,7 +166,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         cells = [r["codec"], f"{r['bits_per_value']:.3f}", f"{r['compression']:.1f}"]
         for d in dists:
-            c = f"{r[f'mre%:{d}']:.2f}"
+            c = _pct(r[f"mre%:{d}"])
             if f"paper_mre%:{d}" in r:
                 c += f" ({r[f'paper_mre%:{d}']:.2f})"
             cells.append(c)

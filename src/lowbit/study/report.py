@@ -180,12 +180,33 @@ def _groups_across_k(runs: list[dict[str, Any]]) -> dict[tuple, list[dict[str, A
     return out
 
 
+#: Classes of the data sets whose rows predate ``summary.num_classes``.
+_KNOWN_CLASSES = {"digits": 10, "mnist1d": 10}
+
+
+def _chance(r: dict[str, Any]) -> float | None:
+    k = r["summary"].get("num_classes") or _KNOWN_CLASSES.get(r["dataset"])
+    return 1.0 / k if isinstance(k, int) and k > 1 else None
+
+
+def _learned(base_accs: list[float], chance: float | None) -> bool:
+    """A verdict needs a baseline that learned: fp32's mean accuracy at least twice chance and 10 points
+    above it (a codec "matching" an fp32 run at chance level says nothing)."""
+    accs = [a for a in base_accs if a is not None and a == a]
+    if not accs or chance is None:
+        return bool(accs)
+    m = sum(accs) / len(accs)
+    return m >= 2 * chance and m >= chance + 0.10
+
+
 def accuracy_matches(runs: list[dict[str, Any]], points: float = MATCH_POINTS) -> list[dict[str, Any]]:
     """Per (setting, codec) of real-data multi-worker runs: accuracy mean/std over seeds, the paired
-    difference to fp32 (same seed), and whether the codec matches fp32 within ``points``."""
+    difference to fp32 (same seed), and whether the codec matches fp32 within ``points`` (no verdict when
+    fp32 itself did not learn: "fp32 did not learn")."""
     out = []
     for _, rs in _groups([r for r in runs if not r["synthetic"] and r["world_size"] > 1]).items():
         base = {r["seed"]: r["summary"].get("final_test_acc") for r in rs if r["codec"] == "fp32"}
+        learned = _learned(list(base.values()), _chance(rs[0]))
         by_label: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for r in rs:
             by_label[r["label"]].append(r)
@@ -197,8 +218,8 @@ def accuracy_matches(runs: list[dict[str, Any]], points: float = MATCH_POINTS) -
                      if r["seed"] in base and base[r["seed"]] is not None and r["summary"].get("final_test_acc") is not None]
             dm, ds, dn = _mean_std(diffs)
             is_base = group[0]["codec"] == "fp32"
-            verdict = "baseline" if is_base else ("no fp32 run" if dn == 0 else
-                                                   ("matches" if dm * 100 >= -points else "does not match"))
+            verdict = "baseline" if is_base else ("no fp32 run" if dn == 0 else "fp32 did not learn" if not learned
+                                                   else ("matches" if dm * 100 >= -points else "does not match"))
             out.append({
                 "setting": _title(group[0]), "network": group[0]["network"], "dataset": group[0]["dataset"],
                 "world_size": group[0]["world_size"], "label": label, "codec": group[0]["codec"],
@@ -515,8 +536,8 @@ def _match_section(runs: list[dict[str, Any]]) -> str:
                 line.append("")
             elif r["verdict"] == "baseline":
                 line.append(f"fp32 {r['acc_mean'] * 100:.2f}%" + (f" ± {r['acc_std'] * 100:.2f}" if r["n"] > 1 else ""))
-            elif r["verdict"] == "no fp32 run":
-                line.append("no fp32 run")
+            elif r["verdict"] in ("no fp32 run", "fp32 did not learn"):
+                line.append(r["verdict"])
             else:
                 mark = "✓" if r["verdict"] == "matches" else "✗"
                 sd = f" ± {r['diff_std'] * 100:.2f}" if r["n_pairs"] > 1 else ""
@@ -529,7 +550,8 @@ def _match_section(runs: list[dict[str, Any]]) -> str:
         f"<p class='note'>✓: the mean over seeds of (codec − fp32 at the same seed) in final test accuracy is at "
         f"least −{MATCH_POINTS} points; ✗: it is lower. Numbers are that mean ± its standard deviation over seeds, in "
         f"points. (noisy): −{MATCH_POINTS} lies within one standard deviation of the mean, so the verdict could flip "
-        f"with other seeds. "
+        f"with other seeds. No verdict where fp32 itself did not learn (below twice chance accuracy, or less than 10 "
+        f"points above it). "
         f"Up to {nseeds} seed(s) per cell" + (" — with one seed every verdict is indicative only." if nseeds < 2 else ".")
         + "</p>")
     # Detail table

@@ -311,6 +311,7 @@ def train_run(
         "steps_per_epoch": steps,
         "bytes_per_step_per_rank": sum(e["bytes_sent_per_rank"] for e in timed) / max(1, sum(e["steps"] for e in timed)),
         "final_test_acc": epochs[-1]["test_acc"],
+        "num_classes": data.num_classes,
         "best_test_acc": max((e["test_acc"] for e in epochs if e["test_acc"] == e["test_acc"]), default=math.nan),
         "final_train_loss": epochs[-1]["train_loss"],
         "final_test_loss": epochs[-1]["test_loss"],
