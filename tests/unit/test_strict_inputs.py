@@ -56,3 +56,24 @@ def test_a_missing_extra_is_one_line_naming_it() -> None:
     assert out.returncode == 2, out.stderr[-2000:]
     err = out.stderr.strip()
     assert len(err.splitlines()) == 1 and "pip install 'lowbit[study]'" in err and "sklearn" in err, err
+
+
+def test_one_codec_list_syntax_for_every_command() -> None:
+    import argparse
+
+    from lowbit.codecs.base import parse_codec_list
+    from lowbit.comm import bench
+    from lowbit.study import cli as study_cli
+
+    want = ["fp32", "qsgd:bits=4,bucket=512", "onebit:bucket=64"]
+    for values in (["fp32", "qsgd:bits=4,bucket=512", "onebit:bucket=64"],
+                   ["fp32;qsgd:bits=4,bucket=512;onebit:bucket=64"],
+                   ["fp32,qsgd:bits=4,bucket=512,onebit:bucket=64"],
+                   ["fp32 qsgd:bits=4,bucket=512", "onebit:bucket=64"]):
+        assert parse_codec_list(values) == want, values
+        for register in (bench.register, study_cli.register):
+            parser = argparse.ArgumentParser()
+            register(parser.add_subparsers(dest="command"))
+            cmd = ["bench", "allreduce"] if register is bench.register else ["study"]
+            args = parser.parse_args([*cmd, "--codecs", *values])
+            assert parse_codec_list(args.codecs) == want, (cmd, values)

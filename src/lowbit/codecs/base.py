@@ -29,6 +29,7 @@ __all__ = [
     "get_codec",
     "available_codecs",
     "parse_spec",
+    "parse_codec_list",
 ]
 
 _REGISTRY: dict[str, type[Codec]] = {}
@@ -217,6 +218,38 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
             raise ValueError(f"codec spec {spec!r}: parameter {key.strip()!r} is given twice")
         params[key.strip()] = _coerce(value.strip())
     return name.strip().lower(), params
+
+
+def parse_codec_list(values: Sequence[str] | str, what: str = "codecs") -> list[str]:
+    """Codec specs from command-line values, the one syntax of every ``lowbit`` command: specs separated
+    by spaces (several values), ``;`` or ``,``. A spec's own parameters are comma-separated too
+    (``qsgd:bits=4,bucket=512``), so a comma-separated item of the form ``key=value`` continues the spec
+    before it and any other item starts a new one: ``fp32,qsgd:bits=4,bucket=512`` is ``fp32`` and
+    ``qsgd:bits=4,bucket=512``. Validated and deduplicated (the first spelling of each codec is kept)."""
+    specs: list[str] = []
+    for value in [values] if isinstance(values, str) else values:
+        for group in str(value).replace(";", " ").split():
+            current: list[str] = []
+            for item in (s.strip() for s in group.split(",")):
+                if not item:
+                    continue
+                if "=" in item and ":" not in item and current:
+                    current.append(item)
+                    continue
+                if current:
+                    specs.append(",".join(current))
+                current = [item]
+            if current:
+                specs.append(",".join(current))
+    if not specs:
+        raise ValueError(f"{what} is empty")
+    seen: dict[str, str] = {}  # canonical spec -> the spec as given
+    for spec in specs:
+        try:
+            seen.setdefault(get_codec(spec).spec, spec)
+        except ValueError as exc:
+            raise ValueError(f"{what} {spec!r}: {exc}") from None
+    return list(seen.values())
 
 
 def get_codec(spec: str | Codec, **params: Any) -> Codec:

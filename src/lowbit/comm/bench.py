@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from lowbit.codecs.base import get_codec
+from lowbit.codecs.base import get_codec, parse_codec_list
 from lowbit.comm.allreduce import ALGORITHMS, CommStats, all_reduce
 from lowbit.feedback import ErrorFeedback
 
@@ -93,37 +93,9 @@ def size_label(n: int) -> str:
 
 
 def parse_codecs(values: list[str] | None) -> list[str]:
-    """Codec specs (validated, deduplicated, as given) from repeated ``--codecs`` values.
-
-    Each value may hold several specs, separated by ``;`` or by commas. A spec's own parameters are
-    comma-separated too (``qsgd:bits=4,bucket=512``), so a comma-separated item of the form ``key=value``
-    continues the spec before it and any other item starts a new one:
-    ``fp32,qsgd:bits=4,bucket=512`` is ``fp32`` and ``qsgd:bits=4,bucket=512``.
-    """
-    specs: list[str] = []
-    for value in values or DEFAULT_CODECS:
-        for group in value.split(";"):
-            current: list[str] = []
-            for item in (s.strip() for s in group.split(",")):
-                if not item:
-                    continue
-                if "=" in item and ":" not in item and current:
-                    current.append(item)
-                    continue
-                if current:
-                    specs.append(",".join(current))
-                current = [item]
-            if current:
-                specs.append(",".join(current))
-    if not specs:
-        raise ValueError("--codecs is empty")
-    seen: dict[str, str] = {}  # canonical spec -> the spec as given (shorter, for the table)
-    for spec in specs:
-        try:
-            seen.setdefault(get_codec(spec).spec, spec)
-        except ValueError as exc:
-            raise ValueError(f"--codecs {spec!r}: {exc}") from None
-    return list(seen.values())
+    """``--codecs`` values (default: the standard set) as validated, deduplicated specs: the one codec
+    list syntax of every command (:func:`lowbit.codecs.base.parse_codec_list`)."""
+    return parse_codec_list(values or DEFAULT_CODECS, what="--codecs")
 
 
 def parse_algorithms(text: str) -> list[str]:
@@ -555,9 +527,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", default="gloo", help="gloo (CPU tensors) or nccl (GPU rank per process); default gloo")
     p.add_argument("--sizes", default=DEFAULT_SIZES,
                    help=f"elements per tensor, comma-separated, suffix K/M/G = 2^10/2^20/2^30 (default {DEFAULT_SIZES})")
-    p.add_argument("--codecs", action="append", metavar="SPECS",
-                   help="codec specs; repeatable, and ';'- or ','-separated (a 'key=value' item continues the "
-                   "spec before it). Default: " + "; ".join(DEFAULT_CODECS))
+    p.add_argument("--codecs", action="extend", nargs="+", metavar="SPEC",
+                   help="codec specs, separated by spaces, ';' or ',' (a 'key=value' item continues the spec "
+                   "before it), as for every lowbit command. Default: " + " ".join(DEFAULT_CODECS))
     p.add_argument("--algorithms", default=",".join(ALGORITHMS),
                    help=f"comma-separated subset of {','.join(ALGORITHMS)} (default all)")
     p.add_argument("--reps", type=int, default=10, help="timed calls per case; the median is reported (default 10)")

@@ -15,6 +15,8 @@ import argparse
 import sys
 from typing import Any
 
+from lowbit.codecs.base import parse_codec_list
+
 __all__ = ["register"]
 
 
@@ -47,7 +49,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "networks": _csv_or_list(args.networks),
         "datasets": _csv_or_list(args.datasets),
-        "codecs": _csv_or_list(args.codecs),
+        "codecs": parse_codec_list(args.codecs, what="--codecs") if args.codecs else None,
         "algorithms": _csv_or_list(args.algorithms),
         "world_sizes": _ints(args.world_sizes, "world-sizes"),
         "backends": _csv_or_list(args.backend),
@@ -121,7 +123,9 @@ def register(sub: Any) -> None:
     p.add_argument("--out", default="study-results/", metavar="DIR", help="results directory (default: %(default)s)")
     p.add_argument("--networks", nargs="+", metavar="NET")
     p.add_argument("--datasets", nargs="+", metavar="DATA")
-    p.add_argument("--codecs", nargs="+", metavar="SPEC", help="e.g. fp32 qsgd:bits=4,bucket=512 onebit:bucket=64")
+    p.add_argument("--codecs", nargs="+", metavar="SPEC",
+                   help="codec specs separated by spaces, ';' or ',' as for every lowbit command, "
+                   "e.g. fp32 qsgd:bits=4,bucket=512 onebit:bucket=64")
     p.add_argument("--algorithms", nargs="+", metavar="ALG", help="scatter_gather | allgather")
     p.add_argument("--world-sizes", nargs="+", metavar="K")
     p.add_argument("--backend", nargs="+", metavar="BACKEND", help="gloo | nccl | mpi")
