@@ -199,7 +199,7 @@ def _timed_call(t: torch.Tensor, x0: torch.Tensor, case: tuple[str, str], feedba
         if dist.get_world_size() > 1:
             dist.all_reduce(t)
     else:
-        all_reduce(t, case[0], algorithm=case[1], feedback=feedback, seed=seed, stats=stats)
+        all_reduce(t, case[0], algorithm=case[1], op="mean", feedback=feedback, seed=seed, stats=stats)
     _sync(device)
     return time.perf_counter() - t0
 
