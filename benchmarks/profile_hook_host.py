@@ -43,7 +43,7 @@ def main() -> None:
     model, feed = bench_ddp.build(a.model, args)
     x, y = bench_ddp.make_batch(feed, dev, 0)
     ddp = DDP(model.to(dev), device_ids=[dev.index])
-    state = lowbit.ddp.register(ddp, codec=a.hook)
+    lowbit.ddp.register(ddp, codec=a.hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     bf16 = feed["bf16"]
     for _ in range(8):

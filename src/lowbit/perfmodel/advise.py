@@ -310,7 +310,8 @@ class SpeedSetup:
 
 def _layer_codec(spec: str, setup: SpeedSetup) -> LayerCodec:
     bits = bits_per_value(spec)
-    algo = "allreduce" if get_codec(spec).sums_on_wire else setup.algorithm
+    codec = get_codec(spec)
+    algo = "allreduce" if codec.sums_on_wire else setup.algorithm
     kw: dict[str, Any] = dict(encode_Bps=setup.encode_Bps, decode_Bps=setup.decode_Bps)
     link: Link | None = None
     cal = setup.calibration
@@ -318,7 +319,7 @@ def _layer_codec(spec: str, setup: SpeedSetup) -> LayerCodec:
         fit, _ = cal.link_for(setup.transport, algo)
         if fit is not None and setup.cluster.gpus <= setup.cluster.gpus_per_node:
             link = fit.link()  # measured on one node: it describes the intra-node path
-        if name != "fp32":
+        if codec.name != "fp32":
             cost, _ = cal.codec_for(setup.transport, algo, _canon(spec))
             if cost is not None:
                 kw = dict(encode_Bps=cost.encode_Bps, decode_Bps=cost.decode_Bps,

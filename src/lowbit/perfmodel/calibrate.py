@@ -422,7 +422,6 @@ def _run_record(row: dict[str, Any]) -> RunRecord | None:
 
     world = int(c.get("world_size", 1))
     codec = str(c.get("codec", "fp32"))
-    name = codec.split(":", 1)[0]
     algo = "allreduce" if sums_on_wire(codec) else str(c.get("algorithm") or "scatter_gather")
     if algo == "none":
         algo = "scatter_gather"
