@@ -512,28 +512,29 @@ def _scatter_gather(comp, codec, group, op, rank, k, residual, seed, stats, out,
     return C.then(work2, finish, "all_gather_into_tensor", group)
 
 
-_AGREED: dict[tuple[int, Hashable], tuple] = {}
+_AGREED: set[tuple[int, tuple]] = set()
 
 
 def _agree(group: dist.ProcessGroup | None, key: Hashable, fingerprint: tuple) -> None:
-    """Ranks must call a collective alike. The first time a key is seen on a group, and whenever its
-    (codec, algorithm, op, numel, feedback) changes, the ranks exchange that fingerprint (one small
-    object all-gather) and all raise the same :class:`CollectiveError` on a mismatch: never a hang, an
-    abort or silently different results. Unchanged calls cost nothing."""
+    """Ranks must call a collective alike. The first time a (key, codec, algorithm, op, numel, feedback)
+    combination is seen on a group, the ranks exchange it (one small object all-gather) and all raise
+    the same :class:`CollectiveError` on a mismatch: never a hang, an abort or silently different
+    results. A combination agreed once costs nothing afterwards, so a loop over many tensors pays one
+    exchange per distinct call, once. (Two ranks of which only one has seen its combination before
+    cannot be caught this way: the other then waits in the exchange.)"""
     _, k = C.world(group)
     if k == 1:
         return
-    slot = (id(group) if group is not None else 0, key)
     mine = (repr(key), *fingerprint)
-    if _AGREED.get(slot) == mine:
+    slot = (id(group) if group is not None else 0, mine)
+    if slot in _AGREED:
         return
     theirs = C.all_gather_object(mine, group)
     if any(t != theirs[0] for t in theirs):
         lines = "\n".join(f"  rank {r}: key {t[0]}, codec {t[1]}, algorithm {t[2]}, op {t[3]}, numel {t[4]}, "
                           f"feedback {t[5]}" for r, t in enumerate(theirs))  # type: ignore[index]
-        _AGREED.pop(slot, None)
         raise C.CollectiveError(f"lowbit: the ranks called all_reduce differently:\n{lines}")
-    _AGREED[slot] = mine
+    _AGREED.add(slot)
 
 
 class Handle:
