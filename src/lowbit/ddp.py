@@ -72,37 +72,25 @@ class ConfigMismatchError(ValueError):
     """The ranks of a group registered different codecs, policies or algorithms."""
 
 
-Member = Tuple[str, torch.Tensor]  # (parameter name, its gradient's view in a DDP bucket)
-
-
 class _Unit:
-    """One collective of a bucket's natively summed tensors (fp32 that does not ride in a message group,
-    fp16, bf16): reduced in place where the bucket holds them together, else through a staging buffer."""
+    """One native collective of a bucket's tensors summed on the wire (fp32 that does not ride in a
+    message group, fp16, bf16): reduced in place where the bucket holds them together, else through a
+    staging buffer. Natively summed codecs take no error feedback and no rounding seed."""
 
-    def __init__(self, state: "LowbitState", codec: Codec, members: List[Member], exact: List[Member],
-                 algorithm: str, inplace: Optional[torch.Tensor] = None) -> None:
+    def __init__(self, codec: Codec, views: List[torch.Tensor], inplace: Optional[torch.Tensor]) -> None:
         self.codec = codec
-        self.algorithm = algorithm
-        self.n = sum(v.numel() for _, v in members)
-        self.exact = sum(v.numel() for _, v in exact)
-        everything = members + exact
-        self.seed_base = state.order[everything[0][0]] * 7
-        device = everything[0][1].device
         if inplace is not None:
             # The bucket already holds these values in this order: work on it directly, no copies.
             self.stage = inplace
             self.src: List[torch.Tensor] = []
             self.dst: List[torch.Tensor] = []
         else:
-            self.stage = torch.empty(self.n + self.exact, dtype=torch.float32, device=device)
-            self.src = [v for _, v in everything]
+            self.stage = torch.empty(sum(v.numel() for v in views), dtype=torch.float32, device=views[0].device)
+            self.src = views
             pos, self.dst = 0, []
-            for v in self.src:
+            for v in views:
                 self.dst.append(self.stage[pos : pos + v.numel()])
                 pos += v.numel()
-        self.residual: Optional[torch.Tensor] = None
-        if state.uses_feedback(codec) and self.n:
-            self.residual = _residual_views(state, [(name, v.numel()) for name, v in members], device)
 
     def gather(self) -> None:
         if self.src:
@@ -209,7 +197,8 @@ def _residual_views(state: "LowbitState", members: List[Tuple[str, int]], device
 
 def _plan_groups(state: "LowbitState", k: int, device: torch.device) -> Dict[str, _Group]:
     """Parameter name -> its message group, for every parameter that is sent quantised (or rides along)."""
-    names = [n for n in reversed(list(state.plan)) if n in state.trainable]
+    trainable = set(state.params.values())
+    names = [n for n in reversed(list(state.plan)) if n in trainable]
     unknown = [n for n in names if n not in state._numels]
     if unknown:
         raise ValueError("lowbit: the state does not know the sizes of its parameters (e.g. "
@@ -253,7 +242,7 @@ class _Layout:
     that go into message groups (with their views), and its natively summed tensors (fp32 that does not
     ride, fp16/bf16) as collectives of their own, reduced in place where the bucket holds them together."""
 
-    def __init__(self, state: "LowbitState", bucket: dist.GradBucket, flat: torch.Tensor, k: int) -> None:
+    def __init__(self, state: "LowbitState", bucket: dist.GradBucket, flat: torch.Tensor) -> None:
         native: Dict[str, Tuple[Codec, List[Tuple[str, int, int]]]] = {}
         self.grouped: List[Tuple[_Group, str, torch.Tensor]] = []
         offset = 0
@@ -277,8 +266,7 @@ class _Layout:
             inplace = None
             if flat.dtype == torch.float32 and all(offsets[i] + m[i][2] == offsets[i + 1] for i in range(len(m) - 1)):
                 inplace = flat[offsets[0] : offsets[0] + sum(n for _, _, n in m)]
-            views = [(name, flat[o : o + n]) for name, o, n in m]
-            self.units.append(_Unit(state, c, views, [], resolve_algorithm(state.algorithm, c, k), inplace))
+            self.units.append(_Unit(c, [flat[o : o + n] for _, o, n in m], inplace))
 
 
 class LowbitState:
@@ -303,7 +291,7 @@ class LowbitState:
         if start_iter < 0:
             raise ValueError(f"start_iter must be >= 0, got {start_iter}")
         if isinstance(message_mb, bool) or not isinstance(message_mb, (int, float)) or not message_mb >= 0:
-            raise ValueError(f"message_mb must be a number >= 0 (0: one message per DDP bucket), got {message_mb!r}")
+            raise ValueError(f"message_mb must be a number >= 0 (0: one message per parameter tensor), got {message_mb!r}")
         self.process_group = process_group
         self.plan = plan                      # parameter name -> codec
         self.params = params                  # id(parameter) -> name
@@ -321,7 +309,6 @@ class LowbitState:
         self._layouts: Dict[Tuple[int, int, int], _Layout] = {}
         self.message_mb = message_mb
         self._group_of: Optional[Dict[str, _Group]] = None  # parameter name -> its message group
-        self.trainable = set(params.values())
         self._world: Optional[Tuple[int, int]] = None  # (rank, size), read once
 
     # ------------------------------------------------------------------------------ helpers
@@ -349,11 +336,11 @@ class LowbitState:
         if bucket.is_last():
             self.iter += 1
 
-    def _layout(self, bucket: dist.GradBucket, flat: torch.Tensor, k: int) -> _Layout:
+    def _layout(self, bucket: dist.GradBucket, flat: torch.Tensor) -> _Layout:
         key = (bucket.index(), flat.data_ptr(), flat.numel())
         lay = self._layouts.get(key)
         if lay is None:
-            lay = self._layouts[key] = _Layout(self, bucket, flat, k)
+            lay = self._layouts[key] = _Layout(self, bucket, flat)
         return lay
 
     # ------------------------------------------------------------------------------ checkpoints
@@ -447,7 +434,7 @@ def _compressed(state: LowbitState, bucket: dist.GradBucket, buf: torch.Tensor, 
     flat = buf.reshape(-1)
     if state._group_of is None:
         state._group_of = _plan_groups(state, world, flat.device)
-    lay = state._layout(bucket, flat, world)
+    lay = state._layout(bucket, flat)
     step_seed = state.seed * 1_000_003 + state.iter * 1_009
     last = bucket.is_last()
     state._advance(bucket)
@@ -465,8 +452,8 @@ def _compressed(state: LowbitState, bucket: dist.GradBucket, buf: torch.Tensor, 
                 g.send(state, group, step_seed)
     for u in lay.units:
         u.gather()
-        futs.append(start(u.stage, u.codec, group, u.algorithm, "mean", u.residual, step_seed + u.seed_base,
-                          state.stats, exact=u.exact, post=u.finisher(buf), world=state._world))
+        futs.append(start(u.stage, u.codec, group, "allreduce", "mean", stats=state.stats, post=u.finisher(buf),
+                          world=state._world))
     if last and state._group_of and any(g.arrived for g in state._group_of.values()):
         missing = sorted({g.index for g in state._group_of.values() if g.arrived})
         raise RuntimeError(f"lowbit: the step ended with message groups {missing} incomplete: a parameter the "

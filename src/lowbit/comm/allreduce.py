@@ -53,7 +53,7 @@ from lowbit.feedback import ErrorFeedback
 ALGORITHMS = ("auto", "scatter_gather", "allgather", "allreduce")
 
 __all__ = ["ALGORITHMS", "CommStats", "Handle", "all_reduce", "chunk_sizes", "bytes_sent_per_rank",
-           "resolve_algorithm", "slot_bytes", "start"]
+           "resolve_algorithm", "start"]
 
 
 @dataclasses.dataclass
@@ -135,13 +135,6 @@ def resolve_algorithm(algorithm: str, codec: Codec, k: int) -> str:
     return algorithm
 
 
-def bytes_sent_per_rank(codec: Codec, n: int, k: int, algorithm: str, rank: int = 0) -> int:
-    """What rank ``rank`` puts on the wire for one call of ``n`` values, predicted from the codec's sizes
-    (ring all-gather / allreduce accounting, 16-byte message slots). The collectives count the buffers
-    they really send; this is the model's side (perfmodel, docs)."""
-    return slot_bytes(codec, n, k, algorithm, rank)
-
-
 def _seed(seed: int, rank: int, chunk: int, phase: int) -> int:
     # Distinct, reproducible random streams per step, rank, chunk and phase: ranks must not share
     # rounding noise, or the errors of the K payloads would be correlated instead of averaging out.
@@ -160,14 +153,14 @@ def normalize_op(op: object) -> str:
                 name = "sum"
             elif op == dist.ReduceOp.AVG:
                 name = "avg"
-    if name in ("sum",):
+    if name == "sum":
         return "sum"
     if name in ("mean", "avg"):
         return "mean"
     raise ValueError(f"op must be torch.distributed.ReduceOp.SUM or .AVG (or 'sum' / 'mean'), got {op!r}")
 
 
-def _check_args(tensor: torch.Tensor, codec: Codec, algorithm: str, op: str) -> None:
+def _check_args(tensor: torch.Tensor, codec: Codec, algorithm: str) -> None:
     if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
         raise ValueError(f"all_reduce expects a floating-point tensor, got {getattr(tensor, 'dtype', type(tensor))}")
     if algorithm not in ALGORITHMS:
@@ -352,8 +345,10 @@ def _framed(parts: list[tuple[int, torch.Tensor, int]], device: torch.device) ->
     return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
 
 
-def slot_bytes(codec: Codec, n: int, k: int, algorithm: str, rank: int = 0, exact: int = 0) -> int:
-    """Bytes rank ``rank`` sends in one call, 16-byte slot padding included (what the collectives count)."""
+def bytes_sent_per_rank(codec: Codec, n: int, k: int, algorithm: str, rank: int = 0, exact: int = 0) -> int:
+    """What rank ``rank`` puts on the wire for one call of ``n`` values (plus ``exact`` raw fp32 riders),
+    predicted from the codec's sizes: ring all-gather / allreduce accounting, 16-byte message slots
+    included. The collectives count the buffers they really send; this is the model's side."""
     if k == 1 or (n == 0 and not exact):
         return 0
     algorithm = resolve_algorithm(algorithm, codec, k)
@@ -586,7 +581,7 @@ def all_reduce(
                          "takes the codec second; pass the reduction as op=torch.distributed.ReduceOp.SUM)")
     codec = get_codec(codec) if isinstance(codec, str) else codec
     op = normalize_op(op)
-    _check_args(tensor, codec, algorithm, op)
+    _check_args(tensor, codec, algorithm)
     if feedback is not None and feedback.codec != codec:
         raise ValueError(f"feedback was built for {feedback.codec.spec}, but the collective uses {codec.spec}")
     if feedback is not None and (algorithm == "allreduce" or codec.sums_on_wire):

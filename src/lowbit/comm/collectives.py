@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["CollectiveError", "world", "all_to_all_async", "all_gather_async", "all_reduce_async", "then", "wait",
-           "done", "all_reduce_sum", "all_gather_object"]
+           "done", "all_gather_object"]
 
 
 class CollectiveError(RuntimeError):
@@ -119,18 +119,6 @@ def wait(fut: torch.futures.Future, op: str, group: dist.ProcessGroup | None) ->
 
 # torch >= 2.12 renames all_gather_into_tensor to all_gather_single (the old name warns).
 _gather_fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """In-place native sum allreduce (fp32/fp16/bf16 only: never on quantised bytes)."""
-    _, size = world(group)
-    if size == 1:
-        return t
-    try:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    except Exception as exc:  # noqa: BLE001
-        raise _fail("all_reduce", group, exc) from exc
-    return t
 
 
 def all_gather_object(obj: object, group: dist.ProcessGroup | None) -> list[object]:
