@@ -17,7 +17,9 @@ Hook configs (``--hooks``, separated by ``;`` since codec specs contain commas):
 * ``fp16`` / ``bf16`` — ``default_hooks.fp16_compress_hook`` / ``bf16_compress_hook``;
 * ``powersgd`` — ``powerSGD_hook`` with rank 4, ``start_powerSGD_iter=2``, error feedback, warm start;
 * ``lowbit:SPEC`` — ``lowbit.ddp.register(ddp_model, codec=SPEC)`` (``--lowbit-algorithm`` passed as
-  ``algorithm=`` only when given; everything else is the library's default, so onebit gets error feedback).
+  ``algorithm=`` only when given; everything else is the library's default, so onebit gets error feedback);
+  ``lowbit[mb=256,algorithm=allgather]:SPEC`` sets ``message_mb`` / ``algorithm`` for that config alone,
+  so one run can compare them.
 
 Protocol, per model: the model is built once per rank (same seed); for each hook config a deep copy goes
 to the device, is wrapped in DDP and gets the hook; SGD (lr 0.01, momentum 0.9) runs ``--warmup`` steps
@@ -126,12 +128,36 @@ def make_batch(feed: dict[str, Any], device: torch.device, seed: int) -> tuple[t
 
 # ----------------------------------------------------------------------------------------------- hooks
 
+LOWBIT_HOOK = re.compile(r"lowbit(?:\[(?P<opts>[^\]]*)\])?:(?P<spec>.+)")
+LOWBIT_OPTS = {"mb": ("message_mb", float), "algorithm": ("algorithm", str)}
+
+
+def lowbit_hook(hook: str) -> tuple[str, dict[str, Any]] | None:
+    """``lowbit:SPEC`` or ``lowbit[mb=256,algorithm=allgather]:SPEC`` -> (SPEC, register keywords); None if
+    ``hook`` is not a lowbit config. Raises SystemExit naming a bad option."""
+    m = LOWBIT_HOOK.fullmatch(hook)
+    if m is None:
+        return None
+    kw: dict[str, Any] = {}
+    for item in filter(None, (m["opts"] or "").split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key.strip() not in LOWBIT_OPTS:
+            raise SystemExit(f"bench_ddp: bad option {item!r} in {hook!r} (known: "
+                             f"{', '.join(k + '=' for k in LOWBIT_OPTS)})")
+        name, kind = LOWBIT_OPTS[key.strip()]
+        try:
+            kw[name] = kind(value.strip())
+        except ValueError:
+            raise SystemExit(f"bench_ddp: option {item!r} in {hook!r} is not a {kind.__name__}") from None
+    return m["spec"], kw
+
+
 def parse_hooks(text: str) -> list[str]:
     hooks = [h.strip() for h in text.split(";") if h.strip()]
     for h in hooks:
-        if h not in ("ddp", "allreduce", "fp16", "bf16", "powersgd") and not (h.startswith("lowbit:") and len(h) > 7):
-            raise SystemExit(f"bench_ddp: unknown hook config {h!r} "
-                             "(ddp, allreduce, fp16, bf16, powersgd or lowbit:SPEC; separate configs with ';')")
+        if h not in ("ddp", "allreduce", "fp16", "bf16", "powersgd") and lowbit_hook(h) is None:
+            raise SystemExit(f"bench_ddp: unknown hook config {h!r} (ddp, allreduce, fp16, bf16, powersgd, "
+                             "lowbit:SPEC or lowbit[mb=M,algorithm=A]:SPEC; separate configs with ';')")
     if len(set(hooks)) != len(hooks):
         raise SystemExit(f"bench_ddp: a hook config is listed twice: {hooks}")
     return hooks
@@ -160,11 +186,15 @@ def register_hook(model: DDP, hook: str, args: argparse.Namespace) -> Any:
         return state
     import lowbit.ddp
 
-    kw: dict[str, Any] = {"codec": hook[len("lowbit:"):]}
+    parsed = lowbit_hook(hook)
+    assert parsed is not None, hook
+    spec, opts = parsed
+    kw: dict[str, Any] = {"codec": spec}
     if args.lowbit_algorithm:
         kw["algorithm"] = args.lowbit_algorithm
     if args.lowbit_message_mb is not None:
         kw["message_mb"] = args.lowbit_message_mb
+    kw.update(opts)  # a config's own options win over the command-wide ones
     return lowbit.ddp.register(model, **kw)
 
 
@@ -351,6 +381,10 @@ def table(results: dict[str, Any], hooks: list[str], key: str, fmt: str) -> str:
 
 
 def git_info() -> tuple[str | None, bool | None]:
+    """(commit, dirty). ``LOWBIT_GIT_COMMIT`` overrides: a copied working tree (a lent device machine) may
+    carry a stale ``.git``, so the launcher passes the commit it sent."""
+    if os.environ.get("LOWBIT_GIT_COMMIT"):
+        return os.environ["LOWBIT_GIT_COMMIT"], None
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
         if head.returncode != 0:
@@ -482,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Ctx(args)
     if ctx.cuda and not args.no_cudnn_benchmark:
         torch.backends.cudnn.benchmark = True
-    if args.warmup < 3 and any(h == "powersgd" or h.startswith("lowbit:") for h in hooks):
+    if args.warmup < 3 and any(h == "powersgd" or lowbit_hook(h) for h in hooks):
         ctx.log(f"note: --warmup {args.warmup} < 3: PowerSGD/lowbit compress from iteration 2 on, "
                 "so the timed steps include uncompressed ones")
     info = meta(ctx, args)

@@ -8,17 +8,18 @@ mkdir -p "$OUT"
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '_' | tr -cd 'A-Za-z0-9_')
 STEPS=${STEPS:-30}; ROUNDS=${ROUNDS:-3}; WARMUP=${WARMUP:-8}
 MODELS=${MODELS:-vgg19,resnet50,alexnet,gpt2_small}
+hook_args=(); [ -n "${HOOKS:-}" ] && hook_args=(--hooks "$HOOKS")  # HOOKS e.g. HOOKS="ddp;fp16;lowbit[mb=256]:qsgd:bits=8,bucket=512" (default: the bench's)
 for mode in ${MODE:-tests nvlink}; do
   case $mode in
     tests)
       python -m pytest -q -m gpu tests/gpu/test_nccl.py 2>&1 | tail -5 | tee "$OUT/gpu_tests_nccl.log" ;;
     nvlink)
-      torchrun --nproc-per-node 2 benchmarks/bench_ddp.py --link nvlink --models "$MODELS" \
+      torchrun --nproc-per-node 2 benchmarks/bench_ddp.py --link nvlink --models "$MODELS" "${hook_args[@]}" \
         --steps "$STEPS" --rounds "$ROUNDS" --warmup "$WARMUP" --out "$OUT/ddp_2x${card}_nvlink.json" 2>&1 \
         | grep -v "^W1\|Warning\|warn" | tail -40 ;;
     sockets)
       NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 torchrun --nproc-per-node 2 benchmarks/bench_ddp.py \
-        --link sockets --models "$MODELS" --steps "$STEPS" --rounds "$ROUNDS" --warmup "$WARMUP" \
+        --link sockets --models "$MODELS" "${hook_args[@]}" --steps "$STEPS" --rounds "$ROUNDS" --warmup "$WARMUP" \
         --out "$OUT/ddp_2x${card}_sockets.json" 2>&1 | grep -v "^W1\|Warning\|warn" | tail -40 ;;
     profile)
       for h in ${PROFILE_HOOKS:-ddp lowbit:qsgd:bits=8,bucket=512}; do
