@@ -33,10 +33,13 @@ Tuning guide (``LowbitState``):
   through the residual.
 * ``message_mb`` — quantised gradients go out in *message groups*: consecutive parameters (in reverse
   model order, the order their gradients become ready) of one codec, up to this many MiB of fp32
-  (default 64; 0: one message per parameter tensor), plus the fp32 tensors that ride along. A group
-  is sent as soon as its last gradient has arrived. Each collective costs the host a fixed time, which
-  a fast link or a small model cannot hide, and a compressed bucket is 4-32x smaller than DDP sized it
-  for: fewer, larger messages pay. Groups depend on the model only, not on DDP's buckets, so results
+  (0: one message per parameter tensor), plus the fp32 tensors that ride along. The default,
+  ``"auto"``, is the larger of 64 MiB and a third of the model's quantised gradients: at most about
+  three messages a step. A group is sent as soon as its last gradient has arrived. Each collective
+  costs the host a fixed time, which a fast link or a small model cannot hide, and a compressed bucket
+  is 4-32x smaller than DDP sized it for: fewer, larger messages pay (GPT-2 small, 652 MB of
+  gradients, 2x H100 over NVLink: 64 MiB messages ran at 0.75x plain DDP, 256 MiB at 0.95x), while the
+  first messages still overlap the rest of the backward pass. Groups depend on the model only, not on DDP's buckets, so results
   are the same before and after DDP's bucket rebuild, and a resumed run is bit-identical.
 * ``start_iter`` — DDP rebuilds its buckets after the first iteration, so compression (and error
   feedback) starts at iteration 2 by default; before, the plain fp32 allreduce runs.
@@ -161,9 +164,13 @@ class _Group:
         self.arrived = 0
         done, src, dst = self.fut, self.src, self.dst
 
+        stage = self.stage
+
         def post() -> None:
             _copy_all(src, dst)
-            done.set_result(None)  # type: ignore[union-attr]
+            # A tensor as the value, so that the future records CUDA events after the copies (a None
+            # value records none, and whoever waited on it would not wait for this work).
+            done.set_result(stage)  # type: ignore[union-attr]
 
         fut = start(self.stage, self.codec, group, self.algorithm, "mean", self.residual,
                     step_seed + self.seed_base, state.stats, exact=self.exact, post=post, world=state._world)
@@ -207,7 +214,7 @@ def _plan_groups(state: "LowbitState", k: int, device: torch.device) -> Dict[str
     if not quantised:
         return {}
     ride = resolve_algorithm(state.algorithm, quantised[0], k) == "allgather"
-    limit = state.message_mb * 2**20
+    limit = message_limit(state.message_mb, sum(4 * state._numels[n] for n in names if not state.plan[n].sums_on_wire))
     groups: List[Tuple[Codec, List[Tuple[str, int]], List[Tuple[str, int]]]] = []
     cur: Optional[Tuple[Codec, List[Tuple[str, int]], List[Tuple[str, int]]]] = None
     riders: List[Tuple[str, int]] = []
@@ -235,6 +242,20 @@ def _plan_groups(state: "LowbitState", k: int, device: torch.device) -> Dict[str
         for name, _ in members + exact:
             out[name] = g
     return out
+
+
+#: ``message_mb="auto"``: a message holds at least this much fp32 ...
+AUTO_MESSAGE_MIN = 64 * 2**20
+#: ... and at least this share of the model's quantised gradients (about three messages a step).
+AUTO_MESSAGE_SHARE = 1 / 3
+
+
+def message_limit(message_mb: Union[float, str], quantised_bytes: int) -> float:
+    """Bytes of fp32 after which a message group closes: ``message_mb`` MiB, or for ``"auto"`` the larger
+    of 64 MiB and a third of ``quantised_bytes`` (the model's quantised gradients, fp32)."""
+    if message_mb == "auto":
+        return max(AUTO_MESSAGE_MIN, quantised_bytes * AUTO_MESSAGE_SHARE)
+    return float(message_mb) * 2**20
 
 
 class _Layout:
@@ -282,7 +303,7 @@ class LowbitState:
         start_iter: int = 2,
         seed: int = 0,
         policy_fingerprint: str = "",
-        message_mb: float = 64.0,
+        message_mb: Union[float, str] = "auto",
     ) -> None:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {list(ALGORITHMS)}")
@@ -290,8 +311,10 @@ class LowbitState:
             raise ValueError(f"error_feedback must be True, False or 'auto', got {error_feedback!r}")
         if start_iter < 0:
             raise ValueError(f"start_iter must be >= 0, got {start_iter}")
-        if isinstance(message_mb, bool) or not isinstance(message_mb, (int, float)) or not message_mb >= 0:
-            raise ValueError(f"message_mb must be a number >= 0 (0: one message per parameter tensor), got {message_mb!r}")
+        if message_mb != "auto" and (isinstance(message_mb, bool) or not isinstance(message_mb, (int, float))
+                                     or not message_mb >= 0):
+            raise ValueError("message_mb must be 'auto' or a number >= 0 (0: one message per parameter tensor, "
+                             f"inf: one message), got {message_mb!r}")
         self.process_group = process_group
         self.plan = plan                      # parameter name -> codec
         self.params = params                  # id(parameter) -> name
@@ -460,16 +483,7 @@ def _compressed(state: LowbitState, bucket: dist.GradBucket, buf: torch.Tensor, 
                            "state expects never reached a DDP bucket (was it frozen after register?)")
     if len(futs) == 1 and not lay.grouped:
         return futs[0]  # its value is the whole bucket, reduced in place
-    return torch.futures.collect_all(futs).then(_bucket_value(buf))
-
-
-def _bucket_value(buf: torch.Tensor):
-    def cb(f: torch.futures.Future) -> torch.Tensor:
-        for x in f.value():
-            x.value()  # re-raise a unit's failure
-        return buf
-
-    return cb
+    return C.join(futs, lambda: buf, buf.device)  # (not collect_all: it loses the CUDA stream order)
 
 
 def _check_same_config(state: LowbitState, group: Optional[dist.ProcessGroup]) -> None:
@@ -496,7 +510,7 @@ def make_state(
     start_iter: int = 2,
     seed: int = 0,
     process_group: Optional[dist.ProcessGroup] = None,
-    message_mb: float = 64.0,
+    message_mb: Union[float, str] = "auto",
 ) -> LowbitState:
     """Build the hook's state for ``module`` (the model *inside* DDP) without registering it.
 
@@ -526,7 +540,7 @@ def register(
     start_iter: int = 2,
     seed: int = 0,
     process_group: Optional[dist.ProcessGroup] = None,
-    message_mb: float = 64.0,
+    message_mb: Union[float, str] = "auto",
 ) -> LowbitState:
     """Install lowbit's comm hook on ``ddp_model`` and return its state.
 

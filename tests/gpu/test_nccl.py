@@ -47,30 +47,69 @@ def test_nccl_collectives_identical_across_ranks_and_accurate() -> None:
             assert err < b, (key, err)
 
 
-def _ddp_body(rank: int, world: int) -> tuple[float, list]:
+#: (codec, DDP bucket_cap_mb, lowbit message_mb): one bucket and one message; several buckets whose
+#: gradients meet in message groups that span buckets; error feedback; fp32 through the hook.
+DDP_CASES = [("qsgd:bits=4,bucket=512", 25.0, 64.0), ("qsgd:bits=8,bucket=512", 0.1, 0.3),
+             ("onebit:bucket=64", 0.1, 0.3), ("fp32", 0.1, 64.0)]
+
+
+def _ddp_body(rank: int, world: int) -> list:
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     dev = torch.device("cuda", rank)
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10)).to(dev)
-    model = DDP(net, device_ids=[rank])
-    state = lowbit.ddp.register(model, codec="qsgd:bits=4,bucket=512")
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    g = torch.Generator(device=dev).manual_seed(rank)
-    for _ in range(10):
-        x = torch.randn(64, 256, device=dev, generator=g)
-        y = torch.randint(0, 10, (64,), device=dev, generator=g)
-        loss = nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return state.stats.bytes_sent, [p.detach().cpu() for p in model.parameters()]
+    out = []
+    for spec, cap, mb in DDP_CASES:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(),
+                            nn.Linear(256, 10)).to(dev)
+        model = DDP(net, device_ids=[rank], bucket_cap_mb=cap)
+        state = lowbit.ddp.register(model, codec=spec, message_mb=mb)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        g = torch.Generator(device=dev).manual_seed(rank)
+        for _ in range(10):
+            x = torch.randn(64, 256, device=dev, generator=g)
+            y = torch.randint(0, 10, (64,), device=dev, generator=g)
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            # Replicas must agree on every step's reduced gradients (a stream race shows up here first).
+            out.append((spec, [p.grad.detach().cpu() for p in model.parameters()]))
+            opt.step()
+        out.append((spec, state.stats.bytes_sent, [p.detach().cpu() for p in model.parameters()]))
+    return out
 
 
 @needs_2_gpus
 def test_ddp_hook_on_nccl_keeps_ranks_identical() -> None:
-    (b0, p0), (b1, p1) = spawn(_ddp_body, 2, backend="nccl")
-    assert b0 > 0
-    for a, b in zip(p0, p1):
-        assert torch.equal(a, b)
+    r0, r1 = spawn(_ddp_body, 2, backend="nccl")
+    assert len(r0) == len(r1) == 11 * len(DDP_CASES)
+    for a, b in zip(r0, r1):
+        assert a[0] == b[0]
+        if len(a) == 3:  # the end of a case: bytes sent and the parameters
+            assert a[1] > 0, a[0]
+            a, b = (a[0], a[2]), (b[0], b[2])
+        for x, y in zip(a[1], b[1]):
+            assert torch.equal(x, y), a[0]
+
+
+def test_join_waits_for_the_device_work_of_every_input() -> None:
+    """C.join's result is ordered after its inputs' stream work; collect_all's is not (it records no
+    events). A slow kernel on a side stream writes x; the join's waiter must see the write."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from lowbit.comm import collectives as C
+
+    dev = torch.device("cuda", 0)
+    x = torch.zeros(1 << 20, device=dev)
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    f = torch.futures.Future(devices=[dev])
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)  # ~50-100 ms of spinning before the write
+        x.fill_(1.0)
+        f.set_result(x)  # records an event on the side stream
+    ready = C.done(torch.ones(1, device=dev), dev)
+    res = C.join([f.then(lambda fut: fut.value().add_(1)), ready], lambda: x, dev)
+    res.wait()  # the current stream now waits for the join's events
+    assert float(res.value().sum()) == 2.0 * x.numel()

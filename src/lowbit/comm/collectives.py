@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import threading
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["CollectiveError", "world", "all_to_all_async", "all_gather_async", "all_reduce_async", "then", "wait",
-           "done", "all_gather_object"]
+__all__ = ["CollectiveError", "world", "all_to_all_async", "all_gather_async", "all_reduce_async", "then", "join",
+           "wait", "done", "all_gather_object"]
 
 
 class CollectiveError(RuntimeError):
@@ -68,6 +70,59 @@ def then(work: object, fn: Callable[[], object], op: str, group: dist.ProcessGro
         return fn()
 
     return fut.then(cb)
+
+
+def join(futs: list[torch.futures.Future], value: Callable[[], object], device: torch.device) -> torch.futures.Future:
+    """Future of ``value()``, completed once every future in ``futs`` has, and ordered after all of their
+    device work: whoever waits on it (DDP's reducer) waits for every one of them.
+
+    ``torch.futures.collect_all`` cannot do this on CUDA: its future holds no tensors, so it records no
+    CUDA events, and a stream that waits on it (or on a ``.then`` of it) does not wait for the work of
+    the futures it collected (on 2 GPUs the DDP hook read half-decoded buckets: replicas drifted apart).
+    Here each input's callback runs on a stream that waited for that input (``then``'s contract), records
+    an event there, and the last one makes its stream wait for all the events before completing the
+    result with ``value()`` (a tensor's events are then recorded after them). A failed input fails it."""
+    cuda = device.type == "cuda"
+    res: torch.futures.Future = torch.futures.Future(devices=[device] if cuda else None)
+    lock = threading.Lock()
+    left = [len(futs)]
+    events: list[torch.cuda.Event] = []
+    errors: list[BaseException] = []
+
+    def cb(f: torch.futures.Future) -> None:
+        try:
+            f.value()
+        except Exception as exc:  # noqa: BLE001 — passed on to the result
+            with lock:
+                errors.append(exc)
+        ev = None
+        if cuda:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(device))
+        with lock:
+            if ev is not None:
+                events.append(ev)
+            left[0] -= 1
+            last = left[0] == 0
+        if not last:
+            return
+        if errors:
+            res.set_exception(errors[0])
+            return
+        try:
+            if cuda:
+                stream = torch.cuda.current_stream(device)
+                for e in events:
+                    stream.wait_event(e)
+            res.set_result(value())
+        except Exception as exc:  # noqa: BLE001
+            res.set_exception(exc)
+
+    if not futs:
+        res.set_result(value())
+    for f in futs:
+        f.then(cb)
+    return res
 
 
 def _issue(op: str, group: dist.ProcessGroup | None, call: Callable[[], object]) -> object:
