@@ -37,9 +37,10 @@ Tuning guide (``LowbitState``):
   ``"auto"``, is the larger of 64 MiB and a third of the model's quantised gradients: at most about
   three messages a step. A group is sent as soon as its last gradient has arrived. Each collective
   costs the host a fixed time, which a fast link or a small model cannot hide, and a compressed bucket
-  is 4-32x smaller than DDP sized it for: fewer, larger messages pay (GPT-2 small, 652 MB of
-  gradients, 2x H100 over NVLink: 64 MiB messages ran at 0.75x plain DDP, 256 MiB at 0.95x), while the
-  first messages still overlap the rest of the backward pass. Groups depend on the model only, not on DDP's buckets, so results
+  is 4-32x smaller than DDP sized it for: fewer, larger messages pay, while the first messages still
+  overlap the rest of the backward pass. (2 GPUs, ``benchmarks/bench_ddp.py``: over NVLink "auto" and
+  64 MiB ran alike within the noise on all four models; on ResNet-50 over sockets 16, 32 and 64 MiB
+  did too; docs/bench.md has the files.) Groups depend on the model only, not on DDP's buckets, so results
   are the same before and after DDP's bucket rebuild, and a resumed run is bit-identical.
 * ``start_iter`` — DDP rebuilds its buckets after the first iteration, so compression (and error
   feedback) starts at iteration 2 by default; before, the plain fp32 allreduce runs.

@@ -40,6 +40,16 @@ def test_auto_keeps_a_small_model_in_one_message() -> None:
     assert len(_groups(model, "auto")) == 1
 
 
+@pytest.mark.parametrize("mb,count", [(0, 12), (0.05, 3), (64, 1), (float("inf"), 1)])
+def test_message_mb_sets_the_number_of_messages(mb, count: int) -> None:
+    # 12 tensors of 16 KiB fp32; a group closes once it holds >= message_mb MiB: 0.05 MiB (51.2 KiB)
+    # closes after the 4th tensor (64 KiB), so 3 groups of 4.
+    model = nn.Sequential(*[nn.Linear(64, 64, bias=False) for _ in range(12)])
+    groups = _groups(model, mb)
+    assert len(groups) == count
+    assert sum(g.n for g in groups) == 12 * 64 * 64
+
+
 @pytest.mark.parametrize("bad", [-1, True, "big", None])
 def test_bad_message_mb_is_refused(bad) -> None:
     with pytest.raises(ValueError, match="message_mb"):
