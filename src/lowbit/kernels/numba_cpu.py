@@ -87,6 +87,9 @@ _F0 = np.float32(0.0)
 _F1 = np.float32(1.0)
 _HALF = np.float32(0.5)
 _U24 = np.float32(1.0 / (1 << 24))
+_FMAX = np.float32(np.finfo(np.float32).max)
+_ONEBIT_SCALE = np.float32(2.0**-32)  # reference.ONEBIT_SUM_SCALE
+_ONEBIT_UNSCALE = np.float32(2.0**32)
 _NAN = np.float32(np.nan)  # 0x7FC00000, the NaN torch's full_like(nan) writes
 _M32 = np.uint64(0xFFFFFFFF)
 _GOLDEN = np.uint64(0x9E3779B1)
@@ -202,7 +205,7 @@ def _l2(x, lo, hi, bucket, m, tail_fma, sqbuf):
     safe = m if m > _F0 else _F1
     if bucket == 1:  # torch's norm of a one-value row is |y| (a NaN comes out with its sign cleared)
         r = abs(x[lo] / safe)
-        return r if r != r else m * r
+        return r if r != r else m * r  # (|x| <= float32's max: no cap needed)
     vend = bucket - bucket % 8  # lanes take positions [0, vend), the scalar tail [vend, bucket)
     xs = x[lo:hi]
     L = xs.size
@@ -245,7 +248,10 @@ def _l2(x, lo, hi, bucket, m, tail_fma, sqbuf):
             b = _fma32(y, y, b)
     r = np.sqrt(b)
     # m is NaN or inf exactly when r is NaN; torch's m * r then returns r's NaN (its payload and sign)
-    return r if r != r else m * r
+    if r != r:
+        return r
+    l2 = m * r
+    return _FMAX if l2 > _FMAX else l2  # reference.cap_l2 (m is finite here)
 
 
 @njit(**_JIT)
@@ -472,11 +478,17 @@ def _unpack(stream, lo, m, bits, buf):
 
 
 @njit(**_JIT)
-def _values_segment(codes, c0, lo, hi, s, step, out, accumulate):
-    """out[lo:hi] (+)= (codes[c0 + i - lo] - s) * step, as reference.qsgd_decode."""
+def _values_segment(codes, c0, lo, hi, s, step, cap, out, accumulate):
+    """out[lo:hi] (+)= (codes[c0 + i - lo] - s) * step, capped at ±cap (= |scale|), as reference.qsgd_decode.
+    The cap can only bite when the largest level does (s * step > cap: rounding or overflow), so
+    only such buckets take the capping loop."""
     cs = codes[c0 : c0 + hi - lo]
     ov = out[lo:hi]
-    if accumulate:
+    if abs(s * step) > cap:
+        for k in range(ov.size):
+            v = _cap((np.float32(cs[k]) - s) * step, cap)
+            ov[k] = ov[k] + v if accumulate else v
+    elif accumulate:
         for k in range(ov.size):
             ov[k] = ov[k] + (np.float32(cs[k]) - s) * step
     else:
@@ -484,11 +496,26 @@ def _values_segment(codes, c0, lo, hi, s, step, out, accumulate):
             ov[k] = (np.float32(cs[k]) - s) * step
 
 
+@njit(inline="always", **_JIT)
+def _cap(v, cap):
+    """reference.cap_to_scale for one value (NaN passes)."""
+    if v > cap:
+        return cap
+    if v < -cap:
+        return -cap
+    return v
+
+
 @njit(**_JIT)
-def _values_segment16(stream, lo, hi, s, step, out, accumulate):
+def _values_segment16(stream, lo, hi, s, step, cap, out, accumulate):
     cs = stream[2 * lo : 2 * hi]
     ov = out[lo:hi]
-    if accumulate:
+    if abs(s * step) > cap:
+        for k in range(ov.size):
+            c = np.uint32(cs[2 * k]) | (np.uint32(cs[2 * k + 1]) << np.uint32(8))
+            v = _cap((np.float32(c) - s) * step, cap)
+            ov[k] = ov[k] + v if accumulate else v
+    elif accumulate:
         for k in range(ov.size):
             c = np.uint32(cs[2 * k]) | (np.uint32(cs[2 * k + 1]) << np.uint32(8))
             ov[k] = ov[k] + (np.float32(c) - s) * step
@@ -507,11 +534,12 @@ def _decode_range(payload, nb, lo, hi, bits, bucket, s, out, accumulate, buf):
         while i < hi:
             b = i // bucket
             e = min(hi, (b + 1) * bucket)
-            step = _read_f32(payload, 4 * b) / s
+            scale = _read_f32(payload, 4 * b)
+            step = scale / s
             if bits == 8:
-                _values_segment(stream, i, i, e, s, step, out, accumulate)
+                _values_segment(stream, i, i, e, s, step, abs(scale), out, accumulate)
             else:
-                _values_segment16(stream, i, e, s, step, out, accumulate)
+                _values_segment16(stream, i, e, s, step, abs(scale), out, accumulate)
             i = e
         return
     for a in range(lo, hi, _SUB):
@@ -521,8 +549,9 @@ def _decode_range(payload, nb, lo, hi, bits, bucket, s, out, accumulate, buf):
         while i < z:
             b = i // bucket
             e = min(z, (b + 1) * bucket)
-            step = _read_f32(payload, 4 * b) / s
-            _values_segment(buf, i - a, i, e, s, step, out, accumulate)
+            scale = _read_f32(payload, 4 * b)
+            step = scale / s
+            _values_segment(buf, i - a, i, e, s, step, abs(scale), out, accumulate)
             i = e
 
 
@@ -700,6 +729,25 @@ def _onebit_sums_small(xs, acc):
     return _F0 + tp, _F0 + tn, cn
 
 
+@njit(**_JIT)
+def _onebit_mean(r, total, cnt, bucket, acc):
+    """reference.onebit_mean: total / cnt, unless the sum of the (finite) values in r overflowed; then the
+    same sum of r * 2**-32 (r is scaled in place: it is scratch), divided, scaled back, capped."""
+    if abs(total) != np.inf:
+        return total / cnt
+    for k in range(bucket):
+        r[k] = r[k] * _ONEBIT_SCALE
+    scaled = _torch_row_sum(r, bucket, acc)
+    if abs(scaled) == np.inf or scaled != scaled:
+        return total / cnt  # an Inf among the values: the mean stays non-finite
+    alt = (scaled / cnt) * _ONEBIT_UNSCALE
+    if alt > _FMAX:
+        return _FMAX
+    if alt < -_FMAX:
+        return -_FMAX
+    return alt
+
+
 @njit(**_PJIT)
 def _onebit_encode(x, n, bucket, scales, stream, per_chunk):
     nb = scales.size // 2
@@ -718,9 +766,12 @@ def _onebit_encode(x, n, bucket, scales, stream, per_chunk):
             if xs.size == bucket and bucket < 512:
                 sp, sn, cn = _onebit_sums_small(xs, acc_small)
                 cp = bucket - cn
-                scales[2 * b] = sp / np.float32(max(cp, 1))
-                scales[2 * b + 1] = sn / np.float32(max(cn, 1))
-                continue
+                if abs(sp) == np.inf or abs(sn) == np.inf:  # overflow or an Inf: the general path sorts it out
+                    pass
+                else:
+                    scales[2 * b] = sp / np.float32(max(cp, 1))
+                    scales[2 * b + 1] = sn / np.float32(max(cn, 1))
+                    continue
             cn = 0
             for k in range(xs.size):
                 v = xs[k]
@@ -734,8 +785,8 @@ def _onebit_encode(x, n, bucket, scales, stream, per_chunk):
             cp = xs.size - cn
             sp = _torch_row_sum(rp, bucket, acc)
             sn = _torch_row_sum(rn, bucket, acc)
-            scales[2 * b] = sp / np.float32(max(cp, 1))
-            scales[2 * b + 1] = sn / np.float32(max(cn, 1))
+            scales[2 * b] = _onebit_mean(rp, sp, np.float32(max(cp, 1)), bucket, acc)
+            scales[2 * b + 1] = _onebit_mean(rn, sn, np.float32(max(cn, 1)), bucket, acc)
         # sign bits of the chunk (it starts on a byte boundary)
         lo = b0 * bucket
         hi = min(n, b1 * bucket)

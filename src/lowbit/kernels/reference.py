@@ -131,11 +131,32 @@ def bucket_absmax(xb: torch.Tensor) -> torch.Tensor:
     return torch.where(has_nan, torch.full_like(m, float("nan")), m)
 
 
+#: float32's largest finite value: where a finite bucket's L2 norm or a decoded value would exceed it,
+#: the scale / value is capped here (finite in, finite out; Inf and NaN in still come out non-finite).
+F32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def cap_l2(l2: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """A finite bucket (max |x| = ``m`` finite) whose L2 norm overflows float32 gets float32's max as its
+    scale: still >= every |x| of the bucket, so |x| / scale <= 1 and QSGD stays unbiased."""
+    return torch.where(torch.isinf(l2) & torch.isfinite(m), torch.full_like(l2, F32_MAX), l2)
+
+
 def bucket_l2(xb: torch.Tensor) -> torch.Tensor:
-    """Per-row L2 norm, computed as max * ||x/max|| so finite inputs never overflow to inf."""
+    """Per-row L2 norm, computed as max * ||x/max|| (no overflow in the sum of squares), capped at
+    float32's max for finite rows (:func:`cap_l2`: up to sqrt(bucket) values near float32's max)."""
     m = bucket_absmax(xb)
     safe = torch.where(m > 0, m, torch.ones_like(m))
-    return m * torch.linalg.vector_norm(xb / safe[:, None], dim=1)
+    return cap_l2(m * torch.linalg.vector_norm(xb / safe[:, None], dim=1), m)
+
+
+def cap_to_scale(v: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``v`` with every value of magnitude above ``|scale|`` set to ``±|scale|``: a decoded QSGD value
+    is ``(code - s) * (scale / s)``, at most ``scale`` in exact arithmetic, but float32 can round the
+    product an ulp above it, or overflow (``scale / s`` at 1 bit, where ``s = 1/2``, for scales above
+    half float32's max). NaN stays NaN (the comparison is false)."""
+    cap = scale.abs()
+    return torch.where(v.abs() > cap, torch.copysign(cap, v), v)
 
 
 # --------------------------------------------------------------------------------- qsgd
@@ -176,7 +197,7 @@ def qsgd_decode(payload: torch.Tensor, n: int, bits: int, bucket: int, out: torc
     lv = codes.to(torch.float32) - s
     if nb:
         pad = nb * bucket - n
-        lv = torch.nn.functional.pad(lv, (0, pad)).view(nb, bucket) * step[:, None]
+        lv = cap_to_scale(torch.nn.functional.pad(lv, (0, pad)).view(nb, bucket) * step[:, None], scale[:, None])
         out.copy_(lv.reshape(-1)[:n])
     return out
 
@@ -194,11 +215,29 @@ def onebit_stats(xg: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Te
     else:
         pos_v, neg_v = pos, neg
     zero = torch.zeros((), dtype=xg.dtype, device=xg.device)
-    sum_pos = torch.where(pos_v, xg, zero).sum(dim=1)
-    sum_neg = torch.where(neg_v, xg, zero).sum(dim=1)
     cnt_pos = pos_v.sum(dim=1).clamp_min(1).to(xg.dtype)
     cnt_neg = neg_v.sum(dim=1).clamp_min(1).to(xg.dtype)
-    return pos, sum_pos / cnt_pos, sum_neg / cnt_neg
+    means = []
+    for mask, cnt in ((pos_v, cnt_pos), (neg_v, cnt_neg)):
+        total = torch.where(mask, xg, zero).sum(dim=1)
+        scaled = torch.where(mask, xg * ONEBIT_SUM_SCALE, zero).sum(dim=1)
+        means.append(onebit_mean(total, scaled, cnt))
+    return pos, means[0], means[1]
+
+
+#: onebit means of finite values never overflow: the sum is also taken of x * 2**-32 (an exact scaling,
+#: so the same sum scaled, unless it underflows), which cannot overflow for fewer than 2**32 values.
+ONEBIT_SUM_SCALE = 2.0**-32
+
+
+def onebit_mean(total: torch.Tensor, scaled: torch.Tensor, cnt: torch.Tensor) -> torch.Tensor:
+    """``total / cnt``; where the float32 sum overflowed although every value was finite (``scaled``, the
+    sum of the values times 2**-32, is finite), ``(scaled / cnt) * 2**32`` instead, capped at float32's
+    max (the mean of finite float32 values is at most their largest). An Inf or NaN input still gives a
+    non-finite mean."""
+    alt = (scaled / cnt) * (1.0 / ONEBIT_SUM_SCALE)
+    alt = torch.where(torch.isinf(alt), torch.copysign(torch.full_like(alt, F32_MAX), alt), alt)
+    return torch.where(torch.isinf(total) & torch.isfinite(scaled), alt, total / cnt)
 
 
 def onebit_encode_buckets(x: torch.Tensor, bucket: int) -> torch.Tensor:

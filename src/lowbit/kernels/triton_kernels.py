@@ -107,6 +107,10 @@ CONFIG: dict[str, int] = {"elems": 2048, "warps": 4, "qsgd_enc_warps": 2, "max_f
 PACKED_BITS = (1, 2, 4, 8, 16)
 #: Payloads at most this many are decoded and summed in one launch (more: chained launches).
 MAX_SUM = 8
+#: reference's overflow guards, as Triton constants
+F32_MAX = tl.constexpr(ref.F32_MAX)
+ONEBIT_SUM_SCALE = tl.constexpr(ref.ONEBIT_SUM_SCALE)
+ONEBIT_SUM_UNSCALE = tl.constexpr(1.0 / ref.ONEBIT_SUM_SCALE)
 
 _LAUNCH = {"enable_fp_fusion": False}
 
@@ -353,7 +357,9 @@ def _qsgd_encode_body(x_ptr, pay_ptr, code_ptr, n, nb, bucket, nbytes, key, pid,
         scale = _tile_scales(x, ROWS, BUCKET)
         if L2:
             y = _div_tile(x, scale, ROWS, BUCKET, False, 0.0)
-            scale = scale * tl.sqrt_rn(_tile_sums(y * y, ROWS, BUCKET))
+            l2 = scale * tl.sqrt_rn(_tile_sums(y * y, ROWS, BUCKET))
+            # reference.cap_l2: a finite bucket's norm past float32's max is capped there
+            scale = tl.where((l2 == float("inf")) & (scale < float("inf")), F32_MAX, l2)
         _store_scales(scale_ptr, scale, pid, nb, ROWS, MASKED)
         codes = _quantize(_div_tile(x, scale, ROWS, BUCKET, True, -1.0), offs, key, S, STOCH, True)
     else:  # (BLOCK,) elements of any buckets: scales precomputed, gathered
@@ -436,13 +442,20 @@ def _qsgd_dec_one(pp, cp, pid, n, nb, bucket, nbytes, BUCKET: tl.constexpr, ROWS
     c = _load_codes(cp, pid * BLOCK, nbytes, n, BLOCK, BITS, MASKED)
     if FUSED:
         rows = pid * ROWS + tl.arange(0, ROWS)
-        step = _step(_ld(sp + rows, rows < nb, 0.0, MASKED), S, INV)
-        v = (tl.reshape(c, (ROWS, BUCKET)).to(tl.float32) - S) * step[:, None]
+        sc = _ld(sp + rows, rows < nb, 0.0, MASKED)
+        v = _cap((tl.reshape(c, (ROWS, BUCKET)).to(tl.float32) - S) * _step(sc, S, INV)[:, None],
+                 tl.abs(sc)[:, None])
     else:
         offs = pid * BLOCK + tl.arange(0, BLOCK)
-        step = _step(_ld(sp + offs // bucket, offs < n, 0.0, MASKED), S, INV)
-        v = (c.to(tl.float32) - S) * step
+        sc = _ld(sp + offs // bucket, offs < n, 0.0, MASKED)
+        v = _cap((c.to(tl.float32) - S) * _step(sc, S, INV), tl.abs(sc))
     return v
+
+
+@triton.jit
+def _cap(v, cap):
+    """reference.cap_to_scale: |v| at most cap (= |scale|); NaN passes."""
+    return tl.where(tl.abs(v) > cap, tl.where(v < 0, -cap, cap), v)
 
 
 @triton.jit
@@ -512,9 +525,25 @@ def _onebit_encode_body(x_ptr, scale_ptr, code_ptr, n, nb, pid, nbytes,
         sum_neg = tl.sum(tl.where(neg, x, 0.0), axis=1)
         cnt_pos = tl.maximum(tl.sum(pos.to(tl.int32), axis=1), 1).to(tl.float32)
         cnt_neg = tl.maximum(tl.sum(neg.to(tl.int32), axis=1), 1).to(tl.float32)
-        _st(scale_ptr + 2 * rows, tl.div_rn(sum_pos, cnt_pos), rows < nb, MASKED)
-        _st(scale_ptr + 2 * rows + 1, tl.div_rn(sum_neg, cnt_neg), rows < nb, MASKED)
+        mean_pos = tl.div_rn(sum_pos, cnt_pos)
+        mean_neg = tl.div_rn(sum_neg, cnt_neg)
+        # reference.onebit_mean: a sum of finite values that overflowed is taken again of x * 2**-32
+        # (only in tiles that have one, so the common path costs one more max)
+        if tl.max(tl.maximum(tl.abs(sum_pos), tl.abs(sum_neg))) == float("inf"):
+            xs = x * ONEBIT_SUM_SCALE
+            mean_pos = _onebit_mean(sum_pos, tl.sum(tl.where(pos, xs, 0.0), axis=1), cnt_pos, mean_pos)
+            mean_neg = _onebit_mean(sum_neg, tl.sum(tl.where(neg, xs, 0.0), axis=1), cnt_neg, mean_neg)
+        _st(scale_ptr + 2 * rows, mean_pos, rows < nb, MASKED)
+        _st(scale_ptr + 2 * rows + 1, mean_neg, rows < nb, MASKED)
     _pack_store(pos.to(tl.uint32), code_ptr, pid * BLOCK, nbytes, n, BLOCK, 1, MASKED)
+
+
+@triton.jit
+def _onebit_mean(total, scaled, cnt, mean):
+    alt = tl.div_rn(scaled, cnt) * ONEBIT_SUM_UNSCALE
+    alt = tl.where(alt == float("inf"), F32_MAX, tl.where(alt == -float("inf"), -F32_MAX, alt))
+    fix = (tl.abs(total) == float("inf")) & (tl.abs(scaled) < float("inf"))
+    return tl.where(fix, alt, mean)
 
 
 @triton.jit
