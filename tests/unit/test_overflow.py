@@ -87,8 +87,8 @@ def test_finite_in_finite_out(backend: str, spec: str) -> None:
         _, y = _roundtrip(spec, x)
         bad = int((~torch.isfinite(y)).sum())
         assert bad == 0, f"{spec} on {backend}, {case}: {bad} non-finite values out of finite input"
-        if spec.startswith("qsgd") and "l2" not in spec:
-            assert float(y.abs().max()) <= float(x.abs().max()), (spec, case)  # never past the scale
+        if spec.startswith("qsgd") and "l2" not in spec:  # at most an ulp past the largest |x|
+            assert float(y.abs().max()) <= float(x.abs().max()) * (1 + 2**-23), (spec, case)
 
 
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
@@ -118,11 +118,11 @@ def test_backends_agree_with_the_reference_near_the_max(backend: str, spec: str,
 
 
 def test_reference_caps() -> None:
-    # a value an ulp past its scale comes back at the scale; NaN passes; inf is capped to the scale
-    scale = torch.tensor([2.0, 2.0, 2.0, float("nan")])
-    v = torch.tensor([torch.nextafter(torch.tensor(2.0), torch.tensor(3.0)).item(), -float("inf"), 1.0, 1.0])
+    # an overflow comes back at the scale; finite values and NaN pass; a non-finite scale caps nothing
+    scale = torch.tensor([2.0, 2.0, 2.0, float("nan"), float("inf")])
+    v = torch.tensor([float("inf"), -float("inf"), 2.0000002, float("inf"), float("inf")])
     out = ref.cap_to_scale(v, scale)
-    assert out[0] == 2.0 and out[1] == -2.0 and out[2] == 1.0 and out[3] == 1.0
+    assert out[0] == 2.0 and out[1] == -2.0 and out[2] == v[2] and out[3] == float("inf") and out[4] == float("inf")
     assert torch.isnan(ref.cap_to_scale(torch.tensor([float("nan")]), torch.tensor([1.0]))).all()
     # L2: capped only for finite buckets
     assert ref.cap_l2(torch.tensor([float("inf")]), torch.tensor([FMAX])).item() == FMAX

@@ -479,12 +479,12 @@ def _unpack(stream, lo, m, bits, buf):
 
 @njit(**_JIT)
 def _values_segment(codes, c0, lo, hi, s, step, cap, out, accumulate):
-    """out[lo:hi] (+)= (codes[c0 + i - lo] - s) * step, capped at ±cap (= |scale|), as reference.qsgd_decode.
-    The cap can only bite when the largest level does (s * step > cap: rounding or overflow), so
-    only such buckets take the capping loop."""
+    """out[lo:hi] (+)= (codes[c0 + i - lo] - s) * step, an overflow to +-inf set to ±cap (= |scale|, finite),
+    as reference.qsgd_decode. Only a bucket whose top level overflows can have one, so only such buckets
+    take the capping loop."""
     cs = codes[c0 : c0 + hi - lo]
     ov = out[lo:hi]
-    if abs(s * step) > cap:
+    if abs(s * step) == np.inf and cap < np.inf:
         for k in range(ov.size):
             v = _cap((np.float32(cs[k]) - s) * step, cap)
             ov[k] = ov[k] + v if accumulate else v
@@ -498,10 +498,10 @@ def _values_segment(codes, c0, lo, hi, s, step, cap, out, accumulate):
 
 @njit(inline="always", **_JIT)
 def _cap(v, cap):
-    """reference.cap_to_scale for one value (NaN passes)."""
-    if v > cap:
+    """reference.cap_to_scale for one value of a bucket with a finite scale (NaN passes)."""
+    if v == np.inf:
         return cap
-    if v < -cap:
+    if v == -np.inf:
         return -cap
     return v
 
@@ -510,7 +510,7 @@ def _cap(v, cap):
 def _values_segment16(stream, lo, hi, s, step, cap, out, accumulate):
     cs = stream[2 * lo : 2 * hi]
     ov = out[lo:hi]
-    if abs(s * step) > cap:
+    if abs(s * step) == np.inf and cap < np.inf:
         for k in range(ov.size):
             c = np.uint32(cs[2 * k]) | (np.uint32(cs[2 * k + 1]) << np.uint32(8))
             v = _cap((np.float32(c) - s) * step, cap)

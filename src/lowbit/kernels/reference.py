@@ -151,12 +151,14 @@ def bucket_l2(xb: torch.Tensor) -> torch.Tensor:
 
 
 def cap_to_scale(v: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``v`` with every value of magnitude above ``|scale|`` set to ``±|scale|``: a decoded QSGD value
-    is ``(code - s) * (scale / s)``, at most ``scale`` in exact arithmetic, but float32 can round the
-    product an ulp above it, or overflow (``scale / s`` at 1 bit, where ``s = 1/2``, for scales above
-    half float32's max). NaN stays NaN (the comparison is false)."""
+    """``v`` with every infinite value set to ``±|scale|`` where the scale is finite: a decoded QSGD value
+    is ``(code - s) * (scale / s)``, at most ``scale`` in exact arithmetic, but float32 overflows near
+    its max (``scale / s`` at 1 bit, where ``s = 1/2``, above half the max; the top level of 8 and 16
+    bits rounds past the max). Finite values are left as they are (the top level may sit an ulp above
+    the scale, as it always has), so decoding is unchanged except where it used to overflow; an Inf or
+    NaN scale (non-finite input) still decodes to non-finite values."""
     cap = scale.abs()
-    return torch.where(v.abs() > cap, torch.copysign(cap, v), v)
+    return torch.where(torch.isinf(v) & torch.isfinite(cap), torch.copysign(cap, v), v)
 
 
 # --------------------------------------------------------------------------------- qsgd

@@ -454,8 +454,8 @@ def _qsgd_dec_one(pp, cp, pid, n, nb, bucket, nbytes, BUCKET: tl.constexpr, ROWS
 
 @triton.jit
 def _cap(v, cap):
-    """reference.cap_to_scale: |v| at most cap (= |scale|); NaN passes."""
-    return tl.where(tl.abs(v) > cap, tl.where(v < 0, -cap, cap), v)
+    """reference.cap_to_scale: an overflow to +-inf becomes ±cap (= |scale|) where the scale is finite."""
+    return tl.where((tl.abs(v) == float("inf")) & (cap < float("inf")), tl.where(v < 0, -cap, cap), v)
 
 
 @triton.jit
