@@ -35,7 +35,11 @@ def test_study_crash_resume_and_report(tmp_path: Path, monkeypatch: pytest.Monke
 
     # 2. Rerun (no crash): only the missing run runs; the finished one is kept, not repeated.
     monkeypatch.delenv(CRASH_ENV)
-    assert main(["study", "--preset", "smoke", "--out", str(out)]) == 0   # with the progress bar
+    tb = tmp_path / "tb"
+    assert main(["study", "--preset", "smoke", "--out", str(out), "--tensorboard", str(tb)]) == 0  # progress bar
+    # the run that ran now logged its epoch to TensorBoard, live (one directory per run, named readably)
+    logged = [d for d in tb.iterdir() if any(d.glob("events.out.tfevents.*"))]
+    assert len(logged) == 1 and logged[0].name.startswith("small_cnn_digits_QSGD"), logged
     text = capsys.readouterr().out
     assert "1 run(s) done, 1 already there" in text and "report:" in text
     runs = _rows(out, "run")
@@ -72,6 +76,15 @@ def test_study_crash_resume_and_report(tmp_path: Path, monkeypatch: pytest.Monke
         assert f"src='{name}'" in html
         assert (index.parent / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "Which codecs match fp32" in html
+    # ... and the same runs as CSV tables beside it
+    import csv
+
+    with open(index.parent / "runs.csv", newline="") as f:
+        table = list(csv.DictReader(f))
+    assert sorted(r["key"] for r in table) == sorted(r["key"] for r in runs)
+    assert all(float(r["samples_per_s"]) > 0 and r["world_size"] == "2" for r in table)
+    with open(index.parent / "epochs.csv", newline="") as f:
+        assert len(list(csv.DictReader(f))) == 2
 
 
 def test_bad_config_fails_before_any_run(tmp_path: Path, capsys) -> None:

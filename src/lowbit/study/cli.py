@@ -1,9 +1,11 @@
-"""``lowbit study`` and ``lowbit report``.
+"""``lowbit study``, ``lowbit report`` and ``lowbit export``.
 
     lowbit study                                   # the embedded default study, then its report
     lowbit study --preset seeds --out benchmarks/results/study_cpu_default
     lowbit study --config my.toml --codecs fp32 qsgd:bits=4,bucket=512 --epochs 2 --dry-run
     lowbit report study-results/ --price-per-gpu-hour 0.9
+    lowbit study --tensorboard runs/                # also log every epoch to TensorBoard (extra)
+    lowbit export study-results/ --csv out/ --tensorboard runs/
 
 ``study`` resumes: runs already in ``OUT/results.jsonl`` are skipped. Flags override the config's keys.
 Under torchrun every rank runs ``lowbit study`` (see docs/study.md); rank 0 writes results and report.
@@ -76,7 +78,8 @@ def _study(args: argparse.Namespace) -> int:
             print(f"  {mark}  {r.key()}  {r.describe()}")
         return 0
     try:
-        result = run_study(cfg, args.out, launcher=args.launcher, progress=not args.no_progress)
+        result = run_study(cfg, args.out, launcher=args.launcher, progress=not args.no_progress,
+                           tensorboard=args.tensorboard)
     except StudyInterrupted as exc:
         print(f"lowbit study: {exc}", file=sys.stderr)
         return 1
@@ -102,7 +105,30 @@ def _report(args: argparse.Namespace) -> int:
     from lowbit.study.report import write_report
 
     index = write_report(args.results, args.out, args.price_per_gpu_hour)
-    print(f"report: {index}")
+    print(f"report: {index} (tables: runs.csv, epochs.csv beside it)")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from lowbit.study.export import export_tensorboard, write_csv
+    from lowbit.study.report import load_runs
+    from lowbit.study.store import resolve_results_path
+
+    if not args.csv and not args.tensorboard:
+        raise ValueError("nothing to export to: give --csv DIR and/or --tensorboard DIR")
+    if args.tensorboard:
+        from lowbit.extras import require
+
+        require("tensorboard", "tensorboard", "--tensorboard")
+    runs, _ = load_runs(resolve_results_path(args.results))
+    if not runs:
+        raise ValueError(f"no finished runs in {resolve_results_path(args.results)}")
+    if args.csv:
+        for path in write_csv(runs, args.csv):
+            print(f"csv: {path}")
+    if args.tensorboard:
+        n = export_tensorboard(runs, args.tensorboard)
+        print(f"tensorboard: {n} run(s) in {args.tensorboard} (tensorboard --logdir {args.tensorboard})")
     return 0
 
 
@@ -144,6 +170,8 @@ def register(sub: Any) -> None:
     p.add_argument("--report-out", metavar="DIR", help="report directory (default: OUT/report)")
     p.add_argument("--price-per-gpu-hour", type=float, default=DEFAULT_PRICE_PER_GPU_HOUR, metavar="USD",
                    help="price of a worker-hour for the price/accuracy plot (default: %(default)s, the seed's K80)")
+    p.add_argument("--tensorboard", metavar="DIR",
+                   help="also log every epoch of every run to TensorBoard in DIR (pip install 'lowbit[tensorboard]')")
     p.set_defaults(func=_study)
 
     r = sub.add_parser("report", help="write the HTML report of study results",
@@ -154,3 +182,12 @@ def register(sub: Any) -> None:
     r.add_argument("--price-per-gpu-hour", type=float, default=DEFAULT_PRICE_PER_GPU_HOUR, metavar="USD",
                    help="price of a worker-hour for the price/accuracy plot (default: %(default)s)")
     r.set_defaults(func=_report)
+
+    e = sub.add_parser("export", help="export study results as CSV and/or TensorBoard logs",
+                       description="Write runs.csv (a row per finished run: configuration and summary) and "
+                                   "epochs.csv (a row per epoch) and/or TensorBoard event files (a run per "
+                                   "study run, scalars per epoch) from a results directory or results.jsonl.")
+    e.add_argument("results", metavar="RESULTS", help="results directory or .jsonl file")
+    e.add_argument("--csv", metavar="DIR", help="write runs.csv and epochs.csv into DIR")
+    e.add_argument("--tensorboard", metavar="DIR", help="write TensorBoard logs into DIR (tensorboard extra)")
+    e.set_defaults(func=_export)

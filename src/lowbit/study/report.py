@@ -651,7 +651,8 @@ def write_report(
     out: str | os.PathLike[str] | None = None,
     price_per_gpu_hour: float = DEFAULT_PRICE_PER_GPU_HOUR,
 ) -> Path:
-    """Write ``index.html`` and its PNGs into ``out`` (default: ``report/`` beside the results file).
+    """Write ``index.html``, its PNGs and the tables ``runs.csv`` / ``epochs.csv`` into ``out`` (default:
+    ``report/`` beside the results file).
 
     Returns the HTML file's path. Raises ``ValueError`` when there are no finished runs.
     """
@@ -665,6 +666,9 @@ def write_report(
     outdir.mkdir(parents=True, exist_ok=True)
     for old in outdir.glob("fig*.png"):
         old.unlink()
+    from lowbit.study.export import write_csv
+
+    write_csv(runs, outdir)  # runs.csv, epochs.csv: the same runs as tables
 
     figs = {
         "acc": _plot_accuracy(runs, outdir, "test_acc", "test accuracy (%)", "fig5_accuracy.png"),
@@ -683,7 +687,8 @@ def write_report(
         "<h1>lowbit study: low-precision gradient communication</h1>",
         f"<p>{len(runs)} finished runs from <code>{_e(path)}</code>. In the style of Grubic et al., "
         "<i>Synchronous Multi-GPU Deep Learning with Low-Precision Communication: An Experimental Study</i> "
-        "(EDBT 2018); figure numbers refer to that paper.</p>",
+        "(EDBT 2018); figure numbers refer to that paper. The same runs as tables: "
+        "<a href='runs.csv'>runs.csv</a> (one row per run), <a href='epochs.csv'>epochs.csv</a> (one per epoch).</p>",
     ]
     if on_cpu:
         h.append("<p class='note'>All runs are on CPU: each worker is a process with its own thread(s), the "

@@ -73,6 +73,7 @@ class _GroupPlan:
     progress: bool
     launcher: str
     study: str = ""
+    tensorboard: str | None = None  # rank 0 logs every epoch there (lowbit.study.export.TensorBoardLog)
 
 
 def _now() -> str:
@@ -371,6 +372,11 @@ def _run_group(rank: int, world: int, plan: _GroupPlan) -> int:
 
         bar = tqdm(total=plan.total, initial=plan.done_before, unit="run", dynamic_ncols=True, file=sys.stderr,
                    desc=f"study K={world}", smoothing=0.1)
+    tb = None
+    if rank == 0 and plan.tensorboard:
+        from lowbit.study.export import TensorBoardLog
+
+        tb = TensorBoardLog(plan.tensorboard)
     done = 0
     try:
         for rd in plan.runs:
@@ -378,6 +384,8 @@ def _run_group(rank: int, world: int, plan: _GroupPlan) -> int:
 
             def on_epoch(row: dict[str, Any], run: RunConfig = run) -> None:
                 store.append({k: v for k, v in row.items() if k != "run"})
+                if tb is not None:
+                    tb.log_epoch(row["key"], row, {**run.to_dict(), "label": run.codec_label})
                 if bar is not None:
                     bar.set_postfix_str(
                         f"{run.network}/{run.dataset} {run.codec_label} ep {row['epoch']}/{run.epochs} "
@@ -404,6 +412,8 @@ def _run_group(rank: int, world: int, plan: _GroupPlan) -> int:
     finally:
         if bar is not None:
             bar.close()
+        if tb is not None:
+            tb.close()
     return done
 
 
@@ -456,13 +466,20 @@ def run_study(
     launcher: str = "auto",
     progress: bool = True,
     log: Callable[[str], None] = print,
+    tensorboard: str | os.PathLike[str] | None = None,
 ) -> StudyResult:
     """Run every pending run of ``cfg``, appending rows to ``out_dir/results.jsonl``.
 
     ``launcher``: ``spawn`` (local processes per world size), ``torchrun`` (this process is one rank of a
     torchrun launch; only runs of its ``WORLD_SIZE`` run), or ``auto`` (torchrun when its environment is
-    set). Raises :class:`StudyInterrupted` if a run fails; finished runs stay saved.
+    set). ``tensorboard``: a directory where rank 0 logs every epoch (``tensorboard`` extra). Raises
+    :class:`StudyInterrupted` if a run fails; finished runs stay saved.
     """
+    tb = str(tensorboard) if tensorboard else None
+    if tb:
+        from lowbit.extras import require
+
+        require("tensorboard", "tensorboard", "--tensorboard")  # before any run starts, not in a worker
     if launcher == "auto":
         launcher = "torchrun" if under_torchrun() else "spawn"
     if launcher not in ("spawn", "torchrun"):
@@ -470,7 +487,7 @@ def run_study(
     crash_after = int(os.environ.get(CRASH_ENV, "0") or 0)
     t0 = time.perf_counter()
     if launcher == "torchrun":
-        return _run_under_torchrun(cfg, out_dir, progress, crash_after, log, t0)
+        return _run_under_torchrun(cfg, out_dir, progress, crash_after, log, t0, tb)
 
     runs, finished, store = plan_study(cfg, out_dir)
     _check_launchable(runs, "spawn")
@@ -491,7 +508,7 @@ def run_study(
     for (backend, ws), group in groups:
         plan = _GroupPlan(runs=[r.to_dict() for r in group], results_path=str(store.path), total=len(runs),
                           done_before=skipped + ran, finished_this_invocation=ran, crash_after=crash_after,
-                          progress=progress, launcher="spawn", study=cfg.name)
+                          progress=progress, launcher="spawn", study=cfg.name, tensorboard=tb)
         try:
             spawn(_spawn_worker, ws, plan, backend=backend, timeout_s=900.0)
         except WorkerError as exc:
@@ -505,7 +522,7 @@ def run_study(
 
 
 def _run_under_torchrun(cfg: StudyConfig, out_dir: str | os.PathLike[str], progress: bool, crash_after: int,
-                        log: Callable[[str], None], t0: float) -> StudyResult:
+                        log: Callable[[str], None], t0: float, tensorboard: str | None = None) -> StudyResult:
     from lowbit.launch import init_from_env
 
     _, world = launched_rank_and_size()
@@ -538,7 +555,7 @@ def _run_under_torchrun(cfg: StudyConfig, out_dir: str | os.PathLike[str], progr
         pending: list[dict[str, Any]] = box[0]
         plan = _GroupPlan(runs=pending, results_path=str(store.path), total=len(runs),
                           done_before=len(runs) - len(pending), finished_this_invocation=0, crash_after=crash_after,
-                          progress=progress, launcher="torchrun", study=cfg.name)
+                          progress=progress, launcher="torchrun", study=cfg.name, tensorboard=tensorboard)
         ran = _run_group(rank, world, plan)
         # Free the last run's DDP reducer and lowbit state while the group is alive, and let every rank
         # get here before tearing it down: without this a rank sometimes aborted at exit

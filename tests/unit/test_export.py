@@ -1,0 +1,91 @@
+"""Study results as CSV and TensorBoard logs (`lowbit export`, the report's tables)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from lowbit.cli import main
+from lowbit.extras import MissingExtra
+from lowbit.study.export import TensorBoardLog, export_tensorboard, write_csv
+from lowbit.study.report import load_runs
+
+REAL = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "study_cpu_default" / "results.jsonl"
+
+
+def _read(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_csv_holds_every_run_and_epoch(tmp_path: Path) -> None:
+    runs, _ = load_runs(REAL)
+    runs_csv, epochs_csv = write_csv(runs, tmp_path)
+    table = _read(runs_csv)
+    assert len(table) == len(runs) and len({r["key"] for r in table}) == len(runs)
+    by_key = {r["key"]: r for r in runs}
+    for row in table:
+        src = by_key[row["key"]]
+        assert row["codec"] == src["codec"] and int(row["world_size"]) == src["world_size"]
+        assert math.isclose(float(row["final_test_acc"]), src["summary"]["final_test_acc"], rel_tol=1e-12)
+        assert row["label"] == src["label"]
+    epochs = _read(epochs_csv)
+    assert len(epochs) == sum(len(r["epoch_rows"]) for r in runs)
+    first = runs[0]
+    mine = sorted((e for e in epochs if e["key"] == first["key"]), key=lambda e: int(e["epoch"]))
+    assert [float(e["train_loss"]) for e in mine] == pytest.approx([e["train_loss"] for e in first["epoch_rows"]])
+
+
+def test_csv_writes_non_finite_as_empty(tmp_path: Path) -> None:
+    runs, _ = load_runs(REAL)
+    run = json.loads(json.dumps(runs[0]))
+    run["summary"]["final_test_loss"] = float("nan")
+    run["epoch_rows"][0]["test_loss"] = float("inf")
+    runs_csv, epochs_csv = write_csv([run], tmp_path)
+    assert _read(runs_csv)[0]["final_test_loss"] == ""
+    assert _read(epochs_csv)[0]["test_loss"] == ""
+
+
+def test_tensorboard_export_reads_back(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    runs, _ = load_runs(REAL)
+    runs = runs[:2]
+    assert export_tensorboard(runs, tmp_path) == 2
+    dirs = sorted(tmp_path.iterdir())
+    assert len(dirs) == 2
+    for run in runs:
+        (d,) = [d for d in dirs if d.name.endswith(run["key"])]
+        ea = EventAccumulator(str(d))
+        ea.Reload()
+        acc = ea.Scalars("accuracy/test")
+        assert [e.step for e in acc] == [e["epoch"] for e in run["epoch_rows"]]
+        assert [e.value for e in acc] == pytest.approx([e["test_acc"] for e in run["epoch_rows"]], rel=1e-6)
+        assert "speed/samples_per_s" in ea.Tags()["scalars"]
+
+
+def test_export_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    res = tmp_path / "res"
+    res.mkdir()
+    shutil.copy(REAL, res / "results.jsonl")
+    assert main(["export", str(res), "--csv", str(tmp_path / "csv"), "--tensorboard", str(tmp_path / "tb")]) == 0
+    out = capsys.readouterr().out
+    assert "runs.csv" in out and "epochs.csv" in out and "tensorboard" in out
+    assert (tmp_path / "csv" / "runs.csv").exists() and any((tmp_path / "tb").iterdir())
+    # nothing to export to, no results: one line, exit code 2
+    assert main(["export", str(res)]) == 2
+    assert "--csv DIR and/or --tensorboard DIR" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "nowhere"), "--csv", str(tmp_path / "c")]) == 2
+    assert "no results" in capsys.readouterr().err
+
+
+def test_tensorboard_missing_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if not installed
+    with pytest.raises(MissingExtra, match=r"lowbit\[tensorboard\]"):
+        TensorBoardLog(tmp_path)
