@@ -321,10 +321,23 @@ def test_network_profiles_match_published_totals(name, params, gmacs):
 
 
 def test_small_networks_are_exact():
-    mlp = get_network("mnist-mlp")
+    mlp = get_network("mlp")
     assert mlp.params == 784 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10
-    assert get_network("small-cnn").params == 145_578  # Caffe cifar10_quick
+    assert get_network("cifar10_quick").params == 145_578  # Caffe cifar10_quick
     assert get_network("ResNet-50").name == "resnet50"
+
+
+def test_network_names_are_the_studys():
+    """One set of names (issue 14 item 5): the speed model's names are lowbit.models' wherever the
+    network is the same; old spellings resolve; a name that meant another network is refused."""
+    from lowbit.models import available_models
+
+    for name in ("mlp", "bn_inception", "alexnet", "vgg19", "resnet50", "resnet110", "lstm"):
+        assert name in available_models() and get_network(name).name == name
+    assert get_network("mnist-mlp").name == "mlp" and get_network("bn-inception").name == "bn_inception"
+    for old in ("small-cnn", "small_cnn"):
+        with pytest.raises(ValueError, match="cifar10_quick"):
+            get_network(old)
 
 
 # ---------------------------------------------------------------------------------- calibration

@@ -126,8 +126,7 @@ def _canon(spec: str) -> str:
 
 
 def _norm(name: str) -> str:
-    key = name.strip().lower().replace("-", "_")
-    return {"mnist_mlp": "mlp"}.get(key, key)
+    return name.strip().lower().replace("-", "_")
 
 
 def default_evidence_path() -> Path | None:

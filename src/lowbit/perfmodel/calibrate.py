@@ -459,15 +459,12 @@ def load_runs(path: str | os.PathLike[str]) -> list[RunRecord]:
     return runs
 
 
-_MODEL_TO_PROFILE = {"bn_inception": "bn-inception", "mlp": "mnist-mlp", "small_cnn": "small-cnn"}
-
-
 @functools.lru_cache(maxsize=64)
 def network_profile(network: str, params: int) -> tuple[tuple[float, float], ...]:
     """Per-layer ``(params share, compute share)`` in forward order: the :mod:`networks` profile of the
     same network when its parameter count matches within 5%, else one layer."""
     try:
-        net = get_network(_MODEL_TO_PROFILE.get(network, network))
+        net = get_network(network)  # the study's names are the speed model's (lowbit.models')
     except ValueError:
         return ((1.0, 1.0),)
     layers = net.layers()

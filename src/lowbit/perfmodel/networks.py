@@ -202,20 +202,31 @@ _BUILDERS: dict[str, Callable[[], Network]] = {
                                  "ImageNet", "params: seed Fig. 3; MACs: He et al. 2016 Table 1"),
     "resnet110": lambda: Network("resnet110", 1_700_000, 0.253, resnet_cifar_profile(110), "CIFAR-10",
                                  "params: He et al. 2016 (seed Fig. 3 prints 1M); MACs: Li et al. 2017"),
-    "bn-inception": lambda: Network("bn-inception", 11_000_000, 2.0, _uniform("block", 12), "ImageNet",
+    "bn_inception": lambda: Network("bn_inception", 11_000_000, 2.0, _uniform("block", 12), "ImageNet",
                                     "MACs approximate; profile: uniform over 12 groups (assumption)"),
     "lstm": lambda: Network("lstm", 13_000_000, 1.3, _uniform("lstm", 4), "AN4",
                             "MACs: 13M params x 100 frames per sample (assumption); uniform profile"),
-    "mnist-mlp": lambda: _exact("mnist-mlp", mlp_profile(), "MNIST", "784-1024-1024-10 (Dettmers 2016)"),
-    "small-cnn": lambda: _exact("small-cnn", small_cnn_profile(), "CIFAR-10", "Caffe cifar10_quick"),
+    "mlp": lambda: _exact("mlp", mlp_profile(), "MNIST", "784-1024-1024-10 (Dettmers 2016)"),
+    "cifar10_quick": lambda: _exact("cifar10_quick", small_cnn_profile(), "CIFAR-10", "Caffe cifar10_quick"),
 }
 
+# The names are lowbit.models' (and so the study's) wherever the network is the same one: one set of
+# names across study, predict and advise. Older spellings still resolve.
 _ALIASES = {
     "resnet-50": "resnet50", "resnet-152": "resnet152", "resnet-110": "resnet110", "vgg": "vgg19",
-    "vgg-19": "vgg19", "bninception": "bn-inception", "bn_inception": "bn-inception",
-    "inception": "bn-inception", "mlp": "mnist-mlp", "mnist": "mnist-mlp", "smallcnn": "small-cnn",
-    "cnn": "small-cnn", "cifar10_quick": "small-cnn",
+    "vgg-19": "vgg19", "bninception": "bn_inception", "bn-inception": "bn_inception",
+    "inception": "bn_inception", "mnist-mlp": "mlp", "mnist_mlp": "mlp", "mnist": "mlp",
+    "cifar10-quick": "cifar10_quick",
 }
+
+#: Names that used to mean a different network here than in lowbit.models: refused with the reason.
+_RETIRED = {
+    "small-cnn": "the speed model's 'small-cnn' was Caffe's cifar10_quick (145,578 parameters, CIFAR-10), "
+                 "not lowbit.models' small_cnn (25,866 parameters, 8x8 inputs), which the speed model has no "
+                 "profile of: use 'cifar10_quick'",
+}
+for _name in ("small_cnn", "smallcnn", "cnn"):
+    _RETIRED[_name] = _RETIRED["small-cnn"]
 
 NETWORKS: tuple[str, ...] = tuple(_BUILDERS)
 
@@ -229,6 +240,8 @@ def get_network(name: str) -> Network:
     if not isinstance(name, str):
         raise ValueError(f"network name must be a string, got {name!r}")
     key = name.strip().lower()
+    if key in _RETIRED:
+        raise ValueError(f"network {name!r}: {_RETIRED[key]}")
     key = _ALIASES.get(key, key)
     if key not in _BUILDERS:
         raise ValueError(f"unknown network {name!r}; known networks: {', '.join(NETWORKS)}")
