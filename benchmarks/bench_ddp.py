@@ -81,7 +81,7 @@ POWERSGD_GLOO = ("PowerSGD's hook issues its allreduces from future callbacks, w
                  "ranks on gloo: a collective mismatch aborts the run (pytorch/pytorch#58467); "
                  "--powersgd-gloo runs it anyway")
 NCCL_ENV = ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_IB_DISABLE", "NCCL_HOSTID",
-            "NCCL_SOCKET_IFNAME", "NCCL_ALGO", "NCCL_PROTO")
+            "NCCL_SOCKET_IFNAME", "NCCL_ALGO", "NCCL_PROTO", "LOWBIT_NODE_SIZE", "LOCAL_WORLD_SIZE")
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -198,8 +198,8 @@ def register_hook(model: DDP, hook: str, args: argparse.Namespace) -> Any:
     return lowbit.ddp.register(model, **kw)
 
 
-def bytes_sent(state: Any) -> int | None:
-    value = getattr(getattr(state, "stats", None), "bytes_sent", None)
+def bytes_sent(state: Any, field: str = "bytes_sent") -> int | None:
+    value = getattr(getattr(state, "stats", None), field, None)
     return int(value) if isinstance(value, (int, float)) else None
 
 
@@ -259,18 +259,20 @@ def run_config(ctx: Ctx, initial: nn.Module, feed: dict[str, Any], x: torch.Tens
         opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
         for _ in range(args.warmup):
             train_step(ddp, opt, x, y, bf16)
-        b0 = bytes_sent(state)
+        b0, i0 = bytes_sent(state), bytes_sent(state, "bytes_inter")
         ctx.barrier()
         t0 = time.perf_counter()
         for _ in range(args.steps):
             loss = train_step(ddp, opt, x, y, bf16)
         ctx.sync()
         elapsed = time.perf_counter() - t0
-        b1 = bytes_sent(state)
+        b1, i1 = bytes_sent(state), bytes_sent(state, "bytes_inter")
         row: dict[str, Any] = {
             "elapsed_s": elapsed,
             "loss": _finite(float(loss.detach())),
             "bytes_sent_per_step": (b1 - b0) / args.steps if b0 is not None and b1 is not None else None,
+            # of those, to other nodes (the hierarchical algorithm; 0 for the flat ones)
+            "bytes_inter_per_step": (i1 - i0) / args.steps if i0 is not None and i1 is not None else None,
             "peak_mem_bytes": torch.cuda.max_memory_allocated(ctx.device) if ctx.cuda else None,
         }
         if profile_dir is not None:
@@ -342,6 +344,8 @@ def summarise(model_res: dict[str, Any], hooks: list[str], world: int, batch: in
         r["step_ms"] = world * batch / r["samples_per_s"] * 1e3 if r["samples_per_s"] else None
         b = [v for v in r.pop("_bytes") if v is not None]
         r["bytes_sent_per_step"] = statistics.median(b) if b else None
+        bi = [v for v in r.pop("_bytes_inter", []) if v is not None]
+        r["bytes_inter_per_step"] = statistics.median(bi) if bi else None
     for hook in hooks:
         r = per_hook[hook]
         for base in BASELINES:
@@ -586,6 +590,7 @@ def main(argv: list[str] | None = None) -> int:
                     r_out["raw_samples_per_s"].append(sps)
                     r_out["raw_step_ms"].append(elapsed / args.steps * 1e3)
                     r_out["_bytes"].append(rows[0]["bytes_sent_per_step"])
+                    r_out.setdefault("_bytes_inter", []).append(rows[0]["bytes_inter_per_step"])
                     r_out["loss"].append(rows[0]["loss"])
                     peaks = [r["peak_mem_bytes"] for r in rows if r["peak_mem_bytes"] is not None]
                     if peaks:

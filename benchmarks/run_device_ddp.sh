@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Device recipe for issue 11 (2 GPUs): GPU tests, then bench_ddp over NVLink and over sockets, profiles.
-#   MODE=nvlink|sockets|profile|tests  bash benchmarks/run_device_ddp.sh
+#   MODE=nvlink|sockets|profile|tests  bash benchmarks/run_device_ddp.sh      (2 GPUs)
+#   MODE=nodes bash benchmarks/run_device_ddp.sh                              (4 GPUs as 2 emulated nodes)
 set -uo pipefail
 export PYTHONPATH=src
 OUT=${OUT:-/tmp/out}
@@ -21,6 +22,11 @@ for mode in ${MODE:-tests nvlink}; do
       NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 torchrun --nproc-per-node 2 benchmarks/bench_ddp.py \
         --link sockets --models "$MODELS" "${hook_args[@]}" --steps "$STEPS" --rounds "$ROUNDS" --warmup "$WARMUP" \
         --out "$OUT/ddp_2x${card}_sockets.json" 2>&1 | grep -v "^W1\|Warning\|warn" | tail -40 ;;
+    nodes)  # 4 GPUs as 2 emulated nodes of 2 (NVLink inside, sockets between): flat vs hierarchical lowbit
+      LOWBIT_NODE_SIZE=2 torchrun --nproc-per-node 4 --no-python benchmarks/emulated_node.sh benchmarks/bench_ddp.py \
+        --link 2nodes --models "$MODELS" --hooks "${HOOKS:-ddp;fp16;powersgd;lowbit:qsgd:bits=4,bucket=512;lowbit[algorithm=hierarchical]:qsgd:bits=8,bucket=512;lowbit[algorithm=hierarchical]:qsgd:bits=4,bucket=512;lowbit[algorithm=hierarchical]:onebit:bucket=64}" \
+        --steps "$STEPS" --rounds "$ROUNDS" --warmup "$WARMUP" --out "$OUT/ddp_4x${card}_2nodes.json" 2>&1 \
+        | grep -v "^W1\|Warning\|warn" | tail -40 ;;
     profile)
       for h in ${PROFILE_HOOKS:-ddp lowbit:qsgd:bits=8,bucket=512}; do
         torchrun --nproc-per-node 2 benchmarks/bench_ddp.py --link nvlink --models "${PROFILE_MODEL:-gpt2_small}" \

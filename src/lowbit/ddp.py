@@ -27,7 +27,9 @@ Tuning guide (``LowbitState``):
 * ``codec`` / ``policy`` — 8-bit QSGD (bucket 512) recovered full accuracy in every experiment of the
   seed; 4-bit usually does; 2-bit loses about a point on conv nets. onebit needs error feedback.
 * ``algorithm`` — ``auto`` (default): ``allgather`` for two ranks, ``scatter_gather`` above (it sends
-  about 2(K-1)/K payloads per rank and scales; allgather sends (K-1)).
+  about 2(K-1)/K payloads per rank and scales; allgather sends (K-1)). ``hierarchical``: several
+  machines — native fp32 inside each node, compressed only between nodes (``node_size`` ranks per
+  node, default ``$LOWBIT_NODE_SIZE`` or torchrun's ``LOCAL_WORLD_SIZE``; :mod:`lowbit.comm.hierarchical`).
 * ``error_feedback`` — ``"auto"`` (default) turns it on for biased codecs (``codec.biased``: onebit,
   topk, dettmers) and off for unbiased QSGD, whose large variance at few bits can feed on itself
   through the residual.
@@ -174,7 +176,8 @@ class _Group:
             done.set_result(stage)  # type: ignore[union-attr]
 
         fut = start(self.stage, self.codec, group, self.algorithm, "mean", self.residual,
-                    step_seed + self.seed_base, state.stats, exact=self.exact, post=post, world=state._world)
+                    step_seed + self.seed_base, state.stats, exact=self.exact, post=post, world=state._world,
+                    node_size=state.node_size)
 
         def fail(f: torch.futures.Future) -> None:
             try:
@@ -305,6 +308,7 @@ class LowbitState:
         seed: int = 0,
         policy_fingerprint: str = "",
         message_mb: Union[float, str] = "auto",
+        node_size: Optional[int] = None,
     ) -> None:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {list(ALGORITHMS)}")
@@ -332,6 +336,13 @@ class LowbitState:
         self._numels: Dict[str, int] = {}
         self._layouts: Dict[Tuple[int, int, int], _Layout] = {}
         self.message_mb = message_mb
+        if node_size is not None and (isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1):
+            raise ValueError(f"node_size must be a positive int (ranks per node), got {node_size!r}")
+        if algorithm == "hierarchical" and node_size is None:
+            from lowbit.comm.hierarchical import node_size_for
+
+            node_size = node_size_for(process_group)  # from the environment, now: a clear error if unknown
+        self.node_size = node_size
         self._group_of: Optional[Dict[str, _Group]] = None  # parameter name -> its message group
         self._world: Optional[Tuple[int, int]] = None  # (rank, size), read once
 
@@ -349,6 +360,7 @@ class LowbitState:
             "error_feedback": self.error_feedback,
             "start_iter": self.start_iter,
             "message_mb": self.message_mb,
+            "node_size": self.node_size,
             "policy": self.policy_fingerprint,
             "plan": {name: c.spec for name, c in sorted(self.plan.items())},
         }
@@ -512,6 +524,7 @@ def make_state(
     seed: int = 0,
     process_group: Optional[dist.ProcessGroup] = None,
     message_mb: Union[float, str] = "auto",
+    node_size: Optional[int] = None,
 ) -> LowbitState:
     """Build the hook's state for ``module`` (the model *inside* DDP) without registering it.
 
@@ -526,7 +539,7 @@ def make_state(
     plan = pol.resolve(module)
     params = {id(p): name for name, p in module.named_parameters() if p.requires_grad}
     state = LowbitState(process_group, plan, params, algorithm, error_feedback, start_iter, seed, pol.fingerprint(),
-                        message_mb)
+                        message_mb, node_size)
     state._devices = {name: p.device for name, p in module.named_parameters()}
     state._numels = {name: p.numel() for name, p in module.named_parameters()}
     return state
@@ -542,6 +555,7 @@ def register(
     seed: int = 0,
     process_group: Optional[dist.ProcessGroup] = None,
     message_mb: Union[float, str] = "auto",
+    node_size: Optional[int] = None,
 ) -> LowbitState:
     """Install lowbit's comm hook on ``ddp_model`` and return its state.
 
@@ -553,7 +567,8 @@ def register(
     if module is None or not hasattr(ddp_model, "register_comm_hook"):
         raise ValueError("lowbit.ddp.register expects a torch.nn.parallel.DistributedDataParallel model")
     group = process_group if process_group is not None else getattr(ddp_model, "process_group", None)
-    state = make_state(module, codec, algorithm, policy, error_feedback, start_iter, seed, group, message_mb)
+    state = make_state(module, codec, algorithm, policy, error_feedback, start_iter, seed, group, message_mb,
+                       node_size)
     _check_same_config(state, group)
     ddp_model.register_comm_hook(state, hook)
     return state

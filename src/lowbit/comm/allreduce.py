@@ -50,7 +50,7 @@ from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
 from lowbit.feedback import ErrorFeedback
 
-ALGORITHMS = ("auto", "scatter_gather", "allgather", "allreduce")
+ALGORITHMS = ("auto", "scatter_gather", "allgather", "allreduce", "hierarchical")
 
 __all__ = ["ALGORITHMS", "CommStats", "Handle", "all_reduce", "chunk_sizes", "bytes_sent_per_rank",
            "resolve_algorithm", "start"]
@@ -61,7 +61,8 @@ class CommStats:
     """Accumulated cost of compressed collectives: calls, bytes this rank put on the wire, and (only when
     ``timing`` is on) seconds in encode / communicate / decode.
 
-    Bytes are counted from the buffers actually handed to torch.distributed. Timing is opt-in: on CUDA
+    Bytes are counted from the buffers actually handed to torch.distributed; ``bytes_inter`` is the part
+    the hierarchical algorithm sent between nodes. Timing is opt-in: on CUDA
     it synchronises the device around each phase (a profiling mode that serialises the pipeline); on
     CPU it reads the clock only (``t_comm`` is then the time from issuing a collective to its data
     being there, queueing behind earlier collectives included).
@@ -69,6 +70,7 @@ class CommStats:
 
     calls: int = 0
     bytes_sent: int = 0
+    bytes_inter: int = 0  # of bytes_sent, what went to other nodes (algorithm="hierarchical" only)
     t_encode: float = 0.0
     t_comm: float = 0.0
     t_decode: float = 0.0
@@ -127,7 +129,8 @@ def chunk_sizes(n: int, k: int) -> list[int]:
 def resolve_algorithm(algorithm: str, codec: Codec, k: int) -> str:
     """The algorithm a call really runs: native allreduce for codecs that sum on the wire; ``auto`` is
     ``allgather`` for two ranks (one exchange, the same bytes as scatter_gather's two, half the coding
-    work) and ``scatter_gather`` above (its bytes per rank stay ~2 payloads as K grows)."""
+    work) and ``scatter_gather`` above (its bytes per rank stay ~2 payloads as K grows);
+    ``hierarchical`` stays itself (it picks its between-node algorithm the same way)."""
     if codec.sums_on_wire:
         return "allreduce"
     if algorithm == "auto":
@@ -191,6 +194,7 @@ def start(
     exact: int = 0,
     post: Callable[[], torch.Tensor] | None = None,
     world: tuple[int, int] | None = None,
+    node_size: int | None = None,
 ) -> torch.futures.Future:
     """Issue one reduction now, on this thread; returns a future of ``out`` holding the result.
 
@@ -201,7 +205,8 @@ def start(
     stream work. ``algorithm`` is resolved (see :func:`resolve_algorithm`). ``post`` runs after the
     result is in ``out``, in the completion callback, and its return value becomes the future's (the
     DDP hook copies the result into its bucket and returns the bucket). ``world``: (rank, size) in
-    ``group`` when the caller already knows them.
+    ``group`` when the caller already knows them. ``node_size``: ranks per node for ``hierarchical``
+    (see :mod:`lowbit.comm.hierarchical`).
     """
     rank, k = C.world(group) if world is None else world
     out = x if out is None else out
@@ -210,8 +215,14 @@ def start(
         stats.calls += 1
     if exact and algorithm != "allgather":
         raise ValueError("exact values ride only with the allgather algorithm")
+    if k == 1 and algorithm == "hierarchical":
+        algorithm = "allgather"  # one rank: nothing to send, the flat path copies
     if algorithm == "allreduce":
         return _native(x, codec, group, op, k, stats, out, post)
+    if algorithm == "hierarchical":
+        from lowbit.comm.hierarchical import start_hierarchical
+
+        return start_hierarchical(x, codec, group, op, residual, seed, stats, out, post, node_size)
     n = x.numel() - exact
     comp = x[:n] if residual is None else x[:n] + residual
     if residual is not None and n:
@@ -345,13 +356,21 @@ def _framed(parts: list[tuple[int, torch.Tensor, int]], device: torch.device) ->
     return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
 
 
-def bytes_sent_per_rank(codec: Codec, n: int, k: int, algorithm: str, rank: int = 0, exact: int = 0) -> int:
+def bytes_sent_per_rank(codec: Codec, n: int, k: int, algorithm: str, rank: int = 0, exact: int = 0,
+                        node_size: int | None = None) -> int:
     """What rank ``rank`` puts on the wire for one call of ``n`` values (plus ``exact`` raw fp32 riders),
     predicted from the codec's sizes: ring all-gather / allreduce accounting, 16-byte message slots
-    included. The collectives count the buffers they really send; this is the model's side."""
+    included (``hierarchical``: with ``node_size`` ranks per node). The collectives count the buffers they
+    really send; this is the model's side."""
     if k == 1 or (n == 0 and not exact):
         return 0
     algorithm = resolve_algorithm(algorithm, codec, k)
+    if algorithm == "hierarchical":
+        from lowbit.comm.hierarchical import bytes_hierarchical
+
+        if node_size is None:
+            raise ValueError("bytes_sent_per_rank: the hierarchical algorithm needs node_size")
+        return bytes_hierarchical(codec, n, k, node_size, rank)
     if algorithm == "allreduce":
         return int(2 * (k - 1) * codec.nbytes(n) // k)
     if algorithm == "allgather":
@@ -563,6 +582,7 @@ def all_reduce(
     key: Hashable = "tensor",
     seed: int = 0,
     stats: CommStats | None = None,
+    node_size: int | None = None,
 ) -> Handle | None:
     """Reduce ``tensor`` in place across ``group`` with its values sent in ``codec``'s precision.
 
@@ -570,7 +590,9 @@ def all_reduce(
     same (bit-identical) result, and the collectives are issued now, in the caller's program order.
     ``op``: ``torch.distributed.ReduceOp.SUM`` (the default, as torch's) or ``ReduceOp.AVG``, or the
     strings ``"sum"`` / ``"mean"``. ``algorithm``: ``scatter_gather`` (default), ``allgather``,
-    ``allreduce`` (fp32/fp16/bf16 only) or ``auto`` (allgather for 2 ranks, else scatter_gather).
+    ``allreduce`` (fp32/fp16/bf16 only), ``auto`` (allgather for 2 ranks, else scatter_gather) or
+    ``hierarchical`` (native inside each node, compressed between nodes; ``node_size`` ranks per node,
+    default ``$LOWBIT_NODE_SIZE`` or torchrun's ``LOCAL_WORLD_SIZE``: :mod:`lowbit.comm.hierarchical`).
     ``feedback`` (an :class:`~lowbit.ErrorFeedback` of the same codec) adds error feedback under ``key``.
     ``seed`` keys the stochastic rounding (pass the step number). ``stats`` accumulates calls and bytes
     sent (and phase times when its ``timing`` is on). With ``async_op=True`` returns a handle whose
@@ -587,13 +609,18 @@ def all_reduce(
     if feedback is not None and (algorithm == "allreduce" or codec.sums_on_wire):
         raise ValueError(f"{codec.spec} is summed natively and is lossless up to the cast; it takes no error feedback")
 
-    _agree(group, key, (codec.spec, algorithm, op, tensor.numel(), feedback is not None))
+    if algorithm == "hierarchical" and not codec.sums_on_wire:
+        from lowbit.comm.hierarchical import node_size_for
+
+        node_size = node_size_for(group, node_size)
+    _agree(group, key, (codec.spec, algorithm if algorithm != "hierarchical" else f"hierarchical/{node_size}", op,
+                        tensor.numel(), feedback is not None))
 
     src = tensor.detach()
     direct = src.dtype == torch.float32 and src.is_contiguous()
     x = src.reshape(-1) if direct else src.reshape(-1).to(torch.float32)
     residual = feedback.residual(key, x.numel(), x.device) if feedback is not None else None
-    fut = start(x, codec, group, algorithm, op, residual, seed, stats)
+    fut = start(x, codec, group, algorithm, op, residual, seed, stats, node_size=node_size)
     if not direct:
         def back(f: torch.futures.Future) -> torch.Tensor:
             res = f.value()

@@ -1,0 +1,140 @@
+"""algorithm="hierarchical" on gloo: 4 ranks as 2 nodes x 2 (and as 1 x 4, 4 x 1).
+
+Identical results on every rank, within the codec's error of the exact mean, bytes counted from the
+buffers equal to the formula (inter-node bytes too), error feedback on the node sums, and the DDP hook.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import lowbit
+from lowbit.codecs.base import get_codec
+from lowbit.comm.allreduce import CommStats, bytes_sent_per_rank
+from lowbit.comm.hierarchical import bytes_between_nodes
+from lowbit.launch import spawn
+
+CODECS = ["qsgd:bits=8,bucket=512", "qsgd:bits=4,bucket=512", "onebit:bucket=64", "dettmers:type=dynamic"]
+SIZES = (1, 3, 4097, 50_001)
+BOUND = {"qsgd:bits=8,bucket=512": 0.02, "dettmers:type=dynamic": 0.05}  # relative L2 error of the mean
+
+
+def _x(rank: int, n: int) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(100 * rank + n))
+
+
+def _body(rank: int, world: int) -> dict:
+    out: dict = {}
+    for node_size in (2, 4, 1):
+        for spec in CODECS:
+            for n in SIZES:
+                x = _x(rank, n)
+                exact = x.double().clone()
+                dist.all_reduce(exact)
+                exact /= world
+                t = x.clone()
+                st = CommStats()
+                lowbit.all_reduce(t, spec, algorithm="hierarchical", op="mean", node_size=node_size, stats=st,
+                                  key=("h", node_size, spec, n), seed=3)
+                err = float((t.double() - exact).norm() / exact.norm())
+                out[(node_size, spec, n)] = (t, err, st.bytes_sent, st.bytes_inter, st.calls)
+    # error feedback on the node sums: the same input every step; the time average of the results
+    # converges to the exact mean (EF: the error of the average is |last residual| / steps), which the
+    # biased codec alone does not reach
+    x = _x(rank, 4097)
+    exact = x.double().clone()
+    dist.all_reduce(exact)
+    exact /= world
+    for fb in (True, False):
+        ef = lowbit.ErrorFeedback("onebit:bucket=64") if fb else None
+        acc = torch.zeros(4097, dtype=torch.float64)
+        steps = 100
+        for s in range(steps):
+            t = x.clone()
+            lowbit.all_reduce(t, "onebit:bucket=64", algorithm="hierarchical", op="mean", node_size=2,
+                              feedback=ef, key=("ef", fb), seed=s)
+            acc += t.double()
+        out[("ef", fb)] = float((acc / steps - exact).norm() / exact.norm())
+    # a node size that does not divide the group, on every rank alike
+    try:
+        lowbit.all_reduce(x.clone(), "qsgd:bits=8", algorithm="hierarchical", node_size=3)
+        out["bad"] = None
+    except ValueError as exc:
+        out["bad"] = str(exc)
+    return out
+
+
+def test_hierarchical_allreduce_on_2_nodes_of_2() -> None:
+    res = spawn(_body, 4, backend="gloo")
+    r0 = res[0]
+    for key, v in r0.items():
+        if not isinstance(key, tuple) or key[0] == "ef":
+            continue
+        node_size, spec, n = key
+        t, err, sent, inter, calls = v
+        for r in range(1, 4):
+            assert torch.equal(t, res[r][key][0]), (key, r)  # bit-identical on every rank
+        assert calls == 1
+        codec = get_codec(spec)
+        for r in range(4):
+            _, _, sent_r, inter_r, _ = res[r][key]
+            assert sent_r == bytes_sent_per_rank(codec, n, 4, "hierarchical", r, node_size=node_size), (key, r)
+            assert inter_r == bytes_between_nodes(codec, n, 4, node_size, r), (key, r)
+        if node_size == 4:  # one node: nothing is compressed, the mean is fp32's
+            assert inter == 0 and err < 1e-6, (key, err)
+        elif spec in BOUND and n > 1:
+            assert err < BOUND[spec], (key, err)
+        if node_size == 2 and n > 1000:
+            # between nodes only the compressed half-tensor: far fewer bytes than the fp32 traffic inside
+            assert 0 < inter < 0.5 * (sent - inter), (key, inter, sent)
+    assert r0[("ef", True)] < 0.07 and r0[("ef", False)] > 0.3, (r0[("ef", True)], r0[("ef", False)])
+    assert r0["bad"] is not None and "do not split into nodes of 3" in r0["bad"]
+
+
+def _ddp_body(rank: int, world: int) -> tuple[list, int, int]:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 10))
+    model = DDP(net, bucket_cap_mb=0.05)
+    state = lowbit.ddp.register(model, codec="qsgd:bits=4,bucket=512", algorithm="hierarchical", node_size=2,
+                                start_iter=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(5):
+        x = torch.randn(16, 32, generator=g)
+        y = torch.randint(0, 10, (16,), generator=g)
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], state.stats.bytes_sent, state.stats.bytes_inter
+
+
+def test_ddp_hook_hierarchical_keeps_replicas_identical() -> None:
+    res = spawn(_ddp_body, 4, backend="gloo")
+    for r in range(1, 4):
+        for a, b in zip(res[0][0], res[r][0]):
+            assert torch.equal(a, b)
+    assert 0 < res[0][2] < res[0][1]
+
+
+def test_hierarchical_needs_a_node_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lowbit.comm.hierarchical import node_size_for
+
+    for var in ("LOWBIT_NODE_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ValueError, match="ranks per node"):
+        node_size_for(None)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert node_size_for(None) == 1  # no process group: one process, in one node
+    monkeypatch.setenv("LOWBIT_NODE_SIZE", "0")  # the emulation's variable wins over torchrun's
+    with pytest.raises(ValueError, match="LOWBIT_NODE_SIZE must be a positive int"):
+        node_size_for(None)
+    monkeypatch.setenv("LOWBIT_NODE_SIZE", "two")
+    with pytest.raises(ValueError, match="LOWBIT_NODE_SIZE"):
+        node_size_for(None)
+    with pytest.raises(ValueError, match="positive int"):
+        node_size_for(None, 0)
