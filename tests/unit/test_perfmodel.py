@@ -435,3 +435,23 @@ def test_cli_errors(argv, message, capsys):
 
     assert main(["predict", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("g,n", [(2, 2), (4, 2), (2, 4)])
+def test_hierarchical_model_sends_what_lowbits_hierarchical_sends(g, n):
+    """The speed model's lowbit hierarchical (fp32 inside nodes, the coded 1/G shard between them) counts
+    the bytes the implementation's formula counts (up to its 16-byte message slots)."""
+    from lowbit.codecs.base import get_codec
+    from lowbit.comm.hierarchical import bytes_between_nodes, bytes_hierarchical
+
+    codec = get_codec("qsgd:bits=4,bucket=512")
+    numel = 8_000_000
+    topo = Topology(g * n, g, PRESETS["nvlink"], PRESETS["ib-edr"])
+    cost = hierarchical(codec.nbytes(numel), topo, fp32_bytes=4 * numel)
+    assert cost.bytes_per_rank == pytest.approx(bytes_hierarchical(codec, numel, g * n, g), rel=1e-3)
+    inter = cost.bytes_per_rank - 2 * (g - 1) * 4 * numel / g
+    assert inter == pytest.approx(bytes_between_nodes(codec, numel, g * n, g), rel=1e-3)
+    # one node: nothing is coded, a ring allreduce of fp32
+    one = Topology(g, g, PRESETS["nvlink"])
+    assert hierarchical(codec.nbytes(numel), one, fp32_bytes=4 * numel).bytes_per_rank == pytest.approx(
+        2 * (g - 1) / g * 4 * numel)

@@ -224,9 +224,13 @@ def _round_trip(a: adv.Advice) -> None:
     d = json.loads(json.dumps(a.to_dict()))
     pol = Policy(**d["policy"])
     assert pol == a.policy()
+    import ast
+
+    ast.parse(d["python"])  # the printed code is Python, register line included
     scope: dict = {}
-    exec(d["python"].replace("state = lowbit.ddp.register(ddp_model, policy=policy", "_ = (policy"), scope)
+    exec("\n".join(line for line in d["python"].splitlines() if not line.startswith("state = ")), scope)
     assert scope["policy"] == pol
+    assert "lowbit.ddp.register(ddp_model, policy=policy" in d["python"]
 
 
 def test_advise_fp32_for_a_compute_bound_network_on_nvlink():

@@ -56,6 +56,8 @@ __all__ = ["Candidate", "CANDIDATES", "SEED_FINDINGS", "Advice", "advise", "form
 
 #: The collectives lowbit.ddp runs for quantised codecs (lowbit.comm.allreduce.ALGORITHMS minus allreduce).
 LOWBIT_ALGORITHMS = ("scatter_gather", "allgather")
+#: Tried as well under --algorithm auto when the cluster spans several nodes (lowbit.comm.hierarchical).
+MULTI_NODE_ALGORITHMS = ("hierarchical",)
 FASTER_THAN_FP32 = 1.05   # below this predicted speedup, fp32 is the answer
 WITHIN_BEST = 0.97        # assignments this close to the fastest count as ties; more bits wins a tie
 
@@ -467,7 +469,7 @@ def advise(
             continue
         assignment = {g: c.canonical for g, c in chosen.items()}
         quantised = any(not get_codec(c.spec).sums_on_wire for c in combo)
-        algos = (LOWBIT_ALGORITHMS if setup.algorithm == "auto" else (setup.algorithm,)) if quantised else ("allreduce",)
+        algos = (_auto_algorithms(setup) if setup.algorithm == "auto" else (setup.algorithm,)) if quantised else ("allreduce",)
         algo, pred = max(((al, predict_assignment(net, assignment, dataclasses.replace(setup, algorithm=al)))
                           for al in algos), key=lambda t: t[1].speedup_vs_fp32)
         pred = dataclasses.replace(pred, algorithm=algo)
@@ -493,6 +495,12 @@ def advise(
 
 
 # ------------------------------------------------------------------------------------------ output
+def _auto_algorithms(setup: "SpeedSetup") -> tuple[str, ...]:
+    """The collectives ``--algorithm auto`` compares: the flat ones, and hierarchical across nodes."""
+    multi = setup.cluster.gpus > setup.cluster.gpus_per_node
+    return LOWBIT_ALGORITHMS + (MULTI_NODE_ALGORITHMS if multi else ())
+
+
 def policy_code(policy: dict[str, Any], fp32: bool = False, algorithm: str = "scatter_gather") -> str:
     """Python to paste: ``policy = lowbit.Policy(...)`` and the register call."""
     lines = ["import lowbit", "", "policy = lowbit.Policy("]
@@ -520,7 +528,7 @@ def format_advice(a: Advice) -> str:
         f"lowbit advise: {a.network} on {c.gpus} GPU(s), {c.gpus_per_node} per node; intra "
         f"{c.intra.describe() if isinstance(c.intra, Link) else c.intra}{inter}",
         f"  batch {s.batch}/GPU at {s.device_tflops:.3g} TFLOP/s; quantised codecs via "
-        f"{'scatter_gather or allgather' if s.algorithm == 'auto' else s.algorithm}; "
+        f"{' or '.join(_auto_algorithms(s)) if s.algorithm == 'auto' else s.algorithm}; "
         f"accuracy tolerance {a.tolerance:g} points"
         + (f"; links and codec costs calibrated ({s.transport})" if s.calibration is not None else
            f"; encode/decode at {_gbps(s.encode_Bps)}/{_gbps(s.decode_Bps)}"),
@@ -580,9 +588,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="calibration JSON (lowbit predict --calibrate ... --save-calibration): measured links, "
                    "codec costs, device rate and overheads")
     p.add_argument("--transport", default=None, help="which calibrated transport (default: the only/first one)")
-    p.add_argument("--algorithm", default="auto", choices=("auto",) + LOWBIT_ALGORITHMS,
-                   help="collective for the quantised codecs; auto (default) takes the faster of scatter_gather "
-                   "and allgather for each assignment")
+    p.add_argument("--algorithm", default="auto", choices=("auto",) + LOWBIT_ALGORITHMS + MULTI_NODE_ALGORITHMS,
+                   help="collective for the quantised codecs; auto (default) takes the fastest of scatter_gather, "
+                   "allgather and (on several nodes) hierarchical for each assignment")
     p.add_argument("--batch", type=int, default=64, help="samples per GPU per step (default 64)")
     p.add_argument("--device-tflops", type=float, default=None,
                    help="sustained TFLOP/s of one GPU (default 100, or the calibrated device rate)")

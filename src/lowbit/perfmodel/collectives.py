@@ -20,8 +20,9 @@ ring allreduce      ``2 (K-1) (alpha + M/K beta)``                 ``2 (K-1)/K M
 allgather (ring)    ``(K-1) (alpha + M beta)``                     ``(K-1) M``  (receives K-1 payloads)
 scatter_gather      all_to_all + ring allgather of ``M/K`` chunks   ``2 (K-1)/K M``
 hierarchical        intra reduce-scatter + inter allreduce of       ``2 (G-1)/G M + 2 (N-1)/N M/G``
-                    ``M/G`` (G rings share the node's NICs) +
-                    intra allgather
+                    ``M/G`` (G rings share the node's NICs) +       (lowbit's: fp32 ``F`` inside,
+                    intra allgather                                  ``2 (G-1)/G F`` + the flat
+                                                                     compressed exchange of ``M/G``)
 ==================  ===========================================  ================================
 
 The all_to_all is pairwise exchange: ``(K-1) alpha + max(intra bytes * beta_intra, node-out bytes *
@@ -168,26 +169,37 @@ def allgather(nbytes: float, topo: Topology) -> CommCost:
     return ring_allgather(nbytes, topo)
 
 
-def hierarchical(nbytes: float, topo: Topology) -> CommCost:
-    """Intra-node reduce-scatter, inter-node ring allreduce of each ``M/G`` shard, intra-node allgather.
+def hierarchical(nbytes: float, topo: Topology, fp32_bytes: float | None = None) -> CommCost:
+    """Intra-node reduce-scatter, an exchange of each ``1/G`` shard between nodes, intra-node allgather.
 
-    The ``G`` shards travel as ``G`` concurrent inter-node rings that share the node's
-    ``nics_per_node`` links, so each ring sees ``bandwidth * min(nics, G) / G``.
+    Without ``fp32_bytes`` every phase carries ``nbytes`` (a native hierarchical allreduce: the shards
+    cross nodes in a ring allreduce). With ``fp32_bytes`` it is ``lowbit``'s ``algorithm="hierarchical"``:
+    the intra-node phases move fp32 (``fp32_bytes``), and between nodes the ranks of one local index
+    exchange their compressed shard (``nbytes / G``) with the flat algorithm lowbit picks for ``N``
+    ranks (allgather for 2 nodes, scatter_gather above). On one node nothing is compressed: a ring
+    allreduce of ``fp32_bytes``. The ``G`` shards cross nodes as ``G`` concurrent exchanges sharing the
+    node's ``nics_per_node`` links, so each sees ``bandwidth * min(nics, G) / G``.
     """
     _check_bytes(nbytes)
     g, n = topo.local, topo.nodes
     if topo.world == 1:
         return _ZERO
+    full = nbytes if fp32_bytes is None else fp32_bytes
+    _check_bytes(full)
     if n == 1:
-        return ring_allreduce(nbytes, topo)
+        return ring_allreduce(full, topo)
     intra = topo.intra
-    shard = nbytes / g
-    half_intra = CommCost((g - 1) * intra.time(shard), (g - 1) * shard, g - 1)  # RS or AG inside node
+    intra_shard = full / g
+    half_intra = CommCost((g - 1) * intra.time(intra_shard), (g - 1) * intra_shard, g - 1)  # RS or AG
     inter = topo._inter
-    ring_bw = inter.bandwidth_Bps * min(topo.nics_per_node, g) / g
-    ring_link = Link(inter.latency_s, ring_bw, inter.name)
-    steps = 2 * (n - 1)
-    across = CommCost(steps * ring_link.time(shard / n), steps * shard / n, steps)
+    ring_link = Link(inter.latency_s, inter.bandwidth_Bps * min(topo.nics_per_node, g) / g, inter.name)
+    shard = nbytes / g
+    if fp32_bytes is None:
+        steps = 2 * (n - 1)
+        across = CommCost(steps * ring_link.time(shard / n), steps * shard / n, steps)
+    else:
+        cross = Topology(n, 1, ring_link, ring_link)  # one rank of each node: every hop crosses nodes
+        across = allgather(shard, cross) if n == 2 else scatter_gather(shard, cross)
     return half_intra + across + half_intra
 
 
@@ -199,10 +211,13 @@ _DISPATCH = {
 }
 
 
-def collective(algorithm: str, nbytes: float, topo: Topology) -> CommCost:
-    """Cost of ``algorithm`` (one of :data:`ALGORITHMS`) on ``nbytes`` of payload per rank."""
+def collective(algorithm: str, nbytes: float, topo: Topology, fp32_bytes: float | None = None) -> CommCost:
+    """Cost of ``algorithm`` (one of :data:`ALGORITHMS`) on ``nbytes`` of payload per rank (``fp32_bytes``:
+    the uncompressed size, which ``hierarchical`` moves inside the node)."""
     try:
         fn = _DISPATCH[algorithm]
     except KeyError:
         raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}") from None
+    if algorithm == "hierarchical":
+        return hierarchical(nbytes, topo, fp32_bytes)
     return fn(nbytes, topo)

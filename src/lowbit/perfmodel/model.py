@@ -27,7 +27,8 @@ algorithm           encode            decode             payload per rank
 allreduce           n (cast)          n (cast)           ``n * bits / 8`` through a ring
 scatter_gather      ``n (1 + 1/K)``   ``2 n``            all_to_all + allgather of chunks
 allgather           ``n``             ``K n``            every rank decodes every payload
-hierarchical        ``n (1 + 2/G)``   ``n (2 + 2/G)``    re-encoded at each stage
+hierarchical        ``n/G`` (N=2)     ``N n/G`` (N=2)    fp32 inside nodes, ``n/G`` coded
+                    ``n/G (1+1/N)``   ``2 n/G``          between them (scatter_gather, N>2)
 ==================  ================  =================  ===================================
 
 fp32 (32 bits per value) is never encoded. Encode/decode seconds = ``4 * values / throughput``
@@ -237,8 +238,12 @@ def codec_work(algorithm: str, numel: int, world: int, gpus_per_node: int, bits:
         return n * (1 + 1 / k), 2 * n
     if algorithm == "allgather":
         return n, k * n
-    if algorithm == "hierarchical":
-        return n * (1 + 2 / g), n * (2 + 2 / g)
+    if algorithm == "hierarchical":  # lowbit's: only the 1/G shard between nodes is coded
+        nodes = math.ceil(k / g)
+        if nodes == 1:
+            return 0.0, 0.0
+        shard = n / g
+        return (shard, nodes * shard) if nodes == 2 else (shard * (1 + 1 / nodes), 2 * shard)
     raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
 
 
@@ -307,7 +312,8 @@ def simulate_step(
                 dec += lc.decode_call_s + (4 * dec_vals / lc.decode_Bps if lc.decode_Bps else 0.0)
             group_topo = topo if lc.link is None else dataclasses.replace(
                 topo, intra=lc.link, inter=lc.link if topo.inter is not None else None)
-            cost = collective(lc.algorithm, numel * lc.bits / 8, group_topo)
+            cost = collective(lc.algorithm, numel * lc.bits / 8, group_topo,
+                              fp32_bytes=4 * numel if lc.algorithm == "hierarchical" and lc.bits < FP32_BITS else None)
             duration += cost.time_s
             sent += cost.bytes_per_rank
         t += enc
