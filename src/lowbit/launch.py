@@ -40,9 +40,21 @@ def init_from_env(backend: str | None = None, timeout: timedelta = DEFAULT_TIMEO
     return dist.get_rank(), dist.get_world_size()
 
 
+def emulate_node(rank: int, node_size: int) -> None:
+    """Make this process a member of emulated node ``rank // node_size``: NCCL sees a host of its own per
+    node (``NCCL_HOSTID``; with ``NCCL_IB_DISABLE=1`` the nodes then talk over sockets, inside a node over
+    NVLink/shared memory), and lowbit's hierarchical algorithm takes the same node size
+    (``LOWBIT_NODE_SIZE``). Call before the process group is created."""
+    os.environ["LOWBIT_NODE_SIZE"] = str(node_size)
+    os.environ["NCCL_HOSTID"] = f"node{rank // node_size}"
+    os.environ["NCCL_IB_DISABLE"] = "1"
+
+
 def _worker(rank: int, world_size: int, backend: str, init_file: str, errdir: str, timeout_s: float,
-            fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+            fn: Callable[..., Any], args: tuple[Any, ...], node_size: int | None = None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if node_size is not None:
+        emulate_node(rank, node_size)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -75,8 +87,11 @@ class WorkerError(RuntimeError):
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | None = None,
-          timeout_s: float = 120.0) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes; returns every rank's result."""
+          timeout_s: float = 120.0, node_size: int | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes; returns every rank's result.
+    ``node_size``: split the processes into emulated nodes of that many ranks (:func:`emulate_node`)."""
+    if node_size is not None and (node_size < 1 or world_size % node_size):
+        raise ValueError(f"node_size {node_size} does not split {world_size} ranks into whole nodes")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     backend = backend or default_backend()
@@ -85,7 +100,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | No
     with tempfile.TemporaryDirectory(prefix="lowbit-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         try:
-            mp.start_processes(_worker, args=(world_size, backend, init_file, tmp, timeout_s, fn, args),
+            mp.start_processes(_worker, args=(world_size, backend, init_file, tmp, timeout_s, fn, args, node_size),
                                nprocs=world_size, join=True, start_method="spawn")
         except Exception as exc:
             errors = sorted(Path(tmp).glob("error.*"))

@@ -87,6 +87,39 @@ def test_study_crash_resume_and_report(tmp_path: Path, monkeypatch: pytest.Monke
         assert len(list(csv.DictReader(f))) == 2
 
 
+def test_study_with_emulated_nodes(tmp_path: Path, capsys) -> None:
+    """--emulate-nodes 1 2 at 4 workers: each run as one node and as 2 emulated nodes of 2, with the
+    hierarchical algorithm beside the flat one; every row records the links its group measured."""
+    out = tmp_path / "res"
+    args = ["study", "--preset", "smoke", "--no-progress", "--no-report", "--out", str(out), "--world-sizes", "4",
+            "--emulate-nodes", "1", "2", "--codecs", "qsgd:bits=4,bucket=512",
+            "--algorithms", "scatter_gather", "hierarchical"]
+    assert main([*args, "--dry-run"]) == 0
+    listing = capsys.readouterr().out
+    assert listing.count("(2 nodes)") == 2 and listing.count("todo") == 4
+    assert main(args) == 0
+    runs = _rows(out, "run")
+    assert sorted((r["config"]["nodes"], r["config"]["algorithm"]) for r in runs) == [
+        (1, "hierarchical"), (1, "scatter_gather"), (2, "hierarchical"), (2, "scatter_gather")]
+    for r in runs:
+        links = r["env"]["links"]
+        assert links["nodes"] == r["config"]["nodes"] and links["world_GBps"] > 0
+        if r["config"]["nodes"] == 2:
+            assert links["intra_GBps"] > 0 and links["inter_GBps"] > 0
+            assert links["env"]["LOWBIT_NODE_SIZE"] == "2" and links["env"]["NCCL_HOSTID"] == "node0"
+        assert 0 <= r["summary"]["final_test_acc"] <= 1
+    # one node: the "hierarchical" run compresses nothing, so it sends more than the flat 4-bit run
+    by = {(r["config"]["nodes"], r["config"]["algorithm"]): r["summary"]["bytes_per_step_per_rank"] for r in runs}
+    assert by[(1, "hierarchical")] > by[(1, "scatter_gather")]
+    # a run as one node keeps the key it had before nodes existed
+    from lowbit.study.config import RunConfig
+
+    one = next(r for r in runs if r["config"]["nodes"] == 1)
+    cfg = dict(one["config"])
+    cfg.pop("nodes")
+    assert RunConfig.from_dict(cfg).key() == one["key"]
+
+
 def test_bad_config_fails_before_any_run(tmp_path: Path, capsys) -> None:
     out = tmp_path / "res"
     bad = tmp_path / "bad.toml"
@@ -98,6 +131,8 @@ def test_bad_config_fails_before_any_run(tmp_path: Path, capsys) -> None:
     assert "lstm" in capsys.readouterr().err
     assert main(["study", "--preset", "smoke", "--codecs", "fp32", "nonsense", "--out", str(out)]) == 2
     assert "nonsense" in capsys.readouterr().err
+    assert main(["study", "--preset", "smoke", "--world-sizes", "4", "--emulate-nodes", "3", "--out", str(out)]) == 2
+    assert "no world size in [4] splits into nodes [3]" in capsys.readouterr().err
     assert not out.exists()
     assert main(["report", str(tmp_path / "nothing")]) == 2
 

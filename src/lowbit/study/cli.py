@@ -54,6 +54,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "codecs": parse_codec_list(args.codecs, what="--codecs") if args.codecs else None,
         "algorithms": _csv_or_list(args.algorithms),
         "world_sizes": _ints(args.world_sizes, "world-sizes"),
+        "nodes": _ints(args.emulate_nodes, "emulate-nodes"),
         "backends": _csv_or_list(args.backend),
         "batch_sizes": _batches(args.batch_sizes),
         "epochs": args.epochs,
@@ -152,8 +153,11 @@ def register(sub: Any) -> None:
     p.add_argument("--codecs", nargs="+", metavar="SPEC",
                    help="codec specs separated by spaces, ';' or ',' as for every lowbit command, "
                    "e.g. fp32 qsgd:bits=4,bucket=512 onebit:bucket=64")
-    p.add_argument("--algorithms", nargs="+", metavar="ALG", help="scatter_gather | allgather")
+    p.add_argument("--algorithms", nargs="+", metavar="ALG", help="scatter_gather | allgather | hierarchical")
     p.add_argument("--world-sizes", nargs="+", metavar="K")
+    p.add_argument("--emulate-nodes", nargs="+", metavar="N",
+                   help="also split each world size into N emulated nodes on this host (NCCL_HOSTID per node, "
+                        "sockets between them; e.g. --emulate-nodes 1 2); docs/multinode.md")
     p.add_argument("--backend", nargs="+", metavar="BACKEND", help="gloo | nccl | mpi")
     p.add_argument("--batch-sizes", nargs="+", metavar="B", help="per worker: 32, fig4, fig4:resnet110, global:256")
     p.add_argument("--epochs", type=int)

@@ -10,6 +10,7 @@ seeds, every point trained for ``epochs`` epochs. Example (every key is optional
     codecs = ["fp32", "qsgd:bits=4,bucket=512", "onebit:bucket=64"]   # lowbit.get_codec specs
     algorithms = ["scatter_gather"]     # for quantised codecs; fp32/fp16/bf16 always use the native allreduce
     world_sizes = [1, 2]
+    nodes = [1]                         # [1, 2]: each world size also as 2 emulated nodes (docs/multinode.md)
     backends = ["gloo"]                 # gloo | nccl | mpi
     batch_sizes = [32]                  # PER WORKER; or "fig4", "fig4:resnet110", "global:256" (see below)
     epochs = 4
@@ -67,14 +68,15 @@ __all__ = [
 SCHEMA = 1
 
 BACKENDS = ("gloo", "nccl", "mpi")
-ALGORITHMS = ("scatter_gather", "allgather", "allreduce")
+ALGORITHMS = ("scatter_gather", "allgather", "allreduce", "hierarchical")
 SCHEDULES = ("cosine", "constant")
 DEVICES = ("auto", "cpu", "cuda")
 OPTIMIZERS = ("sgd",)
 
 PRESETS = ("default", "seeds", "throughput", "smoke")
 
-_LIST_KEYS = ("networks", "datasets", "codecs", "algorithms", "world_sizes", "backends", "batch_sizes", "seeds")
+_LIST_KEYS = ("networks", "datasets", "codecs", "algorithms", "world_sizes", "backends", "batch_sizes", "seeds",
+              "nodes")
 
 
 def _known_models() -> list[str]:
@@ -100,6 +102,7 @@ class StudyConfig:
     codecs: tuple[str, ...] = ("fp32", "qsgd:bits=8,bucket=512")
     algorithms: tuple[str, ...] = ("scatter_gather",)
     world_sizes: tuple[int, ...] = (1, 2)
+    nodes: tuple[int, ...] = (1,)  # (emulated) nodes the ranks are split into: docs/multinode.md
     backends: tuple[str, ...] = ("gloo",)
     batch_sizes: tuple[int | str, ...] = (32,)
     epochs: int = 3
@@ -147,6 +150,8 @@ class StudyConfig:
             raise ValueError(f"study config: 'codecs' lists the same codec twice: {list(self.codecs)}")
         for ws in self.world_sizes:
             _check_int("world_sizes", ws, 1)
+        for nn in self.nodes:
+            _check_int("nodes", nn, 1)
         for seed in self.seeds:
             _check_int("seeds", seed, 0)
         for b in self.batch_sizes:
@@ -356,6 +361,7 @@ class RunConfig:
     model_args: Mapping[str, Any]
     dataset_args: Mapping[str, Any]
     batch_preset: str = ""  # how the batch size was chosen ("fig4", ...): a label, not part of the key
+    nodes: int = 1          # emulated nodes (world_size / nodes ranks each); in the key only when > 1
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -372,6 +378,8 @@ class RunConfig:
         """Stable 16-hex-digit hash of what the run computes (the resume key of its result rows)."""
         d = self.to_dict()
         d.pop("batch_preset")
+        if d["nodes"] == 1:
+            d.pop("nodes")  # the keys of runs made before emulated nodes existed stay the same
         d["schema"] = SCHEMA
         blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -381,7 +389,8 @@ class RunConfig:
         return codec_label(self.codec, self.error_feedback)
 
     def describe(self) -> str:
-        return (f"{self.network:<10} {self.dataset:<9} K={self.world_size} {self.backend:<5} "
+        return (f"{self.network:<10} {self.dataset:<9} K={self.world_size}"
+                + (f" ({self.nodes} nodes)" if self.nodes > 1 else "") + f" {self.backend:<5} "
                 f"b={self.batch_size:<4} {self.codec_label:<22} {self.algorithm:<14} "
                 f"seed={self.seed} epochs={self.epochs}")
 
@@ -400,17 +409,21 @@ def _feedback(cfg: StudyConfig, codec: Codec) -> bool:
 
 
 def expand_runs(cfg: StudyConfig) -> list[RunConfig]:
-    """The grid's runs, ordered so runs of one (backend, world size) are contiguous (they share workers).
+    """The grid's runs, ordered so runs of one (backend, world size, nodes) are contiguous (they share
+    workers).
 
-    Order: backend, world size, seed, data set, network, batch, codec, algorithm. Duplicates (e.g. fp32
-    under two algorithms: it always uses the native allreduce) are dropped.
+    Order: backend, world size, nodes, seed, data set, network, batch, codec, algorithm. Duplicates (e.g.
+    fp32 under two algorithms: it always uses the native allreduce) are dropped, and so are world sizes
+    that do not split into the number of nodes (one rank is one node).
     """
     runs: list[RunConfig] = []
     seen: set[str] = set()
-    for backend, ws, seed, dataset, network, batch, spec, algorithm in itertools.product(
-        cfg.backends, sorted(cfg.world_sizes), cfg.seeds, cfg.datasets, cfg.networks, cfg.batch_sizes,
-        cfg.codecs, cfg.algorithms,
+    for backend, ws, nodes, seed, dataset, network, batch, spec, algorithm in itertools.product(
+        cfg.backends, sorted(cfg.world_sizes), sorted(cfg.nodes), cfg.seeds, cfg.datasets, cfg.networks,
+        cfg.batch_sizes, cfg.codecs, cfg.algorithms,
     ):
+        if ws % nodes or (ws == 1 and nodes > 1):
+            continue
         codec = get_codec(spec)
         if ws == 1 and not cfg.compress_at_world_size_1 and codec.name != "fp32":
             continue
@@ -443,11 +456,19 @@ def expand_runs(cfg: StudyConfig) -> list[RunConfig]:
             model_args=dict(cfg.model_args.get(network, {})),
             dataset_args=dict(cfg.dataset_args.get(dataset, {})),
             batch_preset=batch if isinstance(batch, str) else "",
+            nodes=nodes,
         )
         k = run.key()
         if k not in seen:
             seen.add(k)
             runs.append(run)
+    if not runs:
+        why = []
+        if not any(ws % n == 0 and not (ws == 1 and n > 1) for ws in cfg.world_sizes for n in cfg.nodes):
+            why.append(f"no world size in {sorted(cfg.world_sizes)} splits into nodes {sorted(cfg.nodes)}")
+        if set(cfg.world_sizes) == {1} and not cfg.compress_at_world_size_1:
+            why.append("at world size 1 only fp32 runs (compress_at_world_size_1 is false)")
+        raise ValueError("study config: the grid has no runs" + (": " + "; ".join(why) if why else ""))
     return runs
 
 

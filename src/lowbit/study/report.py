@@ -62,6 +62,7 @@ def load_runs(results: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], di
                           f"(key {key!r}): {problem}", RuntimeWarning, stacklevel=2)
             continue
         cfg = dict(row["config"])
+        cfg.setdefault("nodes", 1)  # rows from before emulated nodes
         r = {**cfg, "key": key, "summary": row.get("summary", {}), "epoch_rows": row.get("epochs", []),
              "labels": row.get("labels", {}), "env": row.get("env", {}), "study": row.get("study", ""),
              "finished": row.get("finished", "")}
@@ -134,6 +135,7 @@ _CONFIG_FIELDS = {
     "network", "dataset", "codec", "algorithm", "error_feedback", "world_size", "backend", "device", "batch_size",
     "epochs", "seed", "lr", "momentum", "weight_decay", "lr_schedule", "optimizer", "threads_per_worker",
     "max_train_samples", "max_test_samples", "max_steps_per_epoch", "start_iter", "model_args", "dataset_args",
+    "nodes",
 }
 
 
@@ -141,7 +143,7 @@ def _title(r: dict[str, Any], with_k: bool = True, with_batch: bool = True) -> s
     data = r["dataset"] + (" (SYNTHETIC)" if r["synthetic"] else "")
     parts = [r["network"], data]
     if with_k:
-        parts.append(f"K={r['world_size']}")
+        parts.append(f"K={r['world_size']}" + (f" as {r['nodes']} nodes" if r.get("nodes", 1) > 1 else ""))
     parts.append(r["backend"] + ("/cuda" if r.get("device") == "cuda" else "/cpu"))
     if with_batch:
         parts.append(f"b={r['batch_preset'] or r['batch_size']}/worker")

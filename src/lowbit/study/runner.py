@@ -197,6 +197,7 @@ def train_run(
         state = lowbit.ddp.register(
             net, codec=run.codec, algorithm=run.algorithm if run.algorithm != "none" else "scatter_gather",
             error_feedback=run.error_feedback, start_iter=run.start_iter, seed=run.seed,
+            node_size=world // run.nodes if run.algorithm == "hierarchical" else None,
         )
         # The study reports the encode / communicate / decode split (on CUDA this synchronises the
         # device around each phase, as a profiler does; training outside the study never pays it).
@@ -360,12 +361,51 @@ def _warm_up_codecs(specs: set[str], device: torch.device) -> None:
         codec.decode_sum([p, p], x.numel())
 
 
+def measure_links(world: int, nodes: int, device: torch.device, mib: int = 16, reps: int = 3) -> dict[str, Any]:
+    """Bus bandwidth of a native fp32 allreduce of ``mib`` MiB (best of ``reps``, after one warm-up): over
+    the whole group, and with emulated nodes inside a node and between nodes (among ranks of one local
+    index), as every rank of the group measures it (rank 0's figures are returned everywhere). Recorded
+    in every result row of the group as ``env.links``: the link a run had, not the one it should have."""
+    from lowbit.comm.hierarchical import topology
+
+    x = torch.ones(mib * 2**20 // 4, dtype=torch.float32, device=device)
+
+    def busbw(group: Any, k: int) -> float | None:
+        if k < 2:
+            return None
+        best = math.inf
+        for i in range(reps + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            dist.all_reduce(x, group=group)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i:
+                best = min(best, time.perf_counter() - t0)
+        return 2 * (k - 1) / k * x.numel() * 4 / best / 1e9
+
+    out: dict[str, Any] = {"nodes": nodes, "node_size": world // nodes, "allreduce_mib": mib,
+                           "world_GBps": busbw(None, world)}
+    if nodes > 1:
+        topo = topology(None, world // nodes)
+        out["intra_GBps"] = busbw(topo.intra, topo.node_size) if topo.intra is not None else None
+        out["inter_GBps"] = busbw(topo.cross, topo.nodes)
+    for key in ("NCCL_HOSTID", "NCCL_IB_DISABLE", "NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "LOWBIT_NODE_SIZE"):
+        out.setdefault("env", {})[key] = os.environ.get(key)
+    box = [out]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def _run_group(rank: int, world: int, plan: _GroupPlan) -> int:
     """Every rank: train the plan's runs in order; rank 0 saves rows and shows progress."""
     store = ResultStore(plan.results_path)
+    links: dict[str, Any] | None = None
     if world > 1 and plan.runs:
         dev = torch.device("cuda", torch.cuda.current_device()) if plan.runs[0]["device"] == "cuda" else torch.device("cpu")
         _warm_up_codecs({rd["codec"] for rd in plan.runs}, dev)
+        links = measure_links(world, int(plan.runs[0].get("nodes", 1)), dev)
     bar = None
     if rank == 0 and plan.progress:
         from tqdm import tqdm
@@ -395,6 +435,8 @@ def _run_group(rank: int, world: int, plan: _GroupPlan) -> int:
 
             row = train_run(run, rank, world, on_epoch=on_epoch, launcher=plan.launcher)
             row["study"] = plan.study
+            if links is not None:
+                row["env"]["links"] = links  # this group's links, measured before its first run
             done += 1
             if rank == 0:
                 store.append(row)
@@ -495,9 +537,9 @@ def run_study(
     skipped = len(runs) - len(pending)
     log(f"lowbit study {cfg.name!r}: {len(runs)} runs in the grid, {skipped} already in {store.path}, "
         f"{len(pending)} to run")
-    groups: list[tuple[tuple[str, int], list[RunConfig]]] = []
+    groups: list[tuple[tuple[str, int, int], list[RunConfig]]] = []
     for r in pending:
-        gk = (r.backend, r.world_size)
+        gk = (r.backend, r.world_size, r.nodes)
         if groups and groups[-1][0] == gk:
             groups[-1][1].append(r)
         else:
@@ -505,12 +547,13 @@ def run_study(
     from lowbit.launch import WorkerError, spawn
 
     ran = 0
-    for (backend, ws), group in groups:
+    for (backend, ws, nodes), group in groups:
         plan = _GroupPlan(runs=[r.to_dict() for r in group], results_path=str(store.path), total=len(runs),
                           done_before=skipped + ran, finished_this_invocation=ran, crash_after=crash_after,
                           progress=progress, launcher="spawn", study=cfg.name, tensorboard=tb)
         try:
-            spawn(_spawn_worker, ws, plan, backend=backend, timeout_s=900.0)
+            spawn(_spawn_worker, ws, plan, backend=backend, timeout_s=900.0,
+                  node_size=ws // nodes if nodes > 1 else None)
         except WorkerError as exc:
             now_done = len(store.finished_keys() & {r.key() for r in runs}) - skipped
             raise StudyInterrupted(
@@ -533,10 +576,17 @@ def _run_under_torchrun(cfg: StudyConfig, out_dir: str | os.PathLike[str], progr
     backends = sorted({r.backend for r in runs})
     if len(backends) > 1:
         raise ValueError(f"under torchrun one launch has one backend; pass --backend to choose one of {backends}")
+    layouts = sorted({r.nodes for r in runs})
+    if len(layouts) > 1:
+        raise ValueError(f"under torchrun one launch has one node layout; pass --emulate-nodes to choose one of {layouts}")
     check_runs(runs)
     _check_launchable(runs, "torchrun")
     if runs[0].device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if layouts[0] > 1:  # emulated nodes on this host: before the group (and NCCL) start
+        from lowbit.launch import emulate_node
+
+        emulate_node(int(os.environ.get("RANK", 0)), world // layouts[0])
     if backends[0] == "mpi":
         dist.init_process_group("mpi")
         rank, world = dist.get_rank(), dist.get_world_size()
