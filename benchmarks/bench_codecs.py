@@ -127,7 +127,7 @@ def bench_case(spec: str, n: int, reps: int, warmup: int) -> dict:
             os.environ["LOWBIT_KERNELS"] = b
             for _ in range(warmup):
                 payload[b] = codec.encode(x, seed=7)
-                codec.decode(payload[b], n, out=out)
+                codec.decode(payload[b], n, out=out, shape=codec.flat_shape(n))
                 if fused:
                     codec.decode_sum(payloads, n, out=out)
         for _ in range(reps):
@@ -136,7 +136,7 @@ def bench_case(spec: str, n: int, reps: int, warmup: int) -> dict:
                 t0 = time.perf_counter()
                 payload[b] = codec.encode(x, seed=7)
                 t1 = time.perf_counter()
-                codec.decode(payload[b], n, out=out)
+                codec.decode(payload[b], n, out=out, shape=codec.flat_shape(n))
                 t2 = time.perf_counter()
                 times["encode"][b].append(t1 - t0)
                 times["decode"][b].append(t2 - t1)
@@ -150,7 +150,7 @@ def bench_case(spec: str, n: int, reps: int, warmup: int) -> dict:
         else:
             os.environ["LOWBIT_KERNELS"] = prev
     same = torch.equal(payload["reference"], payload["numba"])
-    row: dict = {"codec": spec, "numel": n, "payload_bytes": codec.nbytes(n), "payloads_identical": same}
+    row: dict = {"codec": spec, "numel": n, "payload_bytes": codec.nbytes(n, codec.flat_shape(n)), "payloads_identical": same}
     for op, per in times.items():
         if not per["numba"]:
             continue

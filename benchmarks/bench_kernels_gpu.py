@@ -73,7 +73,7 @@ def ops(spec: str):
         lambda x: tk.dettmers_encode(x, c.type, c.search, c.bucket, c.offset),
         lambda p, out: tk.dettmers_decode(p, out.numel(), c.type, c.bucket, c.offset, out),
         lambda x: c.encode(x),
-        lambda p, out: c.decode(p, out.numel(), out=out),
+        lambda p, out: c.decode(p, out.numel(), out=out, shape=c.flat_shape(out.numel())),
         c,
     )
 

@@ -48,8 +48,9 @@ def test_payload_size_matches_nbytes(spec: str) -> None:
         x = torch.randn(n, generator=g)
         payload = codec.encode(x, seed=n)
         assert payload.dtype == torch.uint8 and payload.dim() == 1
-        assert payload.numel() == codec.nbytes(n), (spec, n)
-        y = codec.decode(payload, n)
+        shape = codec.flat_shape(n)  # (n,) for onebit:bucket=0, whose layout follows the shape
+        assert payload.numel() == codec.nbytes(n, shape), (spec, n)
+        y = codec.decode(payload, n, shape=shape)
         assert y.dtype == torch.float32 and y.shape == (n,)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
 import lowbit
@@ -77,3 +78,19 @@ def test_one_codec_list_syntax_for_every_command() -> None:
             cmd = ["bench", "allreduce"] if register is bench.register else ["study"]
             args = parser.parse_args([*cmd, "--codecs", *values])
             assert parse_codec_list(args.codecs) == want, (cmd, values)
+
+
+def test_onebit_per_column_refuses_sizes_without_a_shape() -> None:
+    """onebit:bucket=0 lays its payload out by the tensor's shape: nbytes / head_bytes / decode without
+    shape= refuse (issue 14 item 4) instead of answering for a shape they were not told."""
+    import lowbit
+
+    c = lowbit.get_codec("onebit:bucket=0")
+    x = torch.randn(3, 4)
+    p = c.encode(x)
+    assert p.numel() == c.nbytes(12, shape=(3, 4)) == 8 * 4 + 2
+    for call in (lambda: c.nbytes(12), lambda: c.head_bytes(12), lambda: c.decode(p, 12)):
+        with pytest.raises(ValueError, match="pass shape="):
+            call()
+    assert c.flat_shape(12) == (12,) and lowbit.get_codec("qsgd:bits=8").flat_shape(12) is None
+    assert c.nbytes(12, shape=c.flat_shape(12)) == 8 + 2  # a 1-D tensor is one column

@@ -83,10 +83,15 @@ class Codec:
         return self.spec
 
     def bits_per_value(self, numel: int = 1 << 20) -> float:
-        """Bits on the wire per value for a tensor of ``numel`` elements, scales included."""
+        """Bits on the wire per value for a (1-D) tensor of ``numel`` elements, scales included."""
         if numel <= 0:
             return 0.0
-        return 8.0 * self.nbytes(numel) / numel
+        return 8.0 * self.nbytes(numel, self.flat_shape(numel)) / numel
+
+    def flat_shape(self, numel: int) -> tuple[int, ...] | None:
+        """What to pass as ``shape=`` for a flattened tensor of ``numel`` values (as lowbit's collectives
+        send): ``(numel,)`` where the payload layout depends on the shape (``needs_shape``), else None."""
+        return (numel,) if self.needs_shape else None
 
     # ----------------------------------------------------------------------------- contract
     def nbytes(self, numel: int, shape: Sequence[int] | None = None) -> int:

@@ -4,8 +4,8 @@ The two values are the means of the group's non-negative and negative entries (t
 reconstruction for a zero threshold). Groups are
 
 * ``bucket=0``: the columns of the tensor's 2-D view ``(shape[0], numel/shape[0])``, as CNTK does.
-  The payload layout then depends on the shape: ``encode(x)`` takes it from ``x.shape``; ``nbytes`` and
-  ``decode`` need ``shape=`` (without it the tensor is one column).
+  The payload layout then depends on the shape: ``encode(x)`` takes it from ``x.shape``; ``nbytes``,
+  ``head_bytes`` and ``decode`` need ``shape=`` and refuse without it (a 1-D tensor is one column).
 * ``bucket=N``: consecutive runs of N values of the flattened tensor (the seed's reshaped 1bitSGD*,
   N=64 there).
 
@@ -48,7 +48,13 @@ class OneBit(Codec):
 
     def _rows(self, numel: int, shape: Sequence[int] | None) -> int:
         """Rows of the 2-D view (column mode); the number of columns is numel / rows."""
-        if shape is None or len(shape) < 2:
+        if shape is None:
+            raise ValueError("onebit:bucket=0 (one pair of means per column) lays its payload out by the tensor's "
+                             "shape: pass shape= to nbytes / head_bytes / decode (shape=(n,) for a 1-D tensor)")
+        if len(shape) < 2:
+            if math.prod(int(s) for s in shape) != numel:
+                raise ValueError(f"onebit: shape {tuple(shape)} has {math.prod(int(s) for s in shape)} elements, "
+                                 f"numel is {numel}")
             return numel
         prod = math.prod(int(s) for s in shape)
         if prod != numel:

@@ -85,7 +85,7 @@ def real_gradients(steps: int = 30, seed: int = 0) -> torch.Tensor:
 
 
 def _errors(codec: Codec, x: torch.Tensor) -> tuple[float, float]:
-    y = codec.decode(codec.encode(x, seed=1), x.numel())
+    y = codec.decode(codec.encode(x, seed=1), x.numel(), shape=codec.flat_shape(x.numel()))
     nz = x != 0
     mre = float(((y - x).abs()[nz] / x.abs()[nz]).double().mean()) * 100.0
     rmse = float((y - x).double().pow(2).mean().sqrt())
@@ -97,13 +97,13 @@ def _throughput(codec: Codec, x: torch.Tensor, reps: int) -> tuple[float, float]
     n = x.numel()
     payload = codec.encode(x)
     out = torch.empty(n)
-    codec.decode(payload, n, out=out)
+    codec.decode(payload, n, out=out, shape=codec.flat_shape(n))
     enc, dec = [], []
     for r in range(reps):
         t0 = time.perf_counter()
         payload = codec.encode(x, seed=r)
         t1 = time.perf_counter()
-        codec.decode(payload, n, out=out)
+        codec.decode(payload, n, out=out, shape=codec.flat_shape(n))
         t2 = time.perf_counter()
         enc.append(t1 - t0)
         dec.append(t2 - t1)

@@ -278,7 +278,7 @@ def _encode_with_feedback(codec: Codec, comp: torch.Tensor, residual: torch.Tens
     """Encode ``comp``; with error feedback leave ``residual = comp - decode(payload)`` (in place)."""
     payload = codec.encode(comp, seed=seed)
     if residual is not None and comp.numel():
-        codec.decode(payload, comp.numel(), out=residual)
+        codec.decode(payload, comp.numel(), out=residual, shape=codec.flat_shape(comp.numel()))
         torch.sub(comp, residual, out=residual)
     return payload
 
@@ -292,8 +292,9 @@ ALIGN = 16
 def _slot(codec: Codec, m: int) -> tuple[int, int]:
     """(lead, size) of the message slot of an m-value payload: ``lead`` zero bytes put its code stream
     on a 16-byte boundary, and ``size`` (a multiple of 16) holds lead + payload + tail padding."""
-    lead = -codec.head_bytes(m) % ALIGN
-    return lead, _up(lead + codec.nbytes(m))
+    shape = codec.flat_shape(m)
+    lead = -codec.head_bytes(m, shape) % ALIGN
+    return lead, _up(lead + codec.nbytes(m, shape))
 
 
 def _up(b: int) -> int:
@@ -372,7 +373,7 @@ def bytes_sent_per_rank(codec: Codec, n: int, k: int, algorithm: str, rank: int 
             raise ValueError("bytes_sent_per_rank: the hierarchical algorithm needs node_size")
         return bytes_hierarchical(codec, n, k, node_size, rank)
     if algorithm == "allreduce":
-        return int(2 * (k - 1) * codec.nbytes(n) // k)
+        return int(2 * (k - 1) * codec.nbytes(n, codec.flat_shape(n)) // k)
     if algorithm == "allgather":
         return (k - 1) * (_slot(codec, n)[1] + _up(4 * exact))
     slots = [_slot(codec, c)[1] for c in chunk_sizes(n, k)]
@@ -404,6 +405,7 @@ def _allgather(x, comp, n, exact, codec, group, op, rank, k, residual, seed, sta
             _keep(out)
             if n:
                 codec.decode_sum([recv[i * s + lead : i * s + lead + p] for i in range(k)], n, out=out[:n],
+                                 shape=codec.flat_shape(n),
                                  divide_by=divide_by)
             if exact:
                 vals = recv.view(k, s)[:, psize : psize + 4 * exact].view(torch.float32)  # (k, exact), rank order
@@ -433,7 +435,7 @@ def _scatter_gather(comp, codec, group, op, rank, k, residual, seed, stats, out,
     sizes = chunk_sizes(n, k)
     starts = [sum(sizes[:i]) for i in range(k)]
     slots = [_slot(codec, m) for m in sizes]
-    nbytes = [codec.nbytes(m) for m in sizes]
+    nbytes = [codec.nbytes(m, codec.flat_shape(m)) for m in sizes]
     smax = max(sz for _, sz in slots)
     # Phase 1: encode my copy of every other rank's chunk (worker quantisation); chunk i goes to rank i.
     # My own chunk stays in fp32 on this rank: it never crosses the wire, so quantising it would only
@@ -468,7 +470,7 @@ def _scatter_gather(comp, codec, group, op, rank, k, residual, seed, stats, out,
             reduced = _POOL.take(mine, torch.float32, dev)
             if k > 1 and mine:
                 codec.decode_sum([recv[j * my_slot + my_lead : j * my_slot + my_lead + nb] for j in range(k - 1)],
-                                 mine, out=reduced)
+                                 mine, out=reduced, shape=codec.flat_shape(mine))
                 reduced.add_(own_chunk)
             else:
                 reduced.copy_(own_chunk)
@@ -478,7 +480,7 @@ def _scatter_gather(comp, codec, group, op, rank, k, residual, seed, stats, out,
             own = codec.encode(reduced, seed=_seed(seed, rank, rank, 1))
             if residual is not None and mine:
                 # Fold the server's error into my residual; it re-enters next step's sum (x K for a mean).
-                server_err = reduced - codec.decode(own, mine)
+                server_err = reduced - codec.decode(own, mine, shape=codec.flat_shape(mine))
                 if op == "mean":
                     server_err.mul_(k)
                 residual[starts[rank] : starts[rank] + mine].add_(server_err)
@@ -519,7 +521,8 @@ def _scatter_gather(comp, codec, group, op, rank, k, residual, seed, stats, out,
             for i in range(k):
                 if sizes[i]:
                     lo, at = starts[i], i * smax + slots[i][0]
-                    codec.decode(gathered[at : at + nbytes[i]], sizes[i], out=out[lo : lo + sizes[i]])
+                    codec.decode(gathered[at : at + nbytes[i]], sizes[i], out=out[lo : lo + sizes[i]],
+                                 shape=codec.flat_shape(sizes[i]))
             _POOL.give(gathered)
         return out if post is None else post()
 

@@ -357,8 +357,8 @@ def _warm_up_codecs(specs: set[str], device: torch.device) -> None:
         if codec.name == "fp32":
             continue
         p = codec.encode(x, seed=1)
-        codec.decode(p, x.numel())
-        codec.decode_sum([p, p], x.numel())
+        codec.decode(p, x.numel(), shape=codec.flat_shape(x.numel()))
+        codec.decode_sum([p, p], x.numel(), shape=codec.flat_shape(x.numel()))
 
 
 def measure_links(world: int, nodes: int, device: torch.device, mib: int = 16, reps: int = 3) -> dict[str, Any]:
