@@ -119,6 +119,30 @@ def test_study_with_emulated_nodes(tmp_path: Path, capsys) -> None:
     assert RunConfig.from_dict(cfg).key() == one["key"]
 
 
+def test_study_on_cifar10_files(tmp_path: Path) -> None:
+    """The study pointed at CIFAR-10 python batches on disk (written here in that format): small_cnn,
+    fp32 vs 8-bit QSGD, 2 workers; rows name the data."""
+    from tests.unit.test_ondisk_data import write_cifar
+
+    write_cifar(tmp_path / "cifar-10-batches-py", per_batch=40, n_test=40)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"""networks = ["small_cnn"]
+datasets = ["cifar10"]
+codecs = ["fp32", "qsgd:bits=8,bucket=512"]
+world_sizes = [2]
+batch_sizes = [16]
+epochs = 1
+[dataset_args.cifar10]
+data_dir = "{tmp_path}"
+""")
+    out = tmp_path / "res"
+    assert main(["study", "--config", str(cfg), "--no-progress", "--out", str(out)]) == 0
+    runs = _rows(out, "run")
+    assert len(runs) == 2 and all("CIFAR-10" in r["labels"]["data"] for r in runs)
+    assert all(r["summary"]["n_train"] == 200 and r["summary"]["n_test"] == 40 for r in runs)
+    assert (out / "report" / "index.html").exists()
+
+
 def test_bad_config_fails_before_any_run(tmp_path: Path, capsys) -> None:
     out = tmp_path / "res"
     bad = tmp_path / "bad.toml"

@@ -15,9 +15,11 @@ digits    scikit-learn's bundled 8x8 digits, split by ``seed``    (1, 8, 8)  10
 mnist1d   MNIST-1D, generated locally by the ``mnist1d`` package  (1, 40)    10
 text      char-level LM over Python's stdlib docstrings           (seq_len,) ~100
 synthetic random inputs of any model's shape, flagged synthetic   model's    model's
+mnist     MNIST from its idx files on disk (``data_dir=``)        (1, 28, 28) 10
+cifar10   CIFAR-10 from its python batches on disk (``data_dir=``) (3, 32, 32) 10
 ========= ======================================================= ========== =======
 
-Nothing here downloads. Options beyond ``seed`` go to the loader (``load_dataset("text",
+Nothing here downloads: ``mnist`` and ``cifar10`` read a copy you have (:mod:`lowbit.data.ondisk`). Options beyond ``seed`` go to the loader (``load_dataset("text",
 seq_len=16)``, ``load_dataset("synthetic", model="resnet50", n_train=256)``).
 """
 
@@ -29,6 +31,7 @@ from typing import Any
 from lowbit.data.bundle import Dataset
 from lowbit.data.digits import load_digits
 from lowbit.data.mnist1d import load_mnist1d
+from lowbit.data.ondisk import load_cifar10, load_mnist
 from lowbit.data.sharding import ShardedLoader, ShardedSampler, shard_indices
 from lowbit.data.synthetic import load_synthetic
 from lowbit.data.text import load_text
@@ -47,6 +50,8 @@ _LOADERS: dict[str, Callable[..., Dataset]] = {
     "mnist1d": load_mnist1d,
     "text": load_text,
     "synthetic": load_synthetic,
+    "mnist": load_mnist,
+    "cifar10": load_cifar10,
 }
 
 

@@ -1,0 +1,178 @@
+"""The seeds' data sets from copies on disk, in their standard formats (nothing downloads).
+
+========= ================================================================= ============ =======
+name      files under ``data_dir``                                          sample       classes
+========= ================================================================= ============ =======
+mnist     ``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``,          (1, 28, 28)  10
+          ``t10k-images-idx3-ubyte``, ``t10k-labels-idx1-ubyte`` (each may
+          end in ``.gz``; LeCun's idx format)
+cifar10   ``data_batch_1`` ... ``data_batch_5``, ``test_batch`` (the         (3, 32, 32)  10
+          "python version" pickles; ``data_dir`` may be their folder or the
+          folder holding ``cifar-10-batches-py``)
+========= ================================================================= ============ =======
+
+``data_dir`` comes from the loader's option (``load_dataset("cifar10", data_dir=...)``; in a study,
+``[dataset_args.cifar10] data_dir = "..."``), else from ``$LOWBIT_DATA_DIR/<name>``. Images are scaled
+to [0, 1] and standardised with the training split's mean and standard deviation (MNIST: one scalar;
+CIFAR-10: per channel), as the seeds' recipes do. The official train / test split is kept; ``seed`` is
+unused (accepted for the common loader signature). A missing file or a file of the wrong format is a
+``ValueError`` that names the layout expected. ``max_train`` / ``max_test`` keep the first N samples.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import pickle
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from lowbit.data.bundle import Dataset
+
+__all__ = ["load_mnist", "load_cifar10", "read_idx", "DATA_DIR_ENV"]
+
+DATA_DIR_ENV = "LOWBIT_DATA_DIR"
+
+_MNIST_FILES = {
+    "train_x": "train-images-idx3-ubyte", "train_y": "train-labels-idx1-ubyte",
+    "test_x": "t10k-images-idx3-ubyte", "test_y": "t10k-labels-idx1-ubyte",
+}
+_MNIST_LAYOUT = ("an MNIST folder holding " + ", ".join(_MNIST_FILES.values())
+                 + " (each optionally .gz), as distributed by LeCun et al.")
+_CIFAR_TRAIN = [f"data_batch_{i}" for i in range(1, 6)]
+_CIFAR_LAYOUT = ("a CIFAR-10 'python version' folder (cifar-10-batches-py) holding data_batch_1 ... data_batch_5 "
+                 "and test_batch, or the folder that contains it")
+
+
+def _data_dir(name: str, data_dir: str | os.PathLike[str] | None, layout: str) -> Path:
+    if data_dir is None:
+        root = os.environ.get(DATA_DIR_ENV, "").strip()
+        if not root:
+            raise ValueError(f"data set {name!r} is read from disk: pass data_dir= (in a study: "
+                             f"[dataset_args.{name}] data_dir = \"...\") or set ${DATA_DIR_ENV} to a folder holding "
+                             f"{name}/; expected {layout}")
+        data_dir = Path(root) / name
+    path = Path(data_dir).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"data set {name!r}: {str(path)!r} is not a folder; expected {layout}")
+    return path
+
+
+def _open(path: Path) -> Any:
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+
+
+def read_idx(path: str | os.PathLike[str]) -> np.ndarray:
+    """An idx file (``.gz`` or not) as a numpy array of its unsigned bytes, shaped by its header."""
+    path = Path(path)
+    with _open(path) as f:
+        head = f.read(4)
+        if len(head) != 4 or head[0] != 0 or head[1] != 0 or head[2] != 0x08:
+            raise ValueError(f"{path}: not an idx file of unsigned bytes (magic {head.hex() or 'missing'}, "
+                             "expected 000008xx)")
+        ndim = head[3]
+        dims = struct.unpack(f">{ndim}I", f.read(4 * ndim))
+        data = f.read()
+    count = int(np.prod(dims)) if dims else 0
+    if len(data) != count:
+        raise ValueError(f"{path}: the header says {dims} = {count} bytes, the file holds {len(data)}")
+    return np.frombuffer(data, dtype=np.uint8).reshape(dims)
+
+
+def _find(folder: Path, stem: str, layout: str) -> Path:
+    for name in (stem, stem + ".gz"):
+        if (folder / name).is_file():
+            return folder / name
+    raise ValueError(f"{folder}: no {stem} (or {stem}.gz); expected {layout}")
+
+
+def _limit(a: np.ndarray, n: int) -> np.ndarray:
+    return a[:n] if n and n > 0 else a
+
+
+def load_mnist(seed: int = 0, data_dir: str | os.PathLike[str] | None = None, max_train: int = 0,
+               max_test: int = 0) -> Dataset:
+    """MNIST from its idx files (60,000 / 10,000 28x28 images), standardised on the training split."""
+    folder = _data_dir("mnist", data_dir, _MNIST_LAYOUT)
+    arrays = {k: read_idx(_find(folder, stem, _MNIST_LAYOUT)) for k, stem in _MNIST_FILES.items()}
+    for split in ("train", "test"):
+        x, y = arrays[f"{split}_x"], arrays[f"{split}_y"]
+        if x.ndim != 3 or y.ndim != 1 or x.shape[0] != y.shape[0]:
+            raise ValueError(f"{folder}: {split} images {x.shape} and labels {y.shape} do not match "
+                             "(expected (N, rows, cols) and (N,))")
+        if y.size and int(y.max()) > 9:
+            raise ValueError(f"{folder}: {split} labels go up to {int(y.max())}; MNIST has the classes 0-9")
+    x_tr = _limit(arrays["train_x"], max_train).astype(np.float32) / 255.0
+    x_te = _limit(arrays["test_x"], max_test).astype(np.float32) / 255.0
+    mean, std = float(x_tr.mean()), float(x_tr.std()) or 1.0
+    h, w = x_tr.shape[1:]
+    return Dataset(
+        name="mnist",
+        label=f"MNIST {h}x{w} ({len(x_tr)} train / {len(x_te)} test, from {folder})",
+        x_train=torch.from_numpy((x_tr - mean) / std).reshape(-1, 1, h, w),
+        y_train=torch.from_numpy(_limit(arrays["train_y"], max_train).astype(np.int64)),
+        x_test=torch.from_numpy((x_te - mean) / std).reshape(-1, 1, h, w),
+        y_test=torch.from_numpy(_limit(arrays["test_y"], max_test).astype(np.int64)),
+        num_classes=10,
+        in_shape=(1, h, w),
+        synthetic=False,
+        source=f"idx files in {folder}",
+        meta={"mean": mean, "std": std, "data_dir": str(folder)},
+    )
+
+
+def _cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        with open(path, "rb") as f:
+            d = pickle.load(f, encoding="bytes")
+    except Exception as exc:  # noqa: BLE001 — any unreadable file is a layout error
+        raise ValueError(f"{path}: not a CIFAR-10 python batch ({type(exc).__name__}: {exc})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: not a CIFAR-10 python batch (a {type(d).__name__}, not a dict)")
+    d = {k.decode() if isinstance(k, bytes) else k: v for k, v in d.items()}
+    if "data" not in d or "labels" not in d:
+        raise ValueError(f"{path}: a CIFAR-10 batch holds 'data' and 'labels', this one {sorted(d)}")
+    x = np.asarray(d["data"], dtype=np.uint8)
+    y = np.asarray(d["labels"], dtype=np.int64)
+    if x.ndim != 2 or x.shape[1] != 3 * 32 * 32 or x.shape[0] != y.shape[0]:
+        raise ValueError(f"{path}: data {x.shape} and labels {y.shape}; expected (N, 3072) and (N,)")
+    if y.size and (int(y.min()) < 0 or int(y.max()) > 9):
+        raise ValueError(f"{path}: labels outside 0-9")
+    return x.reshape(-1, 3, 32, 32), y
+
+
+def load_cifar10(seed: int = 0, data_dir: str | os.PathLike[str] | None = None, max_train: int = 0,
+                 max_test: int = 0) -> Dataset:
+    """CIFAR-10 from its python batches (50,000 / 10,000 32x32 RGB images), standardised per channel on
+    the training split."""
+    folder = _data_dir("cifar10", data_dir, _CIFAR_LAYOUT)
+    if not (folder / "test_batch").is_file() and (folder / "cifar-10-batches-py").is_dir():
+        folder = folder / "cifar-10-batches-py"
+    missing = [n for n in [*_CIFAR_TRAIN, "test_batch"] if not (folder / n).is_file()]
+    if missing:
+        raise ValueError(f"{folder}: missing {', '.join(missing)}; expected {_CIFAR_LAYOUT}")
+    parts = [_cifar_batch(folder / n) for n in _CIFAR_TRAIN]
+    x_tr = _limit(np.concatenate([p[0] for p in parts]), max_train).astype(np.float32) / 255.0
+    y_tr = _limit(np.concatenate([p[1] for p in parts]), max_train)
+    x_te, y_te = _cifar_batch(folder / "test_batch")
+    x_te, y_te = _limit(x_te, max_test).astype(np.float32) / 255.0, _limit(y_te, max_test)
+    mean = x_tr.mean(axis=(0, 2, 3), keepdims=True)
+    std = x_tr.std(axis=(0, 2, 3), keepdims=True)
+    std[std == 0] = 1.0
+    return Dataset(
+        name="cifar10",
+        label=f"CIFAR-10 32x32 ({len(x_tr)} train / {len(x_te)} test, from {folder})",
+        x_train=torch.from_numpy(((x_tr - mean) / std).astype(np.float32)),
+        y_train=torch.from_numpy(y_tr.astype(np.int64)),
+        x_test=torch.from_numpy(((x_te - mean) / std).astype(np.float32)),
+        y_test=torch.from_numpy(y_te.astype(np.int64)),
+        num_classes=10,
+        in_shape=(3, 32, 32),
+        synthetic=False,
+        source=f"CIFAR-10 python batches in {folder}",
+        meta={"mean": mean.reshape(-1).tolist(), "std": std.reshape(-1).tolist(), "data_dir": str(folder)},
+    )

@@ -1,0 +1,123 @@
+"""MNIST (idx) and CIFAR-10 (python pickles) from files written here in exactly those formats."""
+
+from __future__ import annotations
+
+import gzip
+import pickle
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lowbit.data import available_datasets, load_dataset
+from lowbit.data.ondisk import read_idx
+
+
+def _idx(path: Path, a: np.ndarray, gz: bool) -> None:
+    head = bytes([0, 0, 0x08, a.ndim]) + struct.pack(f">{a.ndim}I", *a.shape)
+    data = head + a.astype(np.uint8).tobytes()
+    if gz:
+        with gzip.open(str(path) + ".gz", "wb") as f:
+            f.write(data)
+    else:
+        path.write_bytes(data)
+
+
+def write_mnist(folder: Path, n_train: int = 120, n_test: int = 40, gz: bool = True) -> tuple:
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True, exist_ok=True)
+    arrays = {"train-images-idx3-ubyte": rng.integers(0, 256, (n_train, 28, 28)),
+              "train-labels-idx1-ubyte": rng.integers(0, 10, n_train),
+              "t10k-images-idx3-ubyte": rng.integers(0, 256, (n_test, 28, 28)),
+              "t10k-labels-idx1-ubyte": rng.integers(0, 10, n_test)}
+    for name, a in arrays.items():
+        _idx(folder / name, a, gz)
+    return arrays
+
+
+def write_cifar(folder: Path, per_batch: int = 40, n_test: int = 30) -> tuple:
+    rng = np.random.default_rng(1)
+    folder.mkdir(parents=True, exist_ok=True)
+    ys = []
+    for i in range(1, 6):
+        y = rng.integers(0, 10, per_batch).tolist()
+        ys += y
+        batch = {b"batch_label": f"training batch {i} of 5".encode(), b"labels": y,
+                 b"data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8), b"filenames": []}
+        with open(folder / f"data_batch_{i}", "wb") as f:
+            pickle.dump(batch, f, protocol=2)
+    test = {b"labels": rng.integers(0, 10, n_test).tolist(),
+            b"data": rng.integers(0, 256, (n_test, 3072), dtype=np.uint8)}
+    with open(folder / "test_batch", "wb") as f:
+        pickle.dump(test, f, protocol=2)
+    return ys, test
+
+
+@pytest.mark.parametrize("gz", [True, False])
+def test_mnist_from_idx_files(tmp_path: Path, gz: bool) -> None:
+    arrays = write_mnist(tmp_path / "mnist", gz=gz)
+    d = load_dataset("mnist", data_dir=tmp_path / "mnist")
+    assert "mnist" in available_datasets()
+    assert d.x_train.shape == (120, 1, 28, 28) and d.x_test.shape == (40, 1, 28, 28) and d.num_classes == 10
+    assert d.y_train.tolist() == arrays["train-labels-idx1-ubyte"].tolist()
+    # pixel order kept: standardised values are an increasing function of the raw bytes
+    raw = arrays["train-images-idx3-ubyte"][0].astype(np.float64).reshape(-1)
+    got = d.x_train[0].reshape(-1).double().numpy()
+    assert np.allclose((got - got.min()) / (got.max() - got.min()), (raw - raw.min()) / (raw.max() - raw.min()))
+    assert abs(float(d.x_train.mean())) < 1e-4 and abs(float(d.x_train.std()) - 1) < 1e-3
+    small = load_dataset("mnist", data_dir=tmp_path / "mnist", max_train=10, max_test=5)
+    assert small.n_train == 10 and small.n_test == 5
+
+
+def test_mnist_wrong_layout_names_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="train-images-idx3-ubyte"):
+        load_dataset("mnist", data_dir=tmp_path)  # empty folder
+    with pytest.raises(ValueError, match="not a folder"):
+        load_dataset("mnist", data_dir=tmp_path / "nope")
+    monkeypatch.delenv("LOWBIT_DATA_DIR", raising=False)
+    with pytest.raises(ValueError, match="LOWBIT_DATA_DIR"):
+        load_dataset("mnist")
+    write_mnist(tmp_path / "m", gz=False)
+    (tmp_path / "m" / "t10k-labels-idx1-ubyte").write_bytes(b"\x00\x00\x08\x01\x00\x00\x00\x05abc")  # 3 of 5 bytes
+    with pytest.raises(ValueError, match="holds 3"):
+        load_dataset("mnist", data_dir=tmp_path / "m")
+    (tmp_path / "x").write_bytes(b"PK\x03\x04zip")
+    with pytest.raises(ValueError, match="not an idx file"):
+        read_idx(tmp_path / "x")
+
+
+def test_mnist_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_mnist(tmp_path / "mnist", gz=True)
+    monkeypatch.setenv("LOWBIT_DATA_DIR", str(tmp_path))
+    assert load_dataset("mnist").n_train == 120
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_cifar10_from_python_batches(tmp_path: Path, nested: bool) -> None:
+    folder = tmp_path / "cifar-10-batches-py"
+    ys, test = write_cifar(folder)
+    d = load_dataset("cifar10", data_dir=tmp_path if nested else folder)
+    assert d.x_train.shape == (200, 3, 32, 32) and d.x_test.shape == (30, 3, 32, 32)
+    assert d.y_train.tolist() == ys and d.y_test.tolist() == test[b"labels"]
+    # channel-major layout: the first 1024 bytes of a row are the red plane
+    raw_red = test[b"data"][0, :1024].astype(np.float64).reshape(32, 32)
+    red = d.x_test[0, 0].double().numpy()
+    assert np.corrcoef(raw_red.reshape(-1), red.reshape(-1))[0, 1] > 0.9999
+    per_channel = d.x_train.mean(dim=(0, 2, 3))
+    assert float(per_channel.abs().max()) < 1e-4
+
+
+def test_cifar10_wrong_layout_names_it(tmp_path: Path) -> None:
+    folder = tmp_path / "c"
+    write_cifar(folder)
+    (folder / "data_batch_3").unlink()
+    with pytest.raises(ValueError, match="missing data_batch_3"):
+        load_dataset("cifar10", data_dir=folder)
+    (folder / "data_batch_3").write_bytes(b"not a pickle")
+    with pytest.raises(ValueError, match="not a CIFAR-10 python batch"):
+        load_dataset("cifar10", data_dir=folder)
+    with open(folder / "data_batch_3", "wb") as f:
+        pickle.dump({b"data": np.zeros((2, 100), np.uint8), b"labels": [0, 1]}, f)
+    with pytest.raises(ValueError, match="3072"):
+        load_dataset("cifar10", data_dir=folder)
