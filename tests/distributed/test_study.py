@@ -143,6 +143,19 @@ data_dir = "{tmp_path}"
     assert (out / "report" / "index.html").exists()
 
 
+@pytest.mark.parametrize("optimizer", ["rmsprop", "adam"])
+def test_study_optimizers_and_top5(tmp_path: Path, optimizer: str) -> None:
+    out = tmp_path / "res"
+    assert main([*SMOKE, "--out", str(out), "--no-report", "--codecs", "qsgd:bits=8,bucket=512",
+                 "--optimizer", optimizer, "--lr", "0.003", "--epochs", "3"]) == 0
+    (run,) = _rows(out, "run")
+    assert run["config"]["optimizer"] == optimizer
+    s = run["summary"]
+    assert 0 <= s["final_test_acc"] <= s["final_test_top5"] <= 1  # 10 classes: top-5 is measured
+    losses = [e["train_loss"] for e in run["epochs"]]
+    assert losses[-1] < losses[0]  # it trains
+
+
 def test_bad_config_fails_before_any_run(tmp_path: Path, capsys) -> None:
     out = tmp_path / "res"
     bad = tmp_path / "bad.toml"

@@ -58,6 +58,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "backends": _csv_or_list(args.backend),
         "batch_sizes": _batches(args.batch_sizes),
         "epochs": args.epochs,
+        "optimizer": args.optimizer,
+        "lr": args.lr,
         "seeds": _ints(args.seeds, "seeds"),
         "max_train_samples": args.max_train_samples,
         "threads_per_worker": args.threads_per_worker,
@@ -161,6 +163,8 @@ def register(sub: Any) -> None:
     p.add_argument("--backend", nargs="+", metavar="BACKEND", help="gloo | nccl | mpi")
     p.add_argument("--batch-sizes", nargs="+", metavar="B", help="per worker: 32, fig4, fig4:resnet110, global:256")
     p.add_argument("--epochs", type=int)
+    p.add_argument("--optimizer", choices=("sgd", "rmsprop", "adam"), help="optimizer of every run (default sgd)")
+    p.add_argument("--lr", type=float, metavar="LR", help="learning rate of every run")
     p.add_argument("--seeds", nargs="+", metavar="SEED", help="e.g. --seeds 0 1 2")
     p.add_argument("--max-train-samples", type=int, metavar="N", help="train on the first N samples only")
     p.add_argument("--threads-per-worker", type=int, metavar="T", help="CPU threads per worker (0: cores / workers)")

@@ -16,6 +16,7 @@ seeds, every point trained for ``epochs`` epochs. Example (every key is optional
     epochs = 4
     seeds = [0, 1, 2]
     error_feedback = "auto"             # auto: on for biased codecs (onebit, dettmers, topk), off for QSGD
+    optimizer = "sgd"                   # sgd | rmsprop | adam (lr, momentum, weight_decay apply)
     [model_args.mlp]                    # keyword arguments for build_model, per network
     hidden = [256, 256]
 
@@ -71,7 +72,7 @@ BACKENDS = ("gloo", "nccl", "mpi")
 ALGORITHMS = ("scatter_gather", "allgather", "allreduce", "hierarchical")
 SCHEDULES = ("cosine", "constant")
 DEVICES = ("auto", "cpu", "cuda")
-OPTIMIZERS = ("sgd",)
+OPTIMIZERS = ("sgd", "rmsprop", "adam")
 
 PRESETS = ("default", "seeds", "throughput", "smoke")
 

@@ -113,11 +113,24 @@ def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
+def make_optimizer(run: RunConfig, params: Any) -> torch.optim.Optimizer:
+    """The run's optimizer: ``sgd`` (momentum), ``rmsprop`` (alpha 0.9, the seeds' LSTM/Inception
+    recipes, with the run's momentum) or ``adam`` (default betas; ``momentum`` unused)."""
+    if run.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=run.lr, momentum=run.momentum, weight_decay=run.weight_decay)
+    if run.optimizer == "rmsprop":
+        return torch.optim.RMSprop(params, lr=run.lr, alpha=0.9, momentum=run.momentum, weight_decay=run.weight_decay)
+    if run.optimizer == "adam":
+        return torch.optim.Adam(params, lr=run.lr, weight_decay=run.weight_decay)
+    raise ValueError(f"unknown optimizer {run.optimizer!r}")
+
+
 def _evaluate(module: nn.Module, x: torch.Tensor, y: torch.Tensor, rank: int, world: int,
-              device: torch.device) -> tuple[float, float]:
-    """Test loss and accuracy over the whole test set; each rank takes every world-th sample."""
+              device: torch.device) -> tuple[float, float, float]:
+    """Test loss, accuracy and top-5 accuracy over the whole test set; each rank takes every world-th
+    sample. (Top-5 is NaN with 5 classes or fewer, where it is always 1.)"""
     xs, ys = x[rank::world], y[rank::world]
-    correct = count = loss_sum = 0.0
+    correct = top5 = count = loss_sum = 0.0
     was_training = module.training
     module.eval()
     with torch.no_grad():
@@ -126,14 +139,20 @@ def _evaluate(module: nn.Module, x: torch.Tensor, y: torch.Tensor, rank: int, wo
             logits = module(xb)
             flat_y = yb.reshape(-1)
             loss_sum += float(nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), flat_y, reduction="sum"))
-            correct += float((logits.reshape(-1, logits.shape[-1]).argmax(1) == flat_y).sum())
+            flat = logits.reshape(-1, logits.shape[-1])
+            correct += float((flat.argmax(1) == flat_y).sum())
+            if flat.shape[-1] > 5:
+                top5 += float((flat.topk(5, dim=1).indices == flat_y[:, None]).any(dim=1).sum())
             count += flat_y.numel()
     module.train(was_training)
-    t = torch.tensor([correct, count, loss_sum], dtype=torch.float64, device=device)
+    classes = int(logits.shape[-1]) if xs.shape[0] else 0
+    t = torch.tensor([correct, top5, count, loss_sum], dtype=torch.float64, device=device)
     if world > 1:
         dist.all_reduce(t)
-    correct, count, loss_sum = t.tolist()
-    return (loss_sum / count if count else math.nan), (correct / count if count else math.nan)
+    correct, top5, count, loss_sum = t.tolist()
+    if not count:
+        return math.nan, math.nan, math.nan
+    return loss_sum / count, correct / count, (top5 / count if classes > 5 else math.nan)
 
 
 def _mean_over_ranks(values: dict[str, float], world: int, device: torch.device) -> dict[str, float]:
@@ -214,7 +233,7 @@ def train_run(
     if steps == 0:
         raise ValueError(f"{run.dataset}: {len(x_tr)} training samples make no full batch of {run.batch_size} "
                          f"on each of {world} workers")
-    opt = torch.optim.SGD(model.parameters(), lr=run.lr, momentum=run.momentum, weight_decay=run.weight_decay)
+    opt = make_optimizer(run, model.parameters())
     total_steps = steps * run.epochs
     if run.lr_schedule == "cosine":
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.5 * (1 + math.cos(math.pi * min(t, total_steps) / total_steps)))
@@ -264,7 +283,7 @@ def train_run(
                 m["calls"] = s1.calls - s0.calls
             g = _mean_over_ranks(m, world, device)
             t_eval = time.perf_counter()
-            test_loss, test_acc = _evaluate(model, x_te, y_te, rank, world, device)
+            test_loss, test_acc, test_top5 = _evaluate(model, x_te, y_te, rank, world, device)
             eval_s = time.perf_counter() - t_eval
             train_loss = g["loss_sum"] / g["steps_total"] if g["steps_total"] else math.nan
             rec = {
@@ -283,6 +302,7 @@ def train_run(
                 "train_loss": train_loss,
                 "test_loss": test_loss,
                 "test_acc": test_acc,
+                "test_top5": test_top5,
                 "lr": opt.param_groups[0]["lr"],
                 "eval_s": eval_s,
                 "wall_s": time.perf_counter() - t_epoch,
@@ -313,6 +333,7 @@ def train_run(
         "steps_per_epoch": steps,
         "bytes_per_step_per_rank": sum(e["bytes_sent_per_rank"] for e in timed) / max(1, sum(e["steps"] for e in timed)),
         "final_test_acc": epochs[-1]["test_acc"],
+        "final_test_top5": epochs[-1]["test_top5"],
         "num_classes": data.num_classes,
         "best_test_acc": max((e["test_acc"] for e in epochs if e["test_acc"] == e["test_acc"]), default=math.nan),
         "final_train_loss": epochs[-1]["train_loss"],
