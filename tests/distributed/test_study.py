@@ -156,6 +156,36 @@ def test_study_optimizers_and_top5(tmp_path: Path, optimizer: str) -> None:
     assert losses[-1] < losses[0]  # it trains
 
 
+def test_study_layer_type_sensitivity(tmp_path: Path) -> None:
+    """The seed's conv-vs-fc experiment from a config: 2-bit QSGD everywhere, and with the conv layers
+    kept at fp32; the policy reaches the hook (fewer bytes compressed), the label and the key."""
+    cfg = tmp_path / "s.toml"
+    cfg.write_text("""networks = ["small_cnn"]
+datasets = ["digits"]
+codecs = ["qsgd:bits=2,bucket=128"]
+policies = [{}, {by_type = {Conv2d = "fp32"}}]
+world_sizes = [2]
+epochs = 1
+max_train_samples = 200
+max_test_samples = 100
+""")
+    out = tmp_path / "res"
+    assert main(["study", "--config", str(cfg), "--no-progress", "--out", str(out)]) == 0
+    runs = {bool(r["config"]["policy"]): r for r in _rows(out, "run")}
+    assert set(runs) == {False, True}
+    mixed, plain = runs[True], runs[False]
+    assert mixed["config"]["policy"] == {"by_type": {"Conv2d": "fp32"}}
+    assert mixed["summary"]["compressed_fraction"] < plain["summary"]["compressed_fraction"]
+    assert mixed["summary"]["bytes_per_step_per_rank"] > plain["summary"]["bytes_per_step_per_rank"]
+    from lowbit.study.report import load_runs
+
+    labels = sorted(r["label"] for r in load_runs(out)[0])
+    assert labels == ["QSGD 2bit/128", "QSGD 2bit/128 [Conv2d 32bit]"]
+    bad = tmp_path / "bad.toml"
+    bad.write_text('policies = [{by_kind = {Conv2d = "fp32"}}]\n')
+    assert main(["study", "--config", str(bad), "--out", str(out)]) == 2
+
+
 def test_bad_config_fails_before_any_run(tmp_path: Path, capsys) -> None:
     out = tmp_path / "res"
     bad = tmp_path / "bad.toml"

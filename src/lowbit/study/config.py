@@ -17,6 +17,7 @@ seeds, every point trained for ``epochs`` epochs. Example (every key is optional
     seeds = [0, 1, 2]
     error_feedback = "auto"             # auto: on for biased codecs (onebit, dettmers, topk), off for QSGD
     optimizer = "sgd"                   # sgd | rmsprop | adam (lr, momentum, weight_decay apply)
+    policies = [{}, {by_type = {Conv2d = "fp32"}}]  # per-layer overrides of each codec: conv vs fc precision
     [model_args.mlp]                    # keyword arguments for build_model, per network
     hidden = [256, 256]
 
@@ -62,6 +63,7 @@ __all__ = [
     "expand_runs",
     "check_runs",
     "codec_label",
+    "policy_label",
     "SCHEMA",
 ]
 
@@ -77,7 +79,8 @@ OPTIMIZERS = ("sgd", "rmsprop", "adam")
 PRESETS = ("default", "seeds", "throughput", "smoke")
 
 _LIST_KEYS = ("networks", "datasets", "codecs", "algorithms", "world_sizes", "backends", "batch_sizes", "seeds",
-              "nodes")
+              "nodes", "policies")
+_POLICY_KEYS = ("by_type", "by_name")
 
 
 def _known_models() -> list[str]:
@@ -104,6 +107,8 @@ class StudyConfig:
     algorithms: tuple[str, ...] = ("scatter_gather",)
     world_sizes: tuple[int, ...] = (1, 2)
     nodes: tuple[int, ...] = (1,)  # (emulated) nodes the ranks are split into: docs/multinode.md
+    # per-layer overrides of the run's codec ({} = none): {by_type = {Conv2d = "fp32"}}, {by_name = {...}}
+    policies: tuple[Mapping[str, Mapping[str, str]], ...] = ({},)
     backends: tuple[str, ...] = ("gloo",)
     batch_sizes: tuple[int | str, ...] = (32,)
     epochs: int = 3
@@ -153,6 +158,10 @@ class StudyConfig:
             _check_int("world_sizes", ws, 1)
         for nn in self.nodes:
             _check_int("nodes", nn, 1)
+        canon_pol = []
+        for pol in self.policies:
+            canon_pol.append(_check_policy(pol))
+        object.__setattr__(self, "policies", tuple(canon_pol))
         for seed in self.seeds:
             _check_int("seeds", seed, 0)
         for b in self.batch_sizes:
@@ -215,6 +224,36 @@ def _check_names(key: str, values: Iterable[Any], known: Iterable[str], what: st
     for v in values:
         if v not in known:
             raise ValueError(f"study config: {key!r}: unknown {what} {v!r}; known: {', '.join(known)}")
+
+
+def _check_policy(pol: Any) -> dict[str, dict[str, str]]:
+    """A ``policies`` entry: a table with ``by_type`` and/or ``by_name`` tables of codec specs; canonical."""
+    if not isinstance(pol, Mapping):
+        raise ValueError(f"study config: 'policies' entries are tables like {{by_type = {{Conv2d = \"fp32\"}}}}, "
+                         f"got {pol!r}")
+    unknown = sorted(set(pol) - set(_POLICY_KEYS))
+    if unknown:
+        raise ValueError(f"study config: 'policies': unknown key(s) {unknown}; a policy has {list(_POLICY_KEYS)} "
+                         "(the default codec comes from 'codecs')")
+    out: dict[str, dict[str, str]] = {}
+    for key in _POLICY_KEYS:
+        table = pol.get(key, {})
+        if not isinstance(table, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in table.items()):
+            raise ValueError(f"study config: 'policies': {key} must map names to codec specs, got {table!r}")
+        try:
+            canon = {k: get_codec(v).spec for k, v in table.items()}
+        except ValueError as exc:
+            raise ValueError(f"study config: 'policies': {key}: {exc}") from None
+        if canon:
+            out[key] = dict(sorted(canon.items()))
+    return out
+
+
+def policy_label(policy: Mapping[str, Mapping[str, str]]) -> str:
+    """Short text of a run's per-layer overrides, e.g. ``[Conv2d 32bit]`` ('' for none)."""
+    parts = [f"{k} {get_codec(v).label}" for table in (policy.get("by_type", {}), policy.get("by_name", {}))
+             for k, v in table.items()]
+    return f" [{', '.join(parts)}]" if parts else ""
 
 
 def _check_int(key: str, value: Any, lo: int) -> None:
@@ -363,11 +402,13 @@ class RunConfig:
     dataset_args: Mapping[str, Any]
     batch_preset: str = ""  # how the batch size was chosen ("fig4", ...): a label, not part of the key
     nodes: int = 1          # emulated nodes (world_size / nodes ranks each); in the key only when > 1
+    policy: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # per-layer overrides; in the key if any
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["model_args"] = dict(self.model_args)
         d["dataset_args"] = dict(self.dataset_args)
+        d["policy"] = {k: dict(v) for k, v in self.policy.items()}
         return d
 
     @classmethod
@@ -381,13 +422,15 @@ class RunConfig:
         d.pop("batch_preset")
         if d["nodes"] == 1:
             d.pop("nodes")  # the keys of runs made before emulated nodes existed stay the same
+        if not d["policy"]:
+            d.pop("policy")  # likewise for runs without per-layer overrides
         d["schema"] = SCHEMA
         blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     @property
     def codec_label(self) -> str:
-        return codec_label(self.codec, self.error_feedback)
+        return codec_label(self.codec, self.error_feedback) + policy_label(self.policy)
 
     def describe(self) -> str:
         return (f"{self.network:<10} {self.dataset:<9} K={self.world_size}"
@@ -419,18 +462,23 @@ def expand_runs(cfg: StudyConfig) -> list[RunConfig]:
     """
     runs: list[RunConfig] = []
     seen: set[str] = set()
-    for backend, ws, nodes, seed, dataset, network, batch, spec, algorithm in itertools.product(
+    for backend, ws, nodes, seed, dataset, network, batch, spec, policy, algorithm in itertools.product(
         cfg.backends, sorted(cfg.world_sizes), sorted(cfg.nodes), cfg.seeds, cfg.datasets, cfg.networks,
-        cfg.batch_sizes, cfg.codecs, cfg.algorithms,
+        cfg.batch_sizes, cfg.codecs, cfg.policies, cfg.algorithms,
     ):
         if ws % nodes or (ws == 1 and nodes > 1):
             continue
         codec = get_codec(spec)
-        if ws == 1 and not cfg.compress_at_world_size_1 and codec.name != "fp32":
+        # overrides equal to the run's codec change nothing: drop them (one run, one key)
+        policy = {k: {n: c for n, c in t.items() if c != codec.spec} for k, t in policy.items()}
+        policy = {k: t for k, t in policy.items() if t}
+        quantised = not codec.sums_on_wire or any(not get_codec(c).sums_on_wire for t in policy.values()
+                                                  for c in t.values())
+        if ws == 1 and not cfg.compress_at_world_size_1 and (codec.name != "fp32" or policy):
             continue
         if ws == 1 and codec.name == "fp32" and not cfg.compress_at_world_size_1:
             eff = "none"
-        elif codec.sums_on_wire:
+        elif not quantised:
             eff = "allreduce"
         else:
             eff = algorithm
@@ -458,6 +506,7 @@ def expand_runs(cfg: StudyConfig) -> list[RunConfig]:
             dataset_args=dict(cfg.dataset_args.get(dataset, {})),
             batch_preset=batch if isinstance(batch, str) else "",
             nodes=nodes,
+            policy=dict(policy) if ws > 1 or cfg.compress_at_world_size_1 else {},
         )
         k = run.key()
         if k not in seen:

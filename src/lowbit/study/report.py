@@ -32,7 +32,7 @@ from typing import Any
 
 from lowbit.codecs.base import get_codec
 from lowbit.study import seed_data
-from lowbit.study.config import codec_label
+from lowbit.study.config import codec_label, policy_label
 from lowbit.study.store import ResultStore, resolve_results_path
 
 __all__ = ["write_report", "load_runs", "accuracy_matches", "MATCH_POINTS", "DEFAULT_PRICE_PER_GPU_HOUR"]
@@ -41,7 +41,7 @@ MATCH_POINTS = 0.5
 #: The seed's p2.xlarge price (1 x K80), $ per GPU-hour (Figure 2): the default price of a worker-hour.
 DEFAULT_PRICE_PER_GPU_HOUR = 0.9
 
-_VARIANT = ("codec", "algorithm", "error_feedback")
+_VARIANT = ("codec", "algorithm", "error_feedback", "policy")
 _NOT_SETTING = set(_VARIANT) | {"seed", "batch_preset"}
 
 
@@ -63,10 +63,11 @@ def load_runs(results: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], di
             continue
         cfg = dict(row["config"])
         cfg.setdefault("nodes", 1)  # rows from before emulated nodes
+        cfg.setdefault("policy", {})  # ... and before per-layer policies
         r = {**cfg, "key": key, "summary": row.get("summary", {}), "epoch_rows": row.get("epochs", []),
              "labels": row.get("labels", {}), "env": row.get("env", {}), "study": row.get("study", ""),
              "finished": row.get("finished", "")}
-        r["label"] = codec_label(cfg["codec"], bool(cfg.get("error_feedback")))
+        r["label"] = codec_label(cfg["codec"], bool(cfg.get("error_feedback"))) + policy_label(cfg["policy"])
         r["synthetic"] = bool(r["labels"].get("synthetic"))
         r["bits"] = _bits(cfg["codec"])
         runs.append(r)
@@ -135,7 +136,7 @@ _CONFIG_FIELDS = {
     "network", "dataset", "codec", "algorithm", "error_feedback", "world_size", "backend", "device", "batch_size",
     "epochs", "seed", "lr", "momentum", "weight_decay", "lr_schedule", "optimizer", "threads_per_worker",
     "max_train_samples", "max_test_samples", "max_steps_per_epoch", "start_iter", "model_args", "dataset_args",
-    "nodes",
+    "nodes", "policy",
 }
 
 

@@ -213,15 +213,17 @@ def train_run(
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         net: nn.Module = DDP(model, device_ids=[device.index] if cuda else None)
+        policy = Policy(default=run.codec, **run.policy) if run.policy else None
         state = lowbit.ddp.register(
-            net, codec=run.codec, algorithm=run.algorithm if run.algorithm != "none" else "scatter_gather",
+            net, codec=None if policy else run.codec, policy=policy,
+            algorithm=run.algorithm if run.algorithm != "none" else "scatter_gather",
             error_feedback=run.error_feedback, start_iter=run.start_iter, seed=run.seed,
             node_size=world // run.nodes if run.algorithm == "hierarchical" else None,
         )
         # The study reports the encode / communicate / decode split (on CUDA this synchronises the
         # device around each phase, as a profiler does; training outside the study never pays it).
         state.stats.timing = True
-        summary = Policy.coerce(None, run.codec).summary(model)
+        summary = (policy or Policy.coerce(None, run.codec)).summary(model)
         compressed = sum(n for spec, n in summary.items() if not spec.startswith("fp32"))
     else:
         net = model
