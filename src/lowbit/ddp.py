@@ -312,6 +312,10 @@ class LowbitState:
     ) -> None:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {list(ALGORITHMS)}")
+        quantised = sorted({c.spec for c in plan.values() if not c.sums_on_wire})
+        if algorithm == "allreduce" and quantised:
+            raise ValueError(f"algorithm 'allreduce' sums on the wire (fp32/fp16/bf16 only), but the plan quantises "
+                             f"with {quantised[0]}: use 'auto', 'scatter_gather', 'allgather' or 'hierarchical'")
         if error_feedback not in (True, False, "auto"):
             raise ValueError(f"error_feedback must be True, False or 'auto', got {error_feedback!r}")
         if start_iter < 0:

@@ -94,3 +94,11 @@ def test_onebit_per_column_refuses_sizes_without_a_shape() -> None:
             call()
     assert c.flat_shape(12) == (12,) and lowbit.get_codec("qsgd:bits=8").flat_shape(12) is None
     assert c.nbytes(12, shape=c.flat_shape(12)) == 8 + 2  # a 1-D tensor is one column
+
+
+def test_ddp_allreduce_algorithm_refuses_quantised_codecs() -> None:
+    """algorithm='allreduce' sums on the wire: with a quantised codec in the plan it would cast, not
+    quantise; make_state refuses it by name."""
+    with pytest.raises(ValueError, match="sums on the wire"):
+        lowbit.ddp.make_state(nn.Linear(200, 200), codec="qsgd:bits=4", algorithm="allreduce")
+    lowbit.ddp.make_state(nn.Linear(200, 200), codec="fp16", algorithm="allreduce")  # native: fine
