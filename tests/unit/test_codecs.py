@@ -61,7 +61,7 @@ def test_nbytes_formulas() -> None:
     q3 = lowbit.get_codec("qsgd:bits=3,bucket=10")
     assert q3.nbytes(11) == 4 * 2 + math.ceil(33 / 8)
     assert lowbit.get_codec("onebit:bucket=64").bits_per_value(64 * 100) == pytest.approx(1 + 64 / 64)
-    assert lowbit.get_codec("onebit:bucket=0").nbytes(12, shape=(3, 4)) == 8 * 4 + 2
+    assert lowbit.get_codec("onebit:bucket=0").nbytes(12, shape=(3, 4)) == 8 * 3 + 2  # 3 columns of 4
     assert lowbit.get_codec("dettmers").nbytes(100) == 4 + 100
     assert lowbit.get_codec("dettmers:type=static").nbytes(100) == 100
     assert lowbit.get_codec("topk:ratio=0.1").nbytes(1000) == 8 * 100
@@ -254,13 +254,15 @@ def test_onebit_bucket_reconstruction_values_are_means() -> None:
 
 
 def test_onebit_columns_reconstruction_values_are_column_means() -> None:
+    """A column is CNTK's: its first dimension is PyTorch's last, so a column is a contiguous run of
+    shape[-1] values (issue 16: the input features of a Linear weight, the kW values of a conv)."""
     c = lowbit.get_codec("onebit:bucket=0")
-    w = torch.randn(7, 5)  # 5 columns of 7 rows
+    w = torch.randn(7, 5)  # 7 columns of 5 values (PyTorch rows)
     p = c.encode(w)
-    assert p.numel() == c.nbytes(35, shape=(7, 5)) == 8 * 5 + 5
+    assert p.numel() == c.nbytes(35, shape=(7, 5)) == 8 * 7 + 5
     y = c.decode(p, 35, shape=(7, 5)).view(7, 5)
-    for j in range(5):
-        col, dec = w[:, j], y[:, j]
+    for j in range(7):
+        col, dec = w[j], y[j]
         pos = col >= 0
         if pos.any():
             assert torch.allclose(dec[pos], col[pos].mean().expand(int(pos.sum())))
@@ -268,6 +270,8 @@ def test_onebit_columns_reconstruction_values_are_column_means() -> None:
             assert torch.allclose(dec[~pos], col[~pos].mean().expand(int((~pos).sum())))
     with pytest.raises(ValueError, match="shape"):
         c.nbytes(35, shape=(6, 5))
+    conv = torch.randn(4, 3, 3, 3)  # a column is the 3 kW values of one kernel row: 36 columns
+    assert c.encode(conv).numel() == c.nbytes(108, shape=(4, 3, 3, 3)) == 8 * 36 + 14
 
 
 # ------------------------------------------------------------------------------------ dettmers

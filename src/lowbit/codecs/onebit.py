@@ -3,9 +3,13 @@
 The two values are the means of the group's non-negative and negative entries (the MSE-optimal
 reconstruction for a zero threshold). Groups are
 
-* ``bucket=0``: the columns of the tensor's 2-D view ``(shape[0], numel/shape[0])``, as CNTK does.
-  The payload layout then depends on the shape: ``encode(x)`` takes it from ``x.shape``; ``nbytes``,
-  ``head_bytes`` and ``decode`` need ``shape=`` and refuse without it (a 1-D tensor is one column).
+* ``bucket=0``: per column, as CNTK does (Seide et al.; the seed's 1bitSGD). CNTK makes the first
+  tensor dimension the "row" and flattens the others onto columns, and lists dimensions
+  fastest-varying first, so its first dimension is PyTorch's *last*: a column is a contiguous run of
+  ``shape[-1]`` values (the kW values of a convolution kernel row, the input features of a Linear
+  weight; a 1-D tensor is one column). So per column is the bucketed layout with a bucket of
+  ``shape[-1]``, and uses its kernels. The layout depends on the shape: ``encode(x)`` takes it from
+  ``x.shape``; ``nbytes``, ``head_bytes`` and ``decode`` need ``shape=`` and refuse without it.
 * ``bucket=N``: consecutive runs of N values of the flattened tensor (the seed's reshaped 1bitSGD*,
   N=64 there).
 
@@ -46,26 +50,25 @@ class OneBit(Codec):
     def needs_shape(self) -> bool:  # type: ignore[override]
         return self.bucket == 0
 
-    def _rows(self, numel: int, shape: Sequence[int] | None) -> int:
-        """Rows of the 2-D view (column mode); the number of columns is numel / rows."""
+    def _column(self, numel: int, shape: Sequence[int] | None) -> int:
+        """Values per column (column mode): ``shape[-1]``, the tensor's contiguous last dimension."""
         if shape is None:
             raise ValueError("onebit:bucket=0 (one pair of means per column) lays its payload out by the tensor's "
                              "shape: pass shape= to nbytes / head_bytes / decode (shape=(n,) for a 1-D tensor)")
-        if len(shape) < 2:
-            if math.prod(int(s) for s in shape) != numel:
-                raise ValueError(f"onebit: shape {tuple(shape)} has {math.prod(int(s) for s in shape)} elements, "
-                                 f"numel is {numel}")
-            return numel
         prod = math.prod(int(s) for s in shape)
         if prod != numel:
             raise ValueError(f"onebit: shape {tuple(shape)} has {prod} elements, numel is {numel}")
-        return int(shape[0])
+        return int(shape[-1]) if len(shape) else 1
 
     def _groups(self, numel: int, shape: Sequence[int] | None) -> int:
         if self.bucket:
             return ceil_div(numel, self.bucket)
-        rows = self._rows(numel, shape)
-        return numel // rows if rows else 0
+        col = self._column(numel, shape)
+        return numel // col if col else 0
+
+    def _width(self, numel: int, shape: Sequence[int] | None) -> int:
+        """The bucket the kernels use: ``bucket``, or the column length."""
+        return self.bucket if self.bucket else max(1, self._column(numel, shape))
 
     def head_bytes(self, numel: int, shape: Sequence[int] | None = None) -> int:
         return 8 * self._groups(numel, shape)
@@ -75,20 +78,18 @@ class OneBit(Codec):
 
     def encode(self, x: torch.Tensor, seed: int = 0) -> torch.Tensor:
         flat = self._flat_input(x)
-        if self.bucket:
-            return dispatch.onebit_encode_buckets(flat, self.bucket)
-        return dispatch.onebit_encode_columns(flat, self._rows(flat.numel(), tuple(x.shape)))
+        return dispatch.onebit_encode_buckets(flat, self._width(flat.numel(), tuple(x.shape)))
 
     def decode_sum(self, payloads, numel, out=None, shape=None, divide_by=1):  # type: ignore[override]
         y = self._sum_output(payloads, numel, out, shape, divide_by)
-        fast = dispatch.compiled_backend(y, "onebit_decode_sum_buckets") if self.bucket and numel else None
+        fast = dispatch.compiled_backend(y, "onebit_decode_sum_buckets") if numel else None
         if fast is not None:  # one pass: sign lookups, sum and mean together
-            return fast.onebit_decode_sum_buckets(list(payloads), numel, self.bucket, y, divide_by)
+            return fast.onebit_decode_sum_buckets(list(payloads), numel, self._width(numel, shape), y, divide_by)
         return super().decode_sum(payloads, numel, out=y, shape=shape, divide_by=divide_by)
 
     def decode(self, payload, numel, out=None, shape=None):  # type: ignore[override]
         self._check_payload(payload, numel, shape)
         y = self._output(out, numel, payload.device)
-        if self.bucket:
-            return dispatch.onebit_decode_buckets(payload, numel, self.bucket, y)
-        return dispatch.onebit_decode_columns(payload, numel, self._rows(numel, shape), y)
+        if not numel:
+            return y
+        return dispatch.onebit_decode_buckets(payload, numel, self._width(numel, shape), y)
