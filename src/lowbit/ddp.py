@@ -146,6 +146,9 @@ class _Group:
         for name, n in members + exact:
             self.slot[name] = self.stage[pos : pos + n]
             pos += n
+        # per-tensor codecs (per column, one scale per tensor) encode their one tensor with its shape
+        shape = getattr(state, "_shapes", {}).get(members[0][0]) if members and codec.per_tensor else None
+        self.shape = tuple(shape) if shape is not None and len(members) == 1 else None
         self.residual: Optional[torch.Tensor] = None
         if state.uses_feedback(codec) and self.n:
             self.residual = _residual_views(state, members, device)
@@ -177,7 +180,7 @@ class _Group:
 
         fut = start(self.stage, self.codec, group, self.algorithm, "mean", self.residual,
                     step_seed + self.seed_base, state.stats, exact=self.exact, post=post, world=state._world,
-                    node_size=state.node_size)
+                    node_size=state.node_size, shape=self.shape)
 
         def fail(f: torch.futures.Future) -> None:
             try:
@@ -236,7 +239,7 @@ def _plan_groups(state: "LowbitState", k: int, device: torch.device) -> Dict[str
             size = 0
         cur[1].append((name, n))
         size += 4 * n
-        if size >= limit:
+        if size >= limit or codec.per_tensor:  # a per-tensor codec sends every tensor on its own
             cur = None
     if riders:  # fp32 tensors after the last quantised one ride in the last message
         groups[-1][2].extend(riders)
@@ -338,6 +341,7 @@ class LowbitState:
         self.stats = CommStats()
         self._devices: Dict[str, torch.device] = {}
         self._numels: Dict[str, int] = {}
+        self._shapes: Dict[str, Tuple[int, ...]] = {}
         self._layouts: Dict[Tuple[int, int, int], _Layout] = {}
         self.message_mb = message_mb
         if node_size is not None and (isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1):
@@ -546,6 +550,7 @@ def make_state(
                         message_mb, node_size)
     state._devices = {name: p.device for name, p in module.named_parameters()}
     state._numels = {name: p.numel() for name, p in module.named_parameters()}
+    state._shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
     return state
 
 

@@ -60,6 +60,13 @@ class Codec:
     biased: ClassVar[bool] = False
 
     @property
+    def per_tensor(self) -> bool:
+        """True when the codec's groups are a tensor's own (per column, one scale per tensor): lowbit's
+        collectives then send each parameter tensor as its own message, encoded with its shape, and
+        never cut it into chunks (allgather only), as the papers did."""
+        return self.needs_shape
+
+    @property
     def sums_on_wire(self) -> bool:
         """True when a native allreduce can carry (and sum) this codec's values."""
         return self.wire_dtype is not None

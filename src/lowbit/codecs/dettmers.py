@@ -132,6 +132,11 @@ class Dettmers(Codec):
     bucket: int = 0
     offset: int = 0
 
+    @property
+    def per_tensor(self) -> bool:  # type: ignore[override]
+        """``bucket=0``: one scale per tensor, as in the paper (so one message per parameter tensor)."""
+        return self.bucket == 0
+
     def __post_init__(self) -> None:
         check_choice("dettmers", "type", self.type, TYPES)
         check_choice("dettmers", "search", self.search, ("nearest", "paper"))

@@ -130,9 +130,12 @@ def resolve_algorithm(algorithm: str, codec: Codec, k: int) -> str:
     """The algorithm a call really runs: native allreduce for codecs that sum on the wire; ``auto`` is
     ``allgather`` for two ranks (one exchange, the same bytes as scatter_gather's two, half the coding
     work) and ``scatter_gather`` above (its bytes per rank stay ~2 payloads as K grows);
-    ``hierarchical`` stays itself (it picks its between-node algorithm the same way)."""
+    ``hierarchical`` stays itself (it picks its between-node algorithm the same way). Per-tensor codecs
+    (``codec.per_tensor``: per-column 1bitSGD, Dettmers with one scale) always take ``allgather``."""
     if codec.sums_on_wire:
         return "allreduce"
+    if codec.per_tensor:
+        return "allgather"  # a tensor's own groups cannot be cut into chunks
     if algorithm == "auto":
         return "allgather" if k <= 2 else "scatter_gather"
     return algorithm
@@ -195,6 +198,7 @@ def start(
     post: Callable[[], torch.Tensor] | None = None,
     world: tuple[int, int] | None = None,
     node_size: int | None = None,
+    shape: tuple[int, ...] | None = None,
 ) -> torch.futures.Future:
     """Issue one reduction now, on this thread; returns a future of ``out`` holding the result.
 
@@ -206,7 +210,8 @@ def start(
     result is in ``out``, in the completion callback, and its return value becomes the future's (the
     DDP hook copies the result into its bucket and returns the bucket). ``world``: (rank, size) in
     ``group`` when the caller already knows them. ``node_size``: ranks per node for ``hierarchical``
-    (see :mod:`lowbit.comm.hierarchical`).
+    (see :mod:`lowbit.comm.hierarchical`). ``shape``: the shape of the first n values, for per-tensor
+    codecs (per column, one scale per tensor); default flat.
     """
     rank, k = C.world(group) if world is None else world
     out = x if out is None else out
@@ -232,7 +237,8 @@ def start(
             out.copy_(x)
         return C.done(out if post is None else post(), x.device)
     if algorithm == "allgather":
-        return _allgather(x, comp, n, exact, codec, group, op, rank, k, residual, seed, stats, out, post)
+        return _allgather(x, comp, n, exact, codec, group, op, rank, k, residual, seed, stats, out, post,
+                          shape if shape is not None else codec.flat_shape(n))
     return _scatter_gather(comp, codec, group, op, rank, k, residual, seed, stats, out, post)
 
 
@@ -274,11 +280,14 @@ def _native(x, codec, group, op, k, stats, out, post) -> torch.futures.Future:
     return C.then(work, finish, "all_reduce", group)
 
 
-def _encode_with_feedback(codec: Codec, comp: torch.Tensor, residual: torch.Tensor | None, seed: int) -> torch.Tensor:
-    """Encode ``comp``; with error feedback leave ``residual = comp - decode(payload)`` (in place)."""
-    payload = codec.encode(comp, seed=seed)
+def _encode_with_feedback(codec: Codec, comp: torch.Tensor, residual: torch.Tensor | None, seed: int,
+                          shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Encode ``comp`` (flat; viewed as ``shape`` for per-tensor codecs); with error feedback leave
+    ``residual = comp - decode(payload)`` (in place)."""
+    payload = codec.encode(comp.view(shape) if shape is not None else comp, seed=seed)
     if residual is not None and comp.numel():
-        codec.decode(payload, comp.numel(), out=residual, shape=codec.flat_shape(comp.numel()))
+        codec.decode(payload, comp.numel(), out=residual,
+                     shape=shape if shape is not None else codec.flat_shape(comp.numel()))
         torch.sub(comp, residual, out=residual)
     return payload
 
@@ -289,10 +298,11 @@ def _encode_with_feedback(codec: Codec, comp: torch.Tensor, residual: torch.Tens
 ALIGN = 16
 
 
-def _slot(codec: Codec, m: int) -> tuple[int, int]:
-    """(lead, size) of the message slot of an m-value payload: ``lead`` zero bytes put its code stream
-    on a 16-byte boundary, and ``size`` (a multiple of 16) holds lead + payload + tail padding."""
-    shape = codec.flat_shape(m)
+def _slot(codec: Codec, m: int, shape: tuple[int, ...] | None = None) -> tuple[int, int]:
+    """(lead, size) of the message slot of an m-value payload (of ``shape``, default flat): ``lead`` zero
+    bytes put its code stream on a 16-byte boundary, and ``size`` (a multiple of 16) holds lead +
+    payload + tail padding."""
+    shape = shape if shape is not None else codec.flat_shape(m)
     lead = -codec.head_bytes(m, shape) % ALIGN
     return lead, _up(lead + codec.nbytes(m, shape))
 
@@ -358,7 +368,7 @@ def _framed(parts: list[tuple[int, torch.Tensor, int]], device: torch.device) ->
 
 
 def bytes_sent_per_rank(codec: Codec, n: int, k: int, algorithm: str, rank: int = 0, exact: int = 0,
-                        node_size: int | None = None) -> int:
+                        node_size: int | None = None, shape: tuple[int, ...] | None = None) -> int:
     """What rank ``rank`` puts on the wire for one call of ``n`` values (plus ``exact`` raw fp32 riders),
     predicted from the codec's sizes: ring all-gather / allreduce accounting, 16-byte message slots
     included (``hierarchical``: with ``node_size`` ranks per node). The collectives count the buffers they
@@ -375,17 +385,18 @@ def bytes_sent_per_rank(codec: Codec, n: int, k: int, algorithm: str, rank: int 
     if algorithm == "allreduce":
         return int(2 * (k - 1) * codec.nbytes(n, codec.flat_shape(n)) // k)
     if algorithm == "allgather":
-        return (k - 1) * (_slot(codec, n)[1] + _up(4 * exact))
+        return (k - 1) * (_slot(codec, n, shape)[1] + _up(4 * exact))
     slots = [_slot(codec, c)[1] for c in chunk_sizes(n, k)]
     return sum(s for i, s in enumerate(slots) if i != rank) + (k - 1) * max(slots)
 
 
-def _allgather(x, comp, n, exact, codec, group, op, rank, k, residual, seed, stats, out, post) -> torch.futures.Future:
+def _allgather(x, comp, n, exact, codec, group, op, rank, k, residual, seed, stats, out, post,
+               shape=None) -> torch.futures.Future:
     dev = x.device
     with _Timer(stats, "t_encode", dev):
-        payload = _encode_with_feedback(codec, comp, residual, _seed(seed, rank, 0, 0))
+        payload = _encode_with_feedback(codec, comp, residual, _seed(seed, rank, 0, 0), shape)
         p = payload.numel()
-        lead, psize = _slot(codec, n)
+        lead, psize = _slot(codec, n, shape)
         parts = [(lead, payload, psize)]
         if exact:
             parts.append((0, x[n:].view(torch.uint8), _up(4 * exact)))
@@ -405,8 +416,7 @@ def _allgather(x, comp, n, exact, codec, group, op, rank, k, residual, seed, sta
             _keep(out)
             if n:
                 codec.decode_sum([recv[i * s + lead : i * s + lead + p] for i in range(k)], n, out=out[:n],
-                                 shape=codec.flat_shape(n),
-                                 divide_by=divide_by)
+                                 shape=shape, divide_by=divide_by)
             if exact:
                 vals = recv.view(k, s)[:, psize : psize + 4 * exact].view(torch.float32)  # (k, exact), rank order
                 tail = out[n:]
@@ -623,7 +633,8 @@ def all_reduce(
     direct = src.dtype == torch.float32 and src.is_contiguous()
     x = src.reshape(-1) if direct else src.reshape(-1).to(torch.float32)
     residual = feedback.residual(key, x.numel(), x.device) if feedback is not None else None
-    fut = start(x, codec, group, algorithm, op, residual, seed, stats, node_size=node_size)
+    fut = start(x, codec, group, algorithm, op, residual, seed, stats, node_size=node_size,
+                shape=tuple(tensor.shape) if codec.per_tensor else None)
     if not direct:
         def back(f: torch.futures.Future) -> torch.Tensor:
             res = f.value()

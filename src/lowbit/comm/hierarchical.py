@@ -15,6 +15,9 @@ Every rank ends with the same bits: phase 2 gives the ranks of one local index t
 3 hands every chunk to every rank. Bytes per rank: ``2 (G-1)/G`` fp32 copies of the tensor inside the
 node, and the compressed exchange of ``n / G`` values between nodes (:func:`bytes_between_nodes`).
 
+Per-tensor codecs (per-column 1bitSGD, Dettmers with one scale per tensor) cannot send a shard of a
+tensor: with them the call runs the flat allgather.
+
 The sub-groups (one per node, one per local index) are created once per (group, node size) on first
 use, by the ranks that belong to them (``use_local_synchronization``), and cached. The node size comes
 from ``node_size=``, else ``LOWBIT_NODE_SIZE``, else torchrun's ``LOCAL_WORLD_SIZE``. ``LOWBIT_NODE_SIZE``
@@ -108,7 +111,7 @@ def bytes_between_nodes(codec: Codec, n: int, k: int, node_size: int, rank: int 
     from lowbit.comm.allreduce import bytes_sent_per_rank, resolve_algorithm
 
     nodes = k // node_size
-    if nodes == 1:
+    if nodes == 1 or codec.per_tensor:  # per-tensor codecs run the flat allgather, not this algorithm
         return 0
     m = _chunk(n, node_size)
     node, local = divmod(rank, node_size)
