@@ -10,15 +10,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import threading
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["CollectiveError", "world", "all_to_all_async", "all_gather_async", "all_reduce_async", "then", "join",
-           "wait", "done", "all_gather_object"]
+__all__ = ["CollectiveError", "world", "all_to_all_async", "all_gather_async", "all_reduce_async",
+           "reduce_scatter_async", "then", "join", "wait", "done", "all_gather_object"]
 
 
 class CollectiveError(RuntimeError):
@@ -159,8 +158,19 @@ def all_reduce_async(t: torch.Tensor, group: dist.ProcessGroup | None) -> object
     return _issue("all_reduce", group, lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True))
 
 
-def wait(fut: torch.futures.Future, op: str, group: dist.ProcessGroup | None) -> object:
-    """``fut.wait()`` with any failure as :class:`CollectiveError` (the callback chain loses the type)."""
+def reduce_scatter_async(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> object:
+    """Issue the native sum reduce-scatter of flat ``inp`` (``world * out.numel()`` values) into ``out``
+    (this rank's chunk); returns the Work (gloo's has no future: :func:`wait` on it)."""
+    _, size = world(group)
+    if size == 1:
+        out.copy_(inp[: out.numel()])
+        return done(None, out.device)
+    return _issue("reduce_scatter_tensor", group, lambda: _scatter_fn(out, inp, group=group, async_op=True))
+
+
+def wait(fut: object, op: str, group: dist.ProcessGroup | None) -> object:
+    """``fut.wait()`` on a torch Future or Work, with any failure as :class:`CollectiveError` (the callback
+    chain loses the type). On CUDA a Work's wait makes the current stream wait, not the host."""
     try:
         return fut.wait()
     except CollectiveError:
@@ -172,8 +182,10 @@ def wait(fut: torch.futures.Future, op: str, group: dist.ProcessGroup | None) ->
         raise _fail(op, group, exc) from exc
 
 
-# torch >= 2.12 renames all_gather_into_tensor to all_gather_single (the old name warns).
+# torch >= 2.12 renames all_gather_into_tensor / reduce_scatter_tensor to all_gather_single /
+# reduce_scatter_single (the old names warn).
 _gather_fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_scatter_fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def all_gather_object(obj: object, group: dist.ProcessGroup | None) -> list[object]:

@@ -128,22 +128,6 @@ def bytes_hierarchical(codec: Codec, n: int, k: int, node_size: int, rank: int =
     return intra + bytes_between_nodes(codec, n, k, node_size, rank)
 
 
-def _wait(work: object, op: str, group: dist.ProcessGroup | None) -> None:
-    """The next phase needs this one's data: on CUDA the current stream waits for it (the host does
-    not); on CPU the host waits. (gloo's reduce-scatter has no future: its Work is waited on.)"""
-    if isinstance(work, torch.futures.Future):
-        C.wait(work, op, group)
-        return
-    try:
-        work.wait()  # type: ignore[attr-defined]
-    except Exception as exc:  # noqa: BLE001 — re-raised with context
-        raise C._fail(op, group, exc) from exc
-
-
-# torch >= 2.12 renames reduce_scatter_tensor to reduce_scatter_single (the old name warns).
-_scatter_fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
 def start_hierarchical(
     x: torch.Tensor,
     codec: Codec,
@@ -159,7 +143,7 @@ def start_hierarchical(
     """Issue one hierarchical reduction of ``x`` into ``out`` (see the module docstring); the future of
     ``out`` (or of ``post()``). ``residual`` ((n,) float32): error feedback of the node sums; this rank
     uses the part of it that covers its chunk."""
-    from lowbit.comm.allreduce import resolve_algorithm, start
+    from lowbit.comm.allreduce import _keep, resolve_algorithm, start
 
     g = node_size_for(group, node_size)
     topo = topology(group, g)
@@ -167,7 +151,6 @@ def start_hierarchical(
     n = x.numel()
     m = _chunk(n, g)
     dev = x.device
-    cuda = dev.type == "cuda"
     lo = topo.local * m
     mine = max(0, min(n, lo + m) - lo)
     # Phase 1: the node's sum of my chunk.
@@ -177,11 +160,10 @@ def start_hierarchical(
             src = torch.zeros(g * m, dtype=torch.float32, device=dev)
             src[:n].copy_(x)
         chunk = torch.empty(m, dtype=torch.float32, device=dev)
-        work = C._issue("reduce_scatter_tensor", topo.intra, lambda: _scatter_fn(
-            chunk, src, group=topo.intra, async_op=True))
+        work = C.reduce_scatter_async(chunk, src, topo.intra)
         if stats is not None:
             stats.bytes_sent += (g - 1) * m * 4  # type: ignore[attr-defined]
-        _wait(work, "reduce_scatter_tensor", topo.intra)
+        C.wait(work, "reduce_scatter_tensor", topo.intra)  # CUDA: a stream wait; CPU: the host waits
     else:
         chunk = x  # one rank a node: my chunk is the whole tensor
     # Phase 2: the compressed sum of my chunk across nodes, among the ranks of my local index.
@@ -193,7 +175,7 @@ def start_hierarchical(
         if stats is not None:
             stats.bytes_inter += stats.bytes_sent - before  # type: ignore[attr-defined]
             stats.calls -= 1  # type: ignore[attr-defined]  # one call of the caller's, not two
-        _wait(fut, "all_reduce", topo.cross)
+        C.wait(fut, "all_reduce", topo.cross)
     divide = float(k) if op == "mean" and k > 1 else 1.0
     # Phase 3: every chunk to every rank of the node.
     if g > 1:
@@ -203,9 +185,8 @@ def start_hierarchical(
             stats.bytes_sent += (g - 1) * m * 4  # type: ignore[attr-defined]
 
         def finish() -> torch.Tensor:
-            if cuda:
-                gathered.record_stream(torch.cuda.current_stream(dev))
-                out.record_stream(torch.cuda.current_stream(dev))
+            _keep(gathered)
+            _keep(out)
             if divide != 1.0:
                 torch.div(gathered[:n], divide, out=out)
             else:

@@ -766,9 +766,7 @@ def _onebit_encode(x, n, bucket, scales, stream, per_chunk):
             if xs.size == bucket and bucket < 512:
                 sp, sn, cn = _onebit_sums_small(xs, acc_small)
                 cp = bucket - cn
-                if abs(sp) == np.inf or abs(sn) == np.inf:  # overflow or an Inf: the general path sorts it out
-                    pass
-                else:
+                if abs(sp) != np.inf and abs(sn) != np.inf:  # else overflow or an Inf: the general path below
                     scales[2 * b] = sp / np.float32(max(cp, 1))
                     scales[2 * b + 1] = sn / np.float32(max(cn, 1))
                     continue

@@ -466,7 +466,7 @@ def expand_runs(cfg: StudyConfig) -> list[RunConfig]:
         cfg.backends, sorted(cfg.world_sizes), sorted(cfg.nodes), cfg.seeds, cfg.datasets, cfg.networks,
         cfg.batch_sizes, cfg.codecs, cfg.policies, cfg.algorithms,
     ):
-        if ws % nodes or (ws == 1 and nodes > 1):
+        if ws % nodes:  # (one rank is one node)
             continue
         codec = get_codec(spec)
         # overrides equal to the run's codec change nothing: drop them (one run, one key)
@@ -514,7 +514,7 @@ def expand_runs(cfg: StudyConfig) -> list[RunConfig]:
             runs.append(run)
     if not runs:
         why = []
-        if not any(ws % n == 0 and not (ws == 1 and n > 1) for ws in cfg.world_sizes for n in cfg.nodes):
+        if not any(ws % n == 0 for ws in cfg.world_sizes for n in cfg.nodes):
             why.append(f"no world size in {sorted(cfg.world_sizes)} splits into nodes {sorted(cfg.nodes)}")
         if set(cfg.world_sizes) == {1} and not cfg.compress_at_world_size_1:
             why.append("at world size 1 only fp32 runs (compress_at_world_size_1 is false)")

@@ -414,8 +414,8 @@ def measure_links(world: int, nodes: int, device: torch.device, mib: int = 16, r
         topo = topology(None, world // nodes)
         out["intra_GBps"] = busbw(topo.intra, topo.node_size) if topo.intra is not None else None
         out["inter_GBps"] = busbw(topo.cross, topo.nodes)
-    for key in ("NCCL_HOSTID", "NCCL_IB_DISABLE", "NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "LOWBIT_NODE_SIZE"):
-        out.setdefault("env", {})[key] = os.environ.get(key)
+    out["env"] = {key: os.environ.get(key) for key in
+                  ("NCCL_HOSTID", "NCCL_IB_DISABLE", "NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "LOWBIT_NODE_SIZE")}
     box = [out]
     dist.broadcast_object_list(box, src=0)
     return box[0]
