@@ -2,6 +2,7 @@
 # Device recipe for issue 11 (2 GPUs): GPU tests, then bench_ddp over NVLink and over sockets, profiles.
 #   MODE=nvlink|sockets|profile|tests  bash benchmarks/run_device_ddp.sh      (2 GPUs)
 #   MODE=nodes bash benchmarks/run_device_ddp.sh                              (4 GPUs as 2 emulated nodes)
+#   MODE=single4 (4 GPUs as one node)   MODE=alltests (every GPU test, on 4 GPUs)
 set -uo pipefail
 export PYTHONPATH=src
 OUT=${OUT:-/tmp/out}
@@ -14,6 +15,14 @@ for mode in ${MODE:-tests nvlink}; do
   case $mode in
     tests)
       python -m pytest -q -m gpu tests/gpu/test_nccl.py 2>&1 | tail -5 | tee "$OUT/gpu_tests_nccl.log" ;;
+    alltests)  # every GPU test: kernels and overflow on one GPU, NCCL on 2, emulated nodes on 4
+      timeout ${TESTS_TIMEOUT:-300} python -m pytest -q -m gpu tests/gpu tests/unit/test_overflow.py -p no:cacheprovider 2>&1 \
+        | tail -8 | tee "$OUT/gpu_tests_${card}.log" ;;
+    single4)  # 4 GPUs as one real node (torchrun sets LOCAL_WORLD_SIZE=4): hierarchical must cost nothing
+      torchrun --nproc-per-node 4 benchmarks/bench_ddp.py --link nvlink --models "$MODELS" \
+        --hooks "${HOOKS:-ddp;lowbit[algorithm=hierarchical]:qsgd:bits=4,bucket=512;lowbit:qsgd:bits=4,bucket=512}" \
+        --steps "$STEPS" --rounds "$ROUNDS" --warmup "$WARMUP" --out "$OUT/ddp_4x${card}_1node.json" 2>&1 \
+        | grep -v "^W1\|Warning\|warn" | tail -20 ;;
     nvlink)
       torchrun --nproc-per-node 2 benchmarks/bench_ddp.py --link nvlink --models "$MODELS" "${hook_args[@]}" \
         --steps "$STEPS" --rounds "$ROUNDS" --warmup "$WARMUP" --out "$OUT/ddp_2x${card}_nvlink.json" 2>&1 \

@@ -58,6 +58,7 @@ No ``from __future__ import annotations`` here: DDP inspects the hook's annotati
 
 import hashlib
 import json
+import logging
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -72,6 +73,7 @@ from lowbit.policy import Policy
 __all__ = ["LowbitState", "hook", "make_state", "register", "ConfigMismatchError"]
 
 _FP32 = get_codec("fp32")
+log = logging.getLogger(__name__)
 
 
 class ConfigMismatchError(ValueError):
@@ -353,8 +355,18 @@ class LowbitState:
         self.node_size = node_size
         self._group_of: Optional[Dict[str, _Group]] = None  # parameter name -> its message group
         self._world: Optional[Tuple[int, int]] = None  # (rank, size), read once
+        self._native = False  # set with _world: the hook runs the fp32 allreduce only (one_node)
 
     # ------------------------------------------------------------------------------ helpers
+    @property
+    def one_node(self) -> bool:
+        """``hierarchical`` with the whole group inside one node: nothing crosses a slow link, so nothing
+        is compressed and the reduction is DDP's own fp32 allreduce."""
+        if self.algorithm != "hierarchical" or self.node_size is None:
+            return False
+        size = self._world[1] if self._world is not None else C.world(self.process_group)[1]
+        return size <= self.node_size
+
     def uses_feedback(self, codec: Codec) -> bool:
         if codec.sums_on_wire:
             return False
@@ -453,6 +465,7 @@ class LowbitState:
         d["_layouts"] = {}
         d["_group_of"] = None
         d["_world"] = None
+        d["_native"] = False
         return d
 
 
@@ -461,10 +474,12 @@ def hook(state: LowbitState, bucket: dist.GradBucket) -> torch.futures.Future[to
     group = state.process_group
     if state._world is None:
         state._world = C.world(group)
+        state._native = state.one_node
     world = state._world[1]
     buf = bucket.buffer()
-    if state.iter < state.start_iter:
-        # Before DDP's bucket rebuild: the plain fp32 allreduce, as torch's own hook does it.
+    if state.iter < state.start_iter or state._native:
+        # Before DDP's bucket rebuild (or hierarchical inside one node): the plain fp32 allreduce, as
+        # torch's own hook does it.
         state._advance(bucket)
         return start(buf, _FP32, group, "allreduce", "mean", stats=state.stats, world=state._world)
     if torch.autograd.profiler._is_profiler_enabled:  # a range for torch.profiler, free otherwise
@@ -565,12 +580,16 @@ def register(
     process_group: Optional[dist.ProcessGroup] = None,
     message_mb: Union[float, str] = "auto",
     node_size: Optional[int] = None,
+    one_node_native: bool = True,
 ) -> LowbitState:
     """Install lowbit's comm hook on ``ddp_model`` and return its state.
 
     ``codec`` sets the policy's default codec (``policy`` overrides; default ``qsgd:bits=8,bucket=512``).
     Collective: every rank must call it; a configuration that differs across ranks raises
-    :class:`ConfigMismatchError` on every rank.
+    :class:`ConfigMismatchError` on every rank. ``algorithm="hierarchical"`` with the whole group in one
+    node (``state.one_node``) installs no hook: nothing would be compressed, and DDP's own allreduce is
+    the fastest fp32 mean. ``one_node_native=False`` installs the hook anyway (it then runs one fp32
+    allreduce per bucket and counts it in ``state.stats``, as the study does to measure it).
     """
     module = getattr(ddp_model, "module", None)
     if module is None or not hasattr(ddp_model, "register_comm_hook"):
@@ -579,5 +598,12 @@ def register(
     state = make_state(module, codec, algorithm, policy, error_feedback, start_iter, seed, group, message_mb,
                        node_size)
     _check_same_config(state, group)
+    if one_node_native and state.one_node:
+        # hierarchical inside one node compresses nothing: leave DDP's own C++ allreduce in place, which no
+        # Python hook can match (state.stats then counts nothing).
+        log.info("lowbit.ddp: algorithm='hierarchical' with all %d ranks in one node (node_size=%s): nothing "
+                 "crosses nodes, so DDP's own fp32 allreduce stays and no hook is installed",
+                 C.world(group)[1], state.node_size)
+        return state
     ddp_model.register_comm_hook(state, hook)
     return state

@@ -59,6 +59,13 @@ def _body(rank: int, world: int) -> dict:
                               feedback=ef, key=("ef", fb), seed=s)
             acc += t.double()
         out[("ef", fb)] = float((acc / steps - exact).norm() / exact.norm())
+    # one node: nothing is compressed, per-tensor codecs (per-column 1bitSGD) included
+    t = x.clone()
+    st = CommStats()
+    lowbit.all_reduce(t, "onebit:bucket=0", algorithm="hierarchical", op="mean", node_size=4, stats=st)
+    out["one-node-per-tensor"] = (float((t.double() - exact).norm() / exact.norm()), st.bytes_sent,
+                                  bytes_sent_per_rank(get_codec("onebit:bucket=0"), 4097, 4, "hierarchical",
+                                                      rank, node_size=4))
     # a node size that does not divide the group, on every rank alike
     try:
         lowbit.all_reduce(x.clone(), "qsgd:bits=8", algorithm="hierarchical", node_size=3)
@@ -92,6 +99,8 @@ def test_hierarchical_allreduce_on_2_nodes_of_2() -> None:
             # between nodes only the compressed half-tensor: far fewer bytes than the fp32 traffic inside
             assert 0 < inter < 0.5 * (sent - inter), (key, inter, sent)
     assert r0[("ef", True)] < 0.07 and r0[("ef", False)] > 0.3, (r0[("ef", True)], r0[("ef", False)])
+    err, sent, predicted = r0["one-node-per-tensor"]
+    assert err < 1e-6 and sent == predicted > 0
     assert r0["bad"] is not None and "do not split into nodes of 3" in r0["bad"]
 
 
@@ -119,6 +128,38 @@ def test_ddp_hook_hierarchical_keeps_replicas_identical() -> None:
         for a, b in zip(res[0][0], res[r][0]):
             assert torch.equal(a, b)
     assert 0 < res[0][2] < res[0][1]
+
+
+def _one_node_body(rank: int, world: int) -> tuple[list, bool, int, int]:
+    """hierarchical with all ranks in one node installs no hook: DDP's own allreduce, bit for bit."""
+    out = []
+    for how in ("plain", "register", "make_state"):  # make_state: a framework installs lowbit.ddp.hook itself
+        torch.manual_seed(0)
+        model = DDP(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10)), bucket_cap_mb=0.01)
+        if how == "register":
+            state = lowbit.ddp.register(model, codec="onebit:bucket=64", algorithm="hierarchical", node_size=4)
+        elif how == "make_state":
+            hooked = lowbit.ddp.make_state(model.module, codec="onebit:bucket=64", algorithm="hierarchical",
+                                           node_size=4, start_iter=0)
+            model.register_comm_hook(hooked, lowbit.ddp.hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(4):
+            x = torch.randn(16, 32, generator=g)
+            y = torch.randint(0, 10, (16,), generator=g)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        out.append([p.detach().clone() for p in model.parameters()])
+    return out, state.one_node, state.stats.calls, state.iter, hooked.stats.bytes_inter
+
+
+def test_ddp_hierarchical_in_one_node_is_plain_ddp() -> None:
+    for (plain, ours, hooked), one_node, calls, it, inter in spawn(_one_node_body, 4, backend="gloo"):
+        assert one_node and calls == 0 and it == 0 and inter == 0
+        for a, b, c in zip(plain, ours, hooked):
+            assert torch.equal(a, b)
+            assert torch.allclose(a, c, rtol=1e-6, atol=1e-7)  # the hook's fp32 mean: the same sums
 
 
 def test_hierarchical_needs_a_node_size(monkeypatch: pytest.MonkeyPatch) -> None:

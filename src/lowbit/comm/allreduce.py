@@ -215,6 +215,15 @@ def start(
     """
     rank, k = C.world(group) if world is None else world
     out = x if out is None else out
+    if algorithm == "hierarchical" and k > 1:
+        from lowbit.comm.hierarchical import node_size_for
+
+        if node_size_for(group, node_size) == k:
+            # One node: nothing crosses a slow link, so nothing is compressed (per-tensor codecs included):
+            # one native fp32 allreduce, which NCCL runs best inside a node.
+            if stats is not None:
+                stats.calls += 1
+            return _native(x, get_codec("fp32"), group, op, k, stats, out, post)
     algorithm = resolve_algorithm(algorithm, codec, k)
     if stats is not None:
         stats.calls += 1
@@ -375,6 +384,8 @@ def bytes_sent_per_rank(codec: Codec, n: int, k: int, algorithm: str, rank: int 
     really send; this is the model's side."""
     if k == 1 or (n == 0 and not exact):
         return 0
+    if algorithm == "hierarchical" and node_size is not None and node_size >= k:
+        return int(2 * (k - 1) * (n + exact) * 4 // k)  # one node: the native fp32 allreduce (see start)
     algorithm = resolve_algorithm(algorithm, codec, k)
     if algorithm == "hierarchical":
         from lowbit.comm.hierarchical import bytes_hierarchical

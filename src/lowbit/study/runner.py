@@ -219,6 +219,7 @@ def train_run(
             algorithm=run.algorithm if run.algorithm != "none" else "scatter_gather",
             error_feedback=run.error_feedback, start_iter=run.start_iter, seed=run.seed,
             node_size=world // run.nodes if run.algorithm == "hierarchical" else None,
+            one_node_native=False,  # hierarchical in one node: keep the hook, so its bytes and times are measured
         )
         # The study reports the encode / communicate / decode split (on CUDA this synchronises the
         # device around each phase, as a profiler does; training outside the study never pays it).
