@@ -57,12 +57,14 @@ def _ddp_body(rank: int, world: int) -> list:
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
     out = []
-    for spec, cap, mb in [("qsgd:bits=4,bucket=512", 25.0, 64.0), ("onebit:bucket=64", 0.1, 0.3)]:
+    for spec, cap, mb, algorithm in [("qsgd:bits=4,bucket=512", 25.0, 64.0, "hierarchical"),
+                                     ("onebit:bucket=64", 0.1, 0.3, "hierarchical"),
+                                     ("qsgd:bits=4,bucket=512", 0.1, 0.3, "scatter_gather")]:
         torch.manual_seed(0)
         net = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(),
                             nn.Linear(256, 10)).to(dev)
         model = DDP(net, device_ids=[rank], bucket_cap_mb=cap)
-        state = lowbit.ddp.register(model, codec=spec, message_mb=mb, algorithm="hierarchical")
+        state = lowbit.ddp.register(model, codec=spec, message_mb=mb, algorithm=algorithm)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         g = torch.Generator(device=dev).manual_seed(rank)
         for _ in range(8):
@@ -72,19 +74,21 @@ def _ddp_body(rank: int, world: int) -> list:
             opt.zero_grad()
             loss.backward()
             out.append([p.grad.detach().cpu() for p in model.parameters()])
+            assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()), (spec, algorithm)
             opt.step()
-        out.append((spec, state.stats.bytes_inter, [p.detach().cpu() for p in model.parameters()]))
+        out.append((spec, state.stats.bytes_inter if algorithm == "hierarchical" else state.stats.bytes_sent,
+                    [p.detach().cpu() for p in model.parameters()]))
     return out
 
 
 @needs_4_gpus
-def test_hierarchical_ddp_hook_keeps_ranks_identical_on_emulated_nodes(monkeypatch) -> None:
+def test_ddp_hook_keeps_ranks_identical_on_emulated_nodes(monkeypatch) -> None:
     monkeypatch.setenv("NCCL_IB_DISABLE", "1")
     res = spawn(_ddp_body, 4, backend="nccl", node_size=2)
     for step in range(len(res[0])):
         a = res[0][step]
         if isinstance(a, tuple):
-            assert a[1] > 0, a[0]  # something crossed between the nodes
+            assert a[1] > 0, a[0]  # something crossed between the nodes (hierarchical), or was sent
             a = a[2]
         for r in res[1:]:
             b = r[step][2] if isinstance(r[step], tuple) else r[step]

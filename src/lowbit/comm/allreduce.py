@@ -522,7 +522,10 @@ def _scatter_gather(comp, codec, group, op, rank, k, residual, seed, stats, out,
         with torch.cuda.stream(side):
             work1.wait()  # type: ignore[union-attr]  # a stream wait on NCCL, not a host wait
             stamp1()
-            for t in (comp, recv):
+            # send too: wait() lets NCCL drop its hold on the buffers as if this (side) stream were
+            # theirs; send was made on the caller's stream, which would reuse its memory while the
+            # all-to-all may still read it (NaN losses on 4 GPUs before this line).
+            for t in (comp, recv, send):
                 _keep(t)
             if residual is not None:
                 _keep(residual)

@@ -443,12 +443,15 @@ def _qsgd_dec_one(pp, cp, pid, n, nb, bucket, nbytes, BUCKET: tl.constexpr, ROWS
     if FUSED:
         rows = pid * ROWS + tl.arange(0, ROWS)
         sc = _ld(sp + rows, rows < nb, 0.0, MASKED)
-        v = _cap((tl.reshape(c, (ROWS, BUCKET)).to(tl.float32) - S) * _step(sc, S, INV)[:, None],
-                 tl.abs(sc)[:, None])
+        v = (tl.reshape(c, (ROWS, BUCKET)).to(tl.float32) - S) * _step(sc, S, INV)[:, None]
+        if tl.max(tl.abs(v)) == float("inf"):  # a tile with an overflow (rare): reference.cap_to_scale
+            v = _cap(v, tl.abs(sc)[:, None])
     else:
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         sc = _ld(sp + offs // bucket, offs < n, 0.0, MASKED)
-        v = _cap((c.to(tl.float32) - S) * _step(sc, S, INV), tl.abs(sc))
+        v = (c.to(tl.float32) - S) * _step(sc, S, INV)
+        if tl.max(tl.abs(v)) == float("inf"):
+            v = _cap(v, tl.abs(sc))
     return v
 
 
