@@ -437,8 +437,9 @@ def _step(scale, S: tl.constexpr, INV: tl.constexpr):
 @triton.jit
 def _qsgd_dec_one(pp, cp, pid, n, nb, bucket, nbytes, BUCKET: tl.constexpr, ROWS: tl.constexpr,
                   FUSED: tl.constexpr, BITS: tl.constexpr, S: tl.constexpr, INV: tl.constexpr,
-                  MASKED: tl.constexpr):
-    """Decoded values of one payload for this program's tile."""
+                  MASKED: tl.constexpr, CAP: tl.constexpr):
+    """Decoded values of one payload for this program's tile, and the |scale| of each row (FUSED) or
+    element. CAP: apply reference.cap_to_scale (needed only where some |scale| > F32_HALF_MAX)."""
     BLOCK: tl.constexpr = ROWS * BUCKET
     sp = pp.to(tl.pointer_type(tl.float32))  # the payload starts with the scales
     c = _load_codes(cp, pid * BLOCK, nbytes, n, BLOCK, BITS, MASKED)
@@ -446,17 +447,33 @@ def _qsgd_dec_one(pp, cp, pid, n, nb, bucket, nbytes, BUCKET: tl.constexpr, ROWS
         rows = pid * ROWS + tl.arange(0, ROWS)
         sc = _ld(sp + rows, rows < nb, 0.0, MASKED)
         v = (tl.reshape(c, (ROWS, BUCKET)).to(tl.float32) - S) * _step(sc, S, INV)[:, None]
-        # reference.cap_to_scale, only in a tile whose scales could overflow (rare; a check of ROWS
-        # scales, not of the tile: the common path costs next to nothing)
-        if tl.max(tl.abs(sc)) > F32_HALF_MAX:
+        if CAP:
             v = _cap(v, tl.abs(sc)[:, None])
     else:
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         sc = _ld(sp + offs // bucket, offs < n, 0.0, MASKED)
         v = (c.to(tl.float32) - S) * _step(sc, S, INV)
-        if tl.max(tl.abs(sc)) > F32_HALF_MAX:
+        if CAP:
             v = _cap(v, tl.abs(sc))
-    return v
+    return v, tl.abs(sc)
+
+
+@triton.jit
+def _qsgd_dec_sum(out_ptr, offs, inb, n, nb, bucket, nbytes, pid, ps, K: tl.constexpr, ACC: tl.constexpr,
+                  FUSED: tl.constexpr, BUCKET: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr,
+                  S: tl.constexpr, INV: tl.constexpr, MASKED: tl.constexpr, CAP: tl.constexpr):
+    """[out +] dec(p0) + ... + dec(p_{K-1}) for the tile, left to right; the largest |scale| seen
+    (per row or element)."""
+    acc, big = _qsgd_dec_one(ps[0], ps[1], pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED,
+                             CAP)
+    if ACC:
+        acc = _ld(out_ptr + offs, inb, 0.0, MASKED) + acc
+    for k in tl.static_range(1, K):
+        v, a = _qsgd_dec_one(ps[2 * k], ps[2 * k + 1], pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S,
+                             INV, MASKED, CAP)
+        acc = acc + v
+        big = tl.maximum(big, a)
+    return acc, big
 
 
 @triton.jit
@@ -482,12 +499,14 @@ def _qsgd_decode_body(out_ptr, n, nb, bucket, nbytes, pid, ps,
     else:
         offs = pid * (ROWS * BUCKET) + tl.arange(0, ROWS * BUCKET)
     inb = offs < n
-    acc = _qsgd_dec_one(ps[0], ps[1], pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED, BITS, S, INV, MASKED)
-    if ACC:
-        acc = _ld(out_ptr + offs, inb, 0.0, MASKED) + acc
-    for k in tl.static_range(1, K):
-        acc = acc + _qsgd_dec_one(ps[2 * k], ps[2 * k + 1], pid, n, nb, bucket, nbytes, BUCKET, ROWS, FUSED,
-                                  BITS, S, INV, MASKED)
+    acc, big = _qsgd_dec_sum(out_ptr, offs, inb, n, nb, bucket, nbytes, pid, ps, K, ACC, FUSED, BUCKET, ROWS,
+                             BITS, S, INV, MASKED, False)
+    # Only where some |scale| exceeds half float32's max can a decoded value overflow: such a tile (rare)
+    # is decoded again with reference.cap_to_scale. One check per tile after all K payloads, so the
+    # common path stays straight-line code (a branch per payload cost decode-and-sum half its speed).
+    if tl.max(big) > F32_HALF_MAX:
+        acc, big = _qsgd_dec_sum(out_ptr, offs, inb, n, nb, bucket, nbytes, pid, ps, K, ACC, FUSED, BUCKET, ROWS,
+                                 BITS, S, INV, MASKED, True)
     if DIV != 1.0:
         acc = _step(acc, DIV, DINV)
     _st(out_ptr + offs, acc, inb, MASKED)
