@@ -1,0 +1,239 @@
+"""Compressed all-gather and reduce-scatter of tensors along one dimension (model parallelism).
+
+Model-parallel layers (:mod:`lowbit.parallel`) move activations and activation gradients, not gradients
+of parameters: every rank's slice of a batch or of a layer's output features is gathered on every rank
+(forward), and the partial gradients every rank holds for a slice are summed on the rank that owns it
+(backward). Both cross in any codec:
+
+* :func:`all_gather` — rank ``r`` encodes its part (``sizes[r]`` entries along ``dim``) once; one
+  all-gather of equal message slots; every rank decodes every part, its own included, so the result is
+  bit-identical on every rank. Bytes a rank sends: ``(K-1) * slot``, ``slot`` the 16-byte-aligned size
+  of the largest part's payload (:func:`bytes_all_gather`).
+* :func:`reduce_scatter` — rank ``r`` encodes its copy of each other rank's part, one all-to-all, and
+  sums (in rank order, float32) the ``K-1`` decoded copies of its own part plus its own exact copy.
+  Bytes a rank sends: the payload slots of the other ranks' parts (:func:`bytes_reduce_scatter`).
+
+Per-tensor codecs (Dettmers' types with one scale per tensor, ``bucket=0``, the default of model
+parallelism in the paper) encode each part as a tensor of its own shape. Both calls are issued now, in
+program order, and return a future when ``async_op=True``: :mod:`lowbit.parallel` issues the transfer
+of sub-batch ``i+1`` before it computes on sub-batch ``i``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from lowbit.codecs.base import Codec, get_codec
+from lowbit.comm import collectives as C
+from lowbit.comm.allreduce import CommStats, _keep, _slot
+
+__all__ = ["all_gather", "reduce_scatter", "part_sizes", "bytes_all_gather", "bytes_reduce_scatter"]
+
+
+def part_sizes(total: int, k: int) -> list[int]:
+    """``total`` entries split over ``k`` ranks, the first ``total % k`` one larger (as torch.chunk would
+    not: it can leave ranks empty)."""
+    return [total // k + (1 if i < total % k else 0) for i in range(k)]
+
+
+def _shape(shape: Sequence[int], dim: int, size: int) -> tuple[int, ...]:
+    s = list(shape)
+    s[dim] = size
+    return tuple(s)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _codec_shape(codec: Codec, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    return shape if codec.per_tensor else None
+
+
+def _check(x: torch.Tensor, codec: Codec | str, group: dist.ProcessGroup | None, dim: int,
+           sizes: Sequence[int] | None, what: str) -> tuple[Codec, int, int, int, list[int]]:
+    codec = get_codec(codec) if isinstance(codec, str) else codec
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise ValueError(f"lowbit.comm.gather.{what}: expected a floating-point tensor, got "
+                         f"{getattr(x, 'dtype', type(x).__name__)}")
+    if x.dim() == 0:
+        raise ValueError(f"lowbit.comm.gather.{what}: a 0-d tensor has no dimension to split")
+    d = dim % x.dim()
+    rank, k = C.world(group)
+    if sizes is None:
+        sizes = [x.shape[d]] * k if what == "all_gather" else part_sizes(x.shape[d], k)
+    sizes = [int(s) for s in sizes]
+    if len(sizes) != k or any(s < 0 for s in sizes):
+        raise ValueError(f"lowbit.comm.gather.{what}: sizes must give one non-negative size per rank "
+                         f"({k}), got {sizes}")
+    if what == "all_gather" and x.shape[d] != sizes[rank]:
+        raise ValueError(f"lowbit.comm.gather.all_gather: rank {rank}'s part has {x.shape[d]} entries along "
+                         f"dim {d}, but sizes says {sizes[rank]}")
+    if what == "reduce_scatter" and x.shape[d] != sum(sizes):
+        raise ValueError(f"lowbit.comm.gather.reduce_scatter: the tensor has {x.shape[d]} entries along dim "
+                         f"{d}, sizes add up to {sum(sizes)}")
+    return codec, d, rank, k, sizes
+
+
+def bytes_all_gather(codec: Codec | str, shape: Sequence[int], dim: int, sizes: Sequence[int]) -> int:
+    """Bytes each rank sends in :func:`all_gather` of parts of ``shape`` with ``sizes[r]`` entries along
+    ``dim``: ``(K-1)`` equal slots of the largest part's payload."""
+    codec = get_codec(codec) if isinstance(codec, str) else codec
+    k = len(sizes)
+    if k <= 1:
+        return 0
+    d = dim % len(shape)
+    slot = max(_slot(codec, _numel(_shape(shape, d, s)), _codec_shape(codec, _shape(shape, d, s)))[1]
+               for s in sizes)
+    return (k - 1) * slot
+
+
+def bytes_reduce_scatter(codec: Codec | str, shape: Sequence[int], dim: int, sizes: Sequence[int],
+                         rank: int) -> int:
+    """Bytes rank ``rank`` sends in :func:`reduce_scatter` of a tensor of ``shape`` whose parts along
+    ``dim`` have ``sizes``: one payload slot for every other rank's part."""
+    codec = get_codec(codec) if isinstance(codec, str) else codec
+    d = dim % len(shape)
+    return sum(_slot(codec, _numel(_shape(shape, d, s)), _codec_shape(codec, _shape(shape, d, s)))[1]
+               for r, s in enumerate(sizes) if r != rank)
+
+
+def _encode(codec: Codec, part: torch.Tensor, seed: int) -> torch.Tensor:
+    part = part.to(torch.float32).contiguous()
+    return codec.encode(part if codec.per_tensor else part.reshape(-1), seed=seed)
+
+
+def _decode_into(codec: Codec, payload: torch.Tensor, dst: torch.Tensor) -> None:
+    """Decode ``payload`` into the view ``dst`` (any layout and float dtype)."""
+    shape = _codec_shape(codec, tuple(dst.shape))
+    n = dst.numel()
+    if dst.is_contiguous() and dst.dtype == torch.float32:
+        codec.decode(payload, n, out=dst.view(-1), shape=shape)
+    else:
+        dst.copy_(codec.decode(payload, n, shape=shape).view(dst.shape))
+
+
+def all_gather(
+    x: torch.Tensor,
+    codec: Codec | str = "dettmers:type=dynamic,bucket=0",
+    group: dist.ProcessGroup | None = None,
+    dim: int = 0,
+    sizes: Sequence[int] | None = None,
+    *,
+    seed: int = 0,
+    stats: CommStats | None = None,
+    async_op: bool = False,
+) -> torch.Tensor | torch.futures.Future:
+    """Concatenate every rank's ``x`` along ``dim``, each part crossing in ``codec``'s precision.
+
+    ``sizes[r]``: rank ``r``'s entries along ``dim`` (default: all equal to this rank's); the other
+    dimensions must agree. Every rank decodes every part (its own too): the result is bit-identical on
+    every rank, in ``x``'s dtype. ``async_op=True`` returns a future of the result.
+    """
+    codec, d, rank, k, sizes = _check(x, codec, group, dim, sizes, "all_gather")
+    shapes = [_shape(x.shape, d, s) for s in sizes]
+    slots = [_slot(codec, _numel(s), _codec_shape(codec, s)) for s in shapes]
+    width = max(size for _, size in slots)
+    lead, _ = slots[rank]
+    payload = _encode(codec, x, seed * 7_919 + rank) if x.numel() else torch.empty(0, dtype=torch.uint8,
+                                                                                      device=x.device)
+    send = torch.zeros(width, dtype=torch.uint8, device=x.device)
+    send[lead : lead + payload.numel()].copy_(payload)
+    out = torch.empty(_shape(x.shape, d, sum(sizes)), dtype=x.dtype, device=x.device)
+    if k == 1:
+        _decode_into(codec, payload, out)
+        return C.done(out, x.device) if async_op else out
+    recv = torch.empty(k * width, dtype=torch.uint8, device=x.device)
+    work = C.all_gather_async(recv, send, group)
+    if stats is not None:
+        stats.calls += 1
+        stats.bytes_sent += (k - 1) * width
+
+    def finish() -> torch.Tensor:
+        _keep(recv)
+        _keep(out)
+        at = 0
+        for r, (s, (ld, _)) in enumerate(zip(sizes, slots)):
+            if s:
+                nb = codec.nbytes(_numel(shapes[r]), _codec_shape(codec, shapes[r]))
+                _decode_into(codec, recv[r * width + ld : r * width + ld + nb], out.narrow(d, at, s))
+            at += s
+        return out
+
+    fut = C.then(work, finish, "all_gather_into_tensor", group)
+    if async_op:
+        return fut
+    return C.wait(fut, "all_gather_into_tensor", group)  # type: ignore[return-value]
+
+
+def reduce_scatter(
+    x: torch.Tensor,
+    codec: Codec | str = "dettmers:type=dynamic,bucket=0",
+    group: dist.ProcessGroup | None = None,
+    dim: int = 0,
+    sizes: Sequence[int] | None = None,
+    *,
+    seed: int = 0,
+    stats: CommStats | None = None,
+    async_op: bool = False,
+) -> torch.Tensor | torch.futures.Future:
+    """This rank's part (along ``dim``) of the sum over ranks of ``x``, the other ranks' copies crossing
+    in ``codec``'s precision (this rank's own copy is added exactly).
+
+    ``sizes[r]``: the entries along ``dim`` rank ``r`` owns (default :func:`part_sizes`); they must add
+    up to ``x.shape[dim]``. The sum runs in rank order in float32; the result has ``x``'s dtype.
+    """
+    codec, d, rank, k, sizes = _check(x, codec, group, dim, sizes, "reduce_scatter")
+    starts = [sum(sizes[:r]) for r in range(k)]
+    shapes = [_shape(x.shape, d, s) for s in sizes]
+    slots = [_slot(codec, _numel(s), _codec_shape(codec, s)) for s in shapes]
+    own = x.narrow(d, starts[rank], sizes[rank]).to(torch.float32)
+    if k == 1:
+        res = own.contiguous().to(x.dtype)
+        return C.done(res, x.device) if async_op else res
+    pieces = []
+    for r in range(k):
+        if r == rank:
+            continue
+        ld, size = slots[r]
+        if ld:
+            pieces.append(torch.zeros(ld, dtype=torch.uint8, device=x.device))
+        p = _encode(codec, x.narrow(d, starts[r], sizes[r]), seed * 7_919 + rank * 104_729 + r) if sizes[r] else \
+            torch.empty(0, dtype=torch.uint8, device=x.device)
+        pieces.append(p)
+        if size - ld - p.numel():
+            pieces.append(torch.zeros(size - ld - p.numel(), dtype=torch.uint8, device=x.device))
+    send = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=x.device)
+    mine_lead, mine_slot = slots[rank]
+    send_splits = [0 if r == rank else slots[r][1] for r in range(k)]
+    recv_splits = [0 if r == rank else mine_slot for r in range(k)]
+    recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=x.device)
+    work = C.all_to_all_async(recv, send, send_splits, recv_splits, group)
+    if stats is not None:
+        stats.calls += 1
+        stats.bytes_sent += sum(send_splits)
+    own = own.contiguous()
+
+    def finish() -> torch.Tensor:
+        _keep(recv)
+        _keep(send)
+        _keep(own)
+        n = own.numel()
+        total = torch.zeros(n, dtype=torch.float32, device=x.device)
+        if n:
+            nb = codec.nbytes(n, _codec_shape(codec, shapes[rank]))
+            payloads = [recv[j * mine_slot + mine_lead : j * mine_slot + mine_lead + nb] for j in range(k - 1)]
+            codec.decode_sum(payloads, n, out=total, shape=_codec_shape(codec, shapes[rank]))
+            total.add_(own.view(-1))
+        return total.view(shapes[rank]).to(x.dtype)
+
+    fut = C.then(work, finish, "all_to_all_single", group)
+    if async_op:
+        return fut
+    return C.wait(fut, "all_to_all_single", group)  # type: ignore[return-value]

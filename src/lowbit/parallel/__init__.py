@@ -1,0 +1,25 @@
+"""Model parallelism with low-precision activations (Dettmers 2016, section 3).
+
+* :class:`ColumnParallelLinear`, :func:`parallelize`: linear layers whose output features are split over
+  the ranks; activations gathered forward and activation gradients summed backward in any lowbit codec
+  (default Dettmers' dynamic tree 8-bit, one scale per tensor).
+* :class:`Hybrid`: convolutions data-parallel, fully connected layers model-parallel, the activations
+  between them in sub-batches whose transfers overlap the compute of the previous one.
+
+The collectives underneath are :func:`lowbit.comm.gather.all_gather` and
+:func:`lowbit.comm.gather.reduce_scatter`. docs/parallel.md shows both in use.
+"""
+
+from lowbit.parallel.hybrid import Hybrid
+from lowbit.parallel.layers import (
+    DEFAULT_CODEC,
+    ColumnParallelLinear,
+    ParallelComm,
+    SharedDropout,
+    copy_to_parallel,
+    gather_features,
+    parallelize,
+)
+
+__all__ = ["DEFAULT_CODEC", "ColumnParallelLinear", "Hybrid", "ParallelComm", "SharedDropout", "copy_to_parallel",
+           "gather_features", "parallelize"]
