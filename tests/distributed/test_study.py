@@ -279,3 +279,40 @@ def test_report_logic_on_made_up_rows(tmp_path: Path) -> None:
     names = {p.name for p in index.parent.glob("*.png")}
     assert {"fig12_15_scalability.png", "fig16_speedup_ratio.png", "fig16_price_accuracy.png"} <= names
     assert "SYNTHETIC" in html and "[seed 555.0]" in html   # ResNet-110, 32bit, 2 GPUs, Figure 10
+
+
+def test_study_with_model_and_hybrid_parallelism(tmp_path: Path, capsys) -> None:
+    """--parallelism data model hybrid: mlp splits model-parallel, small_cnn hybrid (2 sub-batches); rows
+    say which, count the activations' bytes, and the report labels them."""
+    out = tmp_path / "res"
+    args = ["study", "--preset", "smoke", "--no-progress", "--out", str(out), "--networks", "mlp", "small_cnn",
+            "--codecs", "fp32", "dettmers:type=dynamic,bucket=0", "--parallelism", "data", "model", "hybrid",
+            "--sub-batches", "2", "--epochs", "2"]
+    assert main([*args, "--dry-run"]) == 0
+    listing = capsys.readouterr().out
+    assert listing.count(" model ") == 2 and listing.count(" hybrid/2 ") == 2  # mlp: model; small_cnn: hybrid
+    assert main(args) == 0
+    runs = {(r["config"]["network"], r["config"]["codec"].split(",")[0], r["config"]["parallelism"]): r
+            for r in _rows(out, "run")}
+    assert len(runs) == 8
+    for (net, codec, par), r in runs.items():
+        s = r["summary"]
+        assert 0 <= s["final_test_acc"] <= 1 and not s["diverged"], (net, codec, par)
+        assert s["bytes_per_step_per_rank"] > 0, (net, codec, par)
+        assert r["config"]["sub_batches"] == (2 if par == "hybrid" else 1)
+    # the activations' codec shrinks what crosses in model parallelism (8 bits vs fp32)
+    m32 = runs[("mlp", "fp32", "model")]["summary"]["bytes_per_step_per_rank"]
+    m8 = runs[("mlp", "dettmers:type=dynamic", "model")]["summary"]["bytes_per_step_per_rank"]
+    assert m8 < 0.3 * m32
+    # model parallelism trains as well as data parallelism here (same global batch, same recipe)
+    assert abs(runs[("mlp", "fp32", "model")]["summary"]["final_test_acc"]
+               - runs[("mlp", "fp32", "data")]["summary"]["final_test_acc"]) < 0.1
+    html = (out / "report" / "index.html").read_text()
+    assert "[model]" in html and "[hybrid, 2 sub-batches]" in html
+    # a data-parallel run keeps the key it had before parallelism existed
+    from lowbit.study.config import RunConfig
+
+    one = runs[("mlp", "fp32", "data")]
+    cfg = dict(one["config"])
+    cfg.pop("parallelism"), cfg.pop("sub_batches")
+    assert RunConfig.from_dict(cfg).key() == one["key"]

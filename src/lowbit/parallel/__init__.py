@@ -20,6 +20,7 @@ from lowbit.parallel.layers import (
     gather_features,
     parallelize,
 )
+from lowbit.parallel.split import PARALLELISMS, check_splits, hybrid_parts, model_parallel_chain
 
-__all__ = ["DEFAULT_CODEC", "ColumnParallelLinear", "Hybrid", "ParallelComm", "SharedDropout", "copy_to_parallel",
-           "gather_features", "parallelize"]
+__all__ = ["DEFAULT_CODEC", "PARALLELISMS", "ColumnParallelLinear", "Hybrid", "ParallelComm", "SharedDropout",
+           "check_splits", "copy_to_parallel", "gather_features", "hybrid_parts", "model_parallel_chain", "parallelize"]

@@ -55,6 +55,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "algorithms": _csv_or_list(args.algorithms),
         "world_sizes": _ints(args.world_sizes, "world-sizes"),
         "nodes": _ints(args.emulate_nodes, "emulate-nodes"),
+        "parallelism": _csv_or_list(args.parallelism),
+        "sub_batches": args.sub_batches,
         "backends": _csv_or_list(args.backend),
         "batch_sizes": _batches(args.batch_sizes),
         "epochs": args.epochs,
@@ -160,6 +162,10 @@ def register(sub: Any) -> None:
     p.add_argument("--emulate-nodes", nargs="+", metavar="N",
                    help="also split each world size into N emulated nodes on this host (NCCL_HOSTID per node, "
                         "sockets between them; e.g. --emulate-nodes 1 2); docs/multinode.md")
+    p.add_argument("--parallelism", nargs="+", metavar="P",
+                   help="data | model | hybrid (Dettmers: the codec also carries activations; model splits mlp, "
+                        "hybrid alexnet, vgg*, small_cnn); docs/parallel.md")
+    p.add_argument("--sub-batches", type=int, metavar="S", help="hybrid runs: sub-batches (default 1)")
     p.add_argument("--backend", nargs="+", metavar="BACKEND", help="gloo | nccl | mpi")
     p.add_argument("--batch-sizes", nargs="+", metavar="B", help="per worker: 32, fig4, fig4:resnet110, global:256")
     p.add_argument("--epochs", type=int)

@@ -11,6 +11,7 @@ seeds, every point trained for ``epochs`` epochs. Example (every key is optional
     algorithms = ["scatter_gather"]     # for quantised codecs; fp32/fp16/bf16 always use the native allreduce
     world_sizes = [1, 2]
     nodes = [1]                         # [1, 2]: each world size also as 2 emulated nodes (docs/multinode.md)
+    parallelism = ["data"]              # data | model | hybrid (Dettmers: docs/parallel.md); sub_batches = 1
     backends = ["gloo"]                 # gloo | nccl | mpi
     batch_sizes = [32]                  # PER WORKER; or "fig4", "fig4:resnet110", "global:256" (see below)
     epochs = 4
@@ -38,6 +39,7 @@ Every error names the key (and value) at fault and is raised before any run star
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -52,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from lowbit.codecs.base import Codec, get_codec
+from lowbit.parallel.split import PARALLELISMS, check_splits
 from lowbit.study import seed_data
 
 __all__ = [
@@ -79,7 +82,7 @@ OPTIMIZERS = ("sgd", "rmsprop", "adam")
 PRESETS = ("default", "seeds", "throughput", "smoke")
 
 _LIST_KEYS = ("networks", "datasets", "codecs", "algorithms", "world_sizes", "backends", "batch_sizes", "seeds",
-              "nodes", "policies")
+              "nodes", "policies", "parallelism")
 _POLICY_KEYS = ("by_type", "by_name")
 
 
@@ -107,6 +110,10 @@ class StudyConfig:
     algorithms: tuple[str, ...] = ("scatter_gather",)
     world_sizes: tuple[int, ...] = (1, 2)
     nodes: tuple[int, ...] = (1,)  # (emulated) nodes the ranks are split into: docs/multinode.md
+    # data: DDP with lowbit's hook; model: every linear layer split over the ranks, activations in the
+    # codec; hybrid: features data-parallel, classifier model-parallel (docs/parallel.md)
+    parallelism: tuple[str, ...] = ("data",)
+    sub_batches: int = 1           # hybrid runs: sub-batches whose transfers overlap compute
     # per-layer overrides of the run's codec ({} = none): {by_type = {Conv2d = "fp32"}}, {by_name = {...}}
     policies: tuple[Mapping[str, Mapping[str, str]], ...] = ({},)
     backends: tuple[str, ...] = ("gloo",)
@@ -158,6 +165,8 @@ class StudyConfig:
             _check_int("world_sizes", ws, 1)
         for nn in self.nodes:
             _check_int("nodes", nn, 1)
+        _check_names("parallelism", self.parallelism, PARALLELISMS, "parallelism")
+        _check_int("sub_batches", self.sub_batches, 1)
         canon_pol = []
         for pol in self.policies:
             canon_pol.append(_check_policy(pol))
@@ -402,6 +411,8 @@ class RunConfig:
     dataset_args: Mapping[str, Any]
     batch_preset: str = ""  # how the batch size was chosen ("fig4", ...): a label, not part of the key
     nodes: int = 1          # emulated nodes (world_size / nodes ranks each); in the key only when > 1
+    parallelism: str = "data"  # data | model | hybrid; in the key only when not "data"
+    sub_batches: int = 1       # hybrid only; in the key only when > 1
     policy: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # per-layer overrides; in the key if any
 
     def to_dict(self) -> dict[str, Any]:
@@ -422,6 +433,10 @@ class RunConfig:
         d.pop("batch_preset")
         if d["nodes"] == 1:
             d.pop("nodes")  # the keys of runs made before emulated nodes existed stay the same
+        if d["parallelism"] == "data":
+            d.pop("parallelism")  # likewise for runs made before model parallelism existed
+        if d["sub_batches"] == 1:
+            d.pop("sub_batches")
         if not d["policy"]:
             d.pop("policy")  # likewise for runs without per-layer overrides
         d["schema"] = SCHEMA
@@ -434,7 +449,9 @@ class RunConfig:
 
     def describe(self) -> str:
         return (f"{self.network:<10} {self.dataset:<9} K={self.world_size}"
-                + (f" ({self.nodes} nodes)" if self.nodes > 1 else "") + f" {self.backend:<5} "
+                + (f" ({self.nodes} nodes)" if self.nodes > 1 else "")
+                + (f" {self.parallelism}" + (f"/{self.sub_batches}" if self.sub_batches > 1 else "")
+                   if self.parallelism != "data" else "") + f" {self.backend:<5} "
                 f"b={self.batch_size:<4} {self.codec_label:<22} {self.algorithm:<14} "
                 f"seed={self.seed} epochs={self.epochs}")
 
@@ -452,6 +469,24 @@ def _feedback(cfg: StudyConfig, codec: Codec) -> bool:
     return bool(cfg.error_feedback)
 
 
+@functools.lru_cache(maxsize=None)
+def _splits(network: str, parallelism: str) -> bool:
+    """Whether ``network`` runs under ``parallelism`` (built once on the meta device)."""
+    if parallelism == "data":
+        return True
+    import torch
+
+    from lowbit.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(network)
+    try:
+        check_splits(model, parallelism)
+    except ValueError:
+        return False
+    return True
+
+
 def expand_runs(cfg: StudyConfig) -> list[RunConfig]:
     """The grid's runs, ordered so runs of one (backend, world size, nodes) are contiguous (they share
     workers).
@@ -462,12 +497,14 @@ def expand_runs(cfg: StudyConfig) -> list[RunConfig]:
     """
     runs: list[RunConfig] = []
     seen: set[str] = set()
-    for backend, ws, nodes, seed, dataset, network, batch, spec, policy, algorithm in itertools.product(
+    for backend, ws, nodes, seed, dataset, network, batch, spec, policy, algorithm, par in itertools.product(
         cfg.backends, sorted(cfg.world_sizes), sorted(cfg.nodes), cfg.seeds, cfg.datasets, cfg.networks,
-        cfg.batch_sizes, cfg.codecs, cfg.policies, cfg.algorithms,
+        cfg.batch_sizes, cfg.codecs, cfg.policies, cfg.algorithms, cfg.parallelism,
     ):
         if ws % nodes:  # (one rank is one node)
             continue
+        if par != "data" and (ws == 1 or not _splits(network, par) or policy):
+            continue  # one worker is data parallelism's baseline; networks that do not split are skipped
         codec = get_codec(spec)
         # overrides equal to the run's codec change nothing: drop them (one run, one key)
         policy = {k: {n: c for n, c in t.items() if c != codec.spec} for k, t in policy.items()}
@@ -494,9 +531,12 @@ def expand_runs(cfg: StudyConfig) -> list[RunConfig]:
         except ValueError as exc:
             raise ValueError(f"study config: 'batch_sizes': {exc}") from None
         device = cfg.device if cfg.device != "auto" else ("cuda" if backend == "nccl" else "cpu")
+        if par == "model":
+            eff = "none"  # no parameter gradient crosses: the codec carries activations and their gradients
         run = RunConfig(
             network=network, dataset=dataset, codec=codec.spec, algorithm=eff,
-            error_feedback=_feedback(cfg, codec) if ws > 1 or cfg.compress_at_world_size_1 else False,
+            error_feedback=(_feedback(cfg, codec) if (ws > 1 or cfg.compress_at_world_size_1) and par != "model"
+                            else False),  # (activations take no error feedback)
             world_size=ws, backend=backend, device=device, batch_size=per_worker, epochs=cfg.epochs,
             seed=seed, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
             lr_schedule=cfg.lr_schedule, optimizer=cfg.optimizer, threads_per_worker=cfg.threads_per_worker,
@@ -507,6 +547,8 @@ def expand_runs(cfg: StudyConfig) -> list[RunConfig]:
             batch_preset=batch if isinstance(batch, str) else "",
             nodes=nodes,
             policy=dict(policy) if ws > 1 or cfg.compress_at_world_size_1 else {},
+            parallelism=par,
+            sub_batches=cfg.sub_batches if par == "hybrid" else 1,
         )
         k = run.key()
         if k not in seen:
@@ -516,6 +558,9 @@ def expand_runs(cfg: StudyConfig) -> list[RunConfig]:
         why = []
         if not any(ws % n == 0 for ws in cfg.world_sizes for n in cfg.nodes):
             why.append(f"no world size in {sorted(cfg.world_sizes)} splits into nodes {sorted(cfg.nodes)}")
+        if set(cfg.parallelism) - {"data"} and not any(_splits(n, p) for n in cfg.networks for p in cfg.parallelism):
+            why.append(f"no network in {list(cfg.networks)} splits for parallelism {list(cfg.parallelism)} "
+                       "(model: mlp; hybrid: alexnet, vgg*, small_cnn)")
         if set(cfg.world_sizes) == {1} and not cfg.compress_at_world_size_1:
             why.append("at world size 1 only fp32 runs (compress_at_world_size_1 is false)")
         raise ValueError("study config: the grid has no runs" + (": " + "; ".join(why) if why else ""))

@@ -64,10 +64,15 @@ def load_runs(results: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], di
         cfg = dict(row["config"])
         cfg.setdefault("nodes", 1)  # rows from before emulated nodes
         cfg.setdefault("policy", {})  # ... and before per-layer policies
+        cfg.setdefault("parallelism", "data")  # ... and before model parallelism
+        cfg.setdefault("sub_batches", 1)
         r = {**cfg, "key": key, "summary": row.get("summary", {}), "epoch_rows": row.get("epochs", []),
              "labels": row.get("labels", {}), "env": row.get("env", {}), "study": row.get("study", ""),
              "finished": row.get("finished", "")}
         r["label"] = codec_label(cfg["codec"], bool(cfg.get("error_feedback"))) + policy_label(cfg["policy"])
+        if cfg["parallelism"] != "data":  # the codec carries activations too: say which parallelism
+            r["label"] += f" [{cfg['parallelism']}" + (f", {cfg['sub_batches']} sub-batches" if cfg["sub_batches"] > 1
+                                                        else "") + "]"
         r["synthetic"] = bool(r["labels"].get("synthetic"))
         r["bits"] = _bits(cfg["codec"])
         runs.append(r)
@@ -136,7 +141,7 @@ _CONFIG_FIELDS = {
     "network", "dataset", "codec", "algorithm", "error_feedback", "world_size", "backend", "device", "batch_size",
     "epochs", "seed", "lr", "momentum", "weight_decay", "lr_schedule", "optimizer", "threads_per_worker",
     "max_train_samples", "max_test_samples", "max_steps_per_epoch", "start_iter", "model_args", "dataset_args",
-    "nodes", "policy",
+    "nodes", "policy", "parallelism", "sub_batches",
 }
 
 

@@ -209,7 +209,31 @@ def train_run(
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     state = None
     compressed = 0
-    if world > 1:
+    comm = hybrid = None  # model / hybrid parallelism: the activations' ParallelComm, the Hybrid
+    par = run.parallelism
+    if world > 1 and par == "model":
+        # every linear layer split over the ranks; activations and their gradients in the run's codec
+        from lowbit.parallel import ParallelComm, model_parallel_chain, parallelize
+
+        comm = ParallelComm(codec=run.codec)
+        net = parallelize(model_parallel_chain(model), comm, seed=run.seed)
+    elif world > 1 and par == "hybrid":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        from lowbit.parallel import Hybrid, ParallelComm, hybrid_parts
+
+        features, classifier = hybrid_parts(model)
+        fdp = DDP(features, device_ids=[device.index] if cuda else None)
+        state = lowbit.ddp.register(
+            fdp, codec=run.codec, algorithm=run.algorithm if run.algorithm != "none" else "scatter_gather",
+            error_feedback=run.error_feedback, start_iter=run.start_iter, seed=run.seed,
+            node_size=world // run.nodes if run.algorithm == "hierarchical" else None, one_node_native=False)
+        state.stats.timing = True
+        comm = ParallelComm(codec=run.codec)
+        hybrid = net = Hybrid(fdp, classifier, comm, sub_batches=run.sub_batches, seed=run.seed)
+        summary = Policy.coerce(None, run.codec).summary(features)
+        compressed = sum(n for spec, n in summary.items() if not spec.startswith("fp32"))
+    elif world > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         net: nn.Module = DDP(model, device_ids=[device.index] if cuda else None)
@@ -230,13 +254,17 @@ def train_run(
         net = model
     torch.manual_seed(run.seed * 1_000 + rank + 1)   # dropout masks differ across ranks
 
-    loader = ShardedLoader(x_tr, y_tr, batch_size=run.batch_size, rank=rank, world_size=world, seed=run.seed,
-                           shuffle=True, drop_last=True)
+    if comm is not None and hybrid is None:  # model parallelism: every rank takes the same global batch
+        loader = ShardedLoader(x_tr, y_tr, batch_size=run.batch_size * world, rank=0, world_size=1, seed=run.seed,
+                               shuffle=True, drop_last=True)
+    else:
+        loader = ShardedLoader(x_tr, y_tr, batch_size=run.batch_size, rank=rank, world_size=world, seed=run.seed,
+                               shuffle=True, drop_last=True)
     steps = len(loader) if not run.max_steps_per_epoch else min(len(loader), run.max_steps_per_epoch)
     if steps == 0:
         raise ValueError(f"{run.dataset}: {len(x_tr)} training samples make no full batch of {run.batch_size} "
                          f"on each of {world} workers")
-    opt = make_optimizer(run, model.parameters())
+    opt = make_optimizer(run, (net if comm is not None else model).parameters())
     total_steps = steps * run.epochs
     if run.lr_schedule == "cosine":
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.5 * (1 + math.cos(math.pi * min(t, total_steps) / total_steps)))
@@ -245,7 +273,7 @@ def train_run(
 
     gflop = _gflop(run, data, make_model, x_tr) if rank == 0 else None
     env = environment(device, launcher) if rank == 0 else {}
-    clock = TailClock(model.parameters(), cuda)
+    clock = TailClock(model.parameters() if comm is None else [], cuda)  # (exposed time: data parallelism only)
     epochs: list[dict[str, Any]] = []
     attempt = uuid.uuid4().hex[:12]
     key = run.key()
@@ -254,6 +282,7 @@ def train_run(
             t_epoch = time.perf_counter()
             loader.set_epoch(epoch)
             s0 = dataclasses.replace(state.stats) if state is not None else None
+            c0 = dataclasses.replace(comm.stats) if comm is not None else None
             m = dict.fromkeys(_METRIC_FIELDS, 0.0)
             net.train()
             for i, (x, y) in enumerate(loader):
@@ -262,12 +291,17 @@ def train_run(
                 if cuda:
                     torch.cuda.synchronize(device)
                 t0 = time.perf_counter()
-                loss = _loss(net(x), y)
-                opt.zero_grad(set_to_none=True)
-                clock.start()
-                loss.backward()
-                clock.stop()
-                opt.step()
+                if hybrid is not None:  # (zeroes, backward and steps the optimiser itself)
+                    loss = hybrid.train_step(x, y, _loss, opt)
+                else:
+                    loss = _loss(net(x), y)
+                    opt.zero_grad(set_to_none=True)
+                    clock.start()
+                    loss.backward()
+                    clock.stop()
+                    opt.step()
+                    if comm is not None:
+                        comm.step += 1
                 sched.step()
                 if cuda:
                     torch.cuda.synchronize(device)
@@ -276,7 +310,8 @@ def train_run(
                 m["exposed_comm_s"] += clock.tail_s() if world > 1 else 0.0
                 m["loss_sum"] += float(loss.detach())
                 m["steps"] += 1
-                m["samples"] += x.shape[0]
+                # model parallelism: every rank trains the same global batch (count it once)
+                m["samples"] += x.shape[0] / world if comm is not None and hybrid is None else x.shape[0]
             if state is not None and s0 is not None:
                 s1 = state.stats
                 m["encode_s"] = s1.t_encode - s0.t_encode
@@ -284,9 +319,18 @@ def train_run(
                 m["decode_s"] = s1.t_decode - s0.t_decode
                 m["bytes_sent"] = s1.bytes_sent - s0.bytes_sent
                 m["calls"] = s1.calls - s0.calls
+            if comm is not None and c0 is not None:  # the activations' bytes (model / hybrid parallelism)
+                m["bytes_sent"] += comm.stats.bytes_sent - c0.bytes_sent
+                m["calls"] += comm.stats.calls - c0.calls
             g = _mean_over_ranks(m, world, device)
             t_eval = time.perf_counter()
-            test_loss, test_acc, test_top5 = _evaluate(model, x_te, y_te, rank, world, device)
+            if hybrid is not None:  # every rank's rows, in equal numbers (the gathers need them)
+                n_eq = x_te.shape[0] - x_te.shape[0] % world
+                test_loss, test_acc, test_top5 = _evaluate(hybrid, x_te[:n_eq], y_te[:n_eq], rank, world, device)
+            elif comm is not None:  # model parallelism: every rank the whole test set, in step
+                test_loss, test_acc, test_top5 = _evaluate(net, x_te, y_te, 0, 1, device)
+            else:
+                test_loss, test_acc, test_top5 = _evaluate(model, x_te, y_te, rank, world, device)
             eval_s = time.perf_counter() - t_eval
             train_loss = g["loss_sum"] / g["steps_total"] if g["steps_total"] else math.nan
             rec = {
