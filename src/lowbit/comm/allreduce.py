@@ -50,10 +50,13 @@ from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
 from lowbit.feedback import ErrorFeedback
 
-ALGORITHMS = ("auto", "scatter_gather", "allgather", "allreduce", "hierarchical")
+ALGORITHMS = ("auto", "scatter_gather", "allgather", "allreduce", "hierarchical", "simulated")
+#: Grubic et al.'s simulation of low-precision NCCL (Figs 7, 9, 11): a native fp32 allreduce of a buffer cut
+#: to bits/32 of the tensor. Speed only: the tensor is NOT reduced (each rank keeps its own values).
+SIMULATED = "simulated"
 
-__all__ = ["ALGORITHMS", "CommStats", "Handle", "all_reduce", "chunk_sizes", "bytes_sent_per_rank",
-           "resolve_algorithm", "start"]
+__all__ = ["ALGORITHMS", "SIMULATED", "CommStats", "Handle", "all_reduce", "chunk_sizes", "bytes_sent_per_rank",
+           "resolve_algorithm", "simulated_numel", "start"]
 
 
 @dataclasses.dataclass
@@ -132,6 +135,8 @@ def resolve_algorithm(algorithm: str, codec: Codec, k: int) -> str:
     work) and ``scatter_gather`` above (its bytes per rank stay ~2 payloads as K grows);
     ``hierarchical`` stays itself (it picks its between-node algorithm the same way). Per-tensor codecs
     (``codec.per_tensor``: per-column 1bitSGD, Dettmers with one scale) always take ``allgather``."""
+    if algorithm == SIMULATED:
+        return SIMULATED  # any codec: only its bits per value matter
     if codec.sums_on_wire:
         return "allreduce"
     if codec.per_tensor:
@@ -227,6 +232,8 @@ def start(
     algorithm = resolve_algorithm(algorithm, codec, k)
     if stats is not None:
         stats.calls += 1
+    if algorithm == SIMULATED:
+        return _simulated(x, codec, group, k, stats, out, post, shape)
     if exact and algorithm != "allgather":
         raise ValueError("exact values ride only with the allgather algorithm")
     if k == 1 and algorithm == "hierarchical":
@@ -266,6 +273,36 @@ def _guard_residual(residual: torch.Tensor, out: torch.Tensor, n: int,
         return out if post is None else post()
 
     return guarded
+
+
+def simulated_numel(codec: Codec, n: int, shape: tuple[int, ...] | None = None) -> int:
+    """fp32 values of the simulated buffer for ``n`` values in ``codec``: ``ceil(n * bits / 32)``, bits as
+    the codec's wire size gives them (scales included)."""
+    if n <= 0:
+        return 0
+    return -(-codec.nbytes(n, shape if shape is not None else codec.flat_shape(n)) // 4)
+
+
+def _simulated(x, codec, group, k, stats, out, post, shape) -> torch.futures.Future:
+    """Grubic et al.'s simulation: time a native allreduce of the bytes the codec would send, cut from
+    the tensor; the tensor itself is left as it is (this rank's values, not the mean)."""
+    m = min(simulated_numel(codec, x.numel(), shape), x.numel())
+    buf = x[:m].clone()
+    if out.data_ptr() != x.data_ptr():
+        out.copy_(x)
+    if k == 1 or m == 0:
+        return C.done(out if post is None else post(), x.device)
+    work = C.all_reduce_async(buf, group)
+    if stats is not None:
+        stats.bytes_sent += 2 * (k - 1) * m * 4 // k
+    stamp = _comm_clock(stats, work, x.device)
+
+    def finish() -> torch.Tensor:
+        stamp()
+        _keep(buf)
+        return out if post is None else post()
+
+    return C.then(work, finish, "all_reduce", group)
 
 
 def _native(x, codec, group, op, k, stats, out, post) -> torch.futures.Future:
@@ -386,6 +423,8 @@ def bytes_sent_per_rank(codec: Codec, n: int, k: int, algorithm: str, rank: int 
         return 0
     if algorithm == "hierarchical" and node_size is not None and node_size >= k:
         return int(2 * (k - 1) * (n + exact) * 4 // k)  # one node: the native fp32 allreduce (see start)
+    if algorithm == SIMULATED:
+        return int(2 * (k - 1) * simulated_numel(codec, n + exact, shape) * 4 // k)
     algorithm = resolve_algorithm(algorithm, codec, k)
     if algorithm == "hierarchical":
         from lowbit.comm.hierarchical import bytes_hierarchical
@@ -620,6 +659,8 @@ def all_reduce(
     ``allreduce`` (fp32/fp16/bf16 only), ``auto`` (allgather for 2 ranks, else scatter_gather) or
     ``hierarchical`` (native inside each node, compressed between nodes; ``node_size`` ranks per node,
     default ``$LOWBIT_NODE_SIZE`` or torchrun's ``LOCAL_WORLD_SIZE``: :mod:`lowbit.comm.hierarchical`).
+    ``simulated`` is Grubic et al.'s simulation of low-precision NCCL for benchmarks: a native fp32
+    allreduce of a buffer of the codec's wire size, **leaving the tensor unreduced** (speed only).
     ``feedback`` (an :class:`~lowbit.ErrorFeedback` of the same codec) adds error feedback under ``key``.
     ``seed`` keys the stochastic rounding (pass the step number). ``stats`` accumulates calls and bytes
     sent (and phase times when its ``timing`` is on). With ``async_op=True`` returns a handle whose

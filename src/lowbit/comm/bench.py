@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from lowbit.codecs.base import get_codec, parse_codec_list
-from lowbit.comm.allreduce import ALGORITHMS, CommStats, all_reduce
+from lowbit.comm.allreduce import ALGORITHMS, SIMULATED, CommStats, all_reduce
 from lowbit.feedback import ErrorFeedback
 
 __all__ = ["BenchConfig", "parse_sizes", "parse_codecs", "parse_algorithms", "register", "run", "format_table"]
@@ -344,7 +344,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     body = []
     for r in rows:
         body.append([
-            r["size"], r["codec"] + (" +ef" if r["error_feedback"] else ""), r["algorithm"],
+            r["size"], r["codec"] + (" +ef" if r["error_feedback"] else ""),
+            r["algorithm"] + (" (sim.)" if r["algorithm"] == SIMULATED else ""),
             f"{1e3 * r['time_s']:.2f}", f"{r['ratio_vs_fp32_allreduce']:.2f}x", f"{r['algbw_GBps']:.2f}",
             _human_bytes(r["bytes_sent_per_rank"]), f"{1e3 * r['t_encode_s']:.2f}",
             f"{1e3 * r['t_comm_s']:.2f}", f"{1e3 * r['t_decode_s']:.2f}", f"{r['rel_error']:.1e}",
@@ -360,6 +361,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         if i and rows[i]["numel"] != rows[i - 1]["numel"]:
             out.append("")
         out.append(line(b))
+    if any(r["algorithm"] == SIMULATED for r in rows):
+        out.append("(sim.) Grubic et al.'s simulated low-precision NCCL: an fp32 allreduce of the codec's wire size; "
+                   "the tensor is not reduced (speed only; its rel err means nothing)")
     return "\n".join(out)
 
 
@@ -530,8 +534,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--codecs", action="extend", nargs="+", metavar="SPEC",
                    help="codec specs, separated by spaces, ';' or ',' (a 'key=value' item continues the spec "
                    "before it), as for every lowbit command. Default: " + " ".join(DEFAULT_CODECS))
-    p.add_argument("--algorithms", default=",".join(ALGORITHMS),
-                   help=f"comma-separated subset of {','.join(ALGORITHMS)} (default all)")
+    p.add_argument("--algorithms", default=",".join(a for a in ALGORITHMS if a != SIMULATED),
+                   help=f"comma-separated subset of {','.join(ALGORITHMS)} (default all but simulated: Grubic "
+                   "et al.'s simulated low-precision NCCL, an fp32 allreduce of the codec's wire size that "
+                   "leaves the tensor unreduced; label it so)")
     p.add_argument("--reps", type=int, default=10, help="timed calls per case; the median is reported (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per case first (default 2)")
     p.add_argument("--ef", action="store_true", help="with error feedback (not for the native allreduce)")

@@ -420,6 +420,8 @@ def _run_record(row: dict[str, Any]) -> RunRecord | None:
     def per_step(field: str) -> float:
         return sum(float(e.get(field) or 0.0) for e in use) / steps
 
+    if c.get("parallelism", "data") != "data" or c.get("algorithm") == "simulated":
+        return None  # model / hybrid parallelism and the simulated NCCL are not what this model describes
     world = int(c.get("world_size", 1))
     codec = str(c.get("codec", "fp32"))
     algo = "allreduce" if sums_on_wire(codec) else str(c.get("algorithm") or "scatter_gather")

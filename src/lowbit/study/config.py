@@ -74,7 +74,7 @@ __all__ = [
 SCHEMA = 1
 
 BACKENDS = ("gloo", "nccl", "mpi")
-ALGORITHMS = ("scatter_gather", "allgather", "allreduce", "hierarchical")
+ALGORITHMS = ("scatter_gather", "allgather", "allreduce", "hierarchical", "simulated")
 SCHEDULES = ("cosine", "constant")
 DEVICES = ("auto", "cpu", "cuda")
 OPTIMIZERS = ("sgd", "rmsprop", "adam")

@@ -74,6 +74,11 @@ def load_runs(results: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], di
             r["label"] += f" [{cfg['parallelism']}" + (f", {cfg['sub_batches']} sub-batches" if cfg["sub_batches"] > 1
                                                         else "") + "]"
         r["synthetic"] = bool(r["labels"].get("synthetic"))
+        # Grubic et al.'s simulated low-precision NCCL leaves gradients unreduced: its accuracy means nothing
+        r["simulated"] = cfg.get("algorithm") == "simulated"
+        r["speed_only"] = r["synthetic"] or r["simulated"]
+        if r["simulated"]:
+            r["label"] += " (NCCL simulated)"
         r["bits"] = _bits(cfg["codec"])
         runs.append(r)
     incomplete = store.incomplete_attempts()
@@ -207,12 +212,17 @@ def _learned(base_accs: list[float], chance: float | None) -> bool:
     return m >= 2 * chance and m >= chance + 0.10
 
 
+def _speed_only(r: dict[str, Any]) -> bool:
+    """Runs whose accuracy means nothing: synthetic inputs, or the simulated NCCL (unreduced gradients)."""
+    return bool(r.get("speed_only", r.get("synthetic")))
+
+
 def accuracy_matches(runs: list[dict[str, Any]], points: float = MATCH_POINTS) -> list[dict[str, Any]]:
     """Per (setting, codec) of real-data multi-worker runs: accuracy mean/std over seeds, the paired
     difference to fp32 (same seed), and whether the codec matches fp32 within ``points`` (no verdict when
     fp32 itself did not learn: "fp32 did not learn")."""
     out = []
-    for _, rs in _groups([r for r in runs if not r["synthetic"] and r["world_size"] > 1]).items():
+    for _, rs in _groups([r for r in runs if not _speed_only(r) and r["world_size"] > 1]).items():
         base = {r["seed"]: r["summary"].get("final_test_acc") for r in rs if r["codec"] == "fp32"}
         learned = _learned(list(base.values()), _chance(rs[0]))
         by_label: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -291,7 +301,7 @@ def _save(fig: Any, out: Path, name: str) -> str:
 
 
 def _plot_accuracy(runs: list[dict[str, Any]], out: Path, field: str, ylabel: str, name: str) -> str | None:
-    groups = [rs for rs in _groups([r for r in runs if not r["synthetic"] and r["world_size"] > 1]).values()]
+    groups = [rs for rs in _groups([r for r in runs if not _speed_only(r) and r["world_size"] > 1]).values()]
     if not groups:
         return None
     groups.sort(key=lambda rs: _title(rs[0]))
@@ -426,7 +436,7 @@ def _plot_scalability(runs: list[dict[str, Any]], out: Path) -> str | None:
 
 
 def _plot_price(runs: list[dict[str, Any]], out: Path, price: float) -> str | None:
-    real = [r for r in runs if not r["synthetic"]]
+    real = [r for r in runs if not _speed_only(r)]
     if not real:
         return None
     pts: dict[tuple[str, str, int], list[dict[str, Any]]] = defaultdict(list)
@@ -704,6 +714,11 @@ def write_report(
                  "on the same cores as training. With few cores (and other load on the machine) more workers can "
                  "well be slower than one, and the latency of a collective can outweigh the compute of a small "
                  "network: read the speed sections as a measurement of this machine, not of the seed's GPUs.</p>")
+    if any(r.get("simulated") for r in runs):
+        h.append("<p class='note'><b>NCCL simulated</b>: runs with algorithm <code>simulated</code> time a native "
+                 "fp32 allreduce of a buffer cut to the codec's wire size (Grubic et al.'s simulation of "
+                 "low-precision NCCL, Figures 7, 9 and 11) and leave the gradients unreduced: they measure speed "
+                 "only and are left out of every accuracy table and plot.</p>")
     if synthetic:
         h.append("<p class='note'><b>SYNTHETIC</b>: some runs train on random inputs (labelled SYNTHETIC); they "
                  "measure speed only and are left out of every accuracy table and plot.</p>")
