@@ -221,3 +221,25 @@ def _hybrid_bytes(rank: int, world: int) -> tuple[int, int]:
 def test_hybrid_bytes_equal_the_formula() -> None:
     for sent, formula in spawn(_hybrid_bytes, 3, backend="gloo"):
         assert sent == formula > 0
+
+
+def _mismatch(rank: int, world: int) -> list[str]:
+    out = []
+    for what, call in [
+        ("codec", lambda: all_gather(torch.randn(4, 3), "fp32" if rank == 0 else "fp16")),
+        # each rank takes every part to be as large as its own: they disagree on the sizes
+        ("part size", lambda: all_gather(torch.randn(4 + rank, 3), "fp32")),
+        ("shape", lambda: reduce_scatter(torch.randn(6, 3 + rank), "fp32")),
+    ]:
+        try:
+            call()
+            out.append(f"{what}: no error")
+        except Exception as exc:  # noqa: BLE001
+            out.append(f"{what}: {type(exc).__name__}: {exc}")
+    return out
+
+
+def test_ranks_that_disagree_get_a_clear_error() -> None:
+    for msgs in spawn(_mismatch, 2, backend="gloo"):
+        for m in msgs:
+            assert "CollectiveError" in m and "called" in m, m

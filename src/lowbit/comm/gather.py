@@ -81,6 +81,27 @@ def _check(x: torch.Tensor, codec: Codec | str, group: dist.ProcessGroup | None,
     return codec, d, rank, k, sizes
 
 
+_AGREED: set[tuple[int, str, tuple]] = set()
+
+
+def _agree(group: dist.ProcessGroup | None, what: str, fingerprint: tuple) -> None:
+    """The ranks must call a gather alike (codec, dimension, parts, the other dimensions, dtype): the first
+    time a combination is seen on a group they exchange it, and all raise the same CollectiveError on a
+    mismatch instead of exchanging garbage or hanging; a combination agreed once costs nothing after."""
+    _, k = C.world(group)
+    if k == 1:
+        return
+    slot = (id(group) if group is not None else 0, what, fingerprint)
+    if slot in _AGREED:
+        return
+    theirs = C.all_gather_object(fingerprint, group)
+    if any(t != theirs[0] for t in theirs):
+        lines = "\n".join(f"  rank {r}: codec {t[0]}, dim {t[1]}, sizes {list(t[2])}, shape {list(t[3])}, {t[4]}"
+                          for r, t in enumerate(theirs))  # type: ignore[index]
+        raise C.CollectiveError(f"lowbit: the ranks called {what} differently:\n{lines}")
+    _AGREED.add(slot)
+
+
 def bytes_all_gather(codec: Codec | str, shape: Sequence[int], dim: int, sizes: Sequence[int]) -> int:
     """Bytes each rank sends in :func:`all_gather` of parts of ``shape`` with ``sizes[r]`` entries along
     ``dim``: ``(K-1)`` equal slots of the largest part's payload."""
@@ -137,6 +158,7 @@ def all_gather(
     every rank, in ``x``'s dtype. ``async_op=True`` returns a future of the result.
     """
     codec, d, rank, k, sizes = _check(x, codec, group, dim, sizes, "all_gather")
+    _agree(group, "all_gather", (codec.spec, d, tuple(sizes), _shape(x.shape, d, -1), str(x.dtype)))
     shapes = [_shape(x.shape, d, s) for s in sizes]
     slots = [_slot(codec, _numel(s), _codec_shape(codec, s)) for s in shapes]
     width = max(size for _, size in slots)
@@ -190,6 +212,7 @@ def reduce_scatter(
     up to ``x.shape[dim]``. The sum runs in rank order in float32; the result has ``x``'s dtype.
     """
     codec, d, rank, k, sizes = _check(x, codec, group, dim, sizes, "reduce_scatter")
+    _agree(group, "reduce_scatter", (codec.spec, d, tuple(sizes), tuple(x.shape), str(x.dtype)))
     starts = [sum(sizes[:r]) for r in range(k)]
     shapes = [_shape(x.shape, d, s) for s in sizes]
     slots = [_slot(codec, _numel(s), _codec_shape(codec, s)) for s in shapes]
