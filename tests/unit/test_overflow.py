@@ -33,7 +33,8 @@ if importlib.util.find_spec("triton"):
 
 SPECS = ["qsgd:bits=1,bucket=64", "qsgd:bits=2,bucket=64", "qsgd:bits=4,bucket=100", "qsgd:bits=8,bucket=64",
          "qsgd:bits=16,bucket=64", "qsgd:bits=8,bucket=64,rounding=nearest", "qsgd:bits=8,bucket=64,norm=l2",
-         "qsgd:bits=1,bucket=100,norm=l2", "onebit:bucket=64", "onebit:bucket=100", "dettmers:type=dynamic"]
+         "qsgd:bits=1,bucket=100,norm=l2", "qsgd:bits=8,bucket=64,levels=full", "qsgd:bits=4,bucket=100,levels=full",
+         "onebit:bucket=64", "onebit:bucket=100", "dettmers:type=dynamic"]
 
 
 def _case(name: str, n: int = 4096, device: str = "cpu") -> torch.Tensor:

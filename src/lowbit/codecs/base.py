@@ -83,7 +83,10 @@ class Codec:
         fields = dataclasses.fields(self)
         if not fields:
             return self.name
-        params = ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields)
+        # a field added later says so (metadata "omit_default"): at its default it stays out of the spec,
+        # so specs (and the study's run keys built from them) made before it existed do not change
+        params = ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields
+                          if not (f.metadata.get("omit_default") and getattr(self, f.name) == f.default))
         return f"{self.name}:{params}"
 
     def __str__(self) -> str:

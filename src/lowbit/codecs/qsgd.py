@@ -7,6 +7,10 @@ value is rounded to a grid of ``2s+1`` levels ``scale * l / s`` with ``l in [-s,
 * ``bits >= 2``: ``s = 2^(bits-1) - 1`` (2-bit is ternary, 4-bit has 15 levels, 8-bit 255);
 * ``bits == 1``: the grid is ``{-scale, +scale}`` (stochastic sign).
 
+``levels=full`` is QSGD's second scheme: every one of the ``2^bits`` codes is a level, ``2^bits - 1``
+equal intervals over ``[-scale, scale]`` (``s = (2^bits - 1) / 2``; no exact zero; at 1 bit the same grid).
+The default ``levels=zero`` keeps a level at zero (the seed's choice).
+
 ``rounding=stochastic`` picks the upper neighbour with probability equal to the distance from the lower
 one, so ``E[decode(encode(x))] = x`` and Lemma 3.1's variance bound holds with ``n = bucket``;
 ``rounding=nearest`` is deterministic with error at most half a level.
@@ -38,12 +42,14 @@ class QSGD(Codec):
     bucket: int = 512
     norm: str = "max"
     rounding: str = "stochastic"
+    levels: str = dataclasses.field(default="zero", metadata={"omit_default": True})
 
     def __post_init__(self) -> None:
         check_choice("qsgd", "bits", self.bits, QSGD_BITS)
         check_int("qsgd", "bucket", self.bucket, 1, 1 << 30)
         check_choice("qsgd", "norm", self.norm, ("max", "l2"))
         check_choice("qsgd", "rounding", self.rounding, ("stochastic", "nearest"))
+        check_choice("qsgd", "levels", self.levels, ("zero", "full"))
 
     @property
     def stochastic(self) -> bool:  # type: ignore[override]
@@ -51,8 +57,8 @@ class QSGD(Codec):
 
     @property
     def label(self) -> str:  # type: ignore[override]
-        extra = [f"{k}={v}" for k, v, d in (("norm", self.norm, "max"), ("rounding", self.rounding, "stochastic"))
-                 if v != d]
+        extra = [f"{k}={v}" for k, v, d in (("norm", self.norm, "max"), ("rounding", self.rounding, "stochastic"),
+                                            ("levels", self.levels, "zero")) if v != d]
         return f"QSGD {self.bits}bit/{self.bucket}" + (" " + ",".join(extra) if extra else "")
 
     def head_bytes(self, numel: int, shape: Sequence[int] | None = None) -> int:
@@ -63,16 +69,18 @@ class QSGD(Codec):
 
     def encode(self, x: torch.Tensor, seed: int = 0) -> torch.Tensor:
         flat = self._flat_input(x)
-        return dispatch.qsgd_encode(flat, self.bits, self.bucket, self.norm, self.stochastic, int(seed))
+        return dispatch.qsgd_encode(flat, self.bits, self.bucket, self.norm, self.stochastic, int(seed),
+                                    self.levels == "full")
 
     def decode(self, payload, numel, out=None, shape=None):  # type: ignore[override]
         self._check_payload(payload, numel, shape)
         y = self._output(out, numel, payload.device)
-        return dispatch.qsgd_decode(payload, numel, self.bits, self.bucket, y)
+        return dispatch.qsgd_decode(payload, numel, self.bits, self.bucket, y, self.levels == "full")
 
     def decode_sum(self, payloads, numel, out=None, shape=None, divide_by=1):  # type: ignore[override]
         y = self._sum_output(payloads, numel, out, shape, divide_by)
-        fused = dispatch.qsgd_decode_sum(list(payloads), numel, self.bits, self.bucket, y, divide_by)
+        fused = dispatch.qsgd_decode_sum(list(payloads), numel, self.bits, self.bucket, y, divide_by,
+                                         self.levels == "full")
         if fused is not None:
             return fused
         return super().decode_sum(payloads, numel, out=y, shape=shape, divide_by=divide_by)

@@ -58,12 +58,14 @@ def backend_for(x: torch.Tensor, op: str) -> Any:
     return ref
 
 
-def qsgd_encode(x: torch.Tensor, bits: int, bucket: int, norm: str, stochastic: bool, seed: int) -> torch.Tensor:
-    return backend_for(x, "qsgd_encode").qsgd_encode(x, bits, bucket, norm, stochastic, seed)
+def qsgd_encode(x: torch.Tensor, bits: int, bucket: int, norm: str, stochastic: bool, seed: int,
+                full: bool = False) -> torch.Tensor:
+    return backend_for(x, "qsgd_encode").qsgd_encode(x, bits, bucket, norm, stochastic, seed, full)
 
 
-def qsgd_decode(payload: torch.Tensor, n: int, bits: int, bucket: int, out: torch.Tensor) -> torch.Tensor:
-    return backend_for(out, "qsgd_decode").qsgd_decode(payload, n, bits, bucket, out)
+def qsgd_decode(payload: torch.Tensor, n: int, bits: int, bucket: int, out: torch.Tensor,
+                full: bool = False) -> torch.Tensor:
+    return backend_for(out, "qsgd_decode").qsgd_decode(payload, n, bits, bucket, out, full)
 
 
 def onebit_encode_buckets(x: torch.Tensor, bucket: int) -> torch.Tensor:
@@ -83,13 +85,13 @@ def onebit_decode_columns(payload: torch.Tensor, n: int, rows: int, out: torch.T
 
 
 def qsgd_decode_sum(payloads: list[torch.Tensor], n: int, bits: int, bucket: int, out: torch.Tensor,
-                    divide_by: int = 1) -> torch.Tensor | None:
+                    divide_by: int = 1, full: bool = False) -> torch.Tensor | None:
     """Fused decode-and-accumulate, then ``out.div_(divide_by)`` in the same pass, when a compiled
     backend has one; None means "decode one by one"."""
     mod = compiled_backend(out, "qsgd_decode_sum")
     if mod is None:
         return None
-    return mod.qsgd_decode_sum(payloads, n, bits, bucket, out, divide_by=divide_by)
+    return mod.qsgd_decode_sum(payloads, n, bits, bucket, out, divide_by=divide_by, full=full)
 
 
 def compiled_backend(x: torch.Tensor, op: str) -> Any | None:

@@ -1000,11 +1000,12 @@ def _check_bits(bits: int) -> None:
         raise ValueError(f"qsgd: bits must be 1..8 or 16, got {bits}")
 
 
-def qsgd_encode(x: torch.Tensor, bits: int, bucket: int, norm: str, stochastic: bool, seed: int) -> torch.Tensor:
+def qsgd_encode(x: torch.Tensor, bits: int, bucket: int, norm: str, stochastic: bool, seed: int,
+                full: bool = False) -> torch.Tensor:
     """x: (n,) float32 -> payload uint8 ``[scales (nb,) f32][codes packed at bits]`` (reference.qsgd_encode)."""
     _check_bits(bits)
     if not _fast_input(x):
-        return ref.qsgd_encode(x, bits, bucket, norm, stochastic, seed)
+        return ref.qsgd_encode(x, bits, bucket, norm, stochastic, seed, full)
     n = x.numel()
     nb = (n + bucket - 1) // bucket
     payload = torch.empty(4 * nb + ref.packed_nbytes(n, bits), dtype=torch.uint8)
@@ -1014,7 +1015,7 @@ def qsgd_encode(x: torch.Tensor, bits: int, bucket: int, norm: str, stochastic: 
     p = payload.numpy()
     scales = p[: 4 * nb].view(np.float32)  # fresh allocation: aligned
     stream = p[4 * nb :]
-    s = np.float32(ref.qsgd_levels(bits))
+    s = np.float32(ref.qsgd_levels(bits, full))
     key = np.uint64(ref.seed_key(seed))
     per_chunk = _chunk_buckets(bucket)
     use_l2 = norm == "l2"
@@ -1030,7 +1031,7 @@ def qsgd_encode(x: torch.Tensor, bits: int, bucket: int, norm: str, stochastic: 
 
 def _decode_payloads(
     payloads: Sequence[torch.Tensor], n: int, bits: int, bucket: int, out: torch.Tensor, block: int,
-    divide_by: int = 1,
+    divide_by: int = 1, full: bool = False,
 ) -> None:
     nb = (n + bucket - 1) // bucket
     nbytes = 4 * nb + ref.packed_nbytes(n, bits)
@@ -1039,25 +1040,27 @@ def _decode_payloads(
         if a.size != nbytes:
             raise ValueError(f"qsgd: payload has {a.size} bytes, expected {nbytes}")
     addrs = np.array([a.ctypes.data for a in arrays], dtype=np.int64)
-    s = np.float32(ref.qsgd_levels(bits))
+    s = np.float32(ref.qsgd_levels(bits, full))
     _match_torch_threads()
     _qsgd_decode_kernel(addrs, nbytes, n, nb, bits, bucket, s, out.detach().view(-1).numpy(), block,
                         np.float32(divide_by))
 
 
-def qsgd_decode(payload: torch.Tensor, n: int, bits: int, bucket: int, out: torch.Tensor) -> torch.Tensor:
+def qsgd_decode(payload: torch.Tensor, n: int, bits: int, bucket: int, out: torch.Tensor,
+                full: bool = False) -> torch.Tensor:
     """Decode into ``out`` (n,) float32 and return it (reference.qsgd_decode)."""
     _check_bits(bits)
     if not _fast_output(out):
-        return ref.qsgd_decode(payload, n, bits, bucket, out)
+        return ref.qsgd_decode(payload, n, bits, bucket, out, full)
     if n == 0:
         return out
-    _decode_payloads([payload], n, bits, bucket, out, _BLOCK)
+    _decode_payloads([payload], n, bits, bucket, out, _BLOCK, full=full)
     return out
 
 
 def qsgd_decode_sum(
-    payloads: Sequence[torch.Tensor], n: int, bits: int, bucket: int, out: torch.Tensor, divide_by: int = 1
+    payloads: Sequence[torch.Tensor], n: int, bits: int, bucket: int, out: torch.Tensor, divide_by: int = 1,
+    full: bool = False,
 ) -> torch.Tensor:
     """Sum of the decoded payloads into ``out``, added in the given order in float32
     (``acc = p0; acc += p1; ...``, as Codec.decode_sum over reference.qsgd_decode), then divided by
@@ -1066,15 +1069,15 @@ def qsgd_decode_sum(
     if len(payloads) == 0:
         raise ValueError("decode_sum needs at least one payload")
     if not _fast_output(out):
-        acc = ref.qsgd_decode(payloads[0], n, bits, bucket, out)
+        acc = ref.qsgd_decode(payloads[0], n, bits, bucket, out, full)
         tmp = torch.empty_like(acc)
         for p in payloads[1:]:
-            acc.add_(ref.qsgd_decode(p, n, bits, bucket, tmp))
+            acc.add_(ref.qsgd_decode(p, n, bits, bucket, tmp, full))
         return acc.div_(divide_by) if divide_by != 1 else acc
     if n == 0:
         return out
     # a block of the output stays in L1/L2 while the K payloads are added to it (and divided)
-    _decode_payloads(payloads, n, bits, bucket, out, 4096, divide_by)
+    _decode_payloads(payloads, n, bits, bucket, out, 4096, divide_by, full)
     return out
 
 

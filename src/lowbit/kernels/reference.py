@@ -162,23 +162,28 @@ def cap_to_scale(v: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------- qsgd
-def qsgd_levels(bits: int) -> float:
+def qsgd_levels(bits: int, full: bool = False) -> float:
     """Half the number of quantisation steps ``s``: codes 0..2s map to scale*(code-s)/s.
 
     b >= 2: s = 2^(b-1) - 1, a symmetric grid with an exact zero (2-bit is ternary {-1, 0, 1}).
     b == 1: s = 1/2, the grid {-scale, +scale} (stochastic sign, still unbiased).
+    ``full`` (QSGD's second scheme): every code is used, 2^b levels and 2^b - 1 equal intervals,
+    s = (2^b - 1) / 2 (no exact zero; at 1 bit the same grid as above).
     """
+    if full:
+        return ((1 << bits) - 1) / 2
     return 0.5 if bits == 1 else float((1 << (bits - 1)) - 1)
 
 
 def qsgd_encode(
-    x: torch.Tensor, bits: int, bucket: int, norm: str, stochastic: bool, seed: int
+    x: torch.Tensor, bits: int, bucket: int, norm: str, stochastic: bool, seed: int, full: bool = False
 ) -> torch.Tensor:
-    """x: (n,) float32 contiguous -> payload uint8: [scales (nb,) f32][codes packed at ``bits``]."""
+    """x: (n,) float32 contiguous -> payload uint8: [scales (nb,) f32][codes packed at ``bits``]
+    (``full``: the 2^b-level grid, :func:`qsgd_levels`)."""
     n = x.numel()
     xb = to_buckets(x, bucket)  # (nb, bucket)
     scale = bucket_absmax(xb) if norm == "max" else bucket_l2(xb)  # (nb,)
-    s = qsgd_levels(bits)
+    s = qsgd_levels(bits, full)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = (xb / safe[:, None]) * s + s  # in [0, 2s]
     if stochastic:
@@ -190,11 +195,12 @@ def qsgd_encode(
     return torch.cat([scale.contiguous().view(torch.uint8), pack_bits(codes, bits)])
 
 
-def qsgd_decode(payload: torch.Tensor, n: int, bits: int, bucket: int, out: torch.Tensor) -> torch.Tensor:
+def qsgd_decode(payload: torch.Tensor, n: int, bits: int, bucket: int, out: torch.Tensor,
+                full: bool = False) -> torch.Tensor:
     nb = (n + bucket - 1) // bucket
     scale = view_as(payload[: 4 * nb], torch.float32)
     codes = unpack_bits(payload[4 * nb :], bits, n)
-    s = qsgd_levels(bits)
+    s = qsgd_levels(bits, full)
     step = scale / s  # (nb,)
     lv = codes.to(torch.float32) - s
     if nb:

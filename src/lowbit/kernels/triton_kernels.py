@@ -932,11 +932,11 @@ def _bucket_scales_general(x: torch.Tensor, bucket: int, scales: torch.Tensor) -
 
 # ------------------------------------------------------------------------------------- qsgd
 def qsgd_encode(
-    x: torch.Tensor, bits: int, bucket: int, norm: str, stochastic: bool, seed: int
+    x: torch.Tensor, bits: int, bucket: int, norm: str, stochastic: bool, seed: int, full: bool = False
 ) -> torch.Tensor:
     """x: (n,) float32 contiguous -> payload uint8: [scales (nb,) f32][codes packed at ``bits``]."""
     if bits not in PACKED_BITS:
-        return ref.qsgd_encode(x, bits, bucket, norm, stochastic, seed)
+        return ref.qsgd_encode(x, bits, bucket, norm, stochastic, seed, full)
     x = x.reshape(-1).contiguous()
     n = x.numel()
     nb = (n + bucket - 1) // bucket
@@ -954,18 +954,18 @@ def qsgd_encode(
     bsize, rows, block = _tiling(bucket, fused)
     _qsgd_encode_kernel[(triton.cdiv(n, block),)](
         x, payload, payload[4 * nb :], n, nb, bucket, nbytes, _signed_key(seed),
-        BUCKET=bsize, ROWS=rows, FUSED=fused, BITS=bits, S=ref.qsgd_levels(bits), L2=norm == "l2",
+        BUCKET=bsize, ROWS=rows, FUSED=fused, BITS=bits, S=ref.qsgd_levels(bits, full), L2=norm == "l2",
         STOCH=bool(stochastic), I64=_i64(n, block), num_warps=_warps(block, CONFIG['qsgd_enc_warps']), **_LAUNCH)
     return payload
 
 
 @functools.lru_cache(maxsize=None)
-def _scalar_inverse(device: torch.device, bits: int) -> float:
+def _scalar_inverse(device: torch.device, bits: int, full: bool = False) -> float:
     """0.0 if torch computes ``t / s`` (a float32 tensor by a Python float) as a true division on
     ``device``, else float32(1/s), the reciprocal it multiplies by (torch's CUDA kernel does that for
     a CPU-scalar divisor). Probed once per device and bit width, so qsgd decode matches the reference
     bit for bit on whichever device it runs."""
-    return _torch_scalar_division(device, ref.qsgd_levels(bits))
+    return _torch_scalar_division(device, ref.qsgd_levels(bits, full))
 
 
 @functools.lru_cache(maxsize=None)
@@ -1000,14 +1000,14 @@ def _sum_launches(args: list, device: torch.device, divide_by: int):
 
 
 def _qsgd_decode_into(payloads: Sequence[torch.Tensor], n: int, bits: int, bucket: int,
-                      out: torch.Tensor, divide_by: int = 1) -> torch.Tensor:
+                      out: torch.Tensor, divide_by: int = 1, full: bool = False) -> torch.Tensor:
     nb = (n + bucket - 1) // bucket
     nbytes = ref.packed_nbytes(n, bits)
     fused = _fused(bucket)
     bsize, rows, block = _tiling(bucket, fused)
     grid = (triton.cdiv(n, block),)
-    meta = dict(FUSED=fused, BUCKET=bsize, ROWS=rows, BITS=bits, S=ref.qsgd_levels(bits),
-                INV=_scalar_inverse(out.device, bits), I64=_i64(n, block), num_warps=_warps(block), **_LAUNCH)
+    meta = dict(FUSED=fused, BUCKET=bsize, ROWS=rows, BITS=bits, S=ref.qsgd_levels(bits, full),
+                INV=_scalar_inverse(out.device, bits, full), I64=_i64(n, block), num_warps=_warps(block), **_LAUNCH)
     args = []
     for p in payloads:
         p = _aligned(p)
@@ -1017,16 +1017,17 @@ def _qsgd_decode_into(payloads: Sequence[torch.Tensor], n: int, bits: int, bucke
     return out
 
 
-def qsgd_decode(payload: torch.Tensor, n: int, bits: int, bucket: int, out: torch.Tensor) -> torch.Tensor:
+def qsgd_decode(payload: torch.Tensor, n: int, bits: int, bucket: int, out: torch.Tensor,
+                full: bool = False) -> torch.Tensor:
     if bits not in PACKED_BITS:
-        return ref.qsgd_decode(payload, n, bits, bucket, out)
+        return ref.qsgd_decode(payload, n, bits, bucket, out, full)
     if n == 0:
         return out
-    return _qsgd_decode_into([payload], n, bits, bucket, out)
+    return _qsgd_decode_into([payload], n, bits, bucket, out, full=full)
 
 
 def qsgd_decode_sum(payloads: Sequence[torch.Tensor], n: int, bits: int, bucket: int,
-                    out: torch.Tensor, divide_by: int = 1) -> torch.Tensor:
+                    out: torch.Tensor, divide_by: int = 1, full: bool = False) -> torch.Tensor:
     """out = (decode(p0) + decode(p1) + ...) / divide_by, added in this order in float32, in one pass
     over ``out`` per 8 payloads: bit-identical to summing reference decodes in the same order and then
     ``out.div_(divide_by)`` (an allreduce's mean without a second pass over the result)."""
@@ -1035,12 +1036,12 @@ def qsgd_decode_sum(payloads: Sequence[torch.Tensor], n: int, bits: int, bucket:
     if n == 0:
         return out
     if bits not in PACKED_BITS:
-        ref.qsgd_decode(payloads[0], n, bits, bucket, out)
+        ref.qsgd_decode(payloads[0], n, bits, bucket, out, full)
         tmp = torch.empty_like(out)
         for p in payloads[1:]:
-            out.add_(ref.qsgd_decode(p, n, bits, bucket, tmp))
+            out.add_(ref.qsgd_decode(p, n, bits, bucket, tmp, full))
         return out.div_(divide_by) if divide_by != 1 else out
-    return _qsgd_decode_into(list(payloads), n, bits, bucket, out, divide_by)
+    return _qsgd_decode_into(list(payloads), n, bits, bucket, out, divide_by, full)
 
 
 # ------------------------------------------------------------------------------------- onebit
