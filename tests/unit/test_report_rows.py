@@ -63,3 +63,32 @@ def test_no_verdict_when_fp32_did_not_learn() -> None:
     assert v["qsgd:bits=8,bucket=512"] == "fp32 did not learn"
     v = {r["codec"]: r["verdict"] for r in accuracy_matches(learned)}
     assert v["qsgd:bits=8,bucket=512"] == "matches"
+
+
+def test_scalability_series_per_node_layout_and_algorithm(tmp_path) -> None:
+    """A study at 1, 2, 4 workers as one node and as 2 emulated nodes, flat and hierarchical: the
+    scalability table (Figs 12-15's data) has one row per codec x algorithm x layout, the one-worker
+    fp32 run its baseline."""
+    import json
+
+    from lowbit.study.report import _sps_tables, load_runs
+
+    rows = []
+    for k, nodes, codec, algo, sps in [(1, 1, "fp32", "none", 100.0), (2, 1, "fp32", "allreduce", 190.0),
+                                       (4, 1, "fp32", "allreduce", 370.0), (4, 2, "fp32", "allreduce", 150.0),
+                                       (4, 2, "qsgd:bits=4,bucket=512", "scatter_gather", 250.0),
+                                       (4, 2, "qsgd:bits=4,bucket=512", "hierarchical", 330.0)]:
+        cfg = {"network": "mlp", "dataset": "digits", "codec": codec, "algorithm": algo, "error_feedback": False,
+               "world_size": k, "backend": "gloo", "device": "cpu", "batch_size": 32, "epochs": 1, "seed": 0,
+               "nodes": nodes, "batch_preset": ""}
+        rows.append({"kind": "run", "key": f"{k}-{nodes}-{codec}-{algo}", "config": cfg, "labels": {},
+                     "summary": {"samples_per_s": sps, "final_test_acc": 0.9}, "epochs": []})
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    runs, _ = load_runs(path)
+    labels = {r["label"] for r in runs}
+    assert {"32bit", "32bit (2 nodes)", "QSGD 4bit/512 (2 nodes)", "QSGD 4bit/512 [hierarchical] (2 nodes)"} <= labels
+    html = _sps_tables(runs)
+    assert html.count("<h3>") == 1  # one setting: the layouts are rows of it, not settings of their own
+    for lab in ("32bit (2 nodes)", "QSGD 4bit/512 [hierarchical] (2 nodes)"):
+        assert lab in html

@@ -73,6 +73,10 @@ def load_runs(results: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], di
         if cfg["parallelism"] != "data":  # the codec carries activations too: say which parallelism
             r["label"] += f" [{cfg['parallelism']}" + (f", {cfg['sub_batches']} sub-batches" if cfg["sub_batches"] > 1
                                                         else "") + "]"
+        if cfg.get("algorithm") == "hierarchical":  # (the flat algorithms share their codec's label)
+            r["label"] += " [hierarchical]"
+        if cfg["nodes"] > 1:  # a layout of its own in the scalability figures and tables
+            r["label"] += f" ({cfg['nodes']} nodes)"
         r["synthetic"] = bool(r["labels"].get("synthetic"))
         # Grubic et al.'s simulated low-precision NCCL leaves gradients unreduced: its accuracy means nothing
         r["simulated"] = cfg.get("algorithm") == "simulated"
@@ -186,10 +190,12 @@ def _groups(runs: list[dict[str, Any]], drop: Iterable[str] = ()) -> dict[tuple,
 
 def _groups_across_k(runs: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
     """Settings that differ only in the number of workers (and the per-worker batch a preset derives
-    from it: "fig4" gives VGG19 32 per GPU at 1 GPU and 16 at 8)."""
+    from it: "fig4" gives VGG19 32 per GPU at 1 GPU and 16 at 8) and in the node layout (a K-worker run as
+    2 emulated nodes is its own series, labelled "(2 nodes)", beside the one-node runs and their
+    one-worker baseline)."""
     out: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for r in runs:
-        out[_setting(r, ("world_size", "batch_size")) + (("batch", r.get("batch_preset") or r["batch_size"]),)].append(r)
+        out[_setting(r, ("world_size", "batch_size", "nodes")) + (("batch", r.get("batch_preset") or r["batch_size"]),)].append(r)
     return out
 
 
