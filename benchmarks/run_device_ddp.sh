@@ -3,6 +3,7 @@
 #   MODE=nvlink|sockets|profile|tests  bash benchmarks/run_device_ddp.sh      (2 GPUs)
 #   MODE=nodes bash benchmarks/run_device_ddp.sh                              (4 GPUs as 2 emulated nodes)
 #   MODE=single4 (4 GPUs as one node)   MODE=alltests (every GPU test, on 4 GPUs)
+#   MODE=study4 (4 GPUs: the study as 1 and 2 emulated nodes, then lowbit predict --validate)
 set -uo pipefail
 export PYTHONPATH=src
 OUT=${OUT:-/tmp/out}
@@ -23,6 +24,14 @@ for mode in ${MODE:-tests nvlink}; do
         --hooks "${HOOKS:-ddp;lowbit[algorithm=hierarchical]:qsgd:bits=4,bucket=512;lowbit:qsgd:bits=4,bucket=512}" \
         --steps "$STEPS" --rounds "$ROUNDS" --warmup "$WARMUP" --out "$OUT/ddp_4x${card}_1node.json" 2>&1 \
         | grep -v "^W1\|Warning\|warn" | tail -20 ;;
+    study4)  # issue 15: the study at 1, 2, 4 GPUs as one node and as 2 emulated nodes, flat vs hierarchical,
+             # then the speed model's held-out prediction beside every run, and the report (Figs 12-15)
+      timeout ${STUDY_TIMEOUT:-420} python -m lowbit study --preset throughput --networks ${STUDY_NETWORKS:-alexnet} \
+        --backend nccl --device cuda --batch-sizes 64 --epochs 3 --world-sizes 1 2 4 --emulate-nodes 1 2 \
+        --algorithms scatter_gather hierarchical --codecs fp32 fp16 qsgd:bits=4,bucket=512 onebit:bucket=64 \
+        --no-progress --no-report --out "$OUT/study_4x${card}_nodes" 2>&1 | tail -30
+      python -m lowbit predict --validate "$OUT/study_4x${card}_nodes" > "$OUT/perfmodel_validation_4x${card}_nodes.txt" 2>&1
+      tail -12 "$OUT/perfmodel_validation_4x${card}_nodes.txt" ;;
     nvlink)
       torchrun --nproc-per-node 2 benchmarks/bench_ddp.py --link nvlink --models "$MODELS" "${hook_args[@]}" \
         --steps "$STEPS" --rounds "$ROUNDS" --warmup "$WARMUP" --out "$OUT/ddp_2x${card}_nvlink.json" 2>&1 \

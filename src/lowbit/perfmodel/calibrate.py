@@ -363,6 +363,9 @@ class RunRecord:
     device_name: str = ""
     config_rest: str = ""    # the rest of the training configuration, for pairing runs
     gflop_per_sample: float = math.nan  # forward + backward, counted by the study (FlopCounterMode)
+    nodes: int = 1                      # emulated nodes the workers were split into
+    intra_Bps: float = math.nan         # the links the run's group measured (bus bandwidth of a 16 MiB
+    inter_Bps: float = math.nan         # allreduce inside a node / between nodes; study rows' env.links)
 
     @property
     def config_key(self) -> tuple[Any, ...]:
@@ -381,7 +384,7 @@ class RunRecord:
 
     @property
     def scale_key(self) -> str:
-        return f"{self.backend}|{self.device}|{self.world}"
+        return f"{self.backend}|{self.device}|{self.world}" + (f"|{self.nodes}nodes" if self.nodes > 1 else "")
 
     @property
     def overhead_key(self) -> str:
@@ -432,6 +435,12 @@ def _run_record(row: dict[str, Any]) -> RunRecord | None:
         "error_feedback", "seed", "batch_preset")}
     labels = row.get("labels") or {}
     env = row.get("env") or {}
+    links = env.get("links") if isinstance(env.get("links"), dict) else {}
+
+    def link_Bps(field: str) -> float:
+        v = links.get(field)
+        return float(v) * 1e9 if isinstance(v, (int, float)) and v > 0 else math.nan
+
     return RunRecord(
         key=str(row["key"]), network=str(c.get("network")), dataset=str(c.get("dataset")),
         batch=int(c.get("batch_size", 0)), world=world, backend=str(c.get("backend", "gloo")),
@@ -446,6 +455,7 @@ def _run_record(row: dict[str, Any]) -> RunRecord | None:
         epochs=int(c.get("epochs", len(epochs))), lr=float(c.get("lr", math.nan)),
         device_name=str(env.get("device_name", "")), config_rest=json.dumps(rest, sort_keys=True),
         gflop_per_sample=float(s.get("gflop_per_sample") or math.nan),
+        nodes=int(c.get("nodes", 1) or 1), intra_Bps=link_Bps("intra_GBps"), inter_Bps=link_Bps("inter_GBps"),
     )
 
 
@@ -756,33 +766,36 @@ def fit_comm_in_situ(runs: Iterable[RunRecord]) -> Calibration:
     by_backend: dict[str, list[RunRecord]] = {}
     for r in runs:
         by_backend.setdefault(r.backend, []).append(r)
-    for transport, rs in by_backend.items():
-        algos = sorted({a for r in rs for _, a, _ in run_groups(r)})
-        col = {a: i for i, a in enumerate(algos)}
-        rows, ys = [], []
-        for r in rs:
-            row = np.zeros(2 * len(algos))
-            for spec, algo, n in run_groups(r):
-                a, b = design_row(bits_per_value(spec, n) * n / 8, r.world, algo)
-                row[2 * col[algo]] += a
-                row[2 * col[algo] + 1] += b
-            rows.append(row)
-            ys.append(r.comm_s)
-        a_mat, y_vec = np.array(rows), np.array(ys)
-        keep = y_vec > 0
-        coef = _nnls(*_relative(a_mat[keep], y_vec[keep])) if keep.any() else np.zeros(a_mat.shape[1])
-        fitted = a_mat @ coef
-        for a in algos:
-            alpha, beta = float(coef[2 * col[a]]), float(coef[2 * col[a] + 1])
-            if alpha == 0 and beta == 0:
-                continue
-            n_pts = sum(1 for r in rs if any(g[1] == a for g in run_groups(r)))
-            rel = _rms_rel(fitted, ys)
-            cal.links.setdefault(transport, {})[a] = LinkFit(
-                alpha, 1.0 / beta if beta > 0 else _HUGE_BW, a, n_pts, rel,
-                f"in situ: {transport} study runs' communicate time per step ({len(rs)} runs, joint fit)")
+    for transport, all_rs in by_backend.items():
+        # the links: from one-node runs (runs as emulated nodes are modelled with the links they measured)
+        rs = [r for r in all_rs if r.nodes == 1]
+        algos = sorted({a for r in rs for _, a, _ in run_groups(r)}) if rs else []
+        if algos:
+            col = {a: i for i, a in enumerate(algos)}
+            rows, ys = [], []
+            for r in rs:
+                row = np.zeros(2 * len(algos))
+                for spec, algo, n in run_groups(r):
+                    a, b = design_row(bits_per_value(spec, n) * n / 8, r.world, algo)
+                    row[2 * col[algo]] += a
+                    row[2 * col[algo] + 1] += b
+                rows.append(row)
+                ys.append(r.comm_s)
+            a_mat, y_vec = np.array(rows), np.array(ys)
+            keep = y_vec > 0
+            coef = _nnls(*_relative(a_mat[keep], y_vec[keep])) if keep.any() else np.zeros(a_mat.shape[1])
+            fitted = a_mat @ coef
+            for a in algos:
+                alpha, beta = float(coef[2 * col[a]]), float(coef[2 * col[a] + 1])
+                if alpha == 0 and beta == 0:
+                    continue
+                n_pts = sum(1 for r in rs if any(g[1] == a for g in run_groups(r)))
+                rel = _rms_rel(fitted, ys)
+                cal.links.setdefault(transport, {})[a] = LinkFit(
+                    alpha, 1.0 / beta if beta > 0 else _HUGE_BW, a, n_pts, rel,
+                    f"in situ: {transport} study runs' communicate time per step ({len(rs)} runs, joint fit)")
         by_codec: dict[tuple[str, str], list[RunRecord]] = {}
-        for r in rs:
+        for r in all_rs:
             if r.codec_name != "fp32":
                 by_codec.setdefault((r.algorithm, r.codec), []).append(r)
         for (algo, codec), crs in by_codec.items():
@@ -792,7 +805,7 @@ def fit_comm_in_situ(runs: Iterable[RunRecord]) -> Calibration:
                 calls.append(len(groups))
                 ev = dv = 0.0
                 for n in groups:
-                    e, d = codec_work(algo, n, r.world, r.world, 16.0)
+                    e, d = codec_work(algo, n, r.world, r.world // max(1, r.nodes), 16.0)
                     ev += e
                     dv += d
                 enc_b.append(4 * ev)

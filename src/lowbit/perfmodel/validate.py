@@ -159,6 +159,10 @@ def model_step(run: RunRecord, cal: Calibration) -> tuple[float, Breakdown, str,
         return step, br, compute_src, "-"
     notes: set[str] = set()
     sources: set[str] = set()
+    nodes = max(1, run.nodes)
+    intra_Bps = run.intra_Bps if run.world // nodes > 1 else run.inter_Bps  # (one rank a node: no intra link)
+    if nodes > 1 and not (intra_Bps > 0 and run.inter_Bps > 0):
+        return f"a run as {nodes} emulated nodes without the links it measured (env.links)"
     comp = run.compressed_params if run.codec_name != "fp32" else 0
     specs = [(run.codec, run.algorithm)] if comp > 0 else []
     if comp < run.params:
@@ -166,12 +170,18 @@ def model_step(run: RunRecord, cal: Calibration) -> tuple[float, Breakdown, str,
     lcs: dict[str, LayerCodec] = {}
     for spec, algo in specs:
         fit, note = cal.link_for(run.backend, algo)
-        if fit is None:
-            return f"no link calibrated for backend {run.backend!r}"
-        if note:
-            notes.add(note)
-        sources.add(fit.source.split(":", 1)[0].split(",", 1)[0])
-        lc: dict[str, Any] = dict(bits=_bits(spec), algorithm=algo, link=fit.link())
+        if nodes > 1:
+            # as emulated nodes: the links the run's group measured, inside a node and between nodes (the
+            # one-node fit's latency, when there is one); the algorithms' formulas split the traffic
+            lc: dict[str, Any] = dict(bits=_bits(spec), algorithm=algo, link=None)
+            sources.add(f"measured links (intra {intra_Bps / 1e9:.3g} GB/s, inter {run.inter_Bps / 1e9:.3g} GB/s)")
+        else:
+            if fit is None:
+                return f"no link calibrated for backend {run.backend!r}"
+            if note:
+                notes.add(note)
+            sources.add(fit.source.split(":", 1)[0].split(",", 1)[0])
+            lc = dict(bits=_bits(spec), algorithm=algo, link=fit.link())
         if spec.split(":", 1)[0] != "fp32":
             cost, cnote = cal.codec_for(run.backend, algo, spec)
             if cost is None:
@@ -184,7 +194,12 @@ def model_step(run: RunRecord, cal: Calibration) -> tuple[float, Breakdown, str,
         lcs[spec] = LayerCodec(**lc)
     layers, layer_specs = run_layers(run, compute)
     codecs = [lcs[spec] for spec in layer_specs]
-    topo = Topology(run.world, run.world, next(iter(lcs.values())).link or Link(0.0, 1e15))
+    if nodes > 1:
+        fit, _ = cal.link_for(run.backend, "allreduce")
+        alpha = fit.latency_s if fit is not None else 0.0
+        topo = Topology(run.world, run.world // nodes, Link(alpha, intra_Bps), Link(alpha, run.inter_Bps))
+    else:
+        topo = Topology(run.world, run.world, next(iter(lcs.values())).link or Link(0.0, 1e15))
     step, br, _, _ = simulate_step(layers, topo, algorithm="allreduce", bits=32.0, overlap=True,
                                    bucket_bytes=DDP_BUCKET_BYTES, first_bucket_bytes=DDP_FIRST_BUCKET_BYTES,
                                    layer_codecs=codecs)
