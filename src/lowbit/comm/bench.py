@@ -49,6 +49,7 @@ import torch
 
 from lowbit.codecs.base import get_codec, parse_codec_list
 from lowbit.comm.allreduce import ALGORITHMS, SIMULATED, CommStats, all_reduce
+from lowbit.env import NCCL_ENV, device_name, git_commit, loadavg, under_torchrun
 from lowbit.feedback import ErrorFeedback
 
 __all__ = ["BenchConfig", "parse_sizes", "parse_codecs", "parse_algorithms", "register", "run", "format_table"]
@@ -64,8 +65,6 @@ DEFAULT_CODECS = [
     "dettmers:type=dynamic",
 ]
 BASELINE = ("fp32", "allreduce")
-NCCL_ENV = ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_IB_DISABLE", "NCCL_SOCKET_IFNAME", "NCCL_ALGO",
-            "NCCL_PROTO")
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
@@ -170,18 +169,6 @@ def _numba_threads() -> int | None:
     """numba's thread count in this process, if the numba kernels were loaded."""
     numba = sys.modules.get("numba")
     return int(numba.get_num_threads()) if numba is not None else None
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 RAW = ("torch.distributed", "all_reduce")  # torch.distributed.all_reduce itself (sum, in place)
@@ -290,7 +277,7 @@ def worker(rank: int, world_size: int, cfg: BenchConfig) -> dict[str, Any] | Non
         return None
     _add_ratios(rows, raw_times)
     kernel = kernels[0] if len(set(kernels)) == 1 else ", ".join(f"rank {r}: {k}" for r, k in enumerate(kernels))
-    return {"rows": rows, "meta": {"device_name": _device_name(device), "kernel_backend": kernel,
+    return {"rows": rows, "meta": {"device_name": device_name(device), "kernel_backend": kernel,
                                    "torch_threads_per_rank": torch.get_num_threads(),
                                    "numba_threads_per_rank": _numba_threads()}}
 
@@ -367,28 +354,6 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def _git_commit() -> str | None:
-    """The lowbit checkout's commit (with "+dirty" when tracked files differ), if it is a git checkout."""
-    import subprocess
-
-    root = Path(__file__).resolve().parents[3]
-    try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=5, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=5, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return head + ("+dirty" if dirty else "") if head else None
-
-
-def _loadavg() -> list[float] | None:
-    try:
-        return [round(v, 2) for v in os.getloadavg()]
-    except (AttributeError, OSError):
-        return None
-
-
 def _metadata(cfg: BenchConfig, world_size: int, label: str, worker_meta: dict[str, Any],
               skipped: list[dict[str, str]], launcher: str, load_before: list[float] | None) -> dict[str, Any]:
     return {
@@ -403,14 +368,14 @@ def _metadata(cfg: BenchConfig, world_size: int, label: str, worker_meta: dict[s
         "cpu_count": os.cpu_count(),
         # Other work on the machine skews CPU timings: a load average above the rank count says so.
         "loadavg_1_5_15_before": load_before,
-        "loadavg_1_5_15_after": _loadavg(),
+        "loadavg_1_5_15_after": loadavg(),
         "torch_threads_per_rank": worker_meta["torch_threads_per_rank"],
         "numba_threads_per_rank": worker_meta["numba_threads_per_rank"],
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "numba_num_threads_env": os.environ.get("NUMBA_NUM_THREADS"),
         "kernel_backend": worker_meta["kernel_backend"],
         "torch_version": torch.__version__,
-        "lowbit_git_commit": _git_commit(),
+        "lowbit_git_commit": git_commit(),
         "python_version": platform.python_version(),
         "nccl_env": {k: os.environ[k] for k in NCCL_ENV if k in os.environ},
         "tensors": "synthetic: torch.randn float32, a different seed per rank",
@@ -432,10 +397,6 @@ def _metadata(cfg: BenchConfig, world_size: int, label: str, worker_meta: dict[s
 
 
 # ------------------------------------------------------------------------------------------ command
-def _under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
 def run(args: argparse.Namespace) -> int:
     """Validate everything, launch (or join torchrun), print the table and write the JSON."""
     cfg = BenchConfig(
@@ -455,8 +416,8 @@ def run(args: argparse.Namespace) -> int:
     if cfg.backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("--backend nccl needs CUDA GPUs, and none is visible; use --backend gloo on CPU")
 
-    load_before = _loadavg()
-    if _under_torchrun():
+    load_before = loadavg()
+    if under_torchrun():
         world_size = int(os.environ["WORLD_SIZE"])
         if args.world_size is not None and args.world_size != world_size:
             raise ValueError(f"--world-size {args.world_size} disagrees with torchrun's WORLD_SIZE={world_size}")

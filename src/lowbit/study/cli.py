@@ -71,7 +71,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def _study(args: argparse.Namespace) -> int:
     from lowbit.study.config import load_config
-    from lowbit.study.runner import StudyInterrupted, launched_rank_and_size, plan_study, run_study, under_torchrun
+    from lowbit.env import launched_rank_and_size, under_torchrun
+    from lowbit.study.runner import StudyInterrupted, plan_study, run_study
 
     cfg = load_config(args.config, args.preset, _overrides(args))
     if args.dry_run:

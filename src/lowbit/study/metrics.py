@@ -31,8 +31,6 @@ averaged over the ranks; samples are summed over them (samples/s = global sample
 
 from __future__ import annotations
 
-import os
-import platform
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -40,7 +38,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["TailClock", "fwd_bwd_gflop_per_sample", "environment", "cpu_model"]
+from lowbit.env import host
+
+__all__ = ["TailClock", "fwd_bwd_gflop_per_sample", "environment"]
 
 
 class TailClock:
@@ -107,36 +107,7 @@ def fwd_bwd_gflop_per_sample(model_fn: Any, sample: torch.Tensor) -> float | Non
         return None
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def environment(device: torch.device, launcher: str) -> dict[str, Any]:
-    """Where a run ran: versions, processor, threads, load (timings on a busy machine are noisy)."""
-    import lowbit
-
-    try:
-        load = list(os.getloadavg())
-    except OSError:
-        load = None
-    env = {
-        "lowbit": lowbit.__version__,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu": cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model(),
-        "launcher": launcher,
-        "loadavg_at_start": load,
-    }
-    return env
+    """Where a run ran: versions, processor, threads, load (timings on a busy machine are noisy),
+    NCCL variables (:func:`lowbit.env.host`)."""
+    return host(device, launcher)

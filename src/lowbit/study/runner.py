@@ -37,12 +37,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lowbit.env import launched_rank_and_size, under_torchrun
 from lowbit.study.config import RunConfig, StudyConfig, check_runs, expand_runs
 from lowbit.study.metrics import TailClock, environment, fwd_bwd_gflop_per_sample
 from lowbit.study.store import ResultStore
 
-__all__ = ["StudyResult", "StudyInterrupted", "run_study", "plan_study", "train_run", "CRASH_ENV",
-           "under_torchrun", "launched_rank_and_size"]
+__all__ = ["StudyResult", "StudyInterrupted", "run_study", "plan_study", "train_run", "CRASH_ENV"]
 
 CRASH_ENV = "LOWBIT_STUDY_CRASH_AFTER_RUNS"
 _METRIC_FIELDS = ("train_s", "exposed_comm_s", "encode_s", "comm_s", "decode_s", "bytes_sent", "loss_sum",
@@ -532,19 +532,6 @@ def _spawn_worker(rank: int, world: int, plan: _GroupPlan) -> int:
 
 
 # ------------------------------------------------------------------------------------ the study
-def under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
-
-
-def launched_rank_and_size() -> tuple[int, int]:
-    """This process's (rank, world size) from torchrun's or an MPI launcher's environment."""
-    for rank_var, size_var in (("RANK", "WORLD_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-                               ("PMI_RANK", "PMI_SIZE")):
-        if size_var in os.environ:
-            return int(os.environ.get(rank_var, "0")), int(os.environ[size_var])
-    raise ValueError("--launcher torchrun: no RANK/WORLD_SIZE in the environment (start with torchrun or mpirun)")
-
-
 def plan_study(cfg: StudyConfig, out_dir: str | os.PathLike[str]) -> tuple[list[RunConfig], set[str], ResultStore]:
     """(all runs of the grid, keys already finished, the store). Validates everything first."""
     runs = expand_runs(cfg)
