@@ -38,12 +38,18 @@ def test_default_preset_is_the_documented_grid() -> None:
     assert ws1 and all(r.codec == "fp32" and r.algorithm == "none" for r in ws1)
     assert len(ws1) == len(cfg.networks) * len(cfg.datasets) * len(cfg.seeds)
     ws2 = [r for r in runs if r.world_size == 2]
-    assert len(ws2) == len(cfg.networks) * len(cfg.datasets) * len(cfg.codecs) * len(cfg.seeds)
-    # native codecs use the native allreduce; error feedback on for 1bitSGD and Dettmers, off for QSGD
-    by_codec = {r.codec.split(":")[0]: r for r in ws2}
-    assert by_codec["fp32"].algorithm == "allreduce" and by_codec["fp16"].algorithm == "allreduce"
-    assert by_codec["qsgd"].algorithm == "scatter_gather" and not by_codec["qsgd"].error_feedback
-    assert by_codec["onebit"].error_feedback and by_codec["dettmers"].error_feedback
+    # every codec once, and Dettmers twice: his method (no error feedback) and the +EF variant
+    assert len(ws2) == len(cfg.networks) * len(cfg.datasets) * (len(cfg.codecs) + 1) * len(cfg.seeds)
+    # native codecs use the native allreduce; error feedback on for 1bitSGD, off for QSGD
+    by_codec: dict[str, list] = {}
+    for r in ws2:
+        by_codec.setdefault(r.codec.split(":")[0], []).append(r)
+    assert by_codec["fp32"][0].algorithm == "allreduce" and by_codec["fp16"][0].algorithm == "allreduce"
+    assert by_codec["qsgd"][0].algorithm == "scatter_gather" and not any(r.error_feedback for r in by_codec["qsgd"])
+    assert all(r.error_feedback for r in by_codec["onebit"])
+    assert sorted(r.error_feedback for r in by_codec["dettmers"] if r.network == "mlp" and r.dataset == "digits") \
+        == [False, True]
+    assert {r.codec_label for r in by_codec["dettmers"]} == {"8bit dynamic (Dettmers)", "8bit dynamic (Dettmers) +EF"}
     # runs of one world size are contiguous (they share worker processes)
     sizes = [r.world_size for r in runs]
     assert sizes == sorted(sizes)
@@ -84,6 +90,8 @@ def test_all_presets_check_on_meta() -> None:
         ('batch_sizes = ["fig5"]', "fig5"),
         ('batch_sizes = ["fig4:lenet"]', "lenet"),
         ('error_feedback = "sometimes"', "error_feedback"),
+        ('error_feedback = ["auto", "auto"]', "error_feedback"),
+        ('error_feedback = [1]', "error_feedback"),
         ("[model_args.resnet9]\nx = 1", "model_args.resnet9"),
         ("lr = -1", "'lr'"),
     ],

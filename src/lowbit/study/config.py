@@ -16,7 +16,9 @@ seeds, every point trained for ``epochs`` epochs. Example (every key is optional
     batch_sizes = [32]                  # PER WORKER; or "fig4", "fig4:resnet110", "global:256" (see below)
     epochs = 4
     seeds = [0, 1, 2]
-    error_feedback = "auto"             # auto: on for biased codecs (onebit, dettmers, topk), off for QSGD
+    error_feedback = "auto"             # auto: on for 1bitSGD and top-k, off for QSGD and Dettmers (as the seeds
+                                        # ran them); "biased": on for every biased codec; true / false; or a
+                                        # list of these (a grid dimension: ["auto", "biased"] adds Dettmers +EF)
     optimizer = "sgd"                   # sgd | rmsprop | adam (lr, momentum, weight_decay apply)
     policies = [{}, {by_type = {Conv2d = "fp32"}}]  # per-layer overrides of each codec: conv vs fc precision
     [model_args.mlp]                    # keyword arguments for build_model, per network
@@ -120,7 +122,7 @@ class StudyConfig:
     batch_sizes: tuple[int | str, ...] = (32,)
     epochs: int = 3
     seeds: tuple[int, ...] = (0,)
-    error_feedback: bool | str = "auto"
+    error_feedback: bool | str | tuple[bool | str, ...] = "auto"
     compress_at_world_size_1: bool = False
     optimizer: str = "sgd"
     lr: float = 0.05
@@ -181,8 +183,15 @@ class StudyConfig:
         _check_int("max_test_samples", self.max_test_samples, 0)
         _check_int("max_steps_per_epoch", self.max_steps_per_epoch, 0)
         _check_int("start_iter", self.start_iter, 0)
-        if self.error_feedback not in (True, False, "auto"):
-            raise ValueError(f"study config: 'error_feedback' must be true, false or \"auto\", got {self.error_feedback!r}")
+        efs = self.error_feedback
+        if isinstance(efs, (list, tuple)):
+            if not efs or len(set(map(repr, efs))) != len(efs):
+                raise ValueError(f"study config: 'error_feedback' as a list must be non-empty, without repeats: {list(efs)}")
+            object.__setattr__(self, "error_feedback", tuple(efs))
+        for ef in (self.error_feedback if isinstance(self.error_feedback, tuple) else (self.error_feedback,)):
+            if ef not in EF_CHOICES or isinstance(ef, int) and not isinstance(ef, bool):
+                raise ValueError("study config: 'error_feedback' must be true, false, \"auto\" or \"biased\" (or a list "
+                                 f"of them), got {ef!r}")
         if not isinstance(self.compress_at_world_size_1, bool):
             raise ValueError(f"study config: 'compress_at_world_size_1' must be true or false, got {self.compress_at_world_size_1!r}")
         _check_names("optimizer", (self.optimizer,), OPTIMIZERS, "optimizer")
@@ -461,12 +470,19 @@ def codec_label(spec: str, error_feedback: bool = False) -> str:
     return get_codec(spec).label + (" +EF" if error_feedback else "")
 
 
-def _feedback(cfg: StudyConfig, codec: Codec) -> bool:
+#: the study's error-feedback settings: ``auto`` is the seeds' practice (1bitSGD and top-k need it; QSGD is
+#: unbiased, and Dettmers used none), ``biased`` turns it on for every biased codec (Dettmers too)
+EF_CHOICES = (True, False, "auto", "biased")
+
+
+def _feedback(ef: bool | str, codec: Codec) -> bool:
     if codec.sums_on_wire:
         return False
-    if cfg.error_feedback == "auto":
+    if ef == "auto":
+        return codec.biased and codec.name != "dettmers"
+    if ef == "biased":
         return codec.biased
-    return bool(cfg.error_feedback)
+    return bool(ef)
 
 
 @functools.lru_cache(maxsize=None)
@@ -497,9 +513,10 @@ def expand_runs(cfg: StudyConfig) -> list[RunConfig]:
     """
     runs: list[RunConfig] = []
     seen: set[str] = set()
-    for backend, ws, nodes, seed, dataset, network, batch, spec, policy, algorithm, par in itertools.product(
+    efs = cfg.error_feedback if isinstance(cfg.error_feedback, tuple) else (cfg.error_feedback,)
+    for backend, ws, nodes, seed, dataset, network, batch, spec, policy, algorithm, par, ef in itertools.product(
         cfg.backends, sorted(cfg.world_sizes), sorted(cfg.nodes), cfg.seeds, cfg.datasets, cfg.networks,
-        cfg.batch_sizes, cfg.codecs, cfg.policies, cfg.algorithms, cfg.parallelism,
+        cfg.batch_sizes, cfg.codecs, cfg.policies, cfg.algorithms, cfg.parallelism, efs,
     ):
         if ws % nodes:  # (one rank is one node)
             continue
@@ -535,7 +552,7 @@ def expand_runs(cfg: StudyConfig) -> list[RunConfig]:
             eff = "none"  # no parameter gradient crosses: the codec carries activations and their gradients
         run = RunConfig(
             network=network, dataset=dataset, codec=codec.spec, algorithm=eff,
-            error_feedback=(_feedback(cfg, codec) if (ws > 1 or cfg.compress_at_world_size_1) and par != "model"
+            error_feedback=(_feedback(ef, codec) if (ws > 1 or cfg.compress_at_world_size_1) and par != "model"
                             else False),  # (activations take no error feedback)
             world_size=ws, backend=backend, device=device, batch_size=per_worker, epochs=cfg.epochs,
             seed=seed, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
