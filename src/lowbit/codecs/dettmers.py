@@ -29,65 +29,17 @@ Wire format: ``[absmax float32 per bucket (normalised types only)] [one code byt
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
 
-from lowbit.codecs import _dettmers_tables as tables
 from lowbit.codecs.base import Codec, ceil_div, check_choice, check_int, register_codec
 from lowbit.kernels import dispatch
+from lowbit.kernels.dettmers_tables import NAN_CODE, NORMALISED, bnb_dynamic_map, decode_table, magnitudes
 from lowbit.kernels.reference import bucket_absmax, to_buckets, view_as
 
 TYPES = ("dynamic", "linear", "static", "mantissa", "dynamic_bnb")
-NORMALISED = ("dynamic", "linear", "dynamic_bnb")
-NAN_CODE = 0x80
-
-
-@functools.lru_cache(maxsize=None)
-def bnb_dynamic_map() -> tuple[float, ...]:
-    """bitsandbytes' signed ``create_dynamic_map(max_exponent_bits=7, total_bits=8)``: 256 sorted values.
-
-    For i = 0..6 it emits +-10^(i-6) times the midpoints of ``linspace(0.1, 1, 2^i + 1)``, plus 0 and 1.
-    """
-    data: list[float] = []
-    for i in range(7):
-        edges = torch.linspace(0.1, 1.0, 2**i + 1, dtype=torch.float32)
-        means = ((edges[:-1] + edges[1:]) / 2.0).tolist()
-        data += [(10.0 ** (i - 6)) * m for m in means]
-        data += [-(10.0 ** (i - 6)) * m for m in means]
-    data += [0.0, 1.0]
-    assert len(data) == 256
-    return tuple(float(v) for v in torch.tensor(sorted(data), dtype=torch.float32).tolist())
-
-
-@functools.lru_cache(maxsize=None)
-def magnitudes(type_: str, offset: int) -> tuple[float, ...]:
-    """The 128 magnitudes of a sign-magnitude type, indexed by code 0..127 (float32 values)."""
-    if type_ == "dynamic":
-        vals = list(tables.DYNAMIC_TREE) + [0.0, 1.0]
-    elif type_ == "linear":
-        vals = list(tables.LINEAR)
-    elif type_ == "static":
-        vals = [v * 10.0**offset for v in tables.STATIC_TREE]
-    elif type_ == "mantissa":
-        vals = [v * 10.0**offset for v in tables.MANTISSA]
-    else:
-        raise ValueError(type_)
-    return tuple(torch.tensor(vals, dtype=torch.float32).tolist())
-
-
-@functools.lru_cache(maxsize=None)
-def decode_table(type_: str, offset: int) -> tuple[float, ...]:
-    """256-entry lookup table: code -> value (before multiplying by the scale)."""
-    if type_ == "dynamic_bnb":
-        return bnb_dynamic_map()
-    mags = magnitudes(type_, offset)
-    lut = list(mags) + [-m for m in mags]
-    if type_ not in NORMALISED:
-        lut[NAN_CODE] = float("nan")
-    return tuple(lut)
 
 
 def _table(values: Sequence[float], device: torch.device) -> torch.Tensor:
