@@ -167,6 +167,166 @@ def _mean_over_ranks(values: dict[str, float], world: int, device: torch.device)
     return out
 
 
+class _Trainer:
+    """How one run trains on this rank under its parallelism: the module the loop drives, the DDP hook's
+    state (gradients), the activations' ParallelComm (model / hybrid), and one step, the loader, the
+    evaluation and the counters each of them needs."""
+
+    def __init__(self, run: RunConfig, model: nn.Module, rank: int, world: int, device: torch.device) -> None:
+        import lowbit.ddp
+        from lowbit.policy import Policy
+
+        self.run, self.model, self.rank, self.world, self.device = run, model, rank, world, device
+        cuda = device.type == "cuda"
+        self.state: Any = None
+        self.comm: Any = None    # model / hybrid parallelism: the activations' ParallelComm
+        self.hybrid: Any = None
+        self.compressed = 0      # parameters whose gradients cross compressed
+        self.net: nn.Module = model
+        if world == 1:
+            return
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        algorithm = run.algorithm if run.algorithm != "none" else "scatter_gather"
+        node_size = world // run.nodes if run.algorithm == "hierarchical" else None
+        if run.parallelism == "model":
+            # every linear layer split over the ranks; activations and their gradients in the run's codec
+            from lowbit.parallel import ParallelComm, model_parallel_chain, parallelize
+
+            self.comm = ParallelComm(codec=run.codec)
+            self.net = parallelize(model_parallel_chain(model), self.comm, seed=run.seed)
+            return
+        if run.parallelism == "hybrid":
+            from lowbit.parallel import Hybrid, ParallelComm, hybrid_parts
+
+            features, classifier = hybrid_parts(model)
+            grads: nn.Module = features
+            ddp = DDP(features, device_ids=[device.index] if cuda else None)
+            policy = None
+        else:
+            grads = model
+            ddp = DDP(model, device_ids=[device.index] if cuda else None)
+            policy = Policy(default=run.codec, **run.policy) if run.policy else None
+        self.state = lowbit.ddp.register(
+            ddp, codec=None if policy else run.codec, policy=policy, algorithm=algorithm,
+            error_feedback=run.error_feedback, start_iter=run.start_iter, seed=run.seed, node_size=node_size,
+            one_node_native=False,  # hierarchical in one node: keep the hook, so its bytes and times are measured
+        )
+        # The study reports the encode / communicate / decode split (on CUDA this synchronises the
+        # device around each phase, as a profiler does; training outside the study never pays it).
+        self.state.stats.timing = True
+        summary = (policy or Policy.coerce(None, run.codec)).summary(grads)
+        self.compressed = sum(n for spec, n in summary.items() if not spec.startswith("fp32"))
+        if run.parallelism == "hybrid":
+            self.comm = ParallelComm(codec=run.codec)
+            self.hybrid = self.net = Hybrid(ddp, classifier, self.comm, sub_batches=run.sub_batches, seed=run.seed)
+        else:
+            self.net = ddp
+
+    @property
+    def same_batch_everywhere(self) -> bool:
+        """Model parallelism: every rank trains (and evaluates) the same samples."""
+        return self.comm is not None and self.hybrid is None
+
+    def loader(self, x: torch.Tensor, y: torch.Tensor) -> Any:
+        from lowbit.data.sharding import ShardedLoader
+
+        run = self.run
+        if self.same_batch_everywhere:  # the global batch on every rank
+            return ShardedLoader(x, y, batch_size=run.batch_size * self.world, rank=0, world_size=1, seed=run.seed,
+                                 shuffle=True, drop_last=True)
+        return ShardedLoader(x, y, batch_size=run.batch_size, rank=self.rank, world_size=self.world, seed=run.seed,
+                             shuffle=True, drop_last=True)
+
+    def parameters(self) -> Any:
+        return (self.net if self.comm is not None else self.model).parameters()
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, opt: torch.optim.Optimizer, clock: TailClock) -> torch.Tensor:
+        if self.hybrid is not None:  # (zeroes, backward and steps the optimiser itself)
+            return self.hybrid.train_step(x, y, _loss, opt)
+        loss = _loss(self.net(x), y)
+        opt.zero_grad(set_to_none=True)
+        clock.start()
+        loss.backward()
+        clock.stop()
+        opt.step()
+        if self.comm is not None:
+            self.comm.step += 1
+        return loss
+
+    def samples(self, x: torch.Tensor) -> float:
+        # model parallelism: every rank trains the same global batch (count it once over the ranks)
+        return x.shape[0] / self.world if self.same_batch_everywhere else float(x.shape[0])
+
+    def counters(self) -> tuple[Any, Any]:
+        return (dataclasses.replace(self.state.stats) if self.state is not None else None,
+                dataclasses.replace(self.comm.stats) if self.comm is not None else None)
+
+    def add_counters(self, m: dict[str, float], before: tuple[Any, Any]) -> None:
+        s0, c0 = before
+        if self.state is not None and s0 is not None:
+            s1 = self.state.stats
+            m["encode_s"] = s1.t_encode - s0.t_encode
+            m["comm_s"] = s1.t_comm - s0.t_comm
+            m["decode_s"] = s1.t_decode - s0.t_decode
+            m["bytes_sent"] = s1.bytes_sent - s0.bytes_sent
+            m["calls"] = s1.calls - s0.calls
+        if self.comm is not None and c0 is not None:  # the activations' bytes (model / hybrid parallelism)
+            m["bytes_sent"] += self.comm.stats.bytes_sent - c0.bytes_sent
+            m["calls"] += self.comm.stats.calls - c0.calls
+
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float]:
+        if self.hybrid is not None:  # every rank's rows, in equal numbers (the gathers need them)
+            n_eq = x.shape[0] - x.shape[0] % self.world
+            return _evaluate(self.hybrid, x[:n_eq], y[:n_eq], self.rank, self.world, self.device)
+        if self.same_batch_everywhere:  # every rank the whole test set, in step
+            return _evaluate(self.net, x, y, 0, 1, self.device)
+        return _evaluate(self.model, x, y, self.rank, self.world, self.device)
+
+
+def _summary(epochs: list[dict[str, Any]], steps: int, t_run: float, params: int, compressed: int,
+             gflop: float | None, run: RunConfig, world: int, num_classes: int, n_train: int,
+             n_test: int) -> dict[str, Any]:
+    """The run's summary over its timed epochs (all but the first, which pays warm-up: JIT, caches)."""
+    timed = epochs[1:] if len(epochs) > 1 else epochs
+    tsum = sum(e["train_s"] for e in timed)
+
+    def per_epoch(field: str) -> float:
+        return sum(e[field] for e in timed) / len(timed)
+
+    losses = [e["train_loss"] for e in epochs]
+    return {
+        "samples_per_s": sum(e["samples"] for e in timed) / tsum if tsum > 0 else math.nan,
+        "samples_per_s_all_epochs": sum(e["samples"] for e in epochs) / max(1e-12, sum(e["train_s"] for e in epochs)),
+        "timed_epochs": [e["epoch"] for e in timed],
+        "epoch_train_s": per_epoch("train_s"),
+        "epoch_compute_s": per_epoch("compute_s"),
+        "epoch_exposed_comm_s": per_epoch("exposed_comm_s"),
+        "epoch_encode_s": per_epoch("encode_s"),
+        "epoch_comm_s": per_epoch("comm_s"),
+        "epoch_decode_s": per_epoch("decode_s"),
+        "steps_per_epoch": steps,
+        "bytes_per_step_per_rank": sum(e["bytes_sent_per_rank"] for e in timed) / max(1, sum(e["steps"] for e in timed)),
+        "final_test_acc": epochs[-1]["test_acc"],
+        "final_test_top5": epochs[-1]["test_top5"],
+        "num_classes": num_classes,
+        "best_test_acc": max((e["test_acc"] for e in epochs if e["test_acc"] == e["test_acc"]), default=math.nan),
+        "final_train_loss": epochs[-1]["train_loss"],
+        "final_test_loss": epochs[-1]["test_loss"],
+        "diverged": any(not math.isfinite(v) for v in losses),
+        "train_s": sum(e["train_s"] for e in epochs),
+        "wall_s": time.perf_counter() - t_run,
+        "params": params,
+        "compressed_params": compressed,
+        "compressed_fraction": compressed / params if params else 0.0,
+        "gflop_per_sample": gflop,
+        "comm_comp_ratio": (4 * params / 1e6) / (gflop * run.batch_size) if gflop else None,
+        "global_batch": run.batch_size * world,
+        "n_train": n_train,
+        "n_test": n_test,
+    }
+
+
 def train_run(
     run: RunConfig,
     rank: int,
@@ -176,10 +336,7 @@ def train_run(
 ) -> dict[str, Any]:
     """Train one run on this rank (collective: every rank of the group calls it). Returns the run row
     (meaningful on rank 0; every rank computes the same numbers)."""
-    import lowbit
-    from lowbit.data.sharding import ShardedLoader
     from lowbit.models import build_model
-    from lowbit.policy import Policy
 
     if run.world_size != world:
         raise ValueError(f"run wants world size {run.world_size}, the group has {world}")
@@ -207,64 +364,15 @@ def train_run(
     torch.manual_seed(run.seed)                       # same initial weights on every rank
     model = make_model().to(device)
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    state = None
-    compressed = 0
-    comm = hybrid = None  # model / hybrid parallelism: the activations' ParallelComm, the Hybrid
-    par = run.parallelism
-    if world > 1 and par == "model":
-        # every linear layer split over the ranks; activations and their gradients in the run's codec
-        from lowbit.parallel import ParallelComm, model_parallel_chain, parallelize
-
-        comm = ParallelComm(codec=run.codec)
-        net = parallelize(model_parallel_chain(model), comm, seed=run.seed)
-    elif world > 1 and par == "hybrid":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        from lowbit.parallel import Hybrid, ParallelComm, hybrid_parts
-
-        features, classifier = hybrid_parts(model)
-        fdp = DDP(features, device_ids=[device.index] if cuda else None)
-        state = lowbit.ddp.register(
-            fdp, codec=run.codec, algorithm=run.algorithm if run.algorithm != "none" else "scatter_gather",
-            error_feedback=run.error_feedback, start_iter=run.start_iter, seed=run.seed,
-            node_size=world // run.nodes if run.algorithm == "hierarchical" else None, one_node_native=False)
-        state.stats.timing = True
-        comm = ParallelComm(codec=run.codec)
-        hybrid = net = Hybrid(fdp, classifier, comm, sub_batches=run.sub_batches, seed=run.seed)
-        summary = Policy.coerce(None, run.codec).summary(features)
-        compressed = sum(n for spec, n in summary.items() if not spec.startswith("fp32"))
-    elif world > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        net: nn.Module = DDP(model, device_ids=[device.index] if cuda else None)
-        policy = Policy(default=run.codec, **run.policy) if run.policy else None
-        state = lowbit.ddp.register(
-            net, codec=None if policy else run.codec, policy=policy,
-            algorithm=run.algorithm if run.algorithm != "none" else "scatter_gather",
-            error_feedback=run.error_feedback, start_iter=run.start_iter, seed=run.seed,
-            node_size=world // run.nodes if run.algorithm == "hierarchical" else None,
-            one_node_native=False,  # hierarchical in one node: keep the hook, so its bytes and times are measured
-        )
-        # The study reports the encode / communicate / decode split (on CUDA this synchronises the
-        # device around each phase, as a profiler does; training outside the study never pays it).
-        state.stats.timing = True
-        summary = (policy or Policy.coerce(None, run.codec)).summary(model)
-        compressed = sum(n for spec, n in summary.items() if not spec.startswith("fp32"))
-    else:
-        net = model
+    trainer = _Trainer(run, model, rank, world, device)
     torch.manual_seed(run.seed * 1_000 + rank + 1)   # dropout masks differ across ranks
 
-    if comm is not None and hybrid is None:  # model parallelism: every rank takes the same global batch
-        loader = ShardedLoader(x_tr, y_tr, batch_size=run.batch_size * world, rank=0, world_size=1, seed=run.seed,
-                               shuffle=True, drop_last=True)
-    else:
-        loader = ShardedLoader(x_tr, y_tr, batch_size=run.batch_size, rank=rank, world_size=world, seed=run.seed,
-                               shuffle=True, drop_last=True)
+    loader = trainer.loader(x_tr, y_tr)
     steps = len(loader) if not run.max_steps_per_epoch else min(len(loader), run.max_steps_per_epoch)
     if steps == 0:
         raise ValueError(f"{run.dataset}: {len(x_tr)} training samples make no full batch of {run.batch_size} "
                          f"on each of {world} workers")
-    opt = make_optimizer(run, (net if comm is not None else model).parameters())
+    opt = make_optimizer(run, trainer.parameters())
     total_steps = steps * run.epochs
     if run.lr_schedule == "cosine":
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.5 * (1 + math.cos(math.pi * min(t, total_steps) / total_steps)))
@@ -273,7 +381,8 @@ def train_run(
 
     gflop = _gflop(run, data, make_model, x_tr) if rank == 0 else None
     env = environment(device, launcher) if rank == 0 else {}
-    clock = TailClock(model.parameters() if comm is None else [], cuda)  # (exposed time: data parallelism only)
+    # exposed communication: measured for data parallelism (the gradients' tail after the backward)
+    clock = TailClock(model.parameters() if trainer.comm is None else [], cuda)
     epochs: list[dict[str, Any]] = []
     attempt = uuid.uuid4().hex[:12]
     key = run.key()
@@ -281,56 +390,28 @@ def train_run(
         for epoch in range(run.epochs):
             t_epoch = time.perf_counter()
             loader.set_epoch(epoch)
-            s0 = dataclasses.replace(state.stats) if state is not None else None
-            c0 = dataclasses.replace(comm.stats) if comm is not None else None
+            before = trainer.counters()
             m = dict.fromkeys(_METRIC_FIELDS, 0.0)
-            net.train()
+            trainer.net.train()
             for i, (x, y) in enumerate(loader):
                 if i >= steps:
                     break
                 if cuda:
                     torch.cuda.synchronize(device)
                 t0 = time.perf_counter()
-                if hybrid is not None:  # (zeroes, backward and steps the optimiser itself)
-                    loss = hybrid.train_step(x, y, _loss, opt)
-                else:
-                    loss = _loss(net(x), y)
-                    opt.zero_grad(set_to_none=True)
-                    clock.start()
-                    loss.backward()
-                    clock.stop()
-                    opt.step()
-                    if comm is not None:
-                        comm.step += 1
+                loss = trainer.step(x, y, opt, clock)
                 sched.step()
                 if cuda:
                     torch.cuda.synchronize(device)
-                t1 = time.perf_counter()
-                m["train_s"] += t1 - t0
+                m["train_s"] += time.perf_counter() - t0
                 m["exposed_comm_s"] += clock.tail_s() if world > 1 else 0.0
                 m["loss_sum"] += float(loss.detach())
                 m["steps"] += 1
-                # model parallelism: every rank trains the same global batch (count it once)
-                m["samples"] += x.shape[0] / world if comm is not None and hybrid is None else x.shape[0]
-            if state is not None and s0 is not None:
-                s1 = state.stats
-                m["encode_s"] = s1.t_encode - s0.t_encode
-                m["comm_s"] = s1.t_comm - s0.t_comm
-                m["decode_s"] = s1.t_decode - s0.t_decode
-                m["bytes_sent"] = s1.bytes_sent - s0.bytes_sent
-                m["calls"] = s1.calls - s0.calls
-            if comm is not None and c0 is not None:  # the activations' bytes (model / hybrid parallelism)
-                m["bytes_sent"] += comm.stats.bytes_sent - c0.bytes_sent
-                m["calls"] += comm.stats.calls - c0.calls
+                m["samples"] += trainer.samples(x)
+            trainer.add_counters(m, before)
             g = _mean_over_ranks(m, world, device)
             t_eval = time.perf_counter()
-            if hybrid is not None:  # every rank's rows, in equal numbers (the gathers need them)
-                n_eq = x_te.shape[0] - x_te.shape[0] % world
-                test_loss, test_acc, test_top5 = _evaluate(hybrid, x_te[:n_eq], y_te[:n_eq], rank, world, device)
-            elif comm is not None:  # model parallelism: every rank the whole test set, in step
-                test_loss, test_acc, test_top5 = _evaluate(net, x_te, y_te, 0, 1, device)
-            else:
-                test_loss, test_acc, test_top5 = _evaluate(model, x_te, y_te, rank, world, device)
+            test_loss, test_acc, test_top5 = trainer.evaluate(x_te, y_te)
             eval_s = time.perf_counter() - t_eval
             train_loss = g["loss_sum"] / g["steps_total"] if g["steps_total"] else math.nan
             rec = {
@@ -360,43 +441,8 @@ def train_run(
     finally:
         clock.remove()
 
-    timed = epochs[1:] if len(epochs) > 1 else epochs   # the first epoch pays warm-up (JIT, caches)
-    tsum = sum(e["train_s"] for e in timed)
-
-    def per_epoch(field: str) -> float:
-        return sum(e[field] for e in timed) / len(timed)
-
-    losses = [e["train_loss"] for e in epochs]
-    summary = {
-        "samples_per_s": sum(e["samples"] for e in timed) / tsum if tsum > 0 else math.nan,
-        "samples_per_s_all_epochs": sum(e["samples"] for e in epochs) / max(1e-12, sum(e["train_s"] for e in epochs)),
-        "timed_epochs": [e["epoch"] for e in timed],
-        "epoch_train_s": per_epoch("train_s"),
-        "epoch_compute_s": per_epoch("compute_s"),
-        "epoch_exposed_comm_s": per_epoch("exposed_comm_s"),
-        "epoch_encode_s": per_epoch("encode_s"),
-        "epoch_comm_s": per_epoch("comm_s"),
-        "epoch_decode_s": per_epoch("decode_s"),
-        "steps_per_epoch": steps,
-        "bytes_per_step_per_rank": sum(e["bytes_sent_per_rank"] for e in timed) / max(1, sum(e["steps"] for e in timed)),
-        "final_test_acc": epochs[-1]["test_acc"],
-        "final_test_top5": epochs[-1]["test_top5"],
-        "num_classes": data.num_classes,
-        "best_test_acc": max((e["test_acc"] for e in epochs if e["test_acc"] == e["test_acc"]), default=math.nan),
-        "final_train_loss": epochs[-1]["train_loss"],
-        "final_test_loss": epochs[-1]["test_loss"],
-        "diverged": any(not math.isfinite(v) for v in losses),
-        "train_s": sum(e["train_s"] for e in epochs),
-        "wall_s": time.perf_counter() - t_run,
-        "params": params,
-        "compressed_params": compressed,
-        "compressed_fraction": compressed / params if params else 0.0,
-        "gflop_per_sample": gflop,
-        "comm_comp_ratio": (4 * params / 1e6) / (gflop * run.batch_size) if gflop else None,
-        "global_batch": run.batch_size * world,
-        "n_train": int(x_tr.shape[0]),
-        "n_test": int(x_te.shape[0]),
-    }
+    summary = _summary(epochs, steps, t_run, params, trainer.compressed, gflop, run, world, data.num_classes,
+                       int(x_tr.shape[0]), int(x_te.shape[0]))
     return {
         "kind": "run",
         "key": key,
