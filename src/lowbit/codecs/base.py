@@ -17,7 +17,9 @@ draws from a counter-based hash keyed by ``(seed, element index)``.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import numbers
+import os
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -298,9 +300,23 @@ def available_codecs() -> dict[str, dict[str, Any]]:
     return out
 
 
+#: Comma-separated modules that register codecs of their own (``@register_codec``) when imported; read at
+#: the first codec lookup, in every process (spawned workers inherit it): docs/codecs.md, "Your own codec".
+PLUGINS_ENV = "LOWBIT_PLUGINS"
+_PLUGINS_LOADED: set[str] = set()
+
+
 def _ensure_loaded() -> None:
     # The codec modules register themselves on import.
     from lowbit.codecs import dettmers, floats, onebit, qsgd, topk  # noqa: F401
+
+    for mod in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
+        if mod not in _PLUGINS_LOADED:
+            try:
+                importlib.import_module(mod)
+            except ImportError as exc:
+                raise ValueError(f"${PLUGINS_ENV}: cannot import codec plugin {mod!r}: {exc}") from exc
+            _PLUGINS_LOADED.add(mod)
 
 
 # --------------------------------------------------------------------------------- validation
