@@ -68,6 +68,7 @@ from torch import nn
 from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
 from lowbit.comm.allreduce import ALGORITHMS, CommStats, resolve_algorithm, start
+from lowbit.comm.hierarchical import node_size_for
 from lowbit.policy import Policy
 
 __all__ = ["LowbitState", "hook", "make_state", "register", "ConfigMismatchError"]
@@ -349,8 +350,6 @@ class LowbitState:
         if node_size is not None and (isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1):
             raise ValueError(f"node_size must be a positive int (ranks per node), got {node_size!r}")
         if algorithm == "hierarchical" and node_size is None:
-            from lowbit.comm.hierarchical import node_size_for
-
             node_size = node_size_for(process_group)  # from the environment, now: a clear error if unknown
         self.node_size = node_size
         self._group_of: Optional[Dict[str, _Group]] = None  # parameter name -> its message group

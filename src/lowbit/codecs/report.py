@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from lowbit.codecs.base import Codec, get_codec
+from lowbit.extras import require
 
 DEFAULT_SPECS = [
     "fp32",
@@ -61,8 +62,6 @@ PAPER_TABLE2 = {
 
 def real_gradients(steps: int = 30, seed: int = 0) -> torch.Tensor:
     """Flattened gradients of a 64-256-256-10 MLP trained on scikit-learn's digits (offline)."""
-    from lowbit.extras import require
-
     data = require("sklearn.datasets", "study", "lowbit codecs' real-gradient column (scikit-learn's digits)").load_digits()
     x = torch.tensor(data.data, dtype=torch.float32) / 16.0
     y = torch.tensor(data.target, dtype=torch.int64)

@@ -50,6 +50,9 @@ import torch
 from lowbit.codecs.base import get_codec, parse_codec_list
 from lowbit.comm.allreduce import ALGORITHMS, SIMULATED, CommStats, all_reduce
 from lowbit.env import NCCL_ENV, device_name, git_commit, loadavg, under_torchrun
+from lowbit.comm.collectives import all_gather_object
+from lowbit.kernels.dispatch import backend_for
+from lowbit.launch import init_from_env, spawn
 from lowbit.feedback import ErrorFeedback
 
 __all__ = ["BenchConfig", "parse_sizes", "parse_codecs", "parse_algorithms", "register", "run", "format_table"]
@@ -249,9 +252,6 @@ def _measure_size(n: int, rank: int, cfg: BenchConfig, pairs: list[tuple[str, st
 
 def worker(rank: int, world_size: int, cfg: BenchConfig) -> dict[str, Any] | None:
     """Run the grid on this rank; rank 0 returns ``{"rows": [...], "meta": {...}}``, the others None."""
-    from lowbit.comm.collectives import all_gather_object
-    from lowbit.kernels.dispatch import backend_for
-
     device = _device(cfg.backend)
     pairs, _ = cfg.combos()
     bar = None
@@ -423,8 +423,6 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--world-size {args.world_size} disagrees with torchrun's WORLD_SIZE={world_size}")
         import torch.distributed as dist
 
-        from lowbit.launch import init_from_env
-
         rank, world_size = init_from_env(cfg.backend, timeout=datetime.timedelta(seconds=args.timeout))
         try:
             result = worker(rank, world_size, cfg)
@@ -440,8 +438,6 @@ def run(args: argparse.Namespace) -> int:
         if cfg.backend == "nccl" and torch.cuda.device_count() < world_size:
             raise ValueError(f"--backend nccl needs one GPU per rank: {world_size} ranks, "
                              f"{torch.cuda.device_count()} GPUs visible")
-        from lowbit.launch import spawn
-
         result = spawn(worker, world_size, cfg, backend=cfg.backend, timeout_s=args.timeout)[0]
         launcher = "lowbit.launch.spawn"
 

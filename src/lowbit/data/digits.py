@@ -13,14 +13,13 @@ import numpy as np
 import torch
 
 from lowbit.data.bundle import Dataset
+from lowbit.extras import require
 
 __all__ = ["load_digits"]
 
 
 def load_digits(seed: int = 0, test_fraction: float = 0.2) -> Dataset:
     """The digits data set, split by ``seed`` (stratified) and standardised on the training split."""
-    from lowbit.extras import require
-
     _sk_load_digits = require("sklearn.datasets", "study", "the digits data set").load_digits
     train_test_split = require("sklearn.model_selection", "study", "the digits data set").train_test_split
 

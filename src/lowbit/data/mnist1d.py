@@ -21,14 +21,13 @@ import numpy as np
 import torch
 
 from lowbit.data.bundle import Dataset
+from lowbit.extras import require
 
 __all__ = ["load_mnist1d"]
 
 
 @functools.lru_cache(maxsize=1)
 def _generate() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, str]:
-    from lowbit.extras import require
-
     m1d = require("mnist1d.data", "study", "the mnist1d data set")
     get_dataset_args, make_dataset = m1d.get_dataset_args, m1d.make_dataset
     np_state, py_state = np.random.get_state(), random.getstate()

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from lowbit.data.bundle import Dataset
+from lowbit.models import model_info
 
 __all__ = ["load_synthetic"]
 
@@ -36,8 +37,6 @@ def load_synthetic(
     model they default to ``(3, 224, 224)``, 1000 and ``"classify"``.
     """
     if model is not None:
-        from lowbit.models import model_info  # same layer; imported lazily to keep data light
-
         info = model_info(model)
         in_shape = info.in_shape if in_shape is None else in_shape
         num_classes = info.num_classes if num_classes is None else num_classes
