@@ -51,11 +51,35 @@ from lowbit.comm import collectives as C
 from lowbit.feedback import ErrorFeedback
 
 ALGORITHMS = ("auto", "scatter_gather", "allgather", "allreduce", "hierarchical", "simulated")
+@dataclasses.dataclass(frozen=True)
+class AlgorithmPlugin:
+    """An algorithm that lives in a module of its own and registers itself (:func:`register_algorithm`):
+    ``lowbit.comm.hierarchical`` is one. ``start(x, codec, group, op, residual, seed, stats, out, post,
+    node_size, shape, world)`` issues one reduction (as :func:`start`, the call already counted);
+    ``bytes_per_rank(codec, n, k, rank, exact, node_size, shape)`` is its bytes formula; ``prepare(group,
+    node_size)`` resolves what the ranks must agree on (here: the node size) before the first call."""
+
+    start: Callable[..., torch.futures.Future]
+    bytes_per_rank: Callable[..., int]
+    prepare: Callable[[dist.ProcessGroup | None, int | None], int | None]
+
+
+_PLUGINS: dict[str, AlgorithmPlugin] = {}
+
+
+def register_algorithm(name: str, plugin: AlgorithmPlugin) -> None:
+    """Make ``name`` an algorithm of :func:`all_reduce`, :func:`start` and the DDP hook (it must be listed
+    in :data:`ALGORITHMS`, so that every layer validates it alike)."""
+    if name not in ALGORITHMS:
+        raise ValueError(f"register_algorithm: {name!r} is not in lowbit.comm.allreduce.ALGORITHMS")
+    _PLUGINS[name] = plugin
+
+
 #: Grubic et al.'s simulation of low-precision NCCL (Figs 7, 9, 11): a native fp32 allreduce of a buffer cut
 #: to bits/32 of the tensor. Speed only: the tensor is NOT reduced (each rank keeps its own values).
 SIMULATED = "simulated"
 
-__all__ = ["ALGORITHMS", "SIMULATED", "CommStats", "Handle", "all_reduce", "chunk_sizes", "bytes_sent_per_rank",
+__all__ = ["ALGORITHMS", "SIMULATED", "AlgorithmPlugin", "register_algorithm", "CommStats", "Handle", "all_reduce", "chunk_sizes", "bytes_sent_per_rank",
            "resolve_algorithm", "simulated_numel", "start"]
 
 
@@ -220,15 +244,13 @@ def start(
     """
     rank, k = C.world(group) if world is None else world
     out = x if out is None else out
-    if algorithm == "hierarchical" and k > 1:
-        from lowbit.comm.hierarchical import node_size_for
-
-        if node_size_for(group, node_size) == k:
-            # One node: nothing crosses a slow link, so nothing is compressed (per-tensor codecs included):
-            # one native fp32 allreduce, which NCCL runs best inside a node.
-            if stats is not None:
-                stats.calls += 1
-            return _native(x, get_codec("fp32"), group, op, k, stats, out, post)
+    plugin = _PLUGINS.get(algorithm)
+    if plugin is not None and k > 1:
+        if exact:
+            raise ValueError("exact values ride only with the allgather algorithm")
+        if stats is not None:
+            stats.calls += 1
+        return plugin.start(x, codec, group, op, residual, seed, stats, out, post, node_size, shape, (rank, k))
     algorithm = resolve_algorithm(algorithm, codec, k)
     if stats is not None:
         stats.calls += 1
@@ -236,14 +258,10 @@ def start(
         return _simulated(x, codec, group, k, stats, out, post, shape)
     if exact and algorithm != "allgather":
         raise ValueError("exact values ride only with the allgather algorithm")
-    if k == 1 and algorithm == "hierarchical":
+    if k == 1 and algorithm in _PLUGINS:
         algorithm = "allgather"  # one rank: nothing to send, the flat path copies
     if algorithm == "allreduce":
         return _native(x, codec, group, op, k, stats, out, post)
-    if algorithm == "hierarchical":
-        from lowbit.comm.hierarchical import start_hierarchical
-
-        return start_hierarchical(x, codec, group, op, residual, seed, stats, out, post, node_size)
     n = x.numel() - exact
     comp = x[:n] if residual is None else x[:n] + residual
     if residual is not None and n:
@@ -421,17 +439,11 @@ def bytes_sent_per_rank(codec: Codec, n: int, k: int, algorithm: str, rank: int 
     really send; this is the model's side."""
     if k == 1 or (n == 0 and not exact):
         return 0
-    if algorithm == "hierarchical" and node_size is not None and node_size >= k:
-        return int(2 * (k - 1) * (n + exact) * 4 // k)  # one node: the native fp32 allreduce (see start)
+    if algorithm in _PLUGINS:
+        return _PLUGINS[algorithm].bytes_per_rank(codec, n, k, rank, exact, node_size, shape)
     if algorithm == SIMULATED:
         return int(2 * (k - 1) * simulated_numel(codec, n + exact, shape) * 4 // k)
     algorithm = resolve_algorithm(algorithm, codec, k)
-    if algorithm == "hierarchical":
-        from lowbit.comm.hierarchical import bytes_hierarchical
-
-        if node_size is None:
-            raise ValueError("bytes_sent_per_rank: the hierarchical algorithm needs node_size")
-        return bytes_hierarchical(codec, n, k, node_size, rank)
     if algorithm == "allreduce":
         return int(2 * (k - 1) * codec.nbytes(n, codec.flat_shape(n)) // k)
     if algorithm == "allgather":
@@ -677,11 +689,10 @@ def all_reduce(
     if feedback is not None and (algorithm == "allreduce" or codec.sums_on_wire):
         raise ValueError(f"{codec.spec} is summed natively and is lossless up to the cast; it takes no error feedback")
 
-    if algorithm == "hierarchical" and not codec.sums_on_wire:
-        from lowbit.comm.hierarchical import node_size_for
-
-        node_size = node_size_for(group, node_size)
-    _agree(group, key, (codec.spec, algorithm if algorithm != "hierarchical" else f"hierarchical/{node_size}", op,
+    plugin = _PLUGINS.get(algorithm)
+    if plugin is not None and not codec.sums_on_wire:
+        node_size = plugin.prepare(group, node_size)
+    _agree(group, key, (codec.spec, algorithm if plugin is None else f"{algorithm}/{node_size}", op,
                         tensor.numel(), feedback is not None))
 
     src = tensor.detach()

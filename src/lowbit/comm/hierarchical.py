@@ -33,8 +33,17 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from lowbit.codecs.base import Codec
+from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
+from lowbit.comm.allreduce import (
+    AlgorithmPlugin,
+    _keep,
+    _native,
+    bytes_sent_per_rank,
+    register_algorithm,
+    resolve_algorithm,
+    start,
+)
 
 __all__ = ["NODE_SIZE_ENV", "node_size_for", "Topology", "topology", "start_hierarchical", "bytes_between_nodes",
            "bytes_hierarchical"]
@@ -108,8 +117,6 @@ def _chunk(n: int, g: int) -> int:
 
 def bytes_between_nodes(codec: Codec, n: int, k: int, node_size: int, rank: int = 0) -> int:
     """Bytes rank ``rank`` sends to other nodes for one hierarchical call of ``n`` values (phase 2)."""
-    from lowbit.comm.allreduce import bytes_sent_per_rank, resolve_algorithm
-
     nodes = k // node_size
     if nodes == 1 or codec.per_tensor:  # per-tensor codecs run the flat allgather, not this algorithm
         return 0
@@ -143,8 +150,6 @@ def start_hierarchical(
     """Issue one hierarchical reduction of ``x`` into ``out`` (see the module docstring); the future of
     ``out`` (or of ``post()``). ``residual`` ((n,) float32): error feedback of the node sums; this rank
     uses the part of it that covers its chunk."""
-    from lowbit.comm.allreduce import _keep, resolve_algorithm, start
-
     g = node_size_for(group, node_size)
     topo = topology(group, g)
     k = g * topo.nodes
@@ -199,3 +204,41 @@ def start_hierarchical(
     elif out.data_ptr() != chunk.data_ptr():
         out.copy_(chunk[:n])
     return C.done(out if post is None else post(), dev)
+
+
+# ---------------------------------------------------------------------------------- the algorithm
+_FP32 = get_codec("fp32")
+
+
+def _start(x: torch.Tensor, codec: Codec, group: dist.ProcessGroup | None, op: str, residual: torch.Tensor | None,
+           seed: int, stats: object | None, out: torch.Tensor, post: Callable[[], torch.Tensor] | None,
+           node_size: int | None, shape: tuple[int, ...] | None, world: tuple[int, int]) -> torch.futures.Future:
+    """``algorithm="hierarchical"`` as lowbit.comm.allreduce.start dispatches it (the call is counted)."""
+    k = world[1]
+    if node_size_for(group, node_size) == k:
+        # One node: nothing crosses a slow link, so nothing is compressed (per-tensor codecs included):
+        # one native fp32 allreduce, which NCCL runs best inside a node.
+        return _native(x, _FP32, group, op, k, stats, out, post)
+    if codec.sums_on_wire:  # fp16 / bf16: summed by the native allreduce, as every algorithm does
+        return _native(x, codec, group, op, k, stats, out, post)
+    if codec.per_tensor:  # a tensor's own groups cannot be cut into shards: the flat allgather
+        if stats is not None:
+            stats.calls -= 1  # type: ignore[attr-defined]  # (start counts it again)
+        return start(x, codec, group, "allgather", op, residual, seed, stats, out=out, post=post, world=world,
+                     shape=shape)
+    return start_hierarchical(x, codec, group, op, residual, seed, stats, out, post, node_size)
+
+
+def _bytes(codec: Codec, n: int, k: int, rank: int, exact: int, node_size: int | None,
+           shape: tuple[int, ...] | None) -> int:
+    if node_size is None:
+        raise ValueError("bytes_sent_per_rank: the hierarchical algorithm needs node_size")
+    if node_size >= k:
+        return int(2 * (k - 1) * (n + exact) * 4 // k)  # one node: the native fp32 allreduce (see _start)
+    if codec.sums_on_wire or codec.per_tensor:
+        return bytes_sent_per_rank(codec, n, k, resolve_algorithm("hierarchical", codec, k), rank, exact,
+                                   shape=shape)
+    return bytes_hierarchical(codec, n, k, node_size, rank)
+
+
+register_algorithm("hierarchical", AlgorithmPlugin(start=_start, bytes_per_rank=_bytes, prepare=node_size_for))
