@@ -8,10 +8,9 @@
 
 from __future__ import annotations
 
+from lowbit._version import __version__
 from lowbit.codecs import Codec, available_codecs, get_codec, parse_spec
 from lowbit.feedback import ErrorFeedback
-
-__version__ = "0.1.0"
 
 __all__ = ["Codec", "ErrorFeedback", "available_codecs", "get_codec", "parse_spec", "__version__"]
 

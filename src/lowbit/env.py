@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from lowbit import __version__
+from lowbit._version import __version__
 
 __all__ = ["NCCL_ENV", "cpu_model", "device_name", "loadavg", "git_commit", "host", "under_torchrun",
            "launched_rank_and_size"]

@@ -1,0 +1,99 @@
+"""The package's imports against shared/DESIGN.md's layers (issue 13), walked from the source:
+
+* no import cycle among lowbit's modules at module level;
+* no module-level import of a higher layer, except the ones listed (integrations adapt the DDP hook);
+* lowbit imports inside function bodies only in the modules listed, and no more of them than counted
+  here: a ratchet, to be lowered to zero as study and perfmodel are untangled (optional dependencies
+  are imported through lowbit.extras, at module level).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+#: DESIGN.md's drawing, top (imports everything below) to bottom.
+LAYER = {"__init__": 10, "__main__": 10, "cli": 9, "study": 8, "perfmodel": 7, "ddp": 6, "parallel": 6, "integrations": 5, "policy": 4, "comm": 3,
+         "feedback": 2, "codecs": 1, "kernels": 0, "models": 0, "data": 0, "env": -1, "launch": -1, "extras": -1, "_version": -2}
+UPWARD_ALLOWED = {("lowbit.integrations.accelerate", "lowbit.ddp"), ("lowbit.integrations.lightning", "lowbit.ddp")}
+#: lowbit imports inside functions, per top-level package (2026-11-26: 53 in all)
+INNER_MAX = {"study": 35, "perfmodel": 15, "__init__": 2, "codecs": 1}
+
+
+def _modules() -> dict[str, tuple[ast.Module, Path]]:
+    out = {}
+    for f in (SRC / "lowbit").rglob("*.py"):
+        name = ".".join(f.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__")
+        out[name] = (ast.parse(f.read_text()), f)
+    return out
+
+
+def _layer(mod: str) -> str:
+    parts = mod.split(".")
+    return "__init__" if len(parts) == 1 else parts[1]
+
+
+def _top_level_imports(tree: ast.Module) -> list[str]:
+    names = []
+    for node in tree.body:
+        for sub in ast.walk(node) if isinstance(node, (ast.If, ast.Try)) else [node]:
+            if isinstance(sub, ast.ImportFrom) and sub.module and sub.level == 0:
+                names.append(sub.module)
+                names += [f"{sub.module}.{a.name}" for a in sub.names]
+            elif isinstance(sub, ast.Import):
+                names += [a.name for a in sub.names]
+    return [n for n in names if n.startswith("lowbit")]
+
+
+def test_no_cycles_and_no_upward_imports() -> None:
+    mods = _modules()
+    graph: dict[str, set[str]] = defaultdict(set)
+    upward = set()
+    for name, (tree, _) in mods.items():
+        for imp in _top_level_imports(tree):
+            target = imp if imp in mods else imp.rsplit(".", 1)[0]
+            if target not in mods or target == name:
+                continue
+            graph[name].add(target)
+            a, b = _layer(name), _layer(target)
+            if a != b and LAYER.get(b, 0) > LAYER.get(a, 0):
+                upward.add((name, target))
+    assert upward <= UPWARD_ALLOWED, sorted(upward - UPWARD_ALLOWED)
+    # cycles: depth-first search over module-level edges (a package's __init__ importing its own
+    # submodules is how packages work; edges into a package's own __init__ from its members are not cycles)
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for n in graph.get(m, ()):
+            if m.startswith(n + ".") or n.startswith(m + "."):
+                continue
+            if state.get(n) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(n):] + [n]))
+            if n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(mods):
+        if m not in state:
+            visit(m)
+
+
+def test_inner_imports_do_not_grow() -> None:
+    counts: dict[str, int] = defaultdict(int)
+    for name, (tree, _) in _modules().items():
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(fn):
+                    mod = (node.module or "") if isinstance(node, ast.ImportFrom) else \
+                        (node.names[0].name if isinstance(node, ast.Import) else "")
+                    if mod.startswith("lowbit"):
+                        counts[_layer(name)] += 1
+    for pkg, n in counts.items():
+        assert n <= INNER_MAX.get(pkg, 0), (pkg, n, INNER_MAX.get(pkg, 0))
