@@ -410,9 +410,10 @@ _ZEROS: dict[torch.device, torch.Tensor] = {}
 
 
 def _zeros(nbytes: int, device: torch.device) -> torch.Tensor:
+    """``nbytes`` zero bytes (a view of one read-only buffer per device, grown when a pad is longer)."""
     z = _ZEROS.get(device)
-    if z is None:
-        z = _ZEROS[device] = torch.zeros(2 * ALIGN, dtype=torch.uint8, device=device)
+    if z is None or z.numel() < nbytes:
+        z = _ZEROS[device] = torch.zeros(max(2 * ALIGN, nbytes), dtype=torch.uint8, device=device)
     return z[:nbytes]
 
 
@@ -604,29 +605,11 @@ def _scatter_gather(comp, codec, group, op, rank, k, residual, seed, stats, out,
     return C.then(work2, finish, "all_gather_into_tensor", group)
 
 
-_AGREED: set[tuple[int, tuple]] = set()
-
-
 def _agree(group: dist.ProcessGroup | None, key: Hashable, fingerprint: tuple) -> None:
-    """Ranks must call a collective alike. The first time a (key, codec, algorithm, op, numel, feedback)
-    combination is seen on a group, the ranks exchange it (one small object all-gather) and all raise
-    the same :class:`CollectiveError` on a mismatch: never a hang, an abort or silently different
-    results. A combination agreed once costs nothing afterwards, so a loop over many tensors pays one
-    exchange per distinct call, once. (Two ranks of which only one has seen its combination before
-    cannot be caught this way: the other then waits in the exchange.)"""
-    _, k = C.world(group)
-    if k == 1:
-        return
-    mine = (repr(key), *fingerprint)
-    slot = (id(group) if group is not None else 0, mine)
-    if slot in _AGREED:
-        return
-    theirs = C.all_gather_object(mine, group)
-    if any(t != theirs[0] for t in theirs):
-        lines = "\n".join(f"  rank {r}: key {t[0]}, codec {t[1]}, algorithm {t[2]}, op {t[3]}, numel {t[4]}, "
-                          f"feedback {t[5]}" for r, t in enumerate(theirs))  # type: ignore[index]
-        raise C.CollectiveError(f"lowbit: the ranks called all_reduce differently:\n{lines}")
-    _AGREED.add(slot)
+    """Ranks must call all_reduce alike: (key, codec, algorithm, op, numel, feedback), exchanged once per
+    combination (:func:`lowbit.comm.collectives.agree`)."""
+    C.agree(group, "all_reduce", (repr(key), *fingerprint),
+            lambda t: f"key {t[0]}, codec {t[1]}, algorithm {t[2]}, op {t[3]}, numel {t[4]}, feedback {t[5]}")
 
 
 class Handle:

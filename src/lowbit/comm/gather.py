@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
-from lowbit.comm.allreduce import CommStats, _keep, _slot
+from lowbit.comm.allreduce import CommStats, _framed, _keep, _slot
 
 __all__ = ["all_gather", "reduce_scatter", "part_sizes", "bytes_all_gather", "bytes_reduce_scatter"]
 
@@ -81,25 +81,11 @@ def _check(x: torch.Tensor, codec: Codec | str, group: dist.ProcessGroup | None,
     return codec, d, rank, k, sizes
 
 
-_AGREED: set[tuple[int, str, tuple]] = set()
-
-
 def _agree(group: dist.ProcessGroup | None, what: str, fingerprint: tuple) -> None:
-    """The ranks must call a gather alike (codec, dimension, parts, the other dimensions, dtype): the first
-    time a combination is seen on a group they exchange it, and all raise the same CollectiveError on a
-    mismatch instead of exchanging garbage or hanging; a combination agreed once costs nothing after."""
-    _, k = C.world(group)
-    if k == 1:
-        return
-    slot = (id(group) if group is not None else 0, what, fingerprint)
-    if slot in _AGREED:
-        return
-    theirs = C.all_gather_object(fingerprint, group)
-    if any(t != theirs[0] for t in theirs):
-        lines = "\n".join(f"  rank {r}: codec {t[0]}, dim {t[1]}, sizes {list(t[2])}, shape {list(t[3])}, {t[4]}"
-                          for r, t in enumerate(theirs))  # type: ignore[index]
-        raise C.CollectiveError(f"lowbit: the ranks called {what} differently:\n{lines}")
-    _AGREED.add(slot)
+    """The ranks must call a gather alike (codec, dimension, parts, the other dimensions, dtype), exchanged
+    once per combination (:func:`lowbit.comm.collectives.agree`)."""
+    C.agree(group, what, fingerprint,
+            lambda t: f"codec {t[0]}, dim {t[1]}, sizes {list(t[2])}, shape {list(t[3])}, {t[4]}")
 
 
 def bytes_all_gather(codec: Codec | str, shape: Sequence[int], dim: int, sizes: Sequence[int]) -> int:
@@ -165,8 +151,7 @@ def all_gather(
     lead, _ = slots[rank]
     payload = _encode(codec, x, seed * 7_919 + rank) if x.numel() else torch.empty(0, dtype=torch.uint8,
                                                                                       device=x.device)
-    send = torch.zeros(width, dtype=torch.uint8, device=x.device)
-    send[lead : lead + payload.numel()].copy_(payload)
+    send = _framed([(lead, payload, width)], x.device)  # equal slots: all-gather needs equal sizes
     out = torch.empty(_shape(x.shape, d, sum(sizes)), dtype=x.dtype, device=x.device)
     if k == 1:
         _decode_into(codec, payload, out)
@@ -220,19 +205,10 @@ def reduce_scatter(
     if k == 1:
         res = own.contiguous().to(x.dtype)
         return C.done(res, x.device) if async_op else res
-    pieces = []
-    for r in range(k):
-        if r == rank:
-            continue
-        ld, size = slots[r]
-        if ld:
-            pieces.append(torch.zeros(ld, dtype=torch.uint8, device=x.device))
-        p = _encode(codec, x.narrow(d, starts[r], sizes[r]), seed * 7_919 + rank * 104_729 + r) if sizes[r] else \
-            torch.empty(0, dtype=torch.uint8, device=x.device)
-        pieces.append(p)
-        if size - ld - p.numel():
-            pieces.append(torch.zeros(size - ld - p.numel(), dtype=torch.uint8, device=x.device))
-    send = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=x.device)
+    empty = torch.empty(0, dtype=torch.uint8, device=x.device)
+    send = _framed([(slots[r][0],
+                     _encode(codec, x.narrow(d, starts[r], sizes[r]), seed * 7_919 + rank * 104_729 + r)
+                     if sizes[r] else empty, slots[r][1]) for r in range(k) if r != rank], x.device)
     mine_lead, mine_slot = slots[rank]
     send_splits = [0 if r == rank else slots[r][1] for r in range(k)]
     recv_splits = [0 if r == rank else mine_slot for r in range(k)]
