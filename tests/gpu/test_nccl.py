@@ -56,31 +56,39 @@ DDP_CASES = [("qsgd:bits=4,bucket=512", 25.0, 64.0, "auto"), ("qsgd:bits=8,bucke
              ("qsgd:bits=4,bucket=512", 0.1, 0.3, "scatter_gather")]
 
 
-def _ddp_body(rank: int, world: int) -> list:
+def train_mlp(rank: int, spec: str, cap: float, mb: float, algorithm: str, steps: int) -> tuple[list, object, list]:
+    """A 256-512-256-10 MLP under DDP with lowbit's hook on this rank's GPU, ``steps`` SGD steps: (each step's
+    reduced gradients, on the CPU; the hook's state; the final parameters). Gradients must stay finite."""
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     dev = torch.device("cuda", rank)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10)).to(dev)
+    model = DDP(net, device_ids=[rank], bucket_cap_mb=cap)
+    state = lowbit.ddp.register(model, codec=spec, message_mb=mb, algorithm=algorithm)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator(device=dev).manual_seed(rank)
+    grads = []
+    for _ in range(steps):
+        x = torch.randn(64, 256, device=dev, generator=g)
+        y = torch.randint(0, 10, (64,), device=dev, generator=g)
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        # Replicas must agree on every step's reduced gradients (a stream race shows up here first).
+        grads.append([p.grad.detach().cpu() for p in model.parameters()])
+        assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()), (spec, algorithm)
+        opt.step()
+    return grads, state, [p.detach().cpu() for p in model.parameters()]
+
+
+def _ddp_body(rank: int, world: int) -> list:
     out = []
     for spec, cap, mb, algorithm in DDP_CASES:
-        torch.manual_seed(0)
-        net = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(),
-                            nn.Linear(256, 10)).to(dev)
-        model = DDP(net, device_ids=[rank], bucket_cap_mb=cap)
-        state = lowbit.ddp.register(model, codec=spec, message_mb=mb, algorithm=algorithm)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        g = torch.Generator(device=dev).manual_seed(rank)
-        for _ in range(10):
-            x = torch.randn(64, 256, device=dev, generator=g)
-            y = torch.randint(0, 10, (64,), device=dev, generator=g)
-            loss = nn.functional.cross_entropy(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            # Replicas must agree on every step's reduced gradients (a stream race shows up here first).
-            out.append((spec, [p.grad.detach().cpu() for p in model.parameters()]))
-            assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()), (spec, algorithm)
-            opt.step()
-        out.append((spec, state.stats.bytes_sent, [p.detach().cpu() for p in model.parameters()]))
+        grads, state, params = train_mlp(rank, spec, cap, mb, algorithm, steps=10)
+        out += [(spec, g) for g in grads]
+        out.append((spec, state.stats.bytes_sent, params))  # type: ignore[attr-defined]
     return out
 
 
