@@ -51,6 +51,8 @@ from lowbit.comm import collectives as C
 from lowbit.feedback import ErrorFeedback
 
 ALGORITHMS = ("auto", "scatter_gather", "allgather", "allreduce", "hierarchical", "simulated")
+
+
 @dataclasses.dataclass(frozen=True)
 class AlgorithmPlugin:
     """An algorithm that lives in a module of its own and registers itself (:func:`register_algorithm`):
@@ -79,8 +81,8 @@ def register_algorithm(name: str, plugin: AlgorithmPlugin) -> None:
 #: to bits/32 of the tensor. Speed only: the tensor is NOT reduced (each rank keeps its own values).
 SIMULATED = "simulated"
 
-__all__ = ["ALGORITHMS", "SIMULATED", "AlgorithmPlugin", "register_algorithm", "CommStats", "Handle", "all_reduce", "chunk_sizes", "bytes_sent_per_rank",
-           "resolve_algorithm", "simulated_numel", "start"]
+__all__ = ["ALGORITHMS", "SIMULATED", "AlgorithmPlugin", "register_algorithm", "CommStats", "Handle", "all_reduce",
+           "chunk_sizes", "bytes_sent_per_rank", "resolve_algorithm", "simulated_numel", "start"]
 
 
 @dataclasses.dataclass
