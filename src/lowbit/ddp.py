@@ -65,13 +65,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lowbit.autotune import AutoTuner
+from lowbit.choose import message_limit
 from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
 from lowbit.comm.allreduce import ALGORITHMS, CommStats, resolve_algorithm, start
 from lowbit.comm.hierarchical import node_size_for
 from lowbit.policy import Policy
 
-__all__ = ["LowbitState", "hook", "make_state", "register", "ConfigMismatchError"]
+__all__ = ["LowbitState", "hook", "make_state", "register", "ConfigMismatchError", "message_limit"]
 
 _FP32 = get_codec("fp32")
 log = logging.getLogger(__name__)
@@ -224,7 +226,8 @@ def _plan_groups(state: "LowbitState", k: int, device: torch.device) -> Dict[str
     if not quantised:
         return {}
     ride = resolve_algorithm(state.algorithm, quantised[0], k) == "allgather"
-    limit = message_limit(state.message_mb, sum(4 * state._numels[n] for n in names if not state.plan[n].sums_on_wire))
+    limit = message_limit(state.message_mb,
+                          sum(4 * state._numels[n] for n in names if not state.plan[n].sums_on_wire))
     groups: List[Tuple[Codec, List[Tuple[str, int]], List[Tuple[str, int]]]] = []
     cur: Optional[Tuple[Codec, List[Tuple[str, int]], List[Tuple[str, int]]]] = None
     riders: List[Tuple[str, int]] = []
@@ -252,20 +255,6 @@ def _plan_groups(state: "LowbitState", k: int, device: torch.device) -> Dict[str
         for name, _ in members + exact:
             out[name] = g
     return out
-
-
-#: ``message_mb="auto"``: a message holds at least this much fp32 ...
-AUTO_MESSAGE_MIN = 64 * 2**20
-#: ... and at least this share of the model's quantised gradients (about three messages a step).
-AUTO_MESSAGE_SHARE = 1 / 3
-
-
-def message_limit(message_mb: Union[float, str], quantised_bytes: int) -> float:
-    """Bytes of fp32 after which a message group closes: ``message_mb`` MiB, or for ``"auto"`` the larger
-    of 64 MiB and a third of ``quantised_bytes`` (the model's quantised gradients, fp32)."""
-    if message_mb == "auto":
-        return max(AUTO_MESSAGE_MIN, quantised_bytes * AUTO_MESSAGE_SHARE)
-    return float(message_mb) * 2**20
 
 
 class _Layout:
@@ -332,6 +321,7 @@ class LowbitState:
                              f"inf: one message), got {message_mb!r}")
         self.process_group = process_group
         self.plan = plan                      # parameter name -> codec
+        self.auto: Optional[AutoTuner] = None  # codec="auto": its measurements and decision
         self.params = params                  # id(parameter) -> name
         self.order = {name: i for i, name in enumerate(plan)}  # model order of the parameters
         self.algorithm = algorithm
@@ -381,7 +371,9 @@ class LowbitState:
             "message_mb": self.message_mb,
             "node_size": self.node_size,
             "policy": self.policy_fingerprint,
-            "plan": {name: c.spec for name, c in sorted(self.plan.items())},
+            "plan": ({name: "auto" for name in sorted(self.plan)} if self.auto is not None
+                     else {name: c.spec for name, c in sorted(self.plan.items())}),
+            **({"auto": self.auto.config()} if self.auto is not None else {}),
         }
 
     def fingerprint(self) -> str:
@@ -409,6 +401,7 @@ class LowbitState:
             "rank": rank,
             "world_size": size,
             "residuals": {k: v.detach().cpu().clone() for k, v in self.residuals.items()},
+            **({"auto": self.auto.state_dict()} if self.auto is not None else {}),
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -441,6 +434,8 @@ class LowbitState:
         if unknown:
             raise ValueError(f"lowbit checkpoint holds residuals of parameters this model does not have: {unknown[:5]}"
                              + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""))
+        if self.auto is not None:  # the decision first: it sets the plan the residuals belong to
+            self.auto.load_state_dict(self, state.get("auto", {"config": self.auto.config(), "decision": None}))
         loaded = {}
         for name, v in residuals.items():
             if not isinstance(v, torch.Tensor) or not v.is_floating_point():
@@ -457,6 +452,7 @@ class LowbitState:
         self.residuals = loaded
         self._layouts.clear()  # rebuilt on the next step, from these residuals
         self._group_of = None
+        self._world = None  # read again (with _native) on the next step
 
     def __getstate__(self) -> Dict[str, Any]:
         d = dict(self.__dict__)
@@ -473,9 +469,22 @@ def hook(state: LowbitState, bucket: dist.GradBucket) -> torch.futures.Future[to
     group = state.process_group
     if state._world is None:
         state._world = C.world(group)
-        state._native = state.one_node
+        state._native = state.one_node or (state.auto is not None and state.auto.decision is not None
+                                           and state.auto.decision.fp32_is_best)
     world = state._world[1]
     buf = bucket.buffer()
+    auto = state.auto
+    if auto is not None and state.iter >= state.start_iter and not state._native:
+        first = auto.first_in_step(bucket.is_last())
+        if auto.measuring(state):
+            auto.note_bucket(state, bucket)
+            state._advance(bucket)
+            return start(buf, _FP32, group, "allreduce", "mean", stats=state.stats, world=state._world)
+        if first and auto.due(state):
+            auto.decide(state, group, buf.device)
+    elif auto is not None and state._native and auto.remeasure_every and state.iter >= state.start_iter:
+        if auto.first_in_step(bucket.is_last()) and auto.due(state):
+            auto.decide(state, group, buf.device)
     if state.iter < state.start_iter or state._native:
         # Before DDP's bucket rebuild (or hierarchical inside one node): the plain fp32 allreduce, as
         # torch's own hook does it.
@@ -547,6 +556,10 @@ def make_state(
     process_group: Optional[dist.ProcessGroup] = None,
     message_mb: Union[float, str] = "auto",
     node_size: Optional[int] = None,
+    allow: Optional[List[str]] = None,
+    error_budget: Optional[float] = 1.0,
+    measure_steps: int = 3,
+    remeasure_every: int = 0,
 ) -> LowbitState:
     """Build the hook's state for ``module`` (the model *inside* DDP) without registering it.
 
@@ -554,17 +567,34 @@ def make_state(
 
         state = lowbit.ddp.make_state(lightning_module, codec="qsgd:bits=4")
         Trainer(strategy=DDPStrategy(ddp_comm_state=state, ddp_comm_hook=lowbit.ddp.hook))
+
+    ``codec="auto"`` measures the job and chooses per tensor among ``allow`` (:mod:`lowbit.autotune`).
     """
     if codec is not None and policy is not None:
         raise ValueError("pass codec= or policy=, not both (a Policy carries its default codec)")
+    auto = isinstance(codec, str) and codec.strip().lower() == "auto"
+    if not auto and (allow is not None or remeasure_every or measure_steps != 3 or error_budget != 1.0):
+        raise ValueError("allow=, error_budget=, measure_steps= and remeasure_every= go with codec='auto'")
+    tuner = None
+    if auto:
+        tuner = AutoTuner(allow, error_budget, measure_steps, remeasure_every)
+        quantised = [s for s in tuner.allow if not get_codec(s).sums_on_wire]
+        if algorithm == "allreduce" and quantised:
+            raise ValueError(f"algorithm 'allreduce' sums on the wire, but codec='auto' may choose {quantised[0]}: "
+                             "allow only fp32/fp16/bf16, or use 'auto', 'scatter_gather', 'allgather' or "
+                             "'hierarchical'")
+        codec = "fp32"  # until the decision
     pol = Policy.coerce(policy, codec)
     plan = pol.resolve(module)
     params = {id(p): name for name, p in module.named_parameters() if p.requires_grad}
-    state = LowbitState(process_group, plan, params, algorithm, error_feedback, start_iter, seed, pol.fingerprint(),
-                        message_mb, node_size)
+    state = LowbitState(process_group, plan, params, algorithm, error_feedback, start_iter, seed,
+                        "auto" if auto else pol.fingerprint(), message_mb, node_size)
     state._devices = {name: p.device for name, p in module.named_parameters()}
     state._numels = {name: p.numel() for name, p in module.named_parameters()}
     state._shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
+    if tuner is not None:
+        state.auto = tuner
+        tuner.attach(module, state)
     return state
 
 
@@ -580,10 +610,18 @@ def register(
     message_mb: Union[float, str] = "auto",
     node_size: Optional[int] = None,
     one_node_native: bool = True,
+    allow: Optional[List[str]] = None,
+    error_budget: Optional[float] = 1.0,
+    measure_steps: int = 3,
+    remeasure_every: int = 0,
 ) -> LowbitState:
     """Install lowbit's comm hook on ``ddp_model`` and return its state.
 
     ``codec`` sets the policy's default codec (``policy`` overrides; default ``qsgd:bits=8,bucket=512``).
+    ``codec="auto"`` measures the first steps and then chooses per parameter tensor among ``allow``
+    (default fp32, bf16, 8-bit QSGD) what makes the step fastest within ``error_budget`` times uniform
+    8-bit QSGD's error, fp32 wherever compression does not pay (:mod:`lowbit.autotune`; the decision is
+    on ``state.auto.decision``).
     Collective: every rank must call it; a configuration that differs across ranks raises
     :class:`ConfigMismatchError` on every rank. ``algorithm="hierarchical"`` with the whole group in one
     node (``state.one_node``) installs no hook: nothing would be compressed, and DDP's own allreduce is
@@ -595,7 +633,7 @@ def register(
         raise ValueError("lowbit.ddp.register expects a torch.nn.parallel.DistributedDataParallel model")
     group = process_group if process_group is not None else getattr(ddp_model, "process_group", None)
     state = make_state(module, codec, algorithm, policy, error_feedback, start_iter, seed, group, message_mb,
-                       node_size)
+                       node_size, allow, error_budget, measure_steps, remeasure_every)
     _check_same_config(state, group)
     if one_node_native and state.one_node:
         # hierarchical inside one node compresses nothing: leave DDP's own C++ allreduce in place, which no

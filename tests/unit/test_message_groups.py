@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import lowbit.ddp as D
+from lowbit import choose
 
 MiB = 2**20
 
@@ -28,7 +29,7 @@ def _groups(model: nn.Module, message_mb) -> list:
 
 @pytest.mark.parametrize("mb,count", [("auto", 3), (0, 12), (float("inf"), 1)])
 def test_auto_sends_about_three_messages(monkeypatch: pytest.MonkeyPatch, mb, count: int) -> None:
-    monkeypatch.setattr(D, "AUTO_MESSAGE_MIN", 0)  # as if the model were large
+    monkeypatch.setattr(choose, "AUTO_MESSAGE_MIN", 0)  # as if the model were large
     model = nn.Sequential(*[nn.Linear(64, 64, bias=False) for _ in range(12)])
     groups = _groups(model, mb)
     assert len(groups) == count

@@ -43,6 +43,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from lowbit.choose import FASTER_THAN_FP32, WITHIN_BEST, Tried, pick
 from lowbit.codecs.base import get_codec
 from lowbit.perfmodel.calibrate import Calibration, RunRecord, load_runs
 from lowbit.perfmodel.codecbits import bits_per_value
@@ -58,8 +59,6 @@ __all__ = ["Candidate", "CANDIDATES", "SEED_FINDINGS", "Advice", "advise", "form
 LOWBIT_ALGORITHMS = ("scatter_gather", "allgather")
 #: Tried as well under --algorithm auto when the cluster spans several nodes (lowbit.comm.hierarchical).
 MULTI_NODE_ALGORITHMS = ("hierarchical",)
-FASTER_THAN_FP32 = 1.05   # below this predicted speedup, fp32 is the answer
-WITHIN_BEST = 0.97        # assignments this close to the fastest count as ties; more bits wins a tie
 
 #: Layer group -> the module type names ``lowbit.Policy(by_type=...)`` matches.
 GROUP_TYPES = {"Conv2d": ("Conv2d",), "Linear": ("Linear",), "LSTM": ("LSTM",)}
@@ -477,13 +476,13 @@ def advise(
         tried.append((pred.speedup_vs_fp32, weighted_bits, assignment, pred))
         options.append({"assignment": {g: short_codec(s) for g, s in assignment.items()},
                         "algorithm": algo, "speedup_vs_fp32": pred.speedup_vs_fp32, "step_s": pred.step_s})
-    fastest = max(t[0] for t in tried)
-    near = [t for t in tried if t[0] >= WITHIN_BEST * fastest]
-    best = max(near, key=lambda t: (t[1], t[0]))
-    fp32_best = fastest < FASTER_THAN_FP32
+    fp32_assign = {g: FP32.canonical for g in names}
+    options_tried = [Tried(a, speedup, bits, pred) for speedup, bits, a, pred in tried]
+    fp32_tried = next(t for t in options_tried if dict(t.assignment) == fp32_assign)
+    chosen, fp32_best = pick(options_tried, fp32_tried, within_best=WITHIN_BEST, faster_than_fp32=FASTER_THAN_FP32)
+    best = (chosen.speedup, chosen.bits, dict(chosen.assignment), chosen.extra)
     if fp32_best:
-        fp32_assign = {g: FP32.canonical for g in names}
-        best = next(t for t in tried if t[2] == fp32_assign)
+        fastest = max(t[0] for t in tried)
         notes.append(f"no admissible assignment is predicted >= {FASTER_THAN_FP32:.2f}x faster than fp32 "
                      f"(fastest {fastest:.2f}x): keep fp32. {NCCL_FINDING}.")
     if conv_rule:

@@ -1,0 +1,352 @@
+"""``codec="auto"``: the DDP hook measures this job, then chooses per parameter tensor a codec that pays.
+
+    state = lowbit.ddp.register(model, codec="auto")                       # fp32, bf16, 8-bit QSGD
+    state = lowbit.ddp.register(model, codec="auto", allow=["fp32", "bf16", "qsgd:bits=8", "qsgd:bits=4"])
+
+How (all on the hook's own steps, nothing extra for the user to run):
+
+1. **Measure** (``measure_steps`` fp32 steps after DDP's bucket rebuild, default 3): when each DDP bucket's
+   gradients became ready, counted from the forward pass's start (CUDA events on the compute stream on
+   a GPU, the host clock on a CPU), and the whole step; on the last of them each allowed codec's squared
+   error on a sample of every tensor's own gradient.
+2. **Probe** (once, at the first bucket of the next step, all ranks together): each allowed codec's
+   exchange (the collective the hook would run: encode, send, decode) at two message sizes on this
+   group's link, and its encoding alone, timed with the device synchronised.
+3. **Agree**: every rank's measurements are gathered and averaged in rank order, so every rank decides
+   the same from the same numbers, however differently it measured.
+4. **Decide** with :func:`lowbit.choose.decide` (the rule ``lowbit advise`` uses): a replay of the step
+   for each candidate assignment on the measured timeline; L-GreCo's dynamic program under an error
+   budget (``error_budget`` times uniform 8-bit QSGD's error, default 1.0); fp32 everywhere unless
+   something is predicted at least 2 % faster, and then DDP's bucket is reduced by one fp32 allreduce,
+   as PyTorch's own ``allreduce_hook`` does.
+
+The decision is logged once (rank 0, ``logging.INFO``, a table: tensor, numel, codec, predicted saving),
+kept on ``state.auto.decision``, saved in ``state.state_dict()`` (a resumed run uses it without measuring
+again) and, with ``remeasure_every=N``, probed again every N steps in case the link changed (the
+backward timeline and the errors are kept); a tensor whose codec changes then starts with an empty
+error-feedback residual.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from lowbit.choose import (AUTO_FASTER_THAN_FP32, WITHIN_BEST, CodecCost, Decision, TensorTiming, Timeline,
+                           decide)
+from lowbit.codecs.base import Codec, get_codec
+from lowbit.comm import collectives as C
+from lowbit.comm.allreduce import resolve_algorithm, start
+
+#: the hook's state (lowbit.ddp.LowbitState, a layer above: named, not imported)
+LowbitState = Any
+
+__all__ = ["AutoTuner", "DEFAULT_ALLOW", "BASELINE"]
+
+log = logging.getLogger("lowbit.ddp")
+
+#: what ``codec="auto"`` chooses among unless told otherwise
+DEFAULT_ALLOW = ("fp32", "bf16", "qsgd:bits=8,bucket=512")
+#: the error budget is relative to this codec everywhere (L-GreCo's uniform baseline)
+BASELINE = "qsgd:bits=8,bucket=512"
+#: values of each tensor whose compression error is measured (a prefix; scaled to the tensor)
+ERROR_SAMPLE = 1 << 16
+
+
+class AutoTuner:
+    """The measurements and the decision of ``codec="auto"`` (module doc); lives on ``state.auto``."""
+
+    def __init__(self, allow: Optional[Sequence[str]] = None, error_budget: Optional[float] = 1.0,
+                 measure_steps: int = 3, remeasure_every: int = 0,
+                 faster_than_fp32: float = AUTO_FASTER_THAN_FP32) -> None:
+        specs = list(DEFAULT_ALLOW if allow is None else allow)
+        if isinstance(allow, str):
+            raise ValueError(f"allow must be a list of codec specs, got the string {allow!r}")
+        if not specs:
+            raise ValueError("allow must name at least one codec (fp32 is always allowed)")
+        codecs = [get_codec(s) for s in specs]  # a ValueError names an unknown codec
+        canon = [c.spec for c in codecs]
+        fp32 = get_codec("fp32").spec
+        if fp32 not in canon:
+            canon.insert(0, fp32)
+        self.allow = list(dict.fromkeys(canon))
+        if error_budget is not None and not (isinstance(error_budget, (int, float)) and error_budget > 0):
+            raise ValueError(f"error_budget must be a number > 0 (times uniform 8-bit QSGD's error) or None, "
+                             f"got {error_budget!r}")
+        if isinstance(measure_steps, bool) or not isinstance(measure_steps, int) or measure_steps < 1:
+            raise ValueError(f"measure_steps must be an int >= 1, got {measure_steps!r}")
+        if isinstance(remeasure_every, bool) or not isinstance(remeasure_every, int) or remeasure_every < 0:
+            raise ValueError(f"remeasure_every must be an int >= 0 (0: never), got {remeasure_every!r}")
+        self.error_budget = error_budget
+        self.measure_steps = measure_steps
+        self.remeasure_every = remeasure_every
+        self.faster_than_fp32 = faster_than_fp32
+        self.decision: Optional[Decision] = None
+        self.decided_iter: Optional[int] = None
+        self.measured: Optional[dict[str, Any]] = None  # the agreed measurements the decision came from
+        self._steps: list[dict[str, Any]] = []  # per measured step: forward mark and bucket marks
+        self._samples: dict[str, tuple[torch.Tensor, int]] = {}
+        self._first_in_step = True
+        self._handle: Any = None
+
+    # ------------------------------------------------------------------------------ configuration
+    def config(self) -> dict[str, Any]:
+        return {"allow": self.allow, "error_budget": self.error_budget, "measure_steps": self.measure_steps,
+                "remeasure_every": self.remeasure_every}
+
+    def attach(self, module: torch.nn.Module, state: LowbitState) -> None:
+        """Mark each forward pass's start (a forward pre-hook on the module DDP wraps)."""
+        def pre(_mod: Any, _inp: Any) -> None:
+            if self.decision is None and state.iter >= state.start_iter:
+                self._steps.append({"forward": _mark(_device_of(module)), "buckets": []})
+        self._handle = module.register_forward_pre_hook(pre)
+
+    def measuring(self, state: LowbitState) -> bool:
+        return self.decision is None and state.iter < state.start_iter + self.measure_steps
+
+    # ------------------------------------------------------------------------------ step 1: measure
+    def note_bucket(self, state: LowbitState, bucket: dist.GradBucket) -> None:
+        if not self._steps:
+            return  # forward ran outside the module we watch: nothing to time against
+        flat = bucket.buffer().reshape(-1)
+        names, offset, views = [], 0, []
+        for p in bucket.parameters():
+            name = state.params.get(id(p))
+            n = p.numel()
+            if name is not None:
+                names.append(name)
+                views.append((name, flat[offset : offset + n]))
+            offset += n
+        self._steps[-1]["buckets"].append((bucket.index(), names, _mark(flat.device)))
+        if state.iter == state.start_iter + self.measure_steps - 1:  # the last measured step: samples of
+            for name, v in views:  # the gradients, whose codec errors are measured when deciding
+                self._samples[name] = (v[: min(v.numel(), ERROR_SAMPLE)].detach().clone(), v.numel())
+
+    # ------------------------------------------------------------------------------ steps 2-4
+    def first_in_step(self, last: bool) -> bool:
+        first, self._first_in_step = self._first_in_step, last
+        return first
+
+    def due(self, state: LowbitState) -> bool:
+        if self.decision is None:
+            return True
+        return bool(self.remeasure_every) and self.decided_iter is not None and \
+            state.iter - self.decided_iter >= self.remeasure_every
+
+    def decide(self, state: LowbitState, group: Optional[dist.ProcessGroup], device: torch.device) -> None:
+        """Probe, agree and decide (module doc); then apply the plan to ``state``."""
+        rank, world = state._world if state._world is not None else C.world(group)
+        if self.decision is None:
+            timeline = self._timeline(state)
+            specs = self.allow + [get_codec(BASELINE).spec]
+            errors = {name: _errors(x, n, specs) for name, (x, n) in self._samples.items()}
+            self._samples = {}
+        else:  # re-measuring: the link only
+            timeline = Timeline(tuple(TensorTiming(**t) for t in self.measured["tensors"]),
+                                self.measured["backward_end_s"], self.measured["step_s"], state.message_mb)
+            errors = self.measured["errors"]
+        mine = {"tensors": [dict(name=t.name, numel=t.numel, ready_s=t.ready_s, bucket=t.bucket)
+                            for t in timeline.tensors],
+                "backward_end_s": timeline.backward_end_s, "step_s": timeline.step_s,
+                "costs": self._probe(state, group, device, timeline),
+                "errors": errors}
+        agreed = _average(C.all_gather_object(mine, group))  # the same numbers on every rank
+        costs = {s: CodecCost(**c) for s, c in agreed["costs"].items()}
+        timeline = Timeline(tuple(TensorTiming(**t) for t in agreed["tensors"]), agreed["backward_end_s"],
+                            agreed["step_s"], state.message_mb)
+        limit = None
+        base = get_codec(BASELINE).spec
+        if self.error_budget is not None and agreed["errors"]:
+            limit = self.error_budget * sum(e.get(base, 0.0) for e in agreed["errors"].values())
+        decision = decide(timeline, costs, agreed["errors"], error_limit=limit, fp32=get_codec("fp32").spec,
+                          within_best=WITHIN_BEST, faster_than_fp32=self.faster_than_fp32)
+        changed = self.decision is None or decision.assignment != self.decision.assignment
+        self.decision, self.measured, self.decided_iter = decision, agreed, state.iter
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        self._steps = []
+        if changed:
+            apply(state, decision.assignment)
+            if rank == 0:
+                log.info("lowbit.ddp codec='auto' at step %d (%d ranks):\n%s", state.iter, world, decision.table())
+
+    def _timeline(self, state: LowbitState) -> Timeline:
+        """Median bucket-ready offsets over the measured steps (the first measured step is a warm-up
+        when there are more than one)."""
+        steps = [s for s in self._steps if s["buckets"]]
+        if len(steps) > 1:
+            steps = steps[1:]
+        if not steps:
+            raise RuntimeError("lowbit codec='auto': no step was measured (the hook saw no bucket after a "
+                               "forward pass of the registered module)")
+        order = [(b, names) for b, names, _ in steps[-1]["buckets"]]
+        offsets = []
+        for s in steps:
+            if [(b, n) for b, n, _ in s["buckets"]] != order:
+                continue
+            f = s["forward"]
+            offsets.append([_elapsed(f, m) for _, _, m in s["buckets"]])
+        periods = []
+        nxt = [s["forward"] for s in self._steps[1:]]
+        for s, f2 in zip(self._steps, nxt):
+            if s in steps:
+                periods.append(_elapsed(s["forward"], f2))
+        med = [statistics.median(col) for col in zip(*offsets)]
+        tensors = []
+        for (b, names), ready in zip(order, med):
+            for name in names:
+                tensors.append(TensorTiming(name, state._numels[name], ready, b))
+        backward_end = max(med)
+        step = statistics.median(periods) if periods else backward_end
+        return Timeline(tuple(tensors), backward_end, max(step, backward_end), state.message_mb)
+
+    def _probe(self, state: LowbitState, group: Optional[dist.ProcessGroup], device: torch.device,
+               timeline: Timeline) -> dict[str, dict[str, Any]]:
+        """Each allowed codec's exchange at two sizes, and its encoding alone: fitted as seconds per message
+        plus seconds per value."""
+        k = state._world[1] if state._world is not None else C.world(group)[1]
+        total = sum(t.numel for t in timeline.tensors)
+        big = int(min(max(total // 3, 1 << 16), 1 << 24))
+        small = max(big // 16, 1 << 12)
+        gen = torch.Generator(device="cpu").manual_seed(12345)
+        data = torch.randn(big, generator=gen).to(device)
+        out: dict[str, dict[str, Any]] = {}
+        for spec in self.allow:
+            codec = get_codec(spec)
+            algo = "allreduce" if codec.sums_on_wire else resolve_algorithm(state.algorithm, codec, k)
+            times = []
+            for n in (small, big):
+                times.append(_min_time(lambda n=n: start(data[:n].clone(), codec, group, algo, "mean",
+                                                            world=state._world, node_size=state.node_size).wait(),
+                                          device))
+            enc = 0.0 if codec.sums_on_wire else _min_time(lambda: codec.encode(data, seed=1), device) / big
+            slope = max((times[1] - times[0]) / (big - small), 0.0)
+            alpha = max(times[0] - slope * small, 0.0)
+            link = max(slope - enc, slope * 0.05)  # what is left for the link and decoding
+            out[spec] = {"spec": spec, "bits": 32.0 if spec == get_codec("fp32").spec else
+                         float(codec.bits_per_value(1 << 20)), "native": bool(codec.sums_on_wire),
+                         "alpha_s": alpha, "s_per_value": link, "encode_s_per_value": enc,
+                         "per_tensor": bool(codec.per_tensor)}
+        return out
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        return {"config": self.config(), "decided_iter": self.decided_iter, "measured": self.measured,
+                "decision": None if self.decision is None else self.decision.to_dict()}
+
+    def load_state_dict(self, state: LowbitState, d: dict[str, Any]) -> None:
+        if not isinstance(d, dict) or d.get("config") != self.config():
+            raise ValueError(f"lowbit checkpoint: codec='auto' was saved with {d.get('config') if isinstance(d, dict) else d!r}, "
+                             f"this state has {self.config()}")
+        if d.get("decision") is None:
+            return  # saved while still measuring: measure again
+        dec = Decision(**d["decision"])
+        unknown = sorted(set(dec.assignment) - set(state.plan))
+        bad = sorted({s for s in dec.assignment.values() if s not in self.allow})
+        if unknown or bad or set(dec.assignment) != set(state.plan):
+            raise ValueError("lowbit checkpoint: the codec='auto' decision does not fit this model/allow list "
+                             f"(unknown tensors {unknown[:3]}, codecs not allowed {bad})")
+        self.decision, self.measured, self.decided_iter = dec, d.get("measured"), d.get("decided_iter")
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        apply(state, dec.assignment)
+
+    def __getstate__(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["_handle"] = None
+        d["_steps"] = []
+        d["_samples"] = {}
+        return d
+
+
+def apply(state: LowbitState, assignment: dict[str, str]) -> None:
+    """Make ``assignment`` the state's plan: message groups are rebuilt on the next bucket; residuals of
+    tensors that keep an error-feedback codec are kept, the others dropped."""
+    plan: dict[str, Codec] = {name: get_codec(assignment.get(name, "fp32")) for name in state.plan}
+    keep = {n for n, c in plan.items() if state.uses_feedback(c) and state.plan[n].spec == c.spec}
+    state.residuals = {n: v.detach().clone() for n, v in state.residuals.items() if n in keep}
+    state.plan = plan
+    state._group_of = None
+    state._layouts.clear()
+    state._native = all(c.sums_on_wire and c.spec == get_codec("fp32").spec for c in plan.values())
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def _device_of(module: torch.nn.Module) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _mark(device: torch.device) -> Any:
+    """A point on the compute timeline: a CUDA event on the current stream, or the host clock."""
+    if device.type == "cuda":
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+    return time.perf_counter()
+
+
+def _elapsed(a: Any, b: Any) -> float:
+    if isinstance(a, float):
+        return b - a
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3
+
+
+def _min_time(fn: Callable[[], Any], device: torch.device, reps: int = 5) -> float:
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    fn()  # warm-up: kernels compiled, buffers allocated
+    out = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        out.append(time.perf_counter() - t0)
+    return min(out)  # the least disturbed run: other processes share these cores and links
+
+
+def _errors(x: torch.Tensor, n: int, specs: Sequence[str]) -> dict[str, float]:
+    """Each codec's squared error on ``x`` (a prefix of a gradient of ``n`` values), scaled to ``n``."""
+    x = x.float().contiguous()
+    scale = n / max(x.numel(), 1)
+    out = {}
+    for spec in specs:
+        codec = get_codec(spec)
+        if spec == get_codec("fp32").spec or x.numel() == 0:
+            out[spec] = 0.0
+            continue
+        y = codec.decode(codec.encode(x, seed=7), x.numel())
+        out[spec] = float(((y - x) ** 2).sum()) * scale
+    return out
+
+
+def _average(per_rank: list[Any]) -> Any:
+    """Element-wise mean of the ranks' measurements (same structure on every rank), in rank order."""
+    first = per_rank[0]
+    if isinstance(first, dict):
+        keys = list(first)
+        for r in per_rank[1:]:
+            if not isinstance(r, dict) or list(r) != keys:
+                raise RuntimeError("lowbit codec='auto': the ranks measured different structures "
+                                   f"({sorted(first)[:5]} vs {sorted(r)[:5] if isinstance(r, dict) else r!r})")
+        return {k: _average([r[k] for r in per_rank]) for k in keys}
+    if isinstance(first, list):
+        return [_average(list(col)) for col in zip(*per_rank)]
+    if isinstance(first, bool) or isinstance(first, str) or first is None:
+        return first
+    if isinstance(first, (int, float)):
+        if isinstance(first, int) and all(r == first for r in per_rank):
+            return first
+        return sum(float(r) for r in per_rank) / len(per_rank)
+    return first

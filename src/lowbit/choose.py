@@ -1,0 +1,320 @@
+"""Which codec for which tensor: the one decision rule of ``lowbit advise`` and ``codec="auto"``.
+
+Both produce *tried* assignments (tensor or layer group -> codec spec), each with a predicted speedup over
+fp32 everywhere and its parameter-weighted bits per value, and :func:`pick` chooses among them:
+
+* fp32 everywhere when no assignment is predicted at least ``faster_than_fp32`` times faster (fast links
+  and compute-bound networks: the seed's NCCL finding, Grubic et al. 2018, Sec. 5.2);
+* else, among the assignments within ``within_best`` of the fastest, the one with the most bits (accuracy
+  first when speed is a wash).
+
+``lowbit advise`` predicts its assignments from a network profile and link specs (:mod:`lowbit.perfmodel`);
+``codec="auto"`` (:mod:`lowbit.autotune`) from what it measured on the running job: when each DDP
+bucket's gradients became ready during the first fp32 steps (a :class:`Timeline`), what each codec's
+exchange costs on this link at two message sizes and what its encoding costs on this device
+(:class:`CodecCost`), and each codec's error on each tensor's own gradient. :func:`simulate` replays a
+step on that timeline the way the DDP hook sends it (message groups of consecutive tensors with one
+codec, natively summed tensors per DDP bucket, one link serving messages in the order they are issued,
+encoding on the compute timeline) and :func:`decide` searches assignments, in the manner of L-GreCo
+(Alimohammadi, Markov, Frantar and Alistarh, arXiv 2210.17357): a dynamic program over tensors chooses,
+under a total-error budget relative to uniform 8-bit QSGD, the codecs with the least link time, and
+size thresholds and fp32 prefixes around it are tried too; every candidate is replayed and :func:`pick`
+chooses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Union
+
+__all__ = ["Tried", "pick", "TensorTiming", "Timeline", "CodecCost", "simulate", "decide", "Decision",
+           "message_limit", "WITHIN_BEST", "FASTER_THAN_FP32", "AUTO_FASTER_THAN_FP32"]
+
+#: ``lowbit advise``: below this predicted speedup, fp32 is the answer (its predictions are extrapolated)
+FASTER_THAN_FP32 = 1.05
+#: ``codec="auto"``: the same rule on measured costs, so a smaller margin
+AUTO_FASTER_THAN_FP32 = 1.02
+#: assignments this close to the fastest count as ties; more bits wins a tie
+WITHIN_BEST = 0.97
+
+#: ``message_mb="auto"``: a message holds at least this much fp32 ...
+AUTO_MESSAGE_MIN = 64 * 2**20
+#: ... and at least this share of the model's quantised gradients (about three messages a step).
+AUTO_MESSAGE_SHARE = 1 / 3
+
+
+def message_limit(message_mb: Union[float, str], quantised_bytes: float) -> float:
+    """Bytes of fp32 after which a message group closes: ``message_mb`` MiB, or for ``"auto"`` the larger
+    of 64 MiB and a third of ``quantised_bytes`` (the model's quantised gradients, fp32)."""
+    if message_mb == "auto":
+        return max(AUTO_MESSAGE_MIN, quantised_bytes * AUTO_MESSAGE_SHARE)
+    return float(message_mb) * 2**20
+
+
+# ------------------------------------------------------------------------------------------ the rule
+@dataclasses.dataclass(frozen=True)
+class Tried:
+    """One assignment that was predicted: ``speedup`` over fp32 everywhere, ``bits`` per value weighted
+    by parameters (more: closer to fp32). ``extra`` carries the caller's prediction object."""
+
+    assignment: Mapping[str, str]
+    speedup: float
+    bits: float
+    extra: Any = None
+
+
+def pick(tried: Sequence[Tried], fp32: Tried, *, within_best: float = WITHIN_BEST,
+         faster_than_fp32: float = FASTER_THAN_FP32) -> tuple[Tried, bool]:
+    """The chosen assignment, and whether it is fp32 everywhere because nothing paid (module doc)."""
+    if not tried:
+        return fp32, True
+    fastest = max(t.speedup for t in tried)
+    if fastest < faster_than_fp32:
+        return fp32, True
+    near = [t for t in tried if t.speedup >= within_best * fastest]
+    return max(near, key=lambda t: (t.bits, t.speedup)), False
+
+
+# ------------------------------------------------------------------------------------------ measured step
+@dataclasses.dataclass(frozen=True)
+class TensorTiming:
+    """A parameter tensor: its size, when its gradient was ready (seconds after the forward pass began,
+    its DDP bucket's hook call) and its DDP bucket (natively summed tensors are reduced per bucket)."""
+
+    name: str
+    numel: int
+    ready_s: float
+    bucket: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+    """One measured fp32 step: tensors in the order their gradients became ready, when the backward pass
+    ended (the last bucket ready), the whole step (forward start to the next forward start), and the
+    hook's ``message_mb``."""
+
+    tensors: tuple[TensorTiming, ...]
+    backward_end_s: float
+    step_s: float
+    message_mb: Union[float, str] = "auto"
+
+    def __post_init__(self) -> None:
+        if not self.tensors:
+            raise ValueError("a timeline needs at least one tensor")
+        if not (self.step_s > 0 and math.isfinite(self.step_s)):
+            raise ValueError(f"step time must be a finite number > 0 s, got {self.step_s!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CodecCost:
+    """What one codec costs here: ``alpha_s + s_per_value * n`` seconds for a message of ``n`` values
+    (collective and decoding: the link's time), ``encode_s_per_value * n`` seconds of encoding on the
+    compute timeline. ``native``: summed on the wire (fp32, fp16, bf16), one allreduce per DDP bucket;
+    ``per_tensor``: the codec sends each tensor as its own message."""
+
+    spec: str
+    bits: float
+    native: bool
+    alpha_s: float
+    s_per_value: float
+    encode_s_per_value: float = 0.0
+    per_tensor: bool = False
+
+    def __post_init__(self) -> None:
+        for f in ("alpha_s", "s_per_value", "encode_s_per_value"):
+            v = getattr(self, f)
+            if not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"{self.spec}: {f} must be a finite number >= 0, got {v!r}")
+
+    def time(self, n: float) -> float:
+        return self.alpha_s + self.s_per_value * n
+
+
+def simulate(timeline: Timeline, assignment: Mapping[str, str], costs: Mapping[str, CodecCost]) -> float:
+    """Seconds the step takes beyond its compute: encoding plus communication not hidden behind the
+    backward pass, for ``assignment`` (tensor name -> codec spec, a key of ``costs``)."""
+    quantised = sum(4 * t.numel for t in timeline.tensors if not costs[assignment[t.name]].native)
+    limit = message_limit(timeline.message_mb, quantised)
+    free = 0.0      # when the link is next idle
+    shift = 0.0     # encoding so far, which delays the rest of the backward pass
+    group: list[Any] = []  # [cost, values, ready of its last tensor]
+    units: dict[str, float] = {}
+
+    def send(ready: float, seconds: float) -> None:
+        nonlocal free
+        free = max(ready, free) + seconds
+
+    def flush() -> None:
+        nonlocal shift, group
+        if group:
+            c, n, ready = group
+            enc = c.encode_s_per_value * n
+            send(ready + enc, c.time(n))
+            shift += enc
+            group = []
+
+    tensors = timeline.tensors
+    for i, t in enumerate(tensors):
+        c = costs[assignment[t.name]]
+        if c.native:
+            units[c.spec] = units.get(c.spec, 0.0) + t.numel
+        else:
+            if group and group[0].spec != c.spec:
+                flush()
+            if not group:
+                group = [c, 0.0, 0.0]
+            group[1] += t.numel
+            group[2] = t.ready_s + shift
+            if 4 * group[1] >= limit or c.per_tensor:
+                flush()
+        if i + 1 == len(tensors) or tensors[i + 1].bucket != t.bucket:  # the bucket's native units go out
+            for spec in sorted(units):
+                send(t.ready_s + shift, costs[spec].time(units[spec]))
+            units = {}
+    flush()
+    end = timeline.backward_end_s + shift
+    return shift + max(0.0, free - end)
+
+
+# ------------------------------------------------------------------------------------------ the search
+@dataclasses.dataclass
+class Decision:
+    """What ``decide`` chose: the assignment, the predicted step times, and per tensor the predicted
+    saving (seconds a step gains from its codec against sending that tensor in fp32, the rest unchanged)."""
+
+    assignment: dict[str, str]
+    fp32_is_best: bool
+    step_s: float
+    fp32_step_s: float
+    tried: int
+    rows: list[dict[str, Any]]
+    error: float | None = None
+    error_limit: float | None = None
+
+    @property
+    def speedup(self) -> float:
+        return self.fp32_step_s / self.step_s
+
+    def table(self) -> str:
+        lines = [f"{'tensor':<44} {'numel':>11}  {'codec':<28} {'saving/step':>12}"]
+        for r in self.rows:
+            lines.append(f"{r['name'][:44]:<44} {r['numel']:>11,}  {r['codec'][:28]:<28} "
+                         f"{r['saving_s'] * 1e3:>9.3f} ms")
+        lines.append(f"predicted step {self.step_s * 1e3:.2f} ms, fp32 everywhere {self.fp32_step_s * 1e3:.2f} ms "
+                     f"({self.speedup:.2f}x), {self.tried} assignments tried"
+                     + (" — fp32: no assignment pays" if self.fp32_is_best else ""))
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _weighted_bits(timeline: Timeline, assignment: Mapping[str, str], costs: Mapping[str, CodecCost]) -> float:
+    total = sum(t.numel for t in timeline.tensors) or 1
+    return sum(t.numel * costs[assignment[t.name]].bits for t in timeline.tensors) / total
+
+
+def _dp(timeline: Timeline, specs: Sequence[str], costs: Mapping[str, CodecCost],
+        errors: Mapping[str, Mapping[str, float]], limit: float, bins: int = 256) -> dict[str, str]:
+    """L-GreCo's dynamic program: per tensor the codec with the least link + encode time, such that the
+    summed error stays within ``limit`` (errors rounded up to ``limit / bins``)."""
+    unit = limit / bins if limit > 0 else 0.0
+    inf = float("inf")
+    best = [0.0] + [inf] * bins   # least time for each used error budget
+    choice: list[list[tuple[int, str] | None]] = []
+    for t in timeline.tensors:
+        new = [inf] * (bins + 1)
+        arg: list[tuple[int, str] | None] = [None] * (bins + 1)
+        for spec in specs:
+            c = costs[spec]
+            err = errors.get(t.name, {}).get(spec, 0.0)
+            w = 0 if err <= 0 else (bins + 1 if unit == 0 else math.ceil(err / unit - 1e-9))
+            if w > bins:
+                continue
+            cost = (c.s_per_value + c.encode_s_per_value) * t.numel
+            for b in range(bins + 1 - w):
+                if best[b] == inf:
+                    continue
+                v = best[b] + cost
+                if v < new[b + w]:
+                    new[b + w], arg[b + w] = v, (b, spec)
+        best = new
+        choice.append(arg)
+    end = min(range(bins + 1), key=lambda b: best[b])
+    if best[end] == inf:
+        return {}
+    out: dict[str, str] = {}
+    for t, arg in zip(reversed(timeline.tensors), reversed(choice)):
+        prev, spec = arg[end]  # type: ignore[misc]
+        out[t.name] = spec
+        end = prev
+    return out
+
+
+def decide(timeline: Timeline, costs: Mapping[str, CodecCost],
+           errors: Mapping[str, Mapping[str, float]] | None = None, *, error_limit: float | None = None,
+           fp32: str = "fp32", within_best: float = WITHIN_BEST,
+           faster_than_fp32: float = AUTO_FASTER_THAN_FP32) -> Decision:
+    """Search assignments of ``costs``' codecs to the timeline's tensors (module doc) and :func:`pick`.
+
+    ``errors[name][spec]``: the squared error of ``spec`` on that tensor's gradient; ``error_limit``: the
+    most the summed error of an assignment may reach (None: no limit). ``fp32`` names the uncompressed
+    codec, which must be in ``costs``.
+    """
+    if fp32 not in costs:
+        raise ValueError(f"the codec costs must include {fp32!r} (the baseline)")
+    errors = errors or {}
+    names = [t.name for t in timeline.tensors]
+    specs = sorted(costs, key=lambda s: -costs[s].bits)
+    compressed = [s for s in specs if s != fp32]
+    cands: dict[tuple[str, ...], dict[str, str]] = {}
+
+    def add(a: Mapping[str, str]) -> None:
+        cands.setdefault(tuple(a[n] for n in names), dict(a))
+
+    all32 = {n: fp32 for n in names}
+    add(all32)
+    sizes = sorted({t.numel for t in timeline.tensors})
+    for spec in compressed:
+        for low in [fp32] + [s for s in compressed if costs[s].bits > costs[spec].bits]:
+            for size in sizes:
+                add({t.name: spec if t.numel >= size else low for t in timeline.tensors})
+    if errors and error_limit is not None:
+        dp = _dp(timeline, specs, costs, errors, error_limit)
+        if dp:
+            add(dp)
+            ready = sorted(timeline.tensors, key=lambda t: t.ready_s)
+            for frac in (0.1, 0.25, 0.5):
+                early = {t.name for t in ready[: int(len(ready) * frac)]}
+                add({n: fp32 if n in early else s for n, s in dp.items()})
+
+    def err(a: Mapping[str, str]) -> float:
+        return sum(errors.get(n, {}).get(s, 0.0) for n, s in a.items())
+
+    base_extra = simulate(timeline, all32, costs)
+    fp32_step = timeline.step_s
+
+    def step(a: Mapping[str, str]) -> float:
+        return max(timeline.step_s - base_extra + simulate(timeline, a, costs), 1e-9)
+
+    tried = []
+    for a in cands.values():
+        if error_limit is not None and errors and err(a) > error_limit * (1 + 1e-9):
+            continue
+        s = step(a)
+        tried.append(Tried(a, fp32_step / s, _weighted_bits(timeline, a, costs), s))
+    fp32_tried = Tried(all32, 1.0, 32.0, fp32_step)
+    chosen, fp32_best = pick(tried, fp32_tried, within_best=within_best, faster_than_fp32=faster_than_fp32)
+    assignment = dict(chosen.assignment)
+    chosen_step = float(chosen.extra)
+    rows = []
+    for t in timeline.tensors:
+        spec = assignment[t.name]
+        saving = 0.0
+        if spec != fp32:
+            saving = step({**assignment, t.name: fp32}) - chosen_step
+        rows.append({"name": t.name, "numel": t.numel, "codec": spec, "saving_s": saving})
+    return Decision(assignment, fp32_best, chosen_step, fp32_step, len(tried), rows,
+                    err(assignment) if errors else None, error_limit)

@@ -1,0 +1,144 @@
+"""codec="auto" in the DDP hook on real gloo process groups: what it chooses on a slow and on a fast
+link, the same on every rank, and kept in checkpoints."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import lowbit
+from lowbit.launch import spawn
+
+Q8 = lowbit.get_codec("qsgd:bits=8,bucket=512").spec
+
+
+def _slow_link(bytes_per_s: float) -> None:
+    """A slow serial link for this process: every collective lowbit issues goes through one FIFO thread
+    that runs it and then holds the link for nbytes / bytes_per_s. The caller is not blocked (the backward
+    pass goes on, as it does beside a real network), and the order of collectives is kept."""
+    import lowbit.comm.collectives as C
+
+    q: queue.Queue = queue.Queue()
+
+    def link() -> None:
+        while True:
+            issue, nbytes, fut = q.get()
+            try:
+                issue().wait()
+                time.sleep(nbytes / bytes_per_s)
+                fut.set_result(None)
+            except Exception as exc:  # noqa: BLE001 — handed to whoever waits
+                fut.set_exception(exc)
+
+    threading.Thread(target=link, daemon=True).start()
+
+    def wrap(fn, arg: int):
+        def delayed(*a, **k):
+            t = a[arg]
+            fut: torch.futures.Future = torch.futures.Future()
+            q.put((lambda: fn(*a, **k), t.numel() * t.element_size(), fut))
+            return fut
+        return delayed
+
+    C.all_reduce_async = wrap(C.all_reduce_async, 0)
+    C.all_gather_async = wrap(C.all_gather_async, 1)
+    C.all_to_all_async = wrap(C.all_to_all_async, 1)
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+
+
+def _train(model: nn.Module, steps: int, batch: int = 64, start: int = 0) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(start, start + steps):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(batch, 256, generator=g), torch.randint(0, 10, (batch,), generator=g)
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _body(rank: int, world: int, bytes_per_s: float | None, batch: int) -> dict:
+    if bytes_per_s:
+        # ranks measure differently (rank 1 holds the link longer), yet must decide the same
+        _slow_link(bytes_per_s / (1 + rank))
+    model = DDP(_net())
+    state = lowbit.ddp.register(model, codec="auto")
+    _train(model, 7, batch)
+    d = state.auto.decision
+    return {"plan": d.assignment, "fp32": d.fp32_is_best, "rows": d.rows, "iter": state.auto.decided_iter,
+            "costs": state.auto.measured["costs"], "sent": state.stats.bytes_sent,
+            "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def test_slow_link_compresses_large_tensors_fp32_for_small_and_all_ranks_agree() -> None:
+    res = spawn(_body, 2, 20e6, 64, backend="gloo")
+    plan = res[0]["plan"]
+    assert res[1]["plan"] == plan and res[0]["rows"] == res[1]["rows"]
+    assert res[0]["iter"] == 5  # start_iter 2 + 3 measured steps
+    assert plan["2.weight"] == Q8 and plan["0.weight"] == Q8
+    assert all(plan[n] == "fp32" for n in ("0.bias", "2.bias", "4.bias"))
+    for a, b in zip(res[0]["params"], res[1]["params"]):
+        assert torch.equal(a, b)  # replicas stay identical under the chosen plan
+
+
+def test_compute_bound_job_keeps_fp32() -> None:
+    # A batch of 4096 makes the backward pass long enough to hide every allreduce on local gloo.
+    res = spawn(_body, 2, None, 4096, backend="gloo")
+    assert res[0]["plan"] == res[1]["plan"]
+    assert res[0]["fp32"] and set(res[0]["plan"].values()) == {"fp32"}
+
+
+def _body_ckpt(rank: int, world: int, path: str) -> dict:
+    _slow_link(20e6)
+    model = DDP(_net())
+    state = lowbit.ddp.register(model, codec="auto")
+    _train(model, 7)
+    torch.save(state.state_dict(), f"{path}.{rank}")
+    # a new job: the decision comes back from the checkpoint; nothing is measured again
+    model2 = DDP(_net())
+    state2 = lowbit.ddp.register(model2, codec="auto")
+    state2.load_state_dict(torch.load(f"{path}.{rank}", weights_only=False))
+    state2.iter = state.iter
+    _train(model2, 2, start=7)
+    other = lowbit.ddp.make_state(_net(), codec="auto", allow=["fp32", "qsgd:bits=4"])
+    try:
+        other.load_state_dict(torch.load(f"{path}.{rank}", weights_only=False))
+        mismatch = ""
+    except ValueError as exc:
+        mismatch = str(exc)
+    return {"plan": state.auto.decision.assignment, "plan2": state2.auto.decision.assignment,
+            "plan2_used": {n: c.spec for n, c in state2.plan.items()}, "decided2": state2.auto.decided_iter,
+            "mismatch": mismatch}
+
+
+def test_decision_survives_save_and_load(tmp_path) -> None:
+    for r in spawn(_body_ckpt, 2, str(tmp_path / "auto.pt"), backend="gloo"):
+        assert r["plan2"] == r["plan"] == r["plan2_used"]
+        assert r["decided2"] == 5  # from the checkpoint, not re-measured at step 7
+        assert "different codec/policy/algorithm configuration" in r["mismatch"]
+
+
+def test_bad_arguments_are_named() -> None:
+    net = _net()
+    with pytest.raises(ValueError, match="unknown codec"):
+        lowbit.ddp.make_state(net, codec="auto", allow=["fp32", "nope"])
+    with pytest.raises(ValueError, match="list of codec specs"):
+        lowbit.ddp.make_state(net, codec="auto", allow="qsgd")
+    with pytest.raises(ValueError, match="go with codec='auto'"):
+        lowbit.ddp.make_state(net, codec="qsgd:bits=8", allow=["fp32"])
+    with pytest.raises(ValueError, match="error_budget"):
+        lowbit.ddp.make_state(net, codec="auto", error_budget=0)
+    with pytest.raises(ValueError, match="algorithm 'allreduce'"):
+        lowbit.ddp.make_state(net, codec="auto", algorithm="allreduce")
+    st = lowbit.ddp.make_state(net, codec="auto", algorithm="allreduce", allow=["fp32", "bf16"])
+    assert st.auto.allow == ["fp32", "bf16"]
