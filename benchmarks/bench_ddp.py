@@ -275,6 +275,16 @@ def run_config(ctx: Ctx, initial: nn.Module, feed: dict[str, Any], x: torch.Tens
             "bytes_inter_per_step": (i1 - i0) / args.steps if i0 is not None and i1 is not None else None,
             "peak_mem_bytes": torch.cuda.max_memory_allocated(ctx.device) if ctx.cuda else None,
         }
+        auto = getattr(state, "auto", None)
+        if auto is not None:  # codec="auto": what it chose (decided during the warm-up steps)
+            d = auto.decision
+            row["auto"] = None if d is None else {
+                "fp32_is_best": d.fp32_is_best, "predicted_speedup_vs_fp32": d.speedup,
+                "predicted_step_ms": d.step_s * 1e3, "fp32_predicted_step_ms": d.fp32_step_s * 1e3,
+                "decided_at_step": auto.decided_iter, "lowbit_hook_installed": bool(ddp._comm_hooks),
+                "values_per_codec": {c: sum(r["numel"] for r in d.rows if r["codec"] == c)
+                                     for c in sorted({r["codec"] for r in d.rows})},
+                "table": d.table()}
         if profile_dir is not None:
             profile(ctx, ddp, opt, x, y, bf16, profile_dir, tag)
         return row
@@ -592,6 +602,8 @@ def main(argv: list[str] | None = None) -> int:
                     r_out["_bytes"].append(rows[0]["bytes_sent_per_step"])
                     r_out.setdefault("_bytes_inter", []).append(rows[0]["bytes_inter_per_step"])
                     r_out["loss"].append(rows[0]["loss"])
+                    if rows[0].get("auto") is not None:
+                        r_out.setdefault("auto", []).append(rows[0]["auto"])
                     peaks = [r["peak_mem_bytes"] for r in rows if r["peak_mem_bytes"] is not None]
                     if peaks:
                         r_out["peak_mem_bytes"] = max(peaks + [r_out["peak_mem_bytes"] or 0])

@@ -89,58 +89,84 @@ class AutoTuner:
         self.decision: Optional[Decision] = None
         self.decided_iter: Optional[int] = None
         self.measured: Optional[dict[str, Any]] = None  # the agreed measurements the decision came from
-        self._steps: list[dict[str, Any]] = []  # per measured step: forward mark and bucket marks
+        self._steps: list[dict[str, Any]] = []  # per measured step: forward mark and gradient marks
         self._samples: dict[str, tuple[torch.Tensor, int]] = {}
-        self._first_in_step = True
+        self.forwards = 0  # training forward passes seen (= the step about to run)
         self._handle: Any = None
+        self._grad_handles: list[Any] = []
+        self._install: Optional[Callable[[], None]] = None
+        self._module: Any = None
+        self._state: Any = None
+        self._device = torch.device("cpu")
+        self._bucket_bytes = 25 * 2**20
 
     # ------------------------------------------------------------------------------ configuration
     def config(self) -> dict[str, Any]:
         return {"allow": self.allow, "error_budget": self.error_budget, "measure_steps": self.measure_steps,
                 "remeasure_every": self.remeasure_every}
 
-    def attach(self, module: torch.nn.Module, state: LowbitState) -> None:
-        """Mark each forward pass's start (a forward pre-hook on the module DDP wraps)."""
-        def pre(_mod: Any, _inp: Any) -> None:
-            if self.decision is None and state.iter >= state.start_iter:
-                self._steps.append({"forward": _mark(_device_of(module)), "buckets": []})
-        self._handle = module.register_forward_pre_hook(pre)
+    def attach(self, module: torch.nn.Module, state: LowbitState,
+               install: Optional[Callable[[], None]] = None, bucket_bytes: float = 25 * 2**20) -> None:
+        """Watch ``module`` (the model DDP wraps): count its training forward passes, mark when each one
+        starts and when each parameter's gradient is ready (post-accumulate-grad hooks), and decide at the
+        forward pass after the measured ones. ``install``: registers lowbit's hook on the DDP model, called
+        only once compression pays (until then DDP's own allreduce runs untouched); None: the hook is
+        already installed and reduces in fp32 until the decision. ``bucket_bytes``: DDP's bucket cap."""
+        self.detach()
+        self._module, self._state, self._install = module, state, install
+        self._bucket_bytes = bucket_bytes
+        self._device = _device_of(module)
+        self._handle = module.register_forward_pre_hook(self._on_forward)
+        self._grad_handles = [p.register_post_accumulate_grad_hook(self._on_grad(name))
+                              for name, p in module.named_parameters() if p.requires_grad and name in state.plan]
+
+    def detach(self) -> None:
+        """Remove the hooks on the module (measuring stops)."""
+        for h in self._grad_handles + ([self._handle] if self._handle is not None else []):
+            h.remove()
+        self._grad_handles, self._handle = [], None
+
+    def _on_grad(self, name: str) -> Callable[[torch.Tensor], None]:
+        def hook(p: torch.Tensor) -> None:
+            step = self.forwards - 1
+            st = self._state
+            if self.decision is not None or not st.start_iter <= step < st.start_iter + self.measure_steps:
+                return
+            if self._steps:
+                self._steps[-1]["grads"].append((name, _mark(self._device)))
+            if step == st.start_iter + self.measure_steps - 1 and p.grad is not None:
+                g = p.grad.reshape(-1)
+                self._samples[name] = (g[: min(g.numel(), ERROR_SAMPLE)].detach().float().clone(), g.numel())
+        return hook
+
+    def _on_forward(self, module: torch.nn.Module, _inp: Any) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return  # evaluation passes are not steps
+        step = self.forwards
+        self.forwards += 1
+        st = self._state
+        if self._install is not None:  # lowbit's hook is not installed (yet): count the steps for it
+            st.iter = step
+        if self.decision is None:
+            if st.start_iter <= step < st.start_iter + self.measure_steps:
+                self._steps.append({"forward": _mark(self._device), "grads": []})
+            elif step >= st.start_iter + self.measure_steps:
+                self._steps.append({"forward": _mark(self._device), "grads": []})
+                self.decide(st, st.process_group, self._device, step)
+        elif self.remeasure_every and self.decided_iter is not None and \
+                step - self.decided_iter >= self.remeasure_every:
+            self.decide(st, st.process_group, self._device, step)
 
     def measuring(self, state: LowbitState) -> bool:
-        return self.decision is None and state.iter < state.start_iter + self.measure_steps
-
-    # ------------------------------------------------------------------------------ step 1: measure
-    def note_bucket(self, state: LowbitState, bucket: dist.GradBucket) -> None:
-        if not self._steps:
-            return  # forward ran outside the module we watch: nothing to time against
-        flat = bucket.buffer().reshape(-1)
-        names, offset, views = [], 0, []
-        for p in bucket.parameters():
-            name = state.params.get(id(p))
-            n = p.numel()
-            if name is not None:
-                names.append(name)
-                views.append((name, flat[offset : offset + n]))
-            offset += n
-        self._steps[-1]["buckets"].append((bucket.index(), names, _mark(flat.device)))
-        if state.iter == state.start_iter + self.measure_steps - 1:  # the last measured step: samples of
-            for name, v in views:  # the gradients, whose codec errors are measured when deciding
-                self._samples[name] = (v[: min(v.numel(), ERROR_SAMPLE)].detach().clone(), v.numel())
+        """Still before the decision (the hook, when installed, reduces in fp32 meanwhile)."""
+        return self.decision is None
 
     # ------------------------------------------------------------------------------ steps 2-4
-    def first_in_step(self, last: bool) -> bool:
-        first, self._first_in_step = self._first_in_step, last
-        return first
-
-    def due(self, state: LowbitState) -> bool:
-        if self.decision is None:
-            return True
-        return bool(self.remeasure_every) and self.decided_iter is not None and \
-            state.iter - self.decided_iter >= self.remeasure_every
-
-    def decide(self, state: LowbitState, group: Optional[dist.ProcessGroup], device: torch.device) -> None:
-        """Probe, agree and decide (module doc); then apply the plan to ``state``."""
-        rank, world = state._world if state._world is not None else C.world(group)
+    def decide(self, state: LowbitState, group: Optional[dist.ProcessGroup], device: torch.device,
+               step: int) -> None:
+        """Probe, agree and decide (module doc); then apply the plan to ``state`` (at the start of the
+        forward pass of iteration ``step``, on every rank)."""
+        rank, world = C.world(group)
         if self.decision is None:
             timeline = self._timeline(state)
             specs = self.allow + [get_codec(BASELINE).spec]
@@ -153,7 +179,7 @@ class AutoTuner:
         mine = {"tensors": [dict(name=t.name, numel=t.numel, ready_s=t.ready_s, bucket=t.bucket)
                             for t in timeline.tensors],
                 "backward_end_s": timeline.backward_end_s, "step_s": timeline.step_s,
-                "costs": self._probe(state, group, device, timeline),
+                "costs": self._probe(state, group, device, timeline, world),
                 "errors": errors}
         agreed = _average(C.all_gather_object(mine, group))  # the same numbers on every rank
         costs = {s: CodecCost(**c) for s, c in agreed["costs"].items()}
@@ -166,51 +192,63 @@ class AutoTuner:
         decision = decide(timeline, costs, agreed["errors"], error_limit=limit, fp32=get_codec("fp32").spec,
                           within_best=WITHIN_BEST, faster_than_fp32=self.faster_than_fp32)
         changed = self.decision is None or decision.assignment != self.decision.assignment
-        self.decision, self.measured, self.decided_iter = decision, agreed, state.iter
-        if self._handle is not None:
+        self.decision, self.measured, self.decided_iter = decision, agreed, step
+        self._steps = []
+        for h in self._grad_handles:
+            h.remove()
+        self._grad_handles = []
+        if self._handle is not None and not self.remeasure_every:
             self._handle.remove()
             self._handle = None
-        self._steps = []
         if changed:
             apply(state, decision.assignment)
             if rank == 0:
-                log.info("lowbit.ddp codec='auto' at step %d (%d ranks):\n%s", state.iter, world, decision.table())
+                log.info("lowbit.ddp codec='auto' at step %d (%d ranks):\n%s", step, world, decision.table())
+        self._maybe_install(state, step)
+
+    def _maybe_install(self, state: LowbitState, step: int) -> None:
+        """Register lowbit's hook once the decision compresses something (never again after)."""
+        if self._install is None or self.decision is None or self.decision.fp32_is_best:
+            return
+        state.iter = max(state.iter, step, state.start_iter)  # the hook counts steps from here on
+        install, self._install = self._install, None
+        install()
 
     def _timeline(self, state: LowbitState) -> Timeline:
-        """Median bucket-ready offsets over the measured steps (the first measured step is a warm-up
-        when there are more than one)."""
-        steps = [s for s in self._steps if s["buckets"]]
-        if len(steps) > 1:
-            steps = steps[1:]
-        if not steps:
-            raise RuntimeError("lowbit codec='auto': no step was measured (the hook saw no bucket after a "
-                               "forward pass of the registered module)")
-        order = [(b, names) for b, names, _ in steps[-1]["buckets"]]
-        offsets = []
-        for s in steps:
-            if [(b, n) for b, n, _ in s["buckets"]] != order:
-                continue
-            f = s["forward"]
-            offsets.append([_elapsed(f, m) for _, _, m in s["buckets"]])
+        """Median gradient-ready offsets over the measured steps (the first measured step is a warm-up
+        when there are more than one); DDP's buckets rebuilt from the ready order and the bucket cap."""
+        done = [(s, nxt) for s, nxt in zip(self._steps, self._steps[1:]) if s["grads"]]
+        if len(done) > 1:
+            done = done[1:]
+        if not done:
+            raise RuntimeError("lowbit codec='auto': no step was measured (no gradient became ready after a "
+                               "training forward pass of the registered module)")
+        offsets: dict[str, list[float]] = {}
         periods = []
-        nxt = [s["forward"] for s in self._steps[1:]]
-        for s, f2 in zip(self._steps, nxt):
-            if s in steps:
-                periods.append(_elapsed(s["forward"], f2))
-        med = [statistics.median(col) for col in zip(*offsets)]
-        tensors = []
-        for (b, names), ready in zip(order, med):
-            for name in names:
-                tensors.append(TensorTiming(name, state._numels[name], ready, b))
-        backward_end = max(med)
-        step = statistics.median(periods) if periods else backward_end
+        for s, nxt in done:
+            f = s["forward"]
+            for name, m in s["grads"]:
+                offsets.setdefault(name, []).append(_elapsed(f, m))
+            periods.append(_elapsed(f, nxt["forward"]))
+        ready = {name: statistics.median(v) for name, v in offsets.items()}
+        names = sorted(ready, key=lambda n: (ready[n], -state.order.get(n, 0)))
+        tensors, bucket, size, cap = [], 0, 0, 2**20  # DDP: a 1 MiB first bucket, then the cap
+        pending: list[str] = []
+        for i, name in enumerate(names):
+            pending.append(name)
+            size += 4 * state._numels[name]
+            if size >= cap or i + 1 == len(names):
+                t_ready = max(ready[n] for n in pending)
+                tensors += [TensorTiming(n, state._numels[n], t_ready, bucket) for n in pending]
+                bucket, size, cap, pending = bucket + 1, 0, self._bucket_bytes, []
+        backward_end = max(ready.values())
+        step = statistics.median(periods)
         return Timeline(tuple(tensors), backward_end, max(step, backward_end), state.message_mb)
 
     def _probe(self, state: LowbitState, group: Optional[dist.ProcessGroup], device: torch.device,
-               timeline: Timeline) -> dict[str, dict[str, Any]]:
+               timeline: Timeline, k: int) -> dict[str, dict[str, Any]]:
         """Each allowed codec's exchange at two sizes, and its encoding alone: fitted as seconds per message
         plus seconds per value."""
-        k = state._world[1] if state._world is not None else C.world(group)[1]
         total = sum(t.numel for t in timeline.tensors)
         big = int(min(max(total // 3, 1 << 16), 1 << 24))
         small = max(big // 16, 1 << 12)
@@ -223,7 +261,7 @@ class AutoTuner:
             times = []
             for n in (small, big):
                 times.append(_min_time(lambda n=n: start(data[:n].clone(), codec, group, algo, "mean",
-                                                            world=state._world, node_size=state.node_size).wait(),
+                                                            node_size=state.node_size).wait(),
                                           device))
             enc = 0.0 if codec.sums_on_wire else _min_time(lambda: codec.encode(data, seed=1), device) / big
             slope = max((times[1] - times[0]) / (big - small), 0.0)
@@ -253,16 +291,20 @@ class AutoTuner:
             raise ValueError("lowbit checkpoint: the codec='auto' decision does not fit this model/allow list "
                              f"(unknown tensors {unknown[:3]}, codecs not allowed {bad})")
         self.decision, self.measured, self.decided_iter = dec, d.get("measured"), d.get("decided_iter")
-        if self._handle is not None:
+        for h in self._grad_handles:
+            h.remove()
+        self._grad_handles, self._steps, self._samples = [], [], {}
+        if self._handle is not None and not self.remeasure_every:
             self._handle.remove()
             self._handle = None
         apply(state, dec.assignment)
+        self._maybe_install(state, self.decided_iter or 0)
 
     def __getstate__(self) -> dict[str, Any]:
         d = dict(self.__dict__)
-        d["_handle"] = None
-        d["_steps"] = []
-        d["_samples"] = {}
+        for k in ("_handle", "_install", "_module", "_state"):
+            d[k] = None
+        d["_grad_handles"], d["_steps"], d["_samples"] = [], [], {}
         return d
 
 

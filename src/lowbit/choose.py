@@ -293,11 +293,15 @@ def decide(timeline: Timeline, costs: Mapping[str, CodecCost],
     def err(a: Mapping[str, str]) -> float:
         return sum(errors.get(n, {}).get(s, 0.0) for n, s in a.items())
 
-    base_extra = simulate(timeline, all32, costs)
-    fp32_step = timeline.step_s
+    # The measured fp32 step less what the replay says fp32 communication added to it is the step's
+    # compute (forward, backward, optimizer); never less than the measured backward pass itself (when
+    # the step was measured on a faster path than the probes, e.g. DDP's own allreduce on another link).
+    compute = max(timeline.step_s - simulate(timeline, all32, costs), timeline.backward_end_s)
 
     def step(a: Mapping[str, str]) -> float:
-        return max(timeline.step_s - base_extra + simulate(timeline, a, costs), 1e-9)
+        return compute + simulate(timeline, a, costs)
+
+    fp32_step = step(all32)
 
     tried = []
     for a in cands.values():

@@ -449,6 +449,8 @@ class LowbitState:
                 raise ValueError(f"lowbit checkpoint: the residual of {name} holds Inf or NaN")
             loaded[name] = v.detach().to(self._devices.get(name, "cpu"), torch.float32).reshape(-1).clone()
         self.iter = it
+        if self.auto is not None:
+            self.auto.forwards = it
         self.residuals = loaded
         self._layouts.clear()  # rebuilt on the next step, from these residuals
         self._group_of = None
@@ -473,18 +475,10 @@ def hook(state: LowbitState, bucket: dist.GradBucket) -> torch.futures.Future[to
                                            and state.auto.decision.fp32_is_best)
     world = state._world[1]
     buf = bucket.buffer()
-    auto = state.auto
-    if auto is not None and state.iter >= state.start_iter and not state._native:
-        first = auto.first_in_step(bucket.is_last())
-        if auto.measuring(state):
-            auto.note_bucket(state, bucket)
-            state._advance(bucket)
-            return start(buf, _FP32, group, "allreduce", "mean", stats=state.stats, world=state._world)
-        if first and auto.due(state):
-            auto.decide(state, group, buf.device)
-    elif auto is not None and state._native and auto.remeasure_every and state.iter >= state.start_iter:
-        if auto.first_in_step(bucket.is_last()) and auto.due(state):
-            auto.decide(state, group, buf.device)
+    if state.auto is not None and state.auto.decision is None:
+        # codec="auto" with the hook installed by a framework: fp32 until the decision
+        state._advance(bucket)
+        return start(buf, _FP32, group, "allreduce", "mean", stats=state.stats, world=state._world)
     if state.iter < state.start_iter or state._native:
         # Before DDP's bucket rebuild (or hierarchical inside one node): the plain fp32 allreduce, as
         # torch's own hook does it.
@@ -594,7 +588,7 @@ def make_state(
     state._shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
     if tuner is not None:
         state.auto = tuner
-        tuner.attach(module, state)
+        tuner.attach(module, state)  # the hook, registered by a framework, reduces in fp32 until the decision
     return state
 
 
@@ -635,6 +629,15 @@ def register(
     state = make_state(module, codec, algorithm, policy, error_feedback, start_iter, seed, group, message_mb,
                        node_size, allow, error_budget, measure_steps, remeasure_every)
     _check_same_config(state, group)
+    if state.auto is not None:
+        # codec="auto": DDP's own allreduce runs while the first steps are measured; lowbit's hook is
+        # registered only once the decision compresses something.
+        if one_node_native and state.one_node:
+            state.auto.detach()  # nothing crosses nodes: DDP's allreduce stays, as for any codec
+        else:
+            state.auto.attach(module, state, install=lambda: ddp_model.register_comm_hook(state, hook),
+                              bucket_bytes=getattr(ddp_model, "bucket_bytes_cap", 25 * 2**20))
+        return state
     if one_node_native and state.one_node:
         # hierarchical inside one node compresses nothing: leave DDP's own C++ allreduce in place, which no
         # Python hook can match (state.stats then counts nothing).

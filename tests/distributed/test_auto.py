@@ -77,7 +77,7 @@ def _body(rank: int, world: int, bytes_per_s: float | None, batch: int) -> dict:
     d = state.auto.decision
     return {"plan": d.assignment, "fp32": d.fp32_is_best, "rows": d.rows, "iter": state.auto.decided_iter,
             "costs": state.auto.measured["costs"], "sent": state.stats.bytes_sent,
-            "params": [p.detach().clone() for p in model.parameters()]}
+            "params": [p.detach().clone() for p in model.parameters()], "hooks": len(model._comm_hooks)}
 
 
 def test_slow_link_compresses_large_tensors_fp32_for_small_and_all_ranks_agree() -> None:
@@ -89,6 +89,7 @@ def test_slow_link_compresses_large_tensors_fp32_for_small_and_all_ranks_agree()
     assert all(plan[n] == "fp32" for n in ("0.bias", "2.bias", "4.bias"))
     for a, b in zip(res[0]["params"], res[1]["params"]):
         assert torch.equal(a, b)  # replicas stay identical under the chosen plan
+    assert res[0]["hooks"] == 1  # lowbit's hook, registered once compression paid
 
 
 def test_compute_bound_job_keeps_fp32() -> None:
@@ -96,6 +97,24 @@ def test_compute_bound_job_keeps_fp32() -> None:
     res = spawn(_body, 2, None, 4096, backend="gloo")
     assert res[0]["plan"] == res[1]["plan"]
     assert res[0]["fp32"] and set(res[0]["plan"].values()) == {"fp32"}
+    assert res[0]["hooks"] == 0  # DDP's own allreduce stays: no Python hook to slow it
+
+
+def _body_framework(rank: int, world: int) -> dict:
+    _slow_link(20e6)
+    model = DDP(_net())
+    state = lowbit.ddp.make_state(model.module, codec="auto")  # as Lightning's DDPStrategy would
+    model.register_comm_hook(state, lowbit.ddp.hook)
+    _train(model, 7)
+    return {"plan": state.auto.decision.assignment, "params": [p.detach().clone() for p in model.parameters()],
+            "sent": state.stats.bytes_sent}
+
+
+def test_framework_registered_hook_reduces_fp32_until_the_decision() -> None:
+    res = spawn(_body_framework, 2, backend="gloo")
+    assert res[0]["plan"] == res[1]["plan"] and res[0]["plan"]["2.weight"] == Q8
+    for a, b in zip(res[0]["params"], res[1]["params"]):
+        assert torch.equal(a, b)
 
 
 def _body_ckpt(rank: int, world: int, path: str) -> dict:
@@ -108,7 +127,6 @@ def _body_ckpt(rank: int, world: int, path: str) -> dict:
     model2 = DDP(_net())
     state2 = lowbit.ddp.register(model2, codec="auto")
     state2.load_state_dict(torch.load(f"{path}.{rank}", weights_only=False))
-    state2.iter = state.iter
     _train(model2, 2, start=7)
     other = lowbit.ddp.make_state(_net(), codec="auto", allow=["fp32", "qsgd:bits=4"])
     try:

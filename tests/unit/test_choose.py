@@ -52,7 +52,7 @@ def test_fast_link_keeps_fp32() -> None:
 def test_slow_link_compresses_the_large_tensors_only() -> None:
     errors = _errors()
     d = decide(_timeline(), _costs(1e9), errors, error_limit=sum(e[Q8] for e in errors.values()))
-    assert not d.fp32_is_best and d.speedup > 1.5
+    assert not d.fp32_is_best and d.speedup > 1.3
     assert d.assignment["fc1.weight"] == Q8
     # fc2's fp32 allreduce (16 ms from 30 ms) ends before the backward pass does: hidden, so fp32 stays
     assert d.assignment["fc2.weight"] == "fp32"
