@@ -284,7 +284,9 @@ def run_config(ctx: Ctx, initial: nn.Module, feed: dict[str, Any], x: torch.Tens
                 "decided_at_step": auto.decided_iter, "lowbit_hook_installed": bool(ddp._comm_hooks),
                 "values_per_codec": {c: sum(r["numel"] for r in d.rows if r["codec"] == c)
                                      for c in sorted({r["codec"] for r in d.rows})},
-                "table": d.table()}
+                "chosen": d.chosen, "measured_step_ms": {k: v * 1e3 for k, v in d.measured_s.items()},
+                "finalists_predicted_step_ms": {lab: pred * 1e3 for lab, _, pred in d.finalists},
+                "costs": auto.measured["costs"] if auto.measured else None, "table": d.table()}
         if profile_dir is not None:
             profile(ctx, ddp, opt, x, y, bf16, profile_dir, tag)
         return row

@@ -37,8 +37,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from lowbit.choose import (AUTO_FASTER_THAN_FP32, WITHIN_BEST, CodecCost, Decision, TensorTiming, Timeline,
-                           decide)
+from lowbit.choose import (AUTO_FASTER_THAN_FP32, WITHIN_BEST, CodecCost, Decision, TensorTiming, Timeline, Tried,
+                           decide, explain, pick, simulate)
 from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
 from lowbit.comm.allreduce import resolve_algorithm, start
@@ -86,6 +86,11 @@ class AutoTuner:
         self.measure_steps = measure_steps
         self.remeasure_every = remeasure_every
         self.faster_than_fp32 = faster_than_fp32
+        self.trial_steps = 2   # timed steps per finalist (after one warm-up step); 0: trust the prediction
+        self.max_trials = 4    # finalists tried at most
+        self.phase = "measure"  # -> "trial" -> "done"
+        self._pending: Optional[Decision] = None
+        self._trial, self._marks, self._trial_times = 0, [], []  # type: ignore[var-annotated]
         self.decision: Optional[Decision] = None
         self.decided_iter: Optional[int] = None
         self.measured: Optional[dict[str, Any]] = None  # the agreed measurements the decision came from
@@ -130,7 +135,7 @@ class AutoTuner:
         def hook(p: torch.Tensor) -> None:
             step = self.forwards - 1
             st = self._state
-            if self.decision is not None or not st.start_iter <= step < st.start_iter + self.measure_steps:
+            if self.phase != "measure" or not st.start_iter <= step < st.start_iter + self.measure_steps:
                 return
             if self._steps:
                 self._steps[-1]["grads"].append((name, _mark(self._device)))
@@ -147,34 +152,34 @@ class AutoTuner:
         st = self._state
         if self._install is not None:  # lowbit's hook is not installed (yet): count the steps for it
             st.iter = step
-        if self.decision is None:
-            if st.start_iter <= step < st.start_iter + self.measure_steps:
+        if self.phase == "measure":
+            if step >= st.start_iter:
                 self._steps.append({"forward": _mark(self._device), "grads": []})
-            elif step >= st.start_iter + self.measure_steps:
-                self._steps.append({"forward": _mark(self._device), "grads": []})
-                self.decide(st, st.process_group, self._device, step)
+            if step >= st.start_iter + self.measure_steps:
+                self._predict(st, step)
+        elif self.phase == "trial":
+            self._trial_mark(st, step)
         elif self.remeasure_every and self.decided_iter is not None and \
                 step - self.decided_iter >= self.remeasure_every:
-            self.decide(st, st.process_group, self._device, step)
+            self._predict(st, step)
 
     def measuring(self, state: LowbitState) -> bool:
-        """Still before the decision (the hook, when installed, reduces in fp32 meanwhile)."""
-        return self.decision is None
+        """Still measuring fp32 steps (the hook, when installed by a framework, reduces in fp32)."""
+        return self.phase == "measure"
 
-    # ------------------------------------------------------------------------------ steps 2-4
-    def decide(self, state: LowbitState, group: Optional[dist.ProcessGroup], device: torch.device,
-               step: int) -> None:
-        """Probe, agree and decide (module doc); then apply the plan to ``state`` (at the start of the
-        forward pass of iteration ``step``, on every rank)."""
+    # ------------------------------------------------------------------------------ steps 2-5
+    def _predict(self, state: LowbitState, step: int) -> None:
+        """Probe, agree and predict (module doc); fp32 when nothing pays, else try the finalists."""
+        group = state.process_group
+        device = self._device
         rank, world = C.world(group)
-        if self.decision is None:
+        if self.measured is None:
             timeline = self._timeline(state)
             specs = self.allow + [get_codec(BASELINE).spec]
             errors = {name: _errors(x, n, specs) for name, (x, n) in self._samples.items()}
             self._samples = {}
         else:  # re-measuring: the link only
-            timeline = Timeline(tuple(TensorTiming(**t) for t in self.measured["tensors"]),
-                                self.measured["backward_end_s"], self.measured["step_s"], state.message_mb)
+            timeline = _timeline_of(self.measured, state.message_mb)
             errors = self.measured["errors"]
         mine = {"tensors": [dict(name=t.name, numel=t.numel, ready_s=t.ready_s, bucket=t.bucket)
                             for t in timeline.tensors],
@@ -183,32 +188,92 @@ class AutoTuner:
                 "errors": errors}
         agreed = _average(C.all_gather_object(mine, group))  # the same numbers on every rank
         costs = {s: CodecCost(**c) for s, c in agreed["costs"].items()}
-        timeline = Timeline(tuple(TensorTiming(**t) for t in agreed["tensors"]), agreed["backward_end_s"],
-                            agreed["step_s"], state.message_mb)
+        timeline = _timeline_of(agreed, state.message_mb)
         limit = None
         base = get_codec(BASELINE).spec
         if self.error_budget is not None and agreed["errors"]:
             limit = self.error_budget * sum(e.get(base, 0.0) for e in agreed["errors"].values())
-        decision = decide(timeline, costs, agreed["errors"], error_limit=limit, fp32=get_codec("fp32").spec,
-                          within_best=WITHIN_BEST, faster_than_fp32=self.faster_than_fp32)
-        changed = self.decision is None or decision.assignment != self.decision.assignment
-        self.decision, self.measured, self.decided_iter = decision, agreed, step
+        pred = decide(timeline, costs, agreed["errors"], error_limit=limit, fp32=get_codec("fp32").spec,
+                      within_best=WITHIN_BEST, faster_than_fp32=self.faster_than_fp32,
+                      max_finalists=self.max_trials)
+        self.measured = agreed
         self._steps = []
         for h in self._grad_handles:
             h.remove()
         self._grad_handles = []
+        finalists = list(pred.finalists)
+        if self.decision is not None and not self.decision.fp32_is_best and \
+                all(a != self.decision.assignment for _, a, _ in finalists):
+            finalists.append(("current", dict(self.decision.assignment), float("nan")))
+        pred.measured_s = {"fp32": timeline.step_s}
+        if pred.fp32_is_best and (self.decision is None or self.decision.fp32_is_best):
+            pred.chosen = "fp32 (predicted: nothing pays)"
+            self._finish(state, step, pred)
+            return
+        if self.trial_steps == 0:
+            pred.chosen = "predicted best (not tried: trial_steps=0)"
+            self._finish(state, step, pred)
+            return
+        pred.finalists = finalists
+        self._pending, self._trial, self._marks, self._trial_times = pred, 0, [], []
+        self.phase = "trial"
+        self._maybe_install(state, step)
+        self._trial_mark(state, step)
+
+    def _trial_mark(self, state: LowbitState, step: int) -> None:
+        """At a forward pass during the trials: the first step of each finalist warms up, the next
+        ``trial_steps`` are timed (forward start to forward start); then the next finalist."""
+        pred = self._pending
+        if not self._marks:
+            apply(state, pred.finalists[self._trial][1])
+        self._marks.append(_mark(self._device))
+        if len(self._marks) < self.trial_steps + 2:
+            return
+        periods = [_elapsed(a, b) for a, b in zip(self._marks[1:], self._marks[2:])]
+        self._trial_times.append(statistics.median(periods))
+        self._trial += 1
+        self._marks = []
+        if self._trial < len(pred.finalists):
+            self._trial_mark(state, step)  # this forward pass starts the next finalist's warm-up step
+            return
+        times = _average(C.all_gather_object(self._trial_times, state.process_group))  # agree
+        fp32_s = pred.measured_s["fp32"]
+        tried = []
+        for (label, assignment, _), t in zip(pred.finalists, times):
+            pred.measured_s[label] = t
+            bits = sum(state._numels[n] * (32.0 if s == get_codec("fp32").spec else
+                                           get_codec(s).bits_per_value(1 << 20)) for n, s in assignment.items())
+            tried.append(Tried(assignment, fp32_s / t, bits / max(sum(state._numels.values()), 1), label))
+        fp32 = Tried({n: get_codec("fp32").spec for n in state.plan}, 1.0, 32.0, "fp32")
+        best, none_pays = pick(tried, fp32, within_best=WITHIN_BEST, faster_than_fp32=self.faster_than_fp32)
+        pred.chosen = f"{best.extra} (measured)" if not none_pays else "fp32 (measured: nothing paid)"
+        if best.extra != pred.finalists[0][0] or none_pays:  # the predicted best lost: describe the winner
+            timeline = _timeline_of(self.measured, state.message_mb)
+            costs = {s: CodecCost(**c) for s, c in self.measured["costs"].items()}
+            compute = pred.fp32_step_s - simulate(timeline, {n: get_codec("fp32").spec for n in state.plan}, costs)
+            pred.assignment = dict(best.assignment)
+            pred.rows = explain(timeline, costs, pred.assignment, compute, get_codec("fp32").spec)
+            pred.step_s = compute + simulate(timeline, pred.assignment, costs)
+            pred.fp32_is_best = none_pays
+        self._pending = None
+        self._finish(state, step, pred)
+
+    def _finish(self, state: LowbitState, step: int, decision: Decision) -> None:
+        rank, world = C.world(state.process_group)
+        self.decision, self.decided_iter, self.phase = decision, step, "done"
         if self._handle is not None and not self.remeasure_every:
             self._handle.remove()
             self._handle = None
-        if changed:
-            apply(state, decision.assignment)
-            if rank == 0:
-                log.info("lowbit.ddp codec='auto' at step %d (%d ranks):\n%s", step, world, decision.table())
+        apply(state, decision.assignment)
+        if rank == 0:
+            log.info("lowbit.ddp codec='auto' at step %d (%d ranks):\n%s", step, world, decision.table())
         self._maybe_install(state, step)
 
     def _maybe_install(self, state: LowbitState, step: int) -> None:
-        """Register lowbit's hook once the decision compresses something (never again after)."""
-        if self._install is None or self.decision is None or self.decision.fp32_is_best:
+        """Register lowbit's hook once something compressed is to run (never again after)."""
+        if self._install is None:
+            return
+        if self.phase == "done" and (self.decision is None or self.decision.fp32_is_best):
             return
         state.iter = max(state.iter, step, state.start_iter)  # the hook counts steps from here on
         install, self._install = self._install, None
@@ -291,6 +356,7 @@ class AutoTuner:
             raise ValueError("lowbit checkpoint: the codec='auto' decision does not fit this model/allow list "
                              f"(unknown tensors {unknown[:3]}, codecs not allowed {bad})")
         self.decision, self.measured, self.decided_iter = dec, d.get("measured"), d.get("decided_iter")
+        self.phase, self._pending, self._marks = "done", None, []
         for h in self._grad_handles:
             h.remove()
         self._grad_handles, self._steps, self._samples = [], [], {}
@@ -304,7 +370,9 @@ class AutoTuner:
         d = dict(self.__dict__)
         for k in ("_handle", "_install", "_module", "_state"):
             d[k] = None
-        d["_grad_handles"], d["_steps"], d["_samples"] = [], [], {}
+        d["_grad_handles"], d["_steps"], d["_samples"], d["_marks"] = [], [], {}, []
+        if d.get("phase") == "trial":  # unpickled mid-trial: measure again
+            d["phase"], d["_pending"], d["measured"] = "measure", None, None
         return d
 
 
@@ -321,6 +389,10 @@ def apply(state: LowbitState, assignment: dict[str, str]) -> None:
 
 
 # ------------------------------------------------------------------------------------------ helpers
+def _timeline_of(d: dict[str, Any], message_mb: Any) -> Timeline:
+    return Timeline(tuple(TensorTiming(**t) for t in d["tensors"]), d["backward_end_s"], d["step_s"], message_mb)
+
+
 def _device_of(module: torch.nn.Module) -> torch.device:
     for p in module.parameters():
         return p.device

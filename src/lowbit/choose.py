@@ -39,6 +39,9 @@ AUTO_FASTER_THAN_FP32 = 1.02
 #: assignments this close to the fastest count as ties; more bits wins a tie
 WITHIN_BEST = 0.97
 
+#: a fixed codec's assignment, as lowbit.Policy's size rule makes it: smaller tensors stay fp32
+UNIFORM_MIN_NUMEL = 10_000
+
 #: ``message_mb="auto"``: a message holds at least this much fp32 ...
 AUTO_MESSAGE_MIN = 64 * 2**20
 #: ... and at least this share of the model's quantised gradients (about three messages a step).
@@ -192,6 +195,11 @@ class Decision:
     rows: list[dict[str, Any]]
     error: float | None = None
     error_limit: float | None = None
+    #: the best predicted assignments, to be tried on the job: (label, assignment, predicted step s)
+    finalists: list[tuple[str, dict[str, str], float]] = dataclasses.field(default_factory=list)
+    #: when they were tried: label -> measured step s ("fp32": the measured fp32 step)
+    measured_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    chosen: str = ""
 
     @property
     def speedup(self) -> float:
@@ -202,9 +210,15 @@ class Decision:
         for r in self.rows:
             lines.append(f"{r['name'][:44]:<44} {r['numel']:>11,}  {r['codec'][:28]:<28} "
                          f"{r['saving_s'] * 1e3:>9.3f} ms")
-        lines.append(f"predicted step {self.step_s * 1e3:.2f} ms, fp32 everywhere {self.fp32_step_s * 1e3:.2f} ms "
-                     f"({self.speedup:.2f}x), {self.tried} assignments tried"
-                     + (" — fp32: no assignment pays" if self.fp32_is_best else ""))
+        for label, _, pred in self.finalists:
+            got = self.measured_s.get(label)
+            lines.append(f"tried {label:<36} predicted {pred * 1e3:9.2f} ms/step"
+                         + (f", measured {got * 1e3:9.2f} ms/step" if got is not None else ""))
+        if "fp32" in self.measured_s:
+            lines.append(f"measured fp32 step {self.measured_s['fp32'] * 1e3:.2f} ms")
+        lines.append(f"chosen: {self.chosen or 'predicted best'}; predicted step {self.step_s * 1e3:.2f} ms, "
+                     f"fp32 everywhere {self.fp32_step_s * 1e3:.2f} ms ({self.speedup:.2f}x), {self.tried} "
+                     "assignments replayed" + (" — fp32: nothing pays" if self.fp32_is_best else ""))
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -256,12 +270,14 @@ def _dp(timeline: Timeline, specs: Sequence[str], costs: Mapping[str, CodecCost]
 def decide(timeline: Timeline, costs: Mapping[str, CodecCost],
            errors: Mapping[str, Mapping[str, float]] | None = None, *, error_limit: float | None = None,
            fp32: str = "fp32", within_best: float = WITHIN_BEST,
-           faster_than_fp32: float = AUTO_FASTER_THAN_FP32) -> Decision:
+           faster_than_fp32: float = AUTO_FASTER_THAN_FP32, max_finalists: int = 4) -> Decision:
     """Search assignments of ``costs``' codecs to the timeline's tensors (module doc) and :func:`pick`.
 
     ``errors[name][spec]``: the squared error of ``spec`` on that tensor's gradient; ``error_limit``: the
     most the summed error of an assignment may reach (None: no limit). ``fp32`` names the uncompressed
-    codec, which must be in ``costs``.
+    codec, which must be in ``costs``. Unless fp32 wins, the decision lists up to ``max_finalists``
+    assignments worth trying on the job: the chosen one, then each compressed codec applied as a fixed
+    codec would be (tensors of at least ``UNIFORM_MIN_NUMEL`` values), fastest predicted first.
     """
     if fp32 not in costs:
         raise ValueError(f"the codec costs must include {fp32!r} (the baseline)")
@@ -312,13 +328,29 @@ def decide(timeline: Timeline, costs: Mapping[str, CodecCost],
     fp32_tried = Tried(all32, 1.0, 32.0, fp32_step)
     chosen, fp32_best = pick(tried, fp32_tried, within_best=within_best, faster_than_fp32=faster_than_fp32)
     assignment = dict(chosen.assignment)
-    chosen_step = float(chosen.extra)
+    finalists = [] if fp32_best else [("predicted best", assignment, float(chosen.extra))]
+    if not fp32_best:
+        for spec in compressed:  # each codec as a fixed choice would apply it: the seed's size rule
+            a = {t.name: spec if t.numel >= UNIFORM_MIN_NUMEL else fp32 for t in timeline.tensors}
+            if a == assignment or (error_limit is not None and errors and err(a) > error_limit * (1 + 1e-9)):
+                continue
+            finalists.append((f"{spec} (tensors >= {UNIFORM_MIN_NUMEL:,} values)", a, step(a)))
+        finalists = finalists[:1] + sorted(finalists[1:], key=lambda f: f[2])[: max_finalists - 1]
+    rows = explain(timeline, costs, assignment, compute, fp32)
+    return Decision(assignment, fp32_best, float(chosen.extra), fp32_step, len(tried), rows,
+                    err(assignment) if errors else None, error_limit, finalists)
+
+
+def explain(timeline: Timeline, costs: Mapping[str, CodecCost], assignment: Mapping[str, str], compute: float,
+            fp32: str = "fp32") -> list[dict[str, Any]]:
+    """Per tensor: its codec and the predicted saving (seconds a step gains from that codec against
+    sending this tensor in fp32, the rest unchanged)."""
+    base = compute + simulate(timeline, assignment, costs)
     rows = []
     for t in timeline.tensors:
         spec = assignment[t.name]
         saving = 0.0
         if spec != fp32:
-            saving = step({**assignment, t.name: fp32}) - chosen_step
+            saving = compute + simulate(timeline, {**assignment, t.name: fp32}, costs) - base
         rows.append({"name": t.name, "numel": t.numel, "codec": spec, "saving_s": saving})
-    return Decision(assignment, fp32_best, chosen_step, fp32_step, len(tried), rows,
-                    err(assignment) if errors else None, error_limit)
+    return rows

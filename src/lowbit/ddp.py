@@ -475,7 +475,7 @@ def hook(state: LowbitState, bucket: dist.GradBucket) -> torch.futures.Future[to
                                            and state.auto.decision.fp32_is_best)
     world = state._world[1]
     buf = bucket.buffer()
-    if state.auto is not None and state.auto.decision is None:
+    if state.auto is not None and state.auto.phase == "measure":
         # codec="auto" with the hook installed by a framework: fp32 until the decision
         state._advance(bucket)
         return start(buf, _FP32, group, "allreduce", "mean", stats=state.stats, world=state._world)
