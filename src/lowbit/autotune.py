@@ -336,6 +336,10 @@ class AutoTuner:
                          float(codec.bits_per_value(1 << 20)), "native": bool(codec.sums_on_wire),
                          "alpha_s": alpha, "s_per_value": link, "encode_s_per_value": enc,
                          "per_tensor": bool(codec.per_tensor)}
+        del data
+        if device.type == "cuda":  # hand the probes' buffers back: training's allocations stay as they were
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
         return out
 
     # ------------------------------------------------------------------------------ checkpoints
