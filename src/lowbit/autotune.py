@@ -202,9 +202,10 @@ class AutoTuner:
             h.remove()
         self._grad_handles = []
         finalists = list(pred.finalists)
-        if self.decision is not None and not self.decision.fp32_is_best and \
-                all(a != self.decision.assignment for _, a, _ in finalists):
-            finalists.append(("current", dict(self.decision.assignment), float("nan")))
+        if self.decision is not None:  # re-measuring: the current plan and fp32 are tried again too
+            if not self.decision.fp32_is_best and all(a != self.decision.assignment for _, a, _ in finalists):
+                finalists.append(("current", dict(self.decision.assignment), float("nan")))
+            finalists.append(("fp32", {n: get_codec("fp32").spec for n in state.plan}, pred.fp32_step_s))
         pred.measured_s = {"fp32": timeline.step_s}
         if pred.fp32_is_best and (self.decision is None or self.decision.fp32_is_best):
             pred.chosen = "fp32 (predicted: nothing pays)"
@@ -237,10 +238,13 @@ class AutoTuner:
             self._trial_mark(state, step)  # this forward pass starts the next finalist's warm-up step
             return
         times = _average(C.all_gather_object(self._trial_times, state.process_group))  # agree
-        fp32_s = pred.measured_s["fp32"]
         tried = []
         for (label, assignment, _), t in zip(pred.finalists, times):
-            pred.measured_s[label] = t
+            pred.measured_s[label] = t  # (a re-measured "fp32" replaces the first measurement)
+        fp32_s = pred.measured_s["fp32"]
+        for (label, assignment, _), t in zip(pred.finalists, times):
+            if label == "fp32":
+                continue
             bits = sum(state._numels[n] * (32.0 if s == get_codec("fp32").spec else
                                            get_codec(s).bits_per_value(1 << 20)) for n, s in assignment.items())
             tried.append(Tried(assignment, fp32_s / t, bits / max(sum(state._numels.values()), 1), label))

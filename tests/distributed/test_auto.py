@@ -18,20 +18,23 @@ from lowbit.launch import spawn
 Q8 = lowbit.get_codec("qsgd:bits=8,bucket=512").spec
 
 
-def _slow_link(bytes_per_s: float) -> None:
+def _slow_link(bytes_per_s: float | None) -> dict:
     """A slow serial link for this process: every collective lowbit issues goes through one FIFO thread
     that runs it and then holds the link for nbytes / bytes_per_s. The caller is not blocked (the backward
-    pass goes on, as it does beside a real network), and the order of collectives is kept."""
+    pass goes on, as it does beside a real network), and the order of collectives is kept. Returns the
+    link's settings: set ``["bytes_per_s"]`` later to change its speed (None: no delay)."""
     import lowbit.comm.collectives as C
 
     q: queue.Queue = queue.Queue()
+    settings = {"bytes_per_s": bytes_per_s}
 
     def link() -> None:
         while True:
             issue, nbytes, fut = q.get()
             try:
                 issue().wait()
-                time.sleep(nbytes / bytes_per_s)
+                if settings["bytes_per_s"]:
+                    time.sleep(nbytes / settings["bytes_per_s"])
                 fut.set_result(None)
             except Exception as exc:  # noqa: BLE001 — handed to whoever waits
                 fut.set_exception(exc)
@@ -49,6 +52,7 @@ def _slow_link(bytes_per_s: float) -> None:
     C.all_reduce_async = wrap(C.all_reduce_async, 0)
     C.all_gather_async = wrap(C.all_gather_async, 1)
     C.all_to_all_async = wrap(C.all_to_all_async, 1)
+    return settings
 
 
 def _net() -> nn.Module:
@@ -114,6 +118,27 @@ def test_compute_bound_job_keeps_fp32() -> None:
     assert res[0]["plan"] == res[1]["plan"]
     assert res[0]["fp32"] and set(res[0]["plan"].values()) == {"fp32"}
     assert res[0]["hooks"] == 0  # DDP's own allreduce stays: no Python hook to slow it
+
+
+def _body_remeasure(rank: int, world: int) -> dict:
+    link = _slow_link(None)  # fast at first
+    model = DDP(_net())
+    state = lowbit.ddp.make_state(model.module, codec="auto", remeasure_every=4)
+    model.register_comm_hook(state, lowbit.ddp.hook)
+    _train(model, 7, 4096)
+    first = dict(state.auto.decision.assignment)
+    link["bytes_per_s"] = 20e6  # the link slows down: the next probe (step 9) sees it
+    _train(model, 16, 4096, start=7)
+    d = state.auto.decision
+    return {"first": first, "then": d.assignment, "measured": d.measured_s, "decided": state.auto.decided_iter}
+
+
+def test_remeasure_follows_a_link_that_slows_down() -> None:
+    res = spawn(_body_remeasure, 2, backend="gloo")
+    assert res[0]["then"] == res[1]["then"]
+    assert set(res[0]["first"].values()) == {"fp32"}  # compute-bound on a fast link
+    assert res[0]["then"]["2.weight"] == Q8, res[0]["measured"]  # the slow link makes 8 bits pay
+    assert "fp32" in res[0]["measured"] and res[0]["decided"] > 9
 
 
 def _body_ckpt(rank: int, world: int, path: str) -> dict:
