@@ -94,6 +94,9 @@ def test_all_presets_check_on_meta() -> None:
         ('error_feedback = [1]', "error_feedback"),
         ("[model_args.resnet9]\nx = 1", "model_args.resnet9"),
         ("lr = -1", "'lr'"),
+        ('emulate_link = "fast"', "'emulate_link'"),
+        ('emulate_link = 5', "'emulate_link'"),
+        ('emulate_link = "1gbit"\nbackends = ["nccl"]', "'emulate_link'"),
     ],
 )
 def test_bad_config_names_the_key(tmp_path: Path, text: str, needle: str) -> None:
@@ -207,3 +210,18 @@ def test_store_skips_a_torn_last_line_and_appends_after_it(tmp_path: Path) -> No
     store.append({"kind": "run", "key": "c", "x": float("nan")})
     assert store.finished_keys() == {"a", "c"}
     assert store.finished()["c"]["x"] is None
+
+
+def test_auto_runs_across_workers_only_and_keys_keep_without_an_emulated_link() -> None:
+    cfg = StudyConfig(networks=("mlp",), datasets=("digits",), codecs=("fp32", "AUTO"), world_sizes=(1, 2))
+    runs = expand_runs(cfg)
+    auto = [r for r in runs if r.codec == "auto"]
+    assert [r.world_size for r in auto] == [2] and auto[0].algorithm == "scatter_gather"
+    assert codec_label("auto").startswith("auto (")
+    slow = expand_runs(cfg.replace(emulate_link="100mbit"))
+    assert {r.emulate_link for r in slow} == {"100mbit"}
+    assert {r.key() for r in runs}.isdisjoint({r.key() for r in slow})
+    # runs without an emulated link keep the keys they had before the key existed
+    d = runs[0].to_dict()
+    d.pop("emulate_link")
+    assert RunConfig.from_dict(d).key() == runs[0].key()

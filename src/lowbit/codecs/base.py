@@ -237,12 +237,13 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
     return name.strip().lower(), params
 
 
-def parse_codec_list(values: Sequence[str] | str, what: str = "codecs") -> list[str]:
+def parse_codec_list(values: Sequence[str] | str, what: str = "codecs", also: Sequence[str] = ()) -> list[str]:
     """Codec specs from command-line values, the one syntax of every ``lowbit`` command: specs separated
     by spaces (several values), ``;`` or ``,``. A spec's own parameters are comma-separated too
     (``qsgd:bits=4,bucket=512``), so a comma-separated item of the form ``key=value`` continues the spec
     before it and any other item starts a new one: ``fp32,qsgd:bits=4,bucket=512`` is ``fp32`` and
-    ``qsgd:bits=4,bucket=512``. Validated and deduplicated (the first spelling of each codec is kept)."""
+    ``qsgd:bits=4,bucket=512``. Validated and deduplicated (the first spelling of each codec is kept).
+    ``also``: names the caller accepts beside codecs (the study's ``auto``)."""
     specs: list[str] = []
     for value in [values] if isinstance(values, str) else values:
         for group in str(value).replace(";", " ").split():
@@ -262,6 +263,9 @@ def parse_codec_list(values: Sequence[str] | str, what: str = "codecs") -> list[
         raise ValueError(f"{what} is empty")
     seen: dict[str, str] = {}  # canonical spec -> the spec as given
     for spec in specs:
+        if spec.lower() in also:
+            seen.setdefault(spec.lower(), spec.lower())
+            continue
         try:
             seen.setdefault(get_codec(spec).spec, spec)
         except ValueError as exc:

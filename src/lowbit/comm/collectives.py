@@ -6,18 +6,22 @@
   differs between gloo and NCCL — the weak spot of PyTorch's built-in quantization hook).
 * A failed or timed-out collective surfaces as :class:`CollectiveError` naming the operation, the rank
   and the cause, instead of a bare backend message or a hang.
+* :func:`emulate_link` (CPU / gloo): a slow network for this process's lowbit collectives, to study
+  compression where the real link is a fast loopback.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
+import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["CollectiveError", "world", "all_to_all_async", "all_gather_async", "all_reduce_async",
-           "reduce_scatter_async", "then", "join", "wait", "done", "all_gather_object"]
+           "reduce_scatter_async", "then", "join", "wait", "done", "all_gather_object", "emulate_link"]
 
 
 class CollectiveError(RuntimeError):
@@ -124,11 +128,56 @@ def join(futs: list[torch.futures.Future], value: Callable[[], object], device: 
     return res
 
 
-def _issue(op: str, group: dist.ProcessGroup | None, call: Callable[[], object]) -> object:
+def _issue(op: str, group: dist.ProcessGroup | None, call: Callable[[], object], nbytes: int = 0) -> object:
+    if _LINK["bytes_per_s"] is not None:
+        return _via_link(op, group, call, nbytes)
     try:
         return call()
     except Exception as exc:  # noqa: BLE001 — re-raised with context
         raise _fail(op, group, exc) from exc
+
+
+# ------------------------------------------------------------------------------------------ emulated link
+_LINK: dict = {"bytes_per_s": None, "queue": None}
+
+
+def emulate_link(bytes_per_s: float | None) -> None:
+    """Make this process's lowbit collectives cross an emulated link of ``bytes_per_s`` (None: the real
+    one again). Each collective is issued, in program order, by one link thread that runs it, waits for
+    it and then holds the link for ``bytes sent / bytes_per_s`` (what this rank puts on the wire: the
+    tensor it contributes); the caller is not blocked, as beside a real network. For CPU tensors on gloo
+    (a study of slow links on one machine); every rank of a group should emulate the same link. DDP's own
+    C++ allreduce does not pass here: register lowbit's hook to send fp32 across the emulated link too."""
+    if bytes_per_s is not None and not (isinstance(bytes_per_s, (int, float)) and bytes_per_s > 0):
+        raise ValueError(f"emulated link speed must be a number of bytes/s > 0 or None, got {bytes_per_s!r}")
+    if bytes_per_s is not None and _LINK["queue"] is None:
+        q: queue.Queue = queue.Queue()
+        threading.Thread(target=_link_worker, args=(q,), daemon=True, name="lowbit-emulated-link").start()
+        _LINK["queue"] = q
+    _LINK["bytes_per_s"] = None if bytes_per_s is None else float(bytes_per_s)
+
+
+def _link_worker(q: queue.Queue) -> None:
+    while True:
+        call, nbytes, fut, op, group = q.get()
+        try:
+            work = call()
+            if isinstance(work, torch.futures.Future):
+                work.wait()
+            else:
+                work.wait()  # type: ignore[attr-defined]
+            bps = _LINK["bytes_per_s"]
+            if bps:
+                time.sleep(nbytes / bps)
+            fut.set_result(None)
+        except Exception as exc:  # noqa: BLE001 — handed to whoever waits, with context
+            fut.set_exception(_fail(op, group, exc))
+
+
+def _via_link(op: str, group: dist.ProcessGroup | None, call: Callable[[], object], nbytes: int) -> object:
+    fut: torch.futures.Future = torch.futures.Future()
+    _LINK["queue"].put((call, nbytes, fut, op, group))
+    return fut
 
 
 def all_to_all_async(recv: torch.Tensor, send: torch.Tensor, send_splits: list[int], recv_splits: list[int],
@@ -138,7 +187,7 @@ def all_to_all_async(recv: torch.Tensor, send: torch.Tensor, send_splits: list[i
         recv.copy_(send[: recv.numel()])
         return done(None, recv.device)
     return _issue("all_to_all_single", group, lambda: dist.all_to_all_single(
-        recv, send, recv_splits, send_splits, group=group, async_op=True))
+        recv, send, recv_splits, send_splits, group=group, async_op=True), send.numel() * send.element_size())
 
 
 def all_gather_async(recv: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup | None) -> object:
@@ -147,7 +196,8 @@ def all_gather_async(recv: torch.Tensor, send: torch.Tensor, group: dist.Process
     if size == 1:
         recv.copy_(send)
         return done(None, recv.device)
-    return _issue("all_gather_into_tensor", group, lambda: _gather_fn(recv, send, group=group, async_op=True))
+    return _issue("all_gather_into_tensor", group, lambda: _gather_fn(recv, send, group=group, async_op=True),
+                  send.numel() * send.element_size())
 
 
 def all_reduce_async(t: torch.Tensor, group: dist.ProcessGroup | None) -> object:
@@ -155,7 +205,8 @@ def all_reduce_async(t: torch.Tensor, group: dist.ProcessGroup | None) -> object
     _, size = world(group)
     if size == 1:
         return done(None, t.device)
-    return _issue("all_reduce", group, lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True))
+    return _issue("all_reduce", group, lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True),
+                  t.numel() * t.element_size())
 
 
 def reduce_scatter_async(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> object:
@@ -165,7 +216,8 @@ def reduce_scatter_async(out: torch.Tensor, inp: torch.Tensor, group: dist.Proce
     if size == 1:
         out.copy_(inp[: out.numel()])
         return done(None, out.device)
-    return _issue("reduce_scatter_tensor", group, lambda: _scatter_fn(out, inp, group=group, async_op=True))
+    return _issue("reduce_scatter_tensor", group, lambda: _scatter_fn(out, inp, group=group, async_op=True),
+                  inp.numel() * inp.element_size())
 
 
 def wait(fut: object, op: str, group: dist.ProcessGroup | None) -> object:

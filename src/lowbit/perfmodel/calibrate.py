@@ -273,7 +273,7 @@ def _canon(spec: str) -> str:
         from lowbit.codecs.base import get_codec
 
         return get_codec(spec).spec
-    except (ImportError, ModuleNotFoundError):
+    except (ImportError, ModuleNotFoundError, ValueError):  # (and "auto": a choice, not a codec)
         return spec
 
 

@@ -51,7 +51,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "networks": _csv_or_list(args.networks),
         "datasets": _csv_or_list(args.datasets),
-        "codecs": parse_codec_list(args.codecs, what="--codecs") if args.codecs else None,
+        "codecs": parse_codec_list(args.codecs, what="--codecs", also=("auto",)) if args.codecs else None,
         "algorithms": _csv_or_list(args.algorithms),
         "world_sizes": _ints(args.world_sizes, "world-sizes"),
         "nodes": _ints(args.emulate_nodes, "emulate-nodes"),

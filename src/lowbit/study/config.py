@@ -55,8 +55,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from lowbit.autotune import DEFAULT_ALLOW
 from lowbit.codecs.base import Codec, get_codec
 from lowbit.parallel.split import PARALLELISMS, check_splits
+from lowbit.perfmodel.links import parse_bandwidth
 from lowbit.study import seed_data
 
 __all__ = [
@@ -135,6 +137,9 @@ class StudyConfig:
     max_steps_per_epoch: int = 0
     device: str = "auto"
     start_iter: int = 2
+    # gloo only: lowbit's collectives cross an emulated link of this speed ("400mbit", "50MB/s"; none:
+    # the real one), and every run registers lowbit's hook up front so that fp32 crosses it too
+    emulate_link: str | None = None
     model_args: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
     dataset_args: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
@@ -157,12 +162,16 @@ class StudyConfig:
         for spec in self.codecs:
             if not isinstance(spec, str):
                 raise ValueError(f"study config: 'codecs' entries are spec strings, got {spec!r}")
+            if spec.strip().lower() == AUTO:  # lowbit.ddp's codec="auto": chosen per tensor while training
+                canon.append(AUTO)
+                continue
             try:
                 canon.append(get_codec(spec).spec)
             except ValueError as exc:
                 raise ValueError(f"study config: 'codecs': {spec!r}: {exc}") from None
         if len(set(canon)) != len(canon):
             raise ValueError(f"study config: 'codecs' lists the same codec twice: {list(self.codecs)}")
+        object.__setattr__(self, "codecs", tuple(AUTO if c == AUTO else s for c, s in zip(canon, self.codecs)))
         for ws in self.world_sizes:
             _check_int("world_sizes", ws, 1)
         for nn in self.nodes:
@@ -183,6 +192,16 @@ class StudyConfig:
         _check_int("max_test_samples", self.max_test_samples, 0)
         _check_int("max_steps_per_epoch", self.max_steps_per_epoch, 0)
         _check_int("start_iter", self.start_iter, 0)
+        if self.emulate_link is not None:
+            if not isinstance(self.emulate_link, str):
+                raise ValueError(f"study config: 'emulate_link' is a speed such as \"400mbit\", got {self.emulate_link!r}")
+            try:
+                parse_bandwidth(self.emulate_link)
+            except ValueError as exc:
+                raise ValueError(f"study config: 'emulate_link': {exc}") from None
+            if any(b != "gloo" for b in self.backends):
+                raise ValueError("study config: 'emulate_link' emulates a link for gloo (CPU) runs; for NCCL "
+                                 "use a real slow path (docs/multinode.md: sockets, emulated nodes)")
         efs = self.error_feedback
         if isinstance(efs, (list, tuple)):
             if not efs or len(set(map(repr, efs))) != len(efs):
@@ -422,6 +441,7 @@ class RunConfig:
     nodes: int = 1          # emulated nodes (world_size / nodes ranks each); in the key only when > 1
     parallelism: str = "data"  # data | model | hybrid; in the key only when not "data"
     sub_batches: int = 1       # hybrid only; in the key only when > 1
+    emulate_link: str | None = None  # an emulated link's speed (gloo); in the key only when set
     policy: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # per-layer overrides; in the key if any
 
     def to_dict(self) -> dict[str, Any]:
@@ -446,6 +466,8 @@ class RunConfig:
             d.pop("parallelism")  # likewise for runs made before model parallelism existed
         if d["sub_batches"] == 1:
             d.pop("sub_batches")
+        if d["emulate_link"] is None:
+            d.pop("emulate_link")
         if not d["policy"]:
             d.pop("policy")  # likewise for runs without per-layer overrides
         d["schema"] = SCHEMA
@@ -466,8 +488,15 @@ class RunConfig:
 
 
 def codec_label(spec: str, error_feedback: bool = False) -> str:
-    """Short label in the seed's style: 32bit, 16bit, QSGD 4bit/512, 1bitSGD*/64 +EF, ..."""
+    """Short label in the seed's style: 32bit, 16bit, QSGD 4bit/512, 1bitSGD*/64 +EF, ...; ``auto`` with
+    the codecs it chooses among."""
+    if spec == AUTO:
+        return "auto (" + "|".join(get_codec(s).label for s in DEFAULT_ALLOW) + ")"
     return get_codec(spec).label + (" +EF" if error_feedback else "")
+
+
+#: the study's name for lowbit.ddp.register(codec="auto") (a choice made while training, not a codec)
+AUTO = "auto"
 
 
 #: the study's error-feedback settings: ``auto`` is the seeds' practice (1bitSGD and top-k need it; QSGD is
@@ -522,12 +551,17 @@ def expand_runs(cfg: StudyConfig) -> list[RunConfig]:
             continue
         if par != "data" and (ws == 1 or not _splits(network, par) or policy):
             continue  # one worker is data parallelism's baseline; networks that do not split are skipped
-        codec = get_codec(spec)
+        if spec == AUTO:
+            if policy or par != "data" or (ws == 1 and not cfg.compress_at_world_size_1):
+                continue  # auto chooses the codecs itself, for data-parallel gradients, across workers
+            codec = get_codec("fp32")  # (until it decides; it needs a collective algorithm all the same)
+        else:
+            codec = get_codec(spec)
         # overrides equal to the run's codec change nothing: drop them (one run, one key)
         policy = {k: {n: c for n, c in t.items() if c != codec.spec} for k, t in policy.items()}
         policy = {k: t for k, t in policy.items() if t}
-        quantised = not codec.sums_on_wire or any(not get_codec(c).sums_on_wire for t in policy.values()
-                                                  for c in t.values())
+        quantised = spec == AUTO or not codec.sums_on_wire or any(
+            not get_codec(c).sums_on_wire for t in policy.values() for c in t.values())
         if ws == 1 and not cfg.compress_at_world_size_1 and (codec.name != "fp32" or policy):
             continue
         if ws == 1 and codec.name == "fp32" and not cfg.compress_at_world_size_1:
@@ -551,7 +585,7 @@ def expand_runs(cfg: StudyConfig) -> list[RunConfig]:
         if par == "model":
             eff = "none"  # no parameter gradient crosses: the codec carries activations and their gradients
         run = RunConfig(
-            network=network, dataset=dataset, codec=codec.spec, algorithm=eff,
+            network=network, dataset=dataset, codec=AUTO if spec == AUTO else codec.spec, algorithm=eff,
             error_feedback=(_feedback(ef, codec) if (ws > 1 or cfg.compress_at_world_size_1) and par != "model"
                             else False),  # (activations take no error feedback)
             world_size=ws, backend=backend, device=device, batch_size=per_worker, epochs=cfg.epochs,
@@ -565,7 +599,7 @@ def expand_runs(cfg: StudyConfig) -> list[RunConfig]:
             nodes=nodes,
             policy=dict(policy) if ws > 1 or cfg.compress_at_world_size_1 else {},
             parallelism=par,
-            sub_batches=cfg.sub_batches if par == "hybrid" else 1,
+            sub_batches=cfg.sub_batches if par == "hybrid" else 1, emulate_link=cfg.emulate_link,
         )
         k = run.key()
         if k not in seen:

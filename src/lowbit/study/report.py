@@ -106,7 +106,8 @@ def _malformed(row: dict[str, Any]) -> str:
         if not isinstance(v, typ) or isinstance(v, bool):
             return f"config.{field} must be {typ.__name__}, got {v!r}"
     try:
-        get_codec(cfg["codec"])
+        if cfg["codec"] != "auto":  # (codec="auto" chooses while training)
+            get_codec(cfg["codec"])
     except ValueError as exc:
         return f"config.codec: {exc}"
     for field, typ in (("summary", dict), ("epochs", list), ("labels", dict), ("env", dict)):
@@ -604,7 +605,8 @@ def _sps_tables(runs: list[dict[str, Any]]) -> str:
         for lab in labels:
             group = [r for r in rs if r["label"] == lab]
             spec = group[0]["codec"]
-            seed_label, bucket = seed_data.SEED_PRECISIONS.get(get_codec(spec).spec, ("", ""))
+            seed_label, bucket = seed_data.SEED_PRECISIONS.get(
+                spec if spec == "auto" else get_codec(spec).spec, ("", ""))
             line: list[Any] = [lab, seed_label or "—", bucket or "—"]
             for k in ks:
                 here = [r for r in group if r["world_size"] == k]

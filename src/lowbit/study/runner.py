@@ -37,7 +37,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lowbit.comm import collectives as C
 from lowbit.env import launched_rank_and_size, under_torchrun
+from lowbit.perfmodel.links import parse_bandwidth
 from lowbit.study.config import RunConfig, StudyConfig, check_runs, expand_runs
 from lowbit.study.metrics import TailClock, environment, fwd_bwd_gflop_per_sample
 from lowbit.study.store import ResultStore
@@ -207,16 +209,27 @@ class _Trainer:
             grads = model
             ddp = DDP(model, device_ids=[device.index] if cuda else None)
             policy = Policy(default=run.codec, **run.policy) if run.policy else None
-        self.state = lowbit.ddp.register(
-            ddp, codec=None if policy else run.codec, policy=policy, algorithm=algorithm,
-            error_feedback=run.error_feedback, start_iter=run.start_iter, seed=run.seed, node_size=node_size,
-            one_node_native=False,  # hierarchical in one node: keep the hook, so its bytes and times are measured
-        )
+        if run.codec == "auto" and run.emulate_link:
+            # the hook up front (as a framework registers it), so that the fp32 steps auto measures cross
+            # the emulated link too (DDP's own allreduce would not)
+            self.state = lowbit.ddp.make_state(
+                ddp.module, codec="auto", algorithm=algorithm, start_iter=run.start_iter, seed=run.seed,
+                process_group=ddp.process_group, node_size=node_size)
+            ddp.register_comm_hook(self.state, lowbit.ddp.hook)
+        else:
+            self.state = lowbit.ddp.register(
+                ddp, codec=None if policy else run.codec, policy=policy, algorithm=algorithm,
+                error_feedback=run.error_feedback, start_iter=run.start_iter, seed=run.seed, node_size=node_size,
+                one_node_native=False,  # hierarchical in one node: keep the hook, so its bytes and times are measured
+            )
         # The study reports the encode / communicate / decode split (on CUDA this synchronises the
         # device around each phase, as a profiler does; training outside the study never pays it).
         self.state.stats.timing = True
-        summary = (policy or Policy.coerce(None, run.codec)).summary(grads)
-        self.compressed = sum(n for spec, n in summary.items() if not spec.startswith("fp32"))
+        if self.state.auto is not None:
+            self.compressed = 0  # until auto decides (see auto_plan in the summary)
+        else:
+            summary = (policy or Policy.coerce(None, run.codec)).summary(grads)
+            self.compressed = sum(n for spec, n in summary.items() if not spec.startswith("fp32"))
         if run.parallelism == "hybrid":
             self.comm = ParallelComm(codec=run.codec)
             self.hybrid = self.net = Hybrid(ddp, classifier, self.comm, sub_batches=run.sub_batches, seed=run.seed)
@@ -364,6 +377,8 @@ def train_run(
     torch.manual_seed(run.seed)                       # same initial weights on every rank
     model = make_model().to(device)
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    # an emulated slow link for lowbit's collectives (gloo), or the real one (every run sets it)
+    C.emulate_link(parse_bandwidth(run.emulate_link) if run.emulate_link and world > 1 else None)
     trainer = _Trainer(run, model, rank, world, device)
     torch.manual_seed(run.seed * 1_000 + rank + 1)   # dropout masks differ across ranks
 
@@ -441,8 +456,19 @@ def train_run(
     finally:
         clock.remove()
 
-    summary = _summary(epochs, steps, t_run, params, trainer.compressed, gflop, run, world, data.num_classes,
+    auto = getattr(getattr(trainer, "state", None), "auto", None)
+    decision = auto.decision if auto is not None else None
+    compressed = trainer.compressed
+    if decision is not None:  # codec="auto": what it chose, per codec (values), and from which step
+        compressed = sum(r["numel"] for r in decision.rows if r["codec"] != "fp32")
+    summary = _summary(epochs, steps, t_run, params, compressed, gflop, run, world, data.num_classes,
                        int(x_tr.shape[0]), int(x_te.shape[0]))
+    if auto is not None:
+        summary["auto_plan"] = None if decision is None else {
+            "values_per_codec": {c: sum(r["numel"] for r in decision.rows if r["codec"] == c)
+                                 for c in sorted({r["codec"] for r in decision.rows})},
+            "chosen": decision.chosen, "decided_at_step": auto.decided_iter,
+            "predicted_speedup_vs_fp32": decision.speedup}
     return {
         "kind": "run",
         "key": key,
@@ -467,6 +493,8 @@ def _warm_up_codecs(specs: set[str], device: torch.device) -> None:
 
     x = torch.randn(4096, device=device)
     for spec in sorted(specs):
+        if spec == "auto":
+            continue  # (its codecs warm up when it probes them)
         codec = get_codec(spec)
         if codec.name == "fp32":
             continue

@@ -181,7 +181,7 @@ def seed_samples_per_s(network: str, codec_spec: str, world_size: int, backend: 
     ``gloo`` and ``mpi`` map to the MPI table (Figure 10: CPU-staged point-to-point, like gloo), ``nccl``
     to Figure 11.
     """
-    spec = get_codec(codec_spec).spec
+    spec = codec_spec if codec_spec == "auto" else get_codec(codec_spec).spec
     if spec not in SEED_PRECISIONS or world_size not in GPUS:
         return None, ""
     label, bucket = SEED_PRECISIONS[spec]
