@@ -96,6 +96,8 @@ def test_all_presets_check_on_meta() -> None:
         ("lr = -1", "'lr'"),
         ('emulate_link = "fast"', "'emulate_link'"),
         ('emulate_link = 5', "'emulate_link'"),
+        ('recipe = "fig9"', "'recipe'"),
+        ('recipe = "fig3"\nnetworks = ["mlp"]', "mlp"),
         ('emulate_link = "1gbit"\nbackends = ["nccl"]', "'emulate_link'"),
     ],
 )
@@ -225,3 +227,13 @@ def test_auto_runs_across_workers_only_and_keys_keep_without_an_emulated_link() 
     d = runs[0].to_dict()
     d.pop("emulate_link")
     assert RunConfig.from_dict(d).key() == runs[0].key()
+
+
+def test_fig3_recipe_sets_each_networks_epochs_and_learning_rate() -> None:
+    cfg = load_config(preset="fig3")
+    runs = expand_runs(cfg)
+    assert runs and {(r.network, r.dataset, r.epochs, r.lr) for r in runs} == {("resnet110", "cifar10", 160, 0.1)}
+    assert {r.batch_size * r.world_size for r in runs} == {128}  # Figure 4: ResNet-110's global batch
+    both = expand_runs(StudyConfig(networks=("alexnet", "lstm"), datasets=("synthetic",), codecs=("fp32",),
+                                   world_sizes=(1,), recipe="fig3"))
+    assert {(r.network, r.epochs, r.lr) for r in both} == {("alexnet", 112, 0.07), ("lstm", 20, 0.5)}

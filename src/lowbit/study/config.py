@@ -83,7 +83,7 @@ SCHEDULES = ("cosine", "constant")
 DEVICES = ("auto", "cpu", "cuda")
 OPTIMIZERS = ("sgd", "rmsprop", "adam")
 
-PRESETS = ("default", "seeds", "throughput", "smoke")
+PRESETS = ("default", "seeds", "throughput", "smoke", "fig3")
 
 _LIST_KEYS = ("networks", "datasets", "codecs", "algorithms", "world_sizes", "backends", "batch_sizes", "seeds",
               "nodes", "policies", "parallelism")
@@ -140,6 +140,9 @@ class StudyConfig:
     # gloo only: lowbit's collectives cross an emulated link of this speed ("400mbit", "50MB/s"; none:
     # the real one), and every run registers lowbit's hook up front so that fp32 crosses it too
     emulate_link: str | None = None
+    # "fig3": each network's epochs and initial learning rate from the Grubic paper's Figure 3 (over
+    # `epochs` and `lr`; networks it does not list are an error)
+    recipe: str | None = None
     model_args: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
     dataset_args: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
@@ -192,6 +195,14 @@ class StudyConfig:
         _check_int("max_test_samples", self.max_test_samples, 0)
         _check_int("max_steps_per_epoch", self.max_steps_per_epoch, 0)
         _check_int("start_iter", self.start_iter, 0)
+        if self.recipe is not None:
+            if self.recipe != "fig3":
+                raise ValueError(f"study config: 'recipe' must be \"fig3\" (the Grubic paper's Figure 3) or absent, "
+                                 f"got {self.recipe!r}")
+            missing = [n for n in self.networks if n not in seed_data.FIG3_RECIPE]
+            if missing:
+                raise ValueError(f"study config: 'recipe' \"fig3\" has no epochs / learning rate for {missing}; "
+                                 f"Figure 3 lists {sorted(seed_data.FIG3_RECIPE)}")
         if self.emulate_link is not None:
             if not isinstance(self.emulate_link, str):
                 raise ValueError(f"study config: 'emulate_link' is a speed such as \"400mbit\", got {self.emulate_link!r}")
@@ -588,8 +599,9 @@ def expand_runs(cfg: StudyConfig) -> list[RunConfig]:
             network=network, dataset=dataset, codec=AUTO if spec == AUTO else codec.spec, algorithm=eff,
             error_feedback=(_feedback(ef, codec) if (ws > 1 or cfg.compress_at_world_size_1) and par != "model"
                             else False),  # (activations take no error feedback)
-            world_size=ws, backend=backend, device=device, batch_size=per_worker, epochs=cfg.epochs,
-            seed=seed, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+            world_size=ws, backend=backend, device=device, batch_size=per_worker,
+            epochs=seed_data.FIG3_RECIPE[network][0] if cfg.recipe == "fig3" else cfg.epochs,
+            seed=seed, lr=seed_data.FIG3_RECIPE[network][1] if cfg.recipe == "fig3" else cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
             lr_schedule=cfg.lr_schedule, optimizer=cfg.optimizer, threads_per_worker=cfg.threads_per_worker,
             max_train_samples=cfg.max_train_samples, max_test_samples=cfg.max_test_samples,
             max_steps_per_epoch=cfg.max_steps_per_epoch, start_iter=cfg.start_iter,

@@ -7,6 +7,8 @@
   with MPI reduce-and-broadcast and with NCCL allreduce, per precision and number of GPUs. ``None``
   is the seed's "/" (not run) or an empty cell.
 * :data:`SEED_PRECISIONS` — the seed's precision labels with the canonical lowbit codec spec of each.
+* :data:`FIG3_RECIPE` — Figure 3, the epochs and initial learning rate (CNTK's defaults, tuned for fp32)
+  per network, with the data set it was trained on.
 
 Transcribed from the paper's text; the order of the GPU columns is :data:`GPUS`.
 """
@@ -17,6 +19,7 @@ from lowbit.codecs.base import get_codec
 
 __all__ = [
     "GPUS",
+    "FIG3_RECIPE",
     "FIG4_BATCH",
     "FIG10_MPI",
     "FIG11_NCCL",
@@ -27,6 +30,18 @@ __all__ = [
 ]
 
 GPUS: tuple[int, ...] = (1, 2, 4, 8, 16)
+
+#: Figure 3: (epochs, initial learning rate, data set) per network (lowbit model names). The paper gives
+#: no schedule beyond the initial rate (CNTK's per-network defaults); the study's lr_schedule applies.
+FIG3_RECIPE: dict[str, tuple[int, float, str]] = {
+    "alexnet": (112, 0.07, "ImageNet"),
+    "bn_inception": (300, 3.6, "ImageNet"),
+    "resnet50": (120, 1.0, "ImageNet"),
+    "resnet110": (160, 0.1, "CIFAR-10"),
+    "resnet152": (120, 1.0, "ImageNet"),
+    "vgg19": (80, 0.1, "ImageNet"),
+    "lstm": (20, 0.5, "AN4"),
+}
 
 #: Figure 4: global batch per network (lowbit model names) for 1, 2, 4, 8, 16 GPUs; None = "NA".
 FIG4_BATCH: dict[str, tuple[int | None, ...]] = {
