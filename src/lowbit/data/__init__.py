@@ -17,9 +17,11 @@ text      char-level LM over Python's stdlib docstrings           (seq_len,) ~10
 synthetic random inputs of any model's shape, flagged synthetic   model's    model's
 mnist     MNIST from its idx files on disk (``data_dir=``)        (1, 28, 28) 10
 cifar10   CIFAR-10 from its python batches on disk (``data_dir=``) (3, 32, 32) 10
+imagenet  class-per-folder JPEGs on disk, decoded per batch      (3, S, S)  folders
 ========= ======================================================= ========== =======
 
-Nothing here downloads: ``mnist`` and ``cifar10`` read a copy you have (:mod:`lowbit.data.ondisk`). Options beyond ``seed`` go to the loader (``load_dataset("text",
+Nothing here downloads: ``mnist``, ``cifar10`` and ``imagenet`` read a copy you have
+(:mod:`lowbit.data.ondisk`, :mod:`lowbit.data.imagenet`). Options beyond ``seed`` go to the loader (``load_dataset("text",
 seq_len=16)``, ``load_dataset("synthetic", model="resnet50", n_train=256)``).
 """
 
@@ -31,6 +33,7 @@ from typing import Any
 from lowbit.data.bundle import Dataset
 from lowbit.data.digits import load_digits
 from lowbit.data.mnist1d import load_mnist1d
+from lowbit.data.imagenet import load_imagenet
 from lowbit.data.ondisk import load_cifar10, load_mnist
 from lowbit.data.sharding import ShardedLoader, ShardedSampler, shard_indices
 from lowbit.data.synthetic import load_synthetic
@@ -52,6 +55,7 @@ _LOADERS: dict[str, Callable[..., Dataset]] = {
     "synthetic": load_synthetic,
     "mnist": load_mnist,
     "cifar10": load_cifar10,
+    "imagenet": load_imagenet,
 }
 
 
