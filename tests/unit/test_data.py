@@ -31,9 +31,9 @@ def no_network(monkeypatch):
 
 
 def test_registry():
-    assert available_datasets() == ["cifar10", "digits", "mnist", "mnist1d", "synthetic", "text"]
-    with pytest.raises(ValueError, match="unknown data set 'imagenet'.*cifar10.*digits.*mnist1d"):
-        load_dataset("imagenet")
+    assert available_datasets() == ["an4", "cifar10", "digits", "imagenet", "mnist", "mnist1d", "synthetic", "text"]
+    with pytest.raises(ValueError, match="unknown data set 'imagenet21k'.*cifar10.*digits.*mnist1d"):
+        load_dataset("imagenet21k")
 
 
 def test_digits_offline_shapes_and_split(no_network):

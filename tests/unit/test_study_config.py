@@ -81,7 +81,7 @@ def test_all_presets_check_on_meta() -> None:
         ('networks = ["resnet9"]', "resnet9"),
         ('codecs = ["qsgd:bits=3000"]', "codecs"),
         ('codecs = ["zstd"]', "zstd"),
-        ('datasets = ["imagenet"]', "imagenet"),
+        ('datasets = ["imagenet21k"]', "imagenet21k"),
         ('algorithms = ["ring"]', "ring"),
         ('backends = ["ucc"]', "ucc"),
         ("epochs = 0", "'epochs'"),

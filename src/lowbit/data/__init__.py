@@ -18,10 +18,11 @@ synthetic random inputs of any model's shape, flagged synthetic   model's    mod
 mnist     MNIST from its idx files on disk (``data_dir=``)        (1, 28, 28) 10
 cifar10   CIFAR-10 from its python batches on disk (``data_dir=``) (3, 32, 32) 10
 imagenet  class-per-folder JPEGs on disk, decoded per batch      (3, S, S)  folders
+an4       AN4 WAVs + transcripts on disk: log-mel frames          (16, 363)  chars
 ========= ======================================================= ========== =======
 
-Nothing here downloads: ``mnist``, ``cifar10`` and ``imagenet`` read a copy you have
-(:mod:`lowbit.data.ondisk`, :mod:`lowbit.data.imagenet`). Options beyond ``seed`` go to the loader (``load_dataset("text",
+Nothing here downloads: ``mnist``, ``cifar10``, ``imagenet`` and ``an4`` read a copy you have
+(:mod:`lowbit.data.ondisk`, :mod:`lowbit.data.imagenet`, :mod:`lowbit.data.speech`). Options beyond ``seed`` go to the loader (``load_dataset("text",
 seq_len=16)``, ``load_dataset("synthetic", model="resnet50", n_train=256)``).
 """
 
@@ -36,6 +37,7 @@ from lowbit.data.mnist1d import load_mnist1d
 from lowbit.data.imagenet import load_imagenet
 from lowbit.data.ondisk import load_cifar10, load_mnist
 from lowbit.data.sharding import ShardedLoader, ShardedSampler, shard_indices
+from lowbit.data.speech import load_an4
 from lowbit.data.synthetic import load_synthetic
 from lowbit.data.text import load_text
 
@@ -56,6 +58,7 @@ _LOADERS: dict[str, Callable[..., Dataset]] = {
     "mnist": load_mnist,
     "cifar10": load_cifar10,
     "imagenet": load_imagenet,
+    "an4": load_an4,
 }
 
 
