@@ -10,7 +10,7 @@ Plan of the encoders (qsgd, onebit, dettmers)
     whole buckets: it loads them once, reduces each bucket to its scale, quantises, packs the codes and
     writes scales and codes. Input is read exactly once. The qsgd and dettmers tiles are 1D (per-bucket
     values reach the elements through a reshape): a ``(ROWS, BUCKET)`` tile made the Dettmers gather
-    1.8x slower on an H200 (benchmarks/tune_encode_gpu.py).
+    1.8x slower on an H200 (benchmarks/experiments/tune_encode_gpu.py).
     Other buckets (odd sizes, larger than 8192, dettmers' ``bucket=0`` = one scale for the tensor) take
     the "general path", reading the input twice: first the scales (an atomic integer max per block of
     ``absmax_elems`` when every block lies in one bucket, else chunk partials and a small ``amax`` in
@@ -199,7 +199,7 @@ def _all_fast(scale):
 def _tile_scales(x, ROWS: tl.constexpr, BUCKET: tl.constexpr):
     """x: (ROWS * BUCKET,) a 1D tile of whole buckets -> max |x| of each bucket: a scalar when
     ROWS == 1, else (ROWS,). Tiles stay 1D: a (ROWS, BUCKET) tile made the Dettmers gather ~1.8x slower
-    on an H200 (benchmarks/tune_encode_gpu.py), whatever the bucket."""
+    on an H200 (benchmarks/experiments/tune_encode_gpu.py), whatever the bucket."""
     if ROWS == 1:
         scale = _absmax_bits(x, 0).to(tl.float32, bitcast=True)
     else:
@@ -783,7 +783,7 @@ def _dm_one_scale_kernel(x_ptr, scale_ptr, code_ptr, cell_ptr, t_ptr, lo, hi, n,
     TILES tiles of BLOCK values per program, programs and tiles walking x backwards (so the first reads
     hit what the max pass left in L2), each tile's quantiser running while the next tile's load is in
     flight. Against one tile per program without the early load: 70 -> 76 % of copy at 64 MiB, 84 -> 92 %
-    at 256 MiB and 88 -> 98 % at 1 GiB for this pass alone (H200, benchmarks/tune_onescale_gpu.py)."""
+    at 256 MiB and 88 -> 98 % at 1 GiB for this pass alone (H200, benchmarks/experiments/tune_onescale_gpu.py)."""
     pid = _pid(I64, True)
     if (pid + 1) * (BLOCK * TILES) <= n:
         _dm_one_scale_body(x_ptr, scale_ptr, code_ptr, cell_ptr, t_ptr, lo, hi, n, pid, BLOCK, TILES, SIGNED,

@@ -1,7 +1,7 @@
 """Run the encoders once each inside a CUDA profiler range, for Nsight Compute (ncu).
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight ... \
-        python3 benchmarks/profile_onescale.py [--mib 64]
+        python3 benchmarks/experiments/profile_onescale.py [--mib 64]
 
 Warm-up (compilation) runs outside the range, so ncu sees only the timed calls: Dettmers dynamic with
 one scale (fill, max pass, quantiser), Dettmers per bucket of 4096, and qsgd 8-bit per bucket of 512;

@@ -16,9 +16,9 @@ Default: Dettmers' dynamic-tree encode, at each size, against a copy measured in
 With ``--qsgd``: the qsgd encoder over bit widths x buckets x elements per program x warps.
 Timing is GPU time per call from CUDA graphs (benchmarks/gputime.py) unless ``--timing do_bench``.
 
-    PYTHONPATH=src python3 benchmarks/tune_encode_gpu.py --out $OUT/tune_encode.json [--qsgd]
+    PYTHONPATH=src python3 benchmarks/experiments/tune_encode_gpu.py --out $OUT/tune_encode.json [--qsgd]
 
-Writes JSON and prints a short table last. Results: benchmarks/results/tune_encode_*.
+Writes JSON and prints a short table last. Results: benchmarks/experiments/results/tune_encode_*.
 """
 
 from __future__ import annotations
@@ -33,6 +33,11 @@ import triton.language as tl
 from triton.testing import do_bench
 
 from lowbit.kernels import triton_kernels as tk
+
+import os as _os
+import sys as _sys
+
+_sys.path.insert(0, _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), ".."))  # benchmarks/gputime.py
 
 from gputime import copy_ms, graph_ms, print_rows, warm_up
 

@@ -16,9 +16,9 @@ against a copy measured in the same run and as GPU time per call (benchmarks/gpu
       the workspace); ``ticket+pdl`` both.
 Every rebuilt encode is checked byte for byte against the library's payload.
 
-    PYTHONPATH=src python3 benchmarks/tune_onescale_gpu.py --out $OUT/tune_onescale.json
+    PYTHONPATH=src python3 benchmarks/experiments/tune_onescale_gpu.py --out $OUT/tune_onescale.json
 
-Results: benchmarks/results/tune_onescale_*.json.
+Results: benchmarks/experiments/results/tune_onescale_*.json.
 """
 
 from __future__ import annotations
@@ -32,6 +32,11 @@ import triton
 import triton.language as tl
 
 from lowbit.kernels import triton_kernels as tk
+
+import os as _os
+import sys as _sys
+
+_sys.path.insert(0, _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), ".."))  # benchmarks/gputime.py
 
 from gputime import copy_ms, graph_ms, print_rows, warm_up
 
