@@ -9,7 +9,7 @@ import pytest
 from lowbit.cli import main
 from lowbit.codecs.base import get_codec
 from lowbit.comm.allreduce import bytes_sent_per_rank
-from lowbit.comm.bench import parse_codecs, parse_sizes
+from lowbit.cli.bench import parse_codecs, parse_sizes
 
 
 def test_bench_allreduce_smoke(tmp_path, capsys):
@@ -50,8 +50,11 @@ def test_bench_allreduce_smoke(tmp_path, capsys):
     (["--algorithms", "ring"], "unknown algorithm 'ring'"),
     (["--reps", "0"], "--reps"),
     (["--backend", "mpi"], "--backend must be gloo or nccl"),
+    (["--algorithms", "hierarchical"], "needs the number of ranks per node"),
 ])
-def test_bench_bad_input(argv, needle, capsys):
+def test_bench_bad_input(argv, needle, capsys, monkeypatch):
+    monkeypatch.delenv("LOWBIT_NODE_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert main(["bench", "allreduce", "--quiet", *argv]) == 2
     err = capsys.readouterr().err
     assert needle in err, err

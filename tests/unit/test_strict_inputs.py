@@ -63,8 +63,8 @@ def test_one_codec_list_syntax_for_every_command() -> None:
     import argparse
 
     from lowbit.codecs.base import parse_codec_list
-    from lowbit.comm import bench
-    from lowbit.study import cli as study_cli
+    from lowbit.cli import bench
+    from lowbit.cli import study as study_cli
 
     want = ["fp32", "qsgd:bits=4,bucket=512", "onebit:bucket=64"]
     for values in (["fp32", "qsgd:bits=4,bucket=512", "onebit:bucket=64"],

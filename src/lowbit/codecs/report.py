@@ -8,12 +8,8 @@ decode throughput on this machine.
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -178,58 +174,3 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     out.append("MRE = mean relative error over nonzero inputs; (paper) = Dettmers 2016 Table 2. "
                "Throughput: GB/s of fp32 input on this machine.")
     return "\n".join(out)
-
-
-def _check(args: argparse.Namespace) -> None:
-    """Every argument checked before any work: one line naming the problem (the CLI exits with 2)."""
-    for name, lo in (("samples", 1), ("bench_numel", 1), ("reps", 1)):
-        v = getattr(args, name)
-        if v < lo:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= {lo}, got {v}")
-    for spec in args.codec or []:
-        get_codec(spec)
-    if args.json:
-        path = Path(args.json)
-        existed = path.exists()
-        try:  # can we write there? (found now, not after the whole table is computed)
-            with open(path, "a"):
-                pass
-            if not existed:
-                path.unlink()
-        except OSError as exc:
-            raise ValueError(f"--json {args.json}: cannot write there ({exc.strerror or exc})") from None
-
-
-def run(args: argparse.Namespace) -> int:
-    _check(args)
-    specs = args.codec or DEFAULT_SPECS
-    rows = measure(specs, args.samples, args.bench_numel, args.reps, progress=not args.quiet)
-    meta = {
-        "machine": platform.node(),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "samples": args.samples,
-        "bench_numel": args.bench_numel,
-    }
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    print(format_table(rows))
-    print(f"machine: {meta['machine']} ({meta['processor']}, {meta['threads']} threads, torch {meta['torch']})")
-    if args.json:
-        print(f"rows written to {args.json}")
-    return 0
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("codecs", help="table of every codec: bits on the wire, error, throughput")
-    p.add_argument("--codec", action="append", help="codec spec to measure (repeatable; default: a standard set)")
-    p.add_argument("--samples", type=int, default=25_000_000,
-                   help="samples per distribution (default 25M: fewer leave Table 2's N(0,1) column ~0.1 points off)")
-    p.add_argument("--bench-numel", type=int, default=1 << 22, help="elements for the throughput runs")
-    p.add_argument("--reps", type=int, default=5, help="timed repetitions (median reported)")
-    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=run)

@@ -10,7 +10,7 @@ Modules: ``links`` (alpha-beta links and presets), ``collectives`` (time and byt
 compute and overheads from ``lowbit bench`` and study results), ``validate`` (the model against measured
 runs, held out), ``advise`` (a recommended ``lowbit.Policy``), ``dettmers`` (Dettmers' 4-GPU and 96-GPU
 models), ``projection`` (the seed's Figure 16 projection), ``networks`` (the seed's networks as
-parameters and FLOPs), ``cli`` (``lowbit predict``, ``lowbit advise``).
+parameters and FLOPs). The commands (``lowbit predict``, ``lowbit advise``) are :mod:`lowbit.cli.predict`.
 """
 
 from __future__ import annotations

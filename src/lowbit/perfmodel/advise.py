@@ -34,10 +34,8 @@ policy=...)``, or as JSON (``--json``) that ``lowbit.Policy(**d["policy"])`` acc
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
-import json
 import math
 import statistics
 from pathlib import Path
@@ -45,7 +43,7 @@ from typing import Any
 
 from lowbit.choose import FASTER_THAN_FP32, WITHIN_BEST, Tried, pick
 from lowbit.codecs.base import get_codec
-from lowbit.perfmodel.calibrate import Calibration, RunRecord, load_runs
+from lowbit.perfmodel.calibrate import Calibration, RunRecord
 from lowbit.perfmodel.codecbits import bits_per_value
 from lowbit.perfmodel.links import Link
 from lowbit.perfmodel.model import Cluster, LayerCodec, Prediction, layers_for_network, predict
@@ -53,7 +51,7 @@ from lowbit.perfmodel.networks import Network, get_network
 from lowbit.perfmodel.validate import short_codec
 
 __all__ = ["Candidate", "CANDIDATES", "SEED_FINDINGS", "Advice", "advise", "format_advice", "policy_code",
-           "default_evidence_path", "add_arguments", "run_advise", "GROUP_TYPES"]
+           "default_evidence_path", "GROUP_TYPES", "SpeedSetup", "LOWBIT_ALGORITHMS", "MULTI_NODE_ALGORITHMS"]
 
 #: The collectives lowbit.ddp runs for quantised codecs (lowbit.comm.allreduce.ALGORITHMS minus allreduce).
 LOWBIT_ALGORITHMS = ("scatter_gather", "allgather")
@@ -573,92 +571,3 @@ def _gbps(bps: float | None) -> str:
 
 
 # ------------------------------------------------------------------------------------------ command
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from lowbit.perfmodel.cli import add_cluster_arguments, add_codec_rate_arguments
-
-    p.add_argument("--network", required=True, help="a known network (lowbit predict --help lists them)")
-    add_cluster_arguments(p)
-    p.add_argument("--tolerance", type=float, default=0.5,
-                   help="final test accuracy loss allowed, in percentage points (default 0.5)")
-    p.add_argument("--evidence", default=None,
-                   help="study results (directory or results.jsonl) for the accuracy side; default: the "
-                   "committed benchmarks/results/study_cpu_default when present; 'none' for none")
-    p.add_argument("--calibration", default=None,
-                   help="calibration JSON (lowbit predict --calibrate ... --save-calibration): measured links, "
-                   "codec costs, device rate and overheads")
-    p.add_argument("--transport", default=None, help="which calibrated transport (default: the only/first one)")
-    p.add_argument("--algorithm", default="auto", choices=("auto",) + LOWBIT_ALGORITHMS + MULTI_NODE_ALGORITHMS,
-                   help="collective for the quantised codecs; auto (default) takes the fastest of scatter_gather, "
-                   "allgather and (on several nodes) hierarchical for each assignment")
-    p.add_argument("--batch", type=int, default=64, help="samples per GPU per step (default 64)")
-    p.add_argument("--device-tflops", type=float, default=None,
-                   help="sustained TFLOP/s of one GPU (default 100, or the calibrated device rate)")
-    add_codec_rate_arguments(p)
-    p.add_argument("--json", action="store_true", help="print JSON")
-
-
-def _setup(args: argparse.Namespace) -> SpeedSetup:
-    if args.gpus < 1:
-        raise ValueError(f"--gpus must be a positive integer, got {args.gpus}")
-    if args.gpus_per_node < 1:
-        raise ValueError(f"--gpus-per-node must be a positive integer, got {args.gpus_per_node}")
-    if args.batch < 1:
-        raise ValueError(f"--batch must be a positive integer, got {args.batch}")
-    for what in ("encode", "decode"):
-        v = getattr(args, f"{what}_gbps")
-        if not (v >= 0 and math.isfinite(v)):
-            raise ValueError(f"--{what}-gbps must be >= 0, got {v}")
-    cal = Calibration.load(args.calibration) if args.calibration else None
-    transport, tflops, factor, o_nat, o_comp = "", args.device_tflops, 1.0, 0.0, 0.0
-    intra: Any = args.intra or "nvlink"
-    if cal is not None:
-        transports = sorted(cal.links) or sorted(cal.codecs)
-        if not transports:
-            raise ValueError(f"calibration {args.calibration!r} holds no links or codec costs")
-        transport = args.transport or transports[0]
-        if transport not in transports:
-            raise ValueError(f"--transport {transport!r} not in the calibration (it has {', '.join(transports)})")
-        fit, _ = cal.link_for(transport, "allreduce")
-        if args.intra is None and fit is not None:
-            intra = fit.link(f"calibrated {transport}")
-        rates = [v["flops_per_s"] for v in cal.compute.values() if v.get("flops_per_s")]
-        if tflops is None and rates:
-            tflops = statistics.median(rates) / 1e12
-        backend = transport.split("/")[0]
-        for key, v in cal.world_factor.items():
-            b, _, k = key.split("|")
-            if b == backend and int(k) == args.gpus:
-                factor = float(v["factor"])
-        for key, v in cal.step_overhead_s.items():
-            parts = key.split("|")
-            if parts[0] == backend and int(parts[2]) == args.gpus and len(parts) == 4:
-                if parts[3] == "native":
-                    o_nat = float(v["seconds"])
-                else:
-                    o_comp = float(v["seconds"])
-    if tflops is None:
-        tflops = 100.0
-    if not (tflops > 0 and math.isfinite(tflops)):
-        raise ValueError(f"--device-tflops must be > 0, got {tflops}")
-    cluster = Cluster(gpus=args.gpus, gpus_per_node=args.gpus_per_node, intra=intra, inter=args.inter,
-                      nics_per_node=args.nics_per_node)
-    return SpeedSetup(cluster, args.batch, tflops, args.algorithm,
-                      None if args.encode_gbps == 0 else args.encode_gbps * 1e9,
-                      None if args.decode_gbps == 0 else args.decode_gbps * 1e9,
-                      cal, transport, factor, o_nat, o_comp)
-
-
-def run_advise(args: argparse.Namespace) -> int:
-    get_network(args.network)  # unknown network -> ValueError with the list, before any work
-    setup = _setup(args)
-    runs: list[RunRecord] = []
-    source = ""
-    if args.evidence is None:
-        path = default_evidence_path()
-        if path is not None:
-            runs, source = load_runs(path), f"{path} (default)"
-    elif args.evidence.lower() != "none":
-        runs, source = load_runs(args.evidence), args.evidence
-    advice = advise(args.network, setup, tolerance=args.tolerance, evidence=runs, evidence_source=source)
-    print(json.dumps(advice.to_dict(), indent=2, default=str) if args.json else format_advice(advice))
-    return 0

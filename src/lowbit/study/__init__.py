@@ -8,7 +8,7 @@
 Modules: ``config`` (TOML / presets -> validated grid -> runs with stable keys), ``runner`` (local
 spawn or torchrun; DDP + lowbit per run), ``metrics`` (what is measured and how), ``store``
 (append-only JSON Lines), ``report`` (HTML + matplotlib PNGs), ``seed_data`` (the seed's Figure 4,
-10 and 11 numbers), ``cli`` (``lowbit study``, ``lowbit report``). See docs/study.md.
+10 and 11 numbers). The commands (``lowbit study``, ``report``, ``export``) are :mod:`lowbit.cli.study`. See docs/study.md.
 """
 
 from __future__ import annotations

@@ -17,15 +17,22 @@ import argparse
 import dataclasses
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
+from lowbit.extras import require
+from lowbit.perfmodel import advise as advise_mod
 from lowbit.perfmodel import dettmers
+from lowbit.perfmodel.advise import (LOWBIT_ALGORITHMS, MULTI_NODE_ALGORITHMS, SpeedSetup, advise,
+                                     default_evidence_path, format_advice)
+from lowbit.perfmodel.calibrate import Calibration, RunRecord, calibrate, load_runs
 from lowbit.perfmodel.codecbits import bits_per_value
 from lowbit.perfmodel.collectives import ALGORITHMS
 from lowbit.perfmodel.links import PRESETS
 from lowbit.perfmodel.model import Cluster, Prediction, predict_network
 from lowbit.perfmodel.networks import NETWORKS, get_network
+from lowbit.perfmodel.validate import format_validation, validate_path
 
 __all__ = ["register", "run_predict", "format_prediction", "format_sweep", "format_dettmers", "sweep",
            "run_calibrate", "run_validate"]
@@ -96,8 +103,6 @@ def register(subparsers: Any) -> None:
                    help="print Dettmers' 4-GPU and 96-GPU tables vs the paper")
     p.set_defaults(func=run_predict)
 
-    from lowbit.perfmodel import advise
-
     a = subparsers.add_parser(
         "advise",
         help="recommend a codec per layer type (a lowbit.Policy) for a network and cluster",
@@ -105,8 +110,8 @@ def register(subparsers: Any) -> None:
         "over fp32 on the given cluster and the accuracy evidence of study results or, without it, the seeds' "
         "published findings (docs/perfmodel.md, section 9). Known networks: " + ", ".join(NETWORKS) + ".",
     )
-    advise.add_arguments(a)
-    a.set_defaults(func=advise.run_advise)
+    add_advise_arguments(a)
+    a.set_defaults(func=run_advise)
 
 
 # ------------------------------------------------------------------------------------------ running
@@ -157,7 +162,6 @@ def sweep(args: argparse.Namespace) -> list[Prediction]:
 
 def run_calibrate(args: argparse.Namespace) -> int:
     """``--calibrate PATH...``: each path is a bench JSON (an object with meta/rows) or study results."""
-    from lowbit.perfmodel.calibrate import calibrate
 
     bench, results = [], []
     for path in args.calibrate:
@@ -182,7 +186,6 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
 
 def run_validate(args: argparse.Namespace) -> int:
-    from lowbit.perfmodel.validate import format_validation, validate_path
 
     rep = validate_path(args.validate, calibration_path=args.calibration, bench_paths=args.bench or [],
                         holdout=args.holdout)
@@ -192,21 +195,19 @@ def run_validate(args: argparse.Namespace) -> int:
 
 def _predict_calibrated(args: argparse.Namespace) -> Prediction:
     """One prediction with the calibration's links, codec costs, device rate and overheads."""
-    from lowbit.perfmodel import advise
-    from lowbit.perfmodel.codecbits import bits_per_value as _bpv
 
-    _bpv(args.codec)
-    setup = advise._setup(argparse.Namespace(
+    bits_per_value(args.codec)
+    setup = _setup(argparse.Namespace(
         gpus=args.gpus, gpus_per_node=args.gpus_per_node, batch=args.batch, encode_gbps=args.encode_gbps,
         decode_gbps=args.decode_gbps, calibration=args.calibration, transport=args.transport, intra=args.intra,
         inter=args.inter, nics_per_node=args.nics_per_node, device_tflops=args.device_tflops,
         algorithm="scatter_gather" if args.algorithm in ("auto", "allreduce", "hierarchical") else args.algorithm))
     net = get_network(args.network)
-    codec = advise._canon(args.codec)
-    assignment = {g: codec for g in advise.network_groups(net)}
+    codec = advise_mod._canon(args.codec)
+    assignment = {g: codec for g in advise_mod.network_groups(net)}
     args.intra = setup.cluster.intra
     args.device_tflops = setup.device_tflops
-    return advise.predict_assignment(net, assignment, setup)
+    return advise_mod.predict_assignment(net, assignment, setup)
 
 
 def run_predict(args: argparse.Namespace) -> int:
@@ -306,7 +307,6 @@ def format_sweep(rows: list[Prediction], args: argparse.Namespace) -> str:
 
 def plot_sweep(rows: list[Prediction], path: str) -> str:
     """Samples/s (model, 32-bit, ideal) and speedup over 32-bit against GPUs; PNG at ``path``."""
-    from lowbit.extras import require
 
     matplotlib = require("matplotlib", "study", "the --plot figure")
     matplotlib.use("Agg")
@@ -372,3 +372,94 @@ def _dettmers_json() -> dict[str, Any]:
         "cluster_table6": [dataclasses.asdict(r) for r in dettmers.cluster_table(source="table6")],
         "cluster_formula": [dataclasses.asdict(r) for r in dettmers.cluster_table(source="formula")],
     }
+
+
+# ------------------------------------------------------------------------------------------ advise
+def add_advise_arguments(p: argparse.ArgumentParser) -> None:
+
+    p.add_argument("--network", required=True, help="a known network (lowbit predict --help lists them)")
+    add_cluster_arguments(p)
+    p.add_argument("--tolerance", type=float, default=0.5,
+                   help="final test accuracy loss allowed, in percentage points (default 0.5)")
+    p.add_argument("--evidence", default=None,
+                   help="study results (directory or results.jsonl) for the accuracy side; default: the "
+                   "committed benchmarks/results/study_cpu_default when present; 'none' for none")
+    p.add_argument("--calibration", default=None,
+                   help="calibration JSON (lowbit predict --calibrate ... --save-calibration): measured links, "
+                   "codec costs, device rate and overheads")
+    p.add_argument("--transport", default=None, help="which calibrated transport (default: the only/first one)")
+    p.add_argument("--algorithm", default="auto", choices=("auto",) + LOWBIT_ALGORITHMS + MULTI_NODE_ALGORITHMS,
+                   help="collective for the quantised codecs; auto (default) takes the fastest of scatter_gather, "
+                   "allgather and (on several nodes) hierarchical for each assignment")
+    p.add_argument("--batch", type=int, default=64, help="samples per GPU per step (default 64)")
+    p.add_argument("--device-tflops", type=float, default=None,
+                   help="sustained TFLOP/s of one GPU (default 100, or the calibrated device rate)")
+    add_codec_rate_arguments(p)
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _setup(args: argparse.Namespace) -> SpeedSetup:
+    if args.gpus < 1:
+        raise ValueError(f"--gpus must be a positive integer, got {args.gpus}")
+    if args.gpus_per_node < 1:
+        raise ValueError(f"--gpus-per-node must be a positive integer, got {args.gpus_per_node}")
+    if args.batch < 1:
+        raise ValueError(f"--batch must be a positive integer, got {args.batch}")
+    for what in ("encode", "decode"):
+        v = getattr(args, f"{what}_gbps")
+        if not (v >= 0 and math.isfinite(v)):
+            raise ValueError(f"--{what}-gbps must be >= 0, got {v}")
+    cal = Calibration.load(args.calibration) if args.calibration else None
+    transport, tflops, factor, o_nat, o_comp = "", args.device_tflops, 1.0, 0.0, 0.0
+    intra: Any = args.intra or "nvlink"
+    if cal is not None:
+        transports = sorted(cal.links) or sorted(cal.codecs)
+        if not transports:
+            raise ValueError(f"calibration {args.calibration!r} holds no links or codec costs")
+        transport = args.transport or transports[0]
+        if transport not in transports:
+            raise ValueError(f"--transport {transport!r} not in the calibration (it has {', '.join(transports)})")
+        fit, _ = cal.link_for(transport, "allreduce")
+        if args.intra is None and fit is not None:
+            intra = fit.link(f"calibrated {transport}")
+        rates = [v["flops_per_s"] for v in cal.compute.values() if v.get("flops_per_s")]
+        if tflops is None and rates:
+            tflops = statistics.median(rates) / 1e12
+        backend = transport.split("/")[0]
+        for key, v in cal.world_factor.items():
+            b, _, k = key.split("|")
+            if b == backend and int(k) == args.gpus:
+                factor = float(v["factor"])
+        for key, v in cal.step_overhead_s.items():
+            parts = key.split("|")
+            if parts[0] == backend and int(parts[2]) == args.gpus and len(parts) == 4:
+                if parts[3] == "native":
+                    o_nat = float(v["seconds"])
+                else:
+                    o_comp = float(v["seconds"])
+    if tflops is None:
+        tflops = 100.0
+    if not (tflops > 0 and math.isfinite(tflops)):
+        raise ValueError(f"--device-tflops must be > 0, got {tflops}")
+    cluster = Cluster(gpus=args.gpus, gpus_per_node=args.gpus_per_node, intra=intra, inter=args.inter,
+                      nics_per_node=args.nics_per_node)
+    return SpeedSetup(cluster, args.batch, tflops, args.algorithm,
+                      None if args.encode_gbps == 0 else args.encode_gbps * 1e9,
+                      None if args.decode_gbps == 0 else args.decode_gbps * 1e9,
+                      cal, transport, factor, o_nat, o_comp)
+
+
+def run_advise(args: argparse.Namespace) -> int:
+    get_network(args.network)  # unknown network -> ValueError with the list, before any work
+    setup = _setup(args)
+    runs: list[RunRecord] = []
+    source = ""
+    if args.evidence is None:
+        path = default_evidence_path()
+        if path is not None:
+            runs, source = load_runs(path), f"{path} (default)"
+    elif args.evidence.lower() != "none":
+        runs, source = load_runs(args.evidence), args.evidence
+    advice = advise(args.network, setup, tolerance=args.tolerance, evidence=runs, evidence_source=source)
+    print(json.dumps(advice.to_dict(), indent=2, default=str) if args.json else format_advice(advice))
+    return 0

@@ -18,6 +18,13 @@ import sys
 from typing import Any
 
 from lowbit.codecs.base import parse_codec_list
+from lowbit.env import launched_rank_and_size, under_torchrun
+from lowbit.extras import require
+from lowbit.study.config import PRESETS, load_config
+from lowbit.study.export import export_tensorboard, write_csv
+from lowbit.study.report import DEFAULT_PRICE_PER_GPU_HOUR, load_runs, write_report
+from lowbit.study.runner import StudyInterrupted, plan_study, run_study
+from lowbit.study.store import resolve_results_path
 
 __all__ = ["register"]
 
@@ -70,9 +77,6 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _study(args: argparse.Namespace) -> int:
-    from lowbit.study.config import load_config
-    from lowbit.env import launched_rank_and_size, under_torchrun
-    from lowbit.study.runner import StudyInterrupted, plan_study, run_study
 
     cfg = load_config(args.config, args.preset, _overrides(args))
     if args.dry_run:
@@ -100,7 +104,6 @@ def _study(args: argparse.Namespace) -> int:
           f"results: {result.results_path}")
     if args.no_report:
         return 0
-    from lowbit.study.report import write_report
 
     index = write_report(result.results_path, args.report_out, args.price_per_gpu_hour)
     print(f"report: {index}")
@@ -108,7 +111,6 @@ def _study(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from lowbit.study.report import write_report
 
     index = write_report(args.results, args.out, args.price_per_gpu_hour)
     print(f"report: {index} (tables: runs.csv, epochs.csv beside it)")
@@ -116,14 +118,10 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from lowbit.study.export import export_tensorboard, write_csv
-    from lowbit.study.report import load_runs
-    from lowbit.study.store import resolve_results_path
 
     if not args.csv and not args.tensorboard:
         raise ValueError("nothing to export to: give --csv DIR and/or --tensorboard DIR")
     if args.tensorboard:
-        from lowbit.extras import require
 
         require("tensorboard", "tensorboard", "--tensorboard")
     runs, _ = load_runs(resolve_results_path(args.results))
@@ -139,8 +137,6 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any) -> None:
-    from lowbit.study.config import PRESETS
-    from lowbit.study.report import DEFAULT_PRICE_PER_GPU_HOUR
 
     p = sub.add_parser(
         "study", help="run a study grid (resumable) and write its report",

@@ -1,8 +1,8 @@
 """The ``lowbit`` command.
 
-Subcommands live in the modules that own them; each such module exposes ``register(subparsers)``,
-which adds its parser(s) and sets ``func`` (a callable taking the parsed args and returning an exit
-code). A module whose optional dependencies are missing only disables its own subcommands.
+One module a command in this package (arguments and output only; the work is done by the library
+layers below): each exposes ``register(subparsers)``, which adds its parser(s) and sets ``func`` (a
+callable taking the parsed args and returning an exit code).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import sys
 
 # (module, what it provides) — imported lazily so `lowbit --help` stays fast.
 _COMMAND_MODULES = [
-    "lowbit.codecs.report",      # codecs
-    "lowbit.comm.bench",         # bench allreduce
-    "lowbit.study.cli",          # study, report
-    "lowbit.perfmodel.cli",      # predict, advise
+    "lowbit.cli.codecs",         # codecs
+    "lowbit.cli.bench",          # bench allreduce
+    "lowbit.cli.study",          # study, report, export
+    "lowbit.cli.predict",        # predict, advise
 ]
 
 
