@@ -383,7 +383,7 @@ def add_advise_arguments(p: argparse.ArgumentParser) -> None:
                    help="final test accuracy loss allowed, in percentage points (default 0.5)")
     p.add_argument("--evidence", default=None,
                    help="study results (directory or results.jsonl) for the accuracy side; default: the "
-                   "committed benchmarks/results/study_cpu_default when present; 'none' for none")
+                   "3-seed CPU study shipped with lowbit (perfmodel/data/evidence_cpu_default.jsonl); 'none' for none")
     p.add_argument("--calibration", default=None,
                    help="calibration JSON (lowbit predict --calibrate ... --save-calibration): measured links, "
                    "codec costs, device rate and overheads")

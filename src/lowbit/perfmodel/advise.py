@@ -38,6 +38,7 @@ import dataclasses
 import itertools
 import math
 import statistics
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -129,11 +130,10 @@ def _norm(name: str) -> str:
 
 
 def default_evidence_path() -> Path | None:
-    """The committed CPU study (benchmarks/results/study_cpu_default) when running from a source tree."""
-    import lowbit
-
-    root = Path(lowbit.__file__).resolve().parents[2]
-    p = root / "benchmarks" / "results" / "study_cpu_default" / "results.jsonl"
+    """The accuracy evidence shipped with the package: the committed 3-seed CPU study's finished runs
+    (benchmarks/results/study_cpu_default, slimmed by benchmarks/make_advise_evidence.py), the same from
+    an installed package as from a checkout."""
+    p = Path(str(resources.files("lowbit.perfmodel") / "data" / "evidence_cpu_default.jsonl"))
     return p if p.is_file() else None
 
 
