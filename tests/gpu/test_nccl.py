@@ -125,3 +125,37 @@ def test_join_waits_for_the_device_work_of_every_input() -> None:
     res = C.join([f.then(lambda fut: fut.value().add_(1)), ready], lambda: x, dev)
     res.wait()  # the current stream now waits for the join's events
     assert float(res.value().sum()) == 2.0 * x.numel()
+
+
+def _auto_body(rank: int, world: int) -> dict:
+    """codec="auto" on NCCL: the hook registered up front (so the fp32 steps, the probes and the trials
+    all run through it) with 8-bit QSGD allowed; 20 steps cover measuring, probing and the trials."""
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dev = torch.device("cuda", rank)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(256, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10)).to(dev)
+    model = DDP(net, device_ids=[rank])
+    state = lowbit.ddp.make_state(net, codec="auto", allow=["fp32", "bf16", "qsgd:bits=8,bucket=512"])
+    state.auto.faster_than_fp32 = 0.0  # (test only) always go on to the trials, to exercise them on CUDA
+    model.register_comm_hook(state, lowbit.ddp.hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator(device=dev).manual_seed(rank)
+    for _ in range(20):
+        x, y = torch.randn(64, 256, device=dev, generator=g), torch.randint(0, 10, (64,), device=dev, generator=g)
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+        opt.step()
+    d = state.auto.decision
+    return {"plan": d.assignment, "measured": sorted(d.measured_s), "params": [p.detach().cpu() for p in net.parameters()]}
+
+
+@needs_2_gpus
+def test_auto_decides_alike_on_every_rank_over_nccl() -> None:
+    r0, r1 = spawn(_auto_body, 2, backend="nccl")
+    assert r0["plan"] == r1["plan"] and r0["measured"] == r1["measured"] and len(r0["measured"]) >= 2
+    for a, b in zip(r0["params"], r1["params"]):
+        assert torch.equal(a, b)
