@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from lowbit.cli import main
-from lowbit.comm.bench import DEFAULT_CODECS
+from lowbit.cli.bench import DEFAULT_CODECS
 
 RESULT = Path(__file__).resolve().parent / "results" / "allreduce_gloo_cpu2.json"
 CODECS = DEFAULT_CODECS  # the list is the bench's default list
