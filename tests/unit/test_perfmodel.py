@@ -11,7 +11,7 @@ import pytest
 
 from lowbit.perfmodel import dettmers, projection
 from lowbit.perfmodel.calibrate import fit_link
-from lowbit.perfmodel.codecbits import bits_per_value, fallback_bits_per_value
+from lowbit.perfmodel.codecbits import bits_per_value
 from lowbit.perfmodel.collectives import (
     Topology,
     allgather,
@@ -375,14 +375,18 @@ def test_fit_link_rejects_unfittable_data():
 def test_bits_per_value_sources():
     assert bits_per_value(32) == 32.0
     assert bits_per_value(4 + 32 / 512) == pytest.approx(4.0625)
-    assert fallback_bits_per_value("qsgd:bits=4,bucket=512") == pytest.approx(4.0625)
-    assert fallback_bits_per_value("fp16") == 16.0
-    assert fallback_bits_per_value("onebit:bucket=64") == pytest.approx(2.0)
-    assert bits_per_value("qsgd:bits=4,bucket=512") == pytest.approx(4.0625)  # registry or fallback agree
+    # a spec is the codec's own count (one parser: lowbit.get_codec)
+    assert bits_per_value("qsgd:bits=4,bucket=512") == pytest.approx(4.0625)
+    assert bits_per_value("fp16") == 16.0
+    assert bits_per_value("onebit:bucket=64") == pytest.approx(2.0)
+    from lowbit import get_codec
+
+    for spec in ("dettmers:type=dynamic", "topk:ratio=0.01", "qsgd:bits=2,bucket=128"):
+        assert bits_per_value(spec) == get_codec(spec).bits_per_value(1 << 20)
     with pytest.raises(ValueError):
         bits_per_value(0)
-    with pytest.raises(ValueError):
-        fallback_bits_per_value("zstd:level=3")
+    with pytest.raises(ValueError, match="unknown codec 'zstd'"):
+        bits_per_value("zstd:level=3")
 
 
 # ------------------------------------------------------------------------------------------- CLI

@@ -42,14 +42,18 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from lowbit.choose import FASTER_THAN_FP32, WITHIN_BEST, Tried, pick
 from lowbit.codecs.base import get_codec
+from lowbit.models import build_model
 from lowbit.perfmodel.calibrate import Calibration, RunRecord
 from lowbit.perfmodel.codecbits import bits_per_value
 from lowbit.perfmodel.links import Link
 from lowbit.perfmodel.model import Cluster, LayerCodec, Prediction, layers_for_network, predict
 from lowbit.perfmodel.networks import Network, get_network
 from lowbit.perfmodel.validate import short_codec
+from lowbit.policy import Policy
 
 __all__ = ["Candidate", "CANDIDATES", "SEED_FINDINGS", "Advice", "advise", "format_advice", "policy_code",
            "default_evidence_path", "GROUP_TYPES", "SpeedSetup", "LOWBIT_ALGORITHMS", "MULTI_NODE_ALGORITHMS"]
@@ -120,8 +124,6 @@ NCCL_FINDING = ("Grubic et al. 2018, Sec. 5.2: with NCCL 'the performance improv
 
 
 def _canon(spec: str) -> str:
-    from lowbit.codecs.base import get_codec
-
     return get_codec(spec).spec
 
 
@@ -165,10 +167,6 @@ def network_groups(net: Network) -> dict[str, dict[str, float]]:
 def _model_groups(network: str) -> set[str]:
     """Module-type groups with parameters in a ``lowbit.models`` network (built on the meta device)."""
     try:
-        import torch
-
-        from lowbit.models import build_model
-
         with torch.device("meta"):
             model = build_model(network)
         found = set()
@@ -379,8 +377,6 @@ class Advice:
         return {"default": default, "by_type": by_type, "by_name": {}}
 
     def policy(self) -> Any:
-        from lowbit.policy import Policy
-
         return Policy(**self.policy_dict())
 
     def to_dict(self) -> dict[str, Any]:

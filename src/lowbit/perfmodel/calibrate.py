@@ -270,10 +270,8 @@ def transport_key(backend: str, nccl_env: dict[str, str] | None = None) -> str:
 
 def _canon(spec: str) -> str:
     try:
-        from lowbit.codecs.base import get_codec
-
         return get_codec(spec).spec
-    except (ImportError, ModuleNotFoundError, ValueError):  # (and "auto": a choice, not a codec)
+    except ValueError:  # ("auto", a choice, not a codec; a spec an old row holds)
         return spec
 
 
