@@ -3,28 +3,34 @@
     state = lowbit.ddp.register(model, codec="auto")                       # fp32, bf16, 8-bit QSGD
     state = lowbit.ddp.register(model, codec="auto", allow=["fp32", "bf16", "qsgd:bits=8", "qsgd:bits=4"])
 
-How (all on the hook's own steps, nothing extra for the user to run):
+How (on the job's own first steps, nothing extra for the user to run):
 
-1. **Measure** (``measure_steps`` fp32 steps after DDP's bucket rebuild, default 3): when each DDP bucket's
-   gradients became ready, counted from the forward pass's start (CUDA events on the compute stream on
-   a GPU, the host clock on a CPU), and the whole step; on the last of them each allowed codec's squared
-   error on a sample of every tensor's own gradient.
-2. **Probe** (once, at the first bucket of the next step, all ranks together): each allowed codec's
-   exchange (the collective the hook would run: encode, send, decode) at two message sizes on this
-   group's link, and its encoding alone, timed with the device synchronised.
+1. **Measure** (``measure_steps`` steps after DDP's bucket rebuild, default 3, with DDP's own fp32
+   allreduce: :func:`lowbit.ddp.register` installs no hook yet): when each parameter's gradient became
+   ready (post-accumulate-grad hooks), counted from the forward pass's start (CUDA events on the compute
+   stream on a GPU, the host clock on a CPU), and the whole step; on the last of them a sample of every
+   gradient, for each allowed codec's squared error.
+2. **Probe** (once, at the next forward pass, all ranks together): each allowed codec's exchange (the
+   collective the hook would run: encode, send, decode) at two message sizes on this group's link, and
+   its encoding alone, timed with the device synchronised.
 3. **Agree**: every rank's measurements are gathered and averaged in rank order, so every rank decides
    the same from the same numbers, however differently it measured.
-4. **Decide** with :func:`lowbit.choose.decide` (the rule ``lowbit advise`` uses): a replay of the step
-   for each candidate assignment on the measured timeline; L-GreCo's dynamic program under an error
-   budget (``error_budget`` times uniform 8-bit QSGD's error, default 1.0); fp32 everywhere unless
-   something is predicted at least 2 % faster, and then DDP's bucket is reduced by one fp32 allreduce,
-   as PyTorch's own ``allreduce_hook`` does.
+4. **Predict** with :func:`lowbit.choose.decide`: a replay of the step for each candidate assignment on
+   the measured timeline; L-GreCo's dynamic program under an error budget (``error_budget`` times uniform
+   8-bit QSGD's error, default 1.0). If nothing is predicted at least 2 % faster than fp32, that is the
+   decision and no hook is ever installed: plain DDP.
+5. **Try**: otherwise lowbit's hook is registered and the finalists (the predicted best, each allowed
+   codec as a fixed codec would apply it) run one warm-up and ``trial_steps`` timed steps each;
+   :func:`lowbit.choose.pick` (the rule ``lowbit advise`` uses) chooses on the measured step times against
+   the measured fp32 step.
 
-The decision is logged once (rank 0, ``logging.INFO``, a table: tensor, numel, codec, predicted saving),
-kept on ``state.auto.decision``, saved in ``state.state_dict()`` (a resumed run uses it without measuring
-again) and, with ``remeasure_every=N``, probed again every N steps in case the link changed (the
-backward timeline and the errors are kept); a tensor whose codec changes then starts with an empty
-error-feedback residual.
+The decision is logged once (rank 0, ``logging.INFO``, a table: tensor, numel, codec, predicted saving,
+the finalists predicted and measured), kept on ``state.auto.decision``, saved in ``state.state_dict()`` (a
+resumed run uses it without measuring again) and, with ``remeasure_every=N``, probed and tried again
+every N steps, fp32 and the current plan among the finalists, in case the link changed (the backward
+timeline and the errors are kept); a tensor whose codec changes then starts with an empty
+error-feedback residual. A hook registered by a framework (:func:`lowbit.ddp.make_state`) reduces in
+fp32 until the decision.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from lowbit.choose import (AUTO_FASTER_THAN_FP32, WITHIN_BEST, CodecCost, Decision, TensorTiming, Timeline, Tried,
-                           decide, explain, pick, simulate)
+                           compute_time, decide, explain, pick, simulate, weighted_bits)
 from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
 from lowbit.comm.allreduce import resolve_algorithm, start
@@ -56,6 +62,7 @@ DEFAULT_ALLOW = ("fp32", "bf16", "qsgd:bits=8,bucket=512")
 BASELINE = "qsgd:bits=8,bucket=512"
 #: values of each tensor whose compression error is measured (a prefix; scaled to the tensor)
 ERROR_SAMPLE = 1 << 16
+_FP32 = get_codec("fp32").spec
 
 
 class AutoTuner:
@@ -71,9 +78,8 @@ class AutoTuner:
             raise ValueError("allow must name at least one codec (fp32 is always allowed)")
         codecs = [get_codec(s) for s in specs]  # a ValueError names an unknown codec
         canon = [c.spec for c in codecs]
-        fp32 = get_codec("fp32").spec
-        if fp32 not in canon:
-            canon.insert(0, fp32)
+        if _FP32 not in canon:
+            canon.insert(0, _FP32)
         self.allow = list(dict.fromkeys(canon))
         if error_budget is not None and not (isinstance(error_budget, (int, float)) and error_budget > 0):
             raise ValueError(f"error_budget must be a number > 0 (times uniform 8-bit QSGD's error) or None, "
@@ -100,7 +106,6 @@ class AutoTuner:
         self._handle: Any = None
         self._grad_handles: list[Any] = []
         self._install: Optional[Callable[[], None]] = None
-        self._module: Any = None
         self._state: Any = None
         self._device = torch.device("cpu")
         self._bucket_bytes = 25 * 2**20
@@ -118,7 +123,7 @@ class AutoTuner:
         only once compression pays (until then DDP's own allreduce runs untouched); None: the hook is
         already installed and reduces in fp32 until the decision. ``bucket_bytes``: DDP's bucket cap."""
         self.detach()
-        self._module, self._state, self._install = module, state, install
+        self._state, self._install = state, install
         self._bucket_bytes = bucket_bytes
         self._device = _device_of(module)
         self._handle = module.register_forward_pre_hook(self._on_forward)
@@ -127,9 +132,17 @@ class AutoTuner:
 
     def detach(self) -> None:
         """Remove the hooks on the module (measuring stops)."""
-        for h in self._grad_handles + ([self._handle] if self._handle is not None else []):
+        self._release(keep_forward=False)
+
+    def _release(self, keep_forward: bool) -> None:
+        """Remove the gradient hooks and, unless ``keep_forward`` (re-measuring counts steps), the
+        forward pre-hook."""
+        for h in self._grad_handles:
             h.remove()
-        self._grad_handles, self._handle = [], None
+        self._grad_handles = []
+        if self._handle is not None and not keep_forward:
+            self._handle.remove()
+            self._handle = None
 
     def _on_grad(self, name: str) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
@@ -163,10 +176,6 @@ class AutoTuner:
                 step - self.decided_iter >= self.remeasure_every:
             self._predict(st, step)
 
-    def measuring(self, state: LowbitState) -> bool:
-        """Still measuring fp32 steps (the hook, when installed by a framework, reduces in fp32)."""
-        return self.phase == "measure"
-
     # ------------------------------------------------------------------------------ steps 2-5
     def _predict(self, state: LowbitState, step: int) -> None:
         """Probe, agree and predict (module doc); fp32 when nothing pays, else try the finalists."""
@@ -193,19 +202,17 @@ class AutoTuner:
         base = get_codec(BASELINE).spec
         if self.error_budget is not None and agreed["errors"]:
             limit = self.error_budget * sum(e.get(base, 0.0) for e in agreed["errors"].values())
-        pred = decide(timeline, costs, agreed["errors"], error_limit=limit, fp32=get_codec("fp32").spec,
+        pred = decide(timeline, costs, agreed["errors"], error_limit=limit, fp32=_FP32,
                       within_best=WITHIN_BEST, faster_than_fp32=self.faster_than_fp32,
                       max_finalists=self.max_trials)
         self.measured = agreed
         self._steps = []
-        for h in self._grad_handles:
-            h.remove()
-        self._grad_handles = []
+        self._release(keep_forward=True)  # (the forward pre-hook times the trials)
         finalists = list(pred.finalists)
         if self.decision is not None:  # re-measuring: the current plan and fp32 are tried again too
             if not self.decision.fp32_is_best and all(a != self.decision.assignment for _, a, _ in finalists):
                 finalists.append(("current", dict(self.decision.assignment), float("nan")))
-            finalists.append(("fp32", {n: get_codec("fp32").spec for n in state.plan}, pred.fp32_step_s))
+            finalists.append(("fp32", {n: _FP32 for n in state.plan}, pred.fp32_step_s))
         pred.measured_s = {"fp32": timeline.step_s}
         if pred.fp32_is_best and (self.decision is None or self.decision.fp32_is_best):
             pred.chosen = "fp32 (predicted: nothing pays)"
@@ -238,25 +245,20 @@ class AutoTuner:
             self._trial_mark(state, step)  # this forward pass starts the next finalist's warm-up step
             return
         times = _average(C.all_gather_object(self._trial_times, state.process_group))  # agree
-        tried = []
-        for (label, assignment, _), t in zip(pred.finalists, times):
+        for (label, _, _), t in zip(pred.finalists, times):
             pred.measured_s[label] = t  # (a re-measured "fp32" replaces the first measurement)
         fp32_s = pred.measured_s["fp32"]
-        for (label, assignment, _), t in zip(pred.finalists, times):
-            if label == "fp32":
-                continue
-            bits = sum(state._numels[n] * (32.0 if s == get_codec("fp32").spec else
-                                           get_codec(s).bits_per_value(1 << 20)) for n, s in assignment.items())
-            tried.append(Tried(assignment, fp32_s / t, bits / max(sum(state._numels.values()), 1), label))
-        fp32 = Tried({n: get_codec("fp32").spec for n in state.plan}, 1.0, 32.0, "fp32")
+        timeline = _timeline_of(self.measured, state.message_mb)
+        costs = {s: CodecCost(**c) for s, c in self.measured["costs"].items()}
+        tried = [Tried(assignment, fp32_s / t, weighted_bits(timeline, assignment, costs), label)
+                 for (label, assignment, _), t in zip(pred.finalists, times) if label != "fp32"]
+        fp32 = Tried({n: _FP32 for n in state.plan}, 1.0, 32.0, "fp32")
         best, none_pays = pick(tried, fp32, within_best=WITHIN_BEST, faster_than_fp32=self.faster_than_fp32)
         pred.chosen = f"{best.extra} (measured)" if not none_pays else "fp32 (measured: nothing paid)"
         if best.extra != pred.finalists[0][0] or none_pays:  # the predicted best lost: describe the winner
-            timeline = _timeline_of(self.measured, state.message_mb)
-            costs = {s: CodecCost(**c) for s, c in self.measured["costs"].items()}
-            compute = pred.fp32_step_s - simulate(timeline, {n: get_codec("fp32").spec for n in state.plan}, costs)
+            compute = compute_time(timeline, costs, _FP32)
             pred.assignment = dict(best.assignment)
-            pred.rows = explain(timeline, costs, pred.assignment, compute, get_codec("fp32").spec)
+            pred.rows = explain(timeline, costs, pred.assignment, compute, _FP32)
             pred.step_s = compute + simulate(timeline, pred.assignment, costs)
             pred.fp32_is_best = none_pays
         self._pending = None
@@ -265,9 +267,7 @@ class AutoTuner:
     def _finish(self, state: LowbitState, step: int, decision: Decision) -> None:
         rank, world = C.world(state.process_group)
         self.decision, self.decided_iter, self.phase = decision, step, "done"
-        if self._handle is not None and not self.remeasure_every:
-            self._handle.remove()
-            self._handle = None
+        self._release(keep_forward=bool(self.remeasure_every))
         apply(state, decision.assignment)
         if rank == 0:
             log.info("lowbit.ddp codec='auto' at step %d (%d ranks):\n%s", step, world, decision.table())
@@ -321,26 +321,24 @@ class AutoTuner:
         total = sum(t.numel for t in timeline.tensors)
         big = int(min(max(total // 3, 1 << 16), 1 << 24))
         small = max(big // 16, 1 << 12)
-        gen = torch.Generator(device="cpu").manual_seed(12345)
-        data = torch.randn(big, generator=gen).to(device)
-        out: dict[str, dict[str, Any]] = {}
-        for spec in self.allow:
-            codec = get_codec(spec)
-            algo = "allreduce" if codec.sums_on_wire else resolve_algorithm(state.algorithm, codec, k)
-            times = []
-            for n in (small, big):
-                times.append(_min_time(lambda n=n: start(data[:n].clone(), codec, group, algo, "mean",
-                                                            node_size=state.node_size).wait(),
-                                          device))
-            enc = 0.0 if codec.sums_on_wire else _min_time(lambda: codec.encode(data, seed=1), device) / big
-            slope = max((times[1] - times[0]) / (big - small), 0.0)
-            alpha = max(times[0] - slope * small, 0.0)
-            link = max(slope - enc, slope * 0.05)  # what is left for the link and decoding
-            out[spec] = {"spec": spec, "bits": 32.0 if spec == get_codec("fp32").spec else
-                         float(codec.bits_per_value(1 << 20)), "native": bool(codec.sums_on_wire),
-                         "alpha_s": alpha, "s_per_value": link, "encode_s_per_value": enc,
-                         "per_tensor": bool(codec.per_tensor)}
-        del data
+        def probe(data: torch.Tensor) -> dict[str, dict[str, Any]]:
+            out: dict[str, dict[str, Any]] = {}
+            for spec in self.allow:
+                codec = get_codec(spec)
+                algo = "allreduce" if codec.sums_on_wire else resolve_algorithm(state.algorithm, codec, k)
+                times = [_min_time(lambda n=n: start(data[:n].clone(), codec, group, algo, "mean",
+                                                     node_size=state.node_size).wait(), device)
+                         for n in (small, big)]
+                enc = 0.0 if codec.sums_on_wire else _min_time(lambda: codec.encode(data, seed=1), device) / big
+                slope = max((times[1] - times[0]) / (big - small), 0.0)
+                alpha = max(times[0] - slope * small, 0.0)
+                link = max(slope - enc, slope * 0.05)  # what is left for the link and decoding
+                out[spec] = {"spec": spec, "bits": float(codec.bits_per_value(1 << 20)),
+                             "native": bool(codec.sums_on_wire), "alpha_s": alpha, "s_per_value": link,
+                             "encode_s_per_value": enc, "per_tensor": bool(codec.per_tensor)}
+            return out
+
+        out = probe(torch.randn(big, generator=torch.Generator(device="cpu").manual_seed(12345)).to(device))
         if device.type == "cuda":  # hand the probes' buffers back: training's allocations stay as they were
             torch.cuda.synchronize(device)
             torch.cuda.empty_cache()
@@ -364,19 +362,14 @@ class AutoTuner:
             raise ValueError("lowbit checkpoint: the codec='auto' decision does not fit this model/allow list "
                              f"(unknown tensors {unknown[:3]}, codecs not allowed {bad})")
         self.decision, self.measured, self.decided_iter = dec, d.get("measured"), d.get("decided_iter")
-        self.phase, self._pending, self._marks = "done", None, []
-        for h in self._grad_handles:
-            h.remove()
-        self._grad_handles, self._steps, self._samples = [], [], {}
-        if self._handle is not None and not self.remeasure_every:
-            self._handle.remove()
-            self._handle = None
+        self.phase, self._pending, self._marks, self._steps, self._samples = "done", None, [], [], {}
+        self._release(keep_forward=bool(self.remeasure_every))
         apply(state, dec.assignment)
         self._maybe_install(state, self.decided_iter or 0)
 
     def __getstate__(self) -> dict[str, Any]:
         d = dict(self.__dict__)
-        for k in ("_handle", "_install", "_module", "_state"):
+        for k in ("_handle", "_install", "_state"):
             d[k] = None
         d["_grad_handles"], d["_steps"], d["_samples"], d["_marks"] = [], [], {}, []
         if d.get("phase") == "trial":  # unpickled mid-trial: measure again
@@ -387,13 +380,13 @@ class AutoTuner:
 def apply(state: LowbitState, assignment: dict[str, str]) -> None:
     """Make ``assignment`` the state's plan: message groups are rebuilt on the next bucket; residuals of
     tensors that keep an error-feedback codec are kept, the others dropped."""
-    plan: dict[str, Codec] = {name: get_codec(assignment.get(name, "fp32")) for name in state.plan}
+    plan: dict[str, Codec] = {name: get_codec(assignment.get(name, _FP32)) for name in state.plan}
     keep = {n for n, c in plan.items() if state.uses_feedback(c) and state.plan[n].spec == c.spec}
     state.residuals = {n: v.detach().clone() for n, v in state.residuals.items() if n in keep}
     state.plan = plan
     state._group_of = None
     state._layouts.clear()
-    state._native = all(c.sums_on_wire and c.spec == get_codec("fp32").spec for c in plan.values())
+    state._refresh_native()
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -445,7 +438,7 @@ def _errors(x: torch.Tensor, n: int, specs: Sequence[str]) -> dict[str, float]:
     out = {}
     for spec in specs:
         codec = get_codec(spec)
-        if spec == get_codec("fp32").spec or x.numel() == 0:
+        if spec == _FP32 or x.numel() == 0:
             out[spec] = 0.0
             continue
         y = codec.decode(codec.encode(x, seed=7), x.numel())

@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
 __all__ = ["Tried", "pick", "TensorTiming", "Timeline", "CodecCost", "simulate", "decide", "Decision",
+           "compute_time", "explain", "weighted_bits",
            "message_limit", "WITHIN_BEST", "FASTER_THAN_FP32", "AUTO_FASTER_THAN_FP32"]
 
 #: ``lowbit advise``: below this predicted speedup, fp32 is the answer (its predictions are extrapolated)
@@ -225,9 +226,18 @@ class Decision:
         return dataclasses.asdict(self)
 
 
-def _weighted_bits(timeline: Timeline, assignment: Mapping[str, str], costs: Mapping[str, CodecCost]) -> float:
+def weighted_bits(timeline: Timeline, assignment: Mapping[str, str], costs: Mapping[str, CodecCost]) -> float:
+    """Bits per value of ``assignment`` over the timeline's tensors, weighted by their sizes."""
     total = sum(t.numel for t in timeline.tensors) or 1
     return sum(t.numel * costs[assignment[t.name]].bits for t in timeline.tensors) / total
+
+
+def compute_time(timeline: Timeline, costs: Mapping[str, CodecCost], fp32: str = "fp32") -> float:
+    """The step's compute (forward, backward, optimizer): the measured fp32 step less what the replay says
+    fp32 communication added to it; never less than the measured backward pass itself (when the step was
+    measured on a faster path than the probes, e.g. DDP's own allreduce on another link)."""
+    return max(timeline.step_s - simulate(timeline, {t.name: fp32 for t in timeline.tensors}, costs),
+               timeline.backward_end_s)
 
 
 def _dp(timeline: Timeline, specs: Sequence[str], costs: Mapping[str, CodecCost],
@@ -309,10 +319,10 @@ def decide(timeline: Timeline, costs: Mapping[str, CodecCost],
     def err(a: Mapping[str, str]) -> float:
         return sum(errors.get(n, {}).get(s, 0.0) for n, s in a.items())
 
-    # The measured fp32 step less what the replay says fp32 communication added to it is the step's
-    # compute (forward, backward, optimizer); never less than the measured backward pass itself (when
-    # the step was measured on a faster path than the probes, e.g. DDP's own allreduce on another link).
-    compute = max(timeline.step_s - simulate(timeline, all32, costs), timeline.backward_end_s)
+    def over_budget(a: Mapping[str, str]) -> bool:
+        return error_limit is not None and bool(errors) and err(a) > error_limit * (1 + 1e-9)
+
+    compute = compute_time(timeline, costs, fp32)
 
     def step(a: Mapping[str, str]) -> float:
         return compute + simulate(timeline, a, costs)
@@ -321,10 +331,10 @@ def decide(timeline: Timeline, costs: Mapping[str, CodecCost],
 
     tried = []
     for a in cands.values():
-        if error_limit is not None and errors and err(a) > error_limit * (1 + 1e-9):
+        if over_budget(a):
             continue
         s = step(a)
-        tried.append(Tried(a, fp32_step / s, _weighted_bits(timeline, a, costs), s))
+        tried.append(Tried(a, fp32_step / s, weighted_bits(timeline, a, costs), s))
     fp32_tried = Tried(all32, 1.0, 32.0, fp32_step)
     chosen, fp32_best = pick(tried, fp32_tried, within_best=within_best, faster_than_fp32=faster_than_fp32)
     assignment = dict(chosen.assignment)
@@ -332,7 +342,7 @@ def decide(timeline: Timeline, costs: Mapping[str, CodecCost],
     if not fp32_best:
         for spec in compressed:  # each codec as a fixed choice would apply it: the seed's size rule
             a = {t.name: spec if t.numel >= UNIFORM_MIN_NUMEL else fp32 for t in timeline.tensors}
-            if a == assignment or (error_limit is not None and errors and err(a) > error_limit * (1 + 1e-9)):
+            if a == assignment or over_budget(a):
                 continue
             finalists.append((f"{spec} (tensors >= {UNIFORM_MIN_NUMEL:,} values)", a, step(a)))
         finalists = finalists[:1] + sorted(finalists[1:], key=lambda f: f[2])[: max_finalists - 1]

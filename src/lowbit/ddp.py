@@ -344,7 +344,7 @@ class LowbitState:
         self.node_size = node_size
         self._group_of: Optional[Dict[str, _Group]] = None  # parameter name -> its message group
         self._world: Optional[Tuple[int, int]] = None  # (rank, size), read once
-        self._native = False  # set with _world: the hook runs the fp32 allreduce only (one_node)
+        self._native = False  # set with _world (_refresh_native): the hook runs the fp32 allreduce only
 
     # ------------------------------------------------------------------------------ helpers
     @property
@@ -355,6 +355,12 @@ class LowbitState:
             return False
         size = self._world[1] if self._world is not None else C.world(self.process_group)[1]
         return size <= self.node_size
+
+    def _refresh_native(self) -> None:
+        """Whether the hook runs DDP's plain fp32 allreduce only: hierarchical inside one node, or
+        codec="auto" with fp32 everywhere (while it measures, and when that is its plan)."""
+        self._native = self.one_node or (self.auto is not None and
+                                         all(c.spec == _FP32.spec for c in self.plan.values()))
 
     def uses_feedback(self, codec: Codec) -> bool:
         if codec.sums_on_wire:
@@ -471,17 +477,12 @@ def hook(state: LowbitState, bucket: dist.GradBucket) -> torch.futures.Future[to
     group = state.process_group
     if state._world is None:
         state._world = C.world(group)
-        state._native = state.one_node or (state.auto is not None and state.auto.decision is not None
-                                           and state.auto.decision.fp32_is_best)
+        state._refresh_native()
     world = state._world[1]
     buf = bucket.buffer()
-    if state.auto is not None and state.auto.phase == "measure":
-        # codec="auto" with the hook installed by a framework: fp32 until the decision
-        state._advance(bucket)
-        return start(buf, _FP32, group, "allreduce", "mean", stats=state.stats, world=state._world)
     if state.iter < state.start_iter or state._native:
-        # Before DDP's bucket rebuild (or hierarchical inside one node): the plain fp32 allreduce, as
-        # torch's own hook does it.
+        # Before DDP's bucket rebuild (or hierarchical inside one node, or codec="auto" measuring or with
+        # fp32 everywhere): the plain fp32 allreduce, as torch's own hook does it.
         state._advance(bucket)
         return start(buf, _FP32, group, "allreduce", "mean", stats=state.stats, world=state._world)
     if torch.autograd.profiler._is_profiler_enabled:  # a range for torch.profiler, free otherwise

@@ -161,11 +161,7 @@ def _link_worker(q: queue.Queue) -> None:
     while True:
         call, nbytes, fut, op, group = q.get()
         try:
-            work = call()
-            if isinstance(work, torch.futures.Future):
-                work.wait()
-            else:
-                work.wait()  # type: ignore[attr-defined]
+            call().wait()  # a Work or a Future: both wait
             bps = _LINK["bytes_per_s"]
             if bps:
                 time.sleep(nbytes / bps)

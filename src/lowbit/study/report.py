@@ -605,8 +605,7 @@ def _sps_tables(runs: list[dict[str, Any]]) -> str:
         for lab in labels:
             group = [r for r in rs if r["label"] == lab]
             spec = group[0]["codec"]
-            seed_label, bucket = seed_data.SEED_PRECISIONS.get(
-                spec if spec == "auto" else get_codec(spec).spec, ("", ""))
+            seed_label, bucket = seed_data.seed_precision(spec)
             line: list[Any] = [lab, seed_label or "—", bucket or "—"]
             for k in ks:
                 here = [r for r in group if r["world_size"] == k]

@@ -26,6 +26,7 @@ __all__ = [
     "SEED_PRECISIONS",
     "SEED_MACHINE",
     "fig4_batch_per_worker",
+    "seed_precision",
     "seed_samples_per_s",
 ]
 
@@ -190,16 +191,23 @@ def fig4_batch_per_worker(network: str, world_size: int) -> int:
     return total // world_size
 
 
+def seed_precision(codec_spec: str) -> tuple[str, str]:
+    """The seed's (precision label, bucket) of a codec spec; ("", "") when the seed has none (and for the
+    study's "auto", a choice rather than a codec)."""
+    if codec_spec == "auto":
+        return "", ""
+    return SEED_PRECISIONS.get(get_codec(codec_spec).spec, ("", ""))
+
+
 def seed_samples_per_s(network: str, codec_spec: str, world_size: int, backend: str) -> tuple[float | None, str]:
     """The seed's samples/s for a setting, and which figure it comes from ('' when none).
 
     ``gloo`` and ``mpi`` map to the MPI table (Figure 10: CPU-staged point-to-point, like gloo), ``nccl``
     to Figure 11.
     """
-    spec = codec_spec if codec_spec == "auto" else get_codec(codec_spec).spec
-    if spec not in SEED_PRECISIONS or world_size not in GPUS:
+    label, bucket = seed_precision(codec_spec)
+    if not label or world_size not in GPUS:
         return None, ""
-    label, bucket = SEED_PRECISIONS[spec]
     if label == "1bitSGD*" and bucket == "512":
         label = "1bitSGD*|512"
     table, fig = (FIG11_NCCL, "Figure 11 (NCCL)") if backend == "nccl" else (FIG10_MPI, "Figure 10 (MPI)")
