@@ -26,10 +26,9 @@ for mode in ${MODE:-tests nvlink}; do
         | grep -v "^W1\|Warning\|warn" | tail -20 ;;
     study4)  # issue 15: the study at 1, 2, 4 GPUs as one node and as 2 emulated nodes, flat vs hierarchical,
              # then the speed model's held-out prediction beside every run, and the report (Figs 12-15)
-      timeout ${STUDY_TIMEOUT:-420} python -m lowbit study --preset throughput --networks ${STUDY_NETWORKS:-alexnet} \
-        --backend nccl --device cuda --batch-sizes 64 --epochs 3 --world-sizes 1 2 4 --emulate-nodes 1 2 \
-        --algorithms scatter_gather hierarchical --codecs fp32 fp16 qsgd:bits=4,bucket=512 onebit:bucket=64 \
-        --no-progress --no-report --out "$OUT/study_4x${card}_nodes" 2>&1 | tail -30
+      timeout ${STUDY_TIMEOUT:-540} python -m lowbit study --config benchmarks/configs/study4.toml \
+        ${STUDY_NETWORKS:+--networks $STUDY_NETWORKS} --no-progress --no-report --out "$OUT/study_4x${card}_nodes" 2>&1 \
+        | grep -v "UserWarning\|return func" | tail -60
       python -m lowbit predict --validate "$OUT/study_4x${card}_nodes" > "$OUT/perfmodel_validation_4x${card}_nodes.txt" 2>&1
       tail -12 "$OUT/perfmodel_validation_4x${card}_nodes.txt" ;;
     nvlink)

@@ -237,3 +237,18 @@ def test_fig3_recipe_sets_each_networks_epochs_and_learning_rate() -> None:
     both = expand_runs(StudyConfig(networks=("alexnet", "lstm"), datasets=("synthetic",), codecs=("fp32",),
                                    world_sizes=(1,), recipe="fig3"))
     assert {(r.network, r.epochs, r.lr) for r in both} == {("alexnet", 112, 0.07), ("lstm", 20, 0.5)}
+
+
+def test_timed_epochs_skip_the_first_and_the_switch_to_compression() -> None:
+    from lowbit.study.runner import timed_epochs
+
+    eps = [{"epoch": i + 1} for i in range(4)]
+    # many steps per epoch: all but the first (the switch at step 2 falls in the first)
+    assert [e["epoch"] for e in timed_epochs(eps, steps=10, steady_from=3)] == [2, 3, 4]
+    # 2 steps per epoch (4 workers x 64 on 512 samples): epoch 2 holds step 2, the first compressed one
+    assert [e["epoch"] for e in timed_epochs(eps, steps=2, steady_from=3)] == [3, 4]
+    # fp32 / one worker: only the first epoch is warm-up
+    assert [e["epoch"] for e in timed_epochs(eps, steps=2, steady_from=1)] == [2, 3, 4]
+    # too short for a steady state: the last epoch rather than nothing
+    assert [e["epoch"] for e in timed_epochs(eps[:2], steps=1, steady_from=9)] == [2]
+    assert [e["epoch"] for e in timed_epochs(eps[:1], steps=10, steady_from=1)] == [1]
