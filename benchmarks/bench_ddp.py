@@ -77,6 +77,7 @@ GPU_HOOKS = ("ddp;fp16;powersgd;lowbit:fp32;lowbit:qsgd:bits=8,bucket=512;"
 CPU_MODELS = "mlp10m"
 CPU_HOOKS = "ddp;lowbit:fp32;lowbit:qsgd:bits=8,bucket=512"
 BASELINES = ("ddp", "fp16", "powersgd")
+AUTO_WARMUP = 24  # codec="auto" decides by step 7 + 3 x (finalists <= 4) = 19 (src/lowbit/autotune.py)
 POWERSGD_GLOO = ("PowerSGD's hook issues its allreduces from future callbacks, whose order differs across "
                  "ranks on gloo: a collective mismatch aborts the run (pytorch/pytorch#58467); "
                  "--powersgd-gloo runs it anyway")
@@ -257,7 +258,10 @@ def run_config(ctx: Ctx, initial: nn.Module, feed: dict[str, Any], x: torch.Tens
         ddp = DDP(model, device_ids=[ctx.local_rank] if ctx.cuda else None)
         state = register_hook(ddp, hook, args)
         opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
-        for _ in range(args.warmup):
+        warmup = args.warmup
+        if getattr(state, "auto", None) is not None:  # room to measure, probe and try before the timed steps
+            warmup = max(warmup, AUTO_WARMUP)
+        for _ in range(warmup):
             train_step(ddp, opt, x, y, bf16)
         b0, i0 = bytes_sent(state), bytes_sent(state, "bytes_inter")
         ctx.barrier()
@@ -278,6 +282,10 @@ def run_config(ctx: Ctx, initial: nn.Module, feed: dict[str, Any], x: torch.Tens
         auto = getattr(state, "auto", None)
         if auto is not None:  # codec="auto": what it chose (decided during the warm-up steps)
             d = auto.decision
+            if d is None or auto.decided_iter is None or auto.decided_iter >= warmup:
+                raise RuntimeError(f"codec='auto' had not decided within the {warmup} warm-up steps "
+                                   f"(decided at step {auto.decided_iter}): its timed steps would include "
+                                   "measuring and trials; raise --warmup")
             row["auto"] = None if d is None else {
                 "fp32_is_best": d.fp32_is_best, "predicted_speedup_vs_fp32": d.speedup,
                 "predicted_step_ms": d.step_s * 1e3, "fp32_predicted_step_ms": d.fp32_step_s * 1e3,
@@ -471,7 +479,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=64, help="per-rank batch of the CNNs and the MLP")
     p.add_argument("--gpt-batch", type=int, default=16, help="per-rank batch of gpt2_small")
     p.add_argument("--seq", type=int, default=256, help="sequence length of token models")
-    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=8,
+                   help=f"untimed steps per run (lowbit:auto at least {AUTO_WARMUP}: it measures, probes and tries first)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--lr", type=float, default=0.01)

@@ -5,8 +5,8 @@
 
 How (on the job's own first steps, nothing extra for the user to run):
 
-1. **Measure** (``measure_steps`` steps after DDP's bucket rebuild, default 3, with DDP's own fp32
-   allreduce: :func:`lowbit.ddp.register` installs no hook yet): when each parameter's gradient became
+1. **Measure** (``measure_steps`` steps, default 3, after DDP's bucket rebuild and two warm-up steps,
+   with DDP's own fp32 allreduce: :func:`lowbit.ddp.register` installs no hook yet): when each parameter's gradient became
    ready (post-accumulate-grad hooks), counted from the forward pass's start (CUDA events on the compute
    stream on a GPU, the host clock on a CPU), and the whole step; on the last of them a sample of every
    gradient, for each allowed codec's squared error.
@@ -92,6 +92,10 @@ class AutoTuner:
         self.measure_steps = measure_steps
         self.remeasure_every = remeasure_every
         self.faster_than_fp32 = faster_than_fp32
+        self.warmup_steps = 2  # steps after start_iter not measured: DDP's first steps run slow (cuDNN
+        #                        autotuning, NCCL's socket connections, allocator growth); measured from
+        #                        the first step on, auto's fp32 step was 7-17 % above the steady one
+        #                        (ResNet-50, AlexNet, 2x H100 over sockets, c6ef8fe)
         self.trial_steps = 2   # timed steps per finalist (after one warm-up step); 0: trust the prediction
         self.max_trials = 4    # finalists tried at most
         self.phase = "measure"  # -> "trial" -> "done"
@@ -148,11 +152,12 @@ class AutoTuner:
         def hook(p: torch.Tensor) -> None:
             step = self.forwards - 1
             st = self._state
-            if self.phase != "measure" or not st.start_iter <= step < st.start_iter + self.measure_steps:
+            first = st.start_iter + self.warmup_steps
+            if self.phase != "measure" or not first <= step < first + self.measure_steps:
                 return
             if self._steps:
                 self._steps[-1]["grads"].append((name, _mark(self._device)))
-            if step == st.start_iter + self.measure_steps - 1 and p.grad is not None:
+            if step == first + self.measure_steps - 1 and p.grad is not None:
                 g = p.grad.reshape(-1)
                 self._samples[name] = (g[: min(g.numel(), ERROR_SAMPLE)].detach().float().clone(), g.numel())
         return hook
@@ -166,9 +171,10 @@ class AutoTuner:
         if self._install is not None:  # lowbit's hook is not installed (yet): count the steps for it
             st.iter = step
         if self.phase == "measure":
-            if step >= st.start_iter:
+            first = st.start_iter + self.warmup_steps
+            if step >= first:
                 self._steps.append({"forward": _mark(self._device), "grads": []})
-            if step >= st.start_iter + self.measure_steps:
+            if step >= first + self.measure_steps:
                 self._predict(st, step)
         elif self.phase == "trial":
             self._trial_mark(st, step)
