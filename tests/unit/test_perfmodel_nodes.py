@@ -7,7 +7,7 @@ import dataclasses
 import math
 
 from lowbit.perfmodel.calibrate import Calibration, RunRecord
-from lowbit.perfmodel.validate import model_step
+from lowbit.perfmodel.fit import model_step
 
 BASE = RunRecord(
     key="k", network="vgg19", dataset="synthetic", batch=64, world=4, backend="nccl", device="cuda",

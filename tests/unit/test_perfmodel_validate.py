@@ -21,17 +21,18 @@ from lowbit.perfmodel.calibrate import (
     CodecCost,
     LinkFit,
     RunRecord,
-    calibrate,
     fit_bench,
     fit_comm_in_situ,
     load_bench,
-    load_runs,
 )
 from lowbit.perfmodel.codecbits import bits_per_value
 from lowbit.perfmodel.collectives import Topology, collective
 from lowbit.perfmodel.links import Link
 from lowbit.perfmodel.model import Cluster, codec_work
-from lowbit.perfmodel.validate import format_validation, model_step, validate, validate_path
+from lowbit.cli.predict import validate_path
+from lowbit.perfmodel.fit import calibrate, model_step
+from lowbit.perfmodel.validate import format_validation, validate
+from lowbit.study.store import load_run_records as load_runs
 from lowbit.policy import Policy
 
 Q8 = "qsgd:bits=8,bucket=512"

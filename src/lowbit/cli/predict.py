@@ -26,13 +26,15 @@ from lowbit.perfmodel import advise as advise_mod
 from lowbit.perfmodel import dettmers
 from lowbit.perfmodel.advise import (LOWBIT_ALGORITHMS, MULTI_NODE_ALGORITHMS, SpeedSetup, advise,
                                      default_evidence_path, format_advice)
-from lowbit.perfmodel.calibrate import Calibration, RunRecord, calibrate, load_runs
+from lowbit.perfmodel.calibrate import Calibration, RunRecord
+from lowbit.perfmodel.fit import calibrate
 from lowbit.perfmodel.codecbits import bits_per_value
 from lowbit.perfmodel.collectives import ALGORITHMS
 from lowbit.perfmodel.links import PRESETS
 from lowbit.perfmodel.model import Cluster, Prediction, predict_network
 from lowbit.perfmodel.networks import NETWORKS, get_network
-from lowbit.perfmodel.validate import format_validation, validate_path
+from lowbit.perfmodel.validate import ValidationReport, format_validation, validate
+from lowbit.study.store import load_run_records, resolve_results_path
 
 __all__ = ["register", "run_predict", "format_prediction", "format_sweep", "format_dettmers", "sweep",
            "run_calibrate", "run_validate"]
@@ -172,7 +174,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
             results.append(path)
         else:
             bench.append(path)
-    cal = calibrate(bench, results)
+    cal = calibrate(bench, {str(resolve_results_path(r)): load_run_records(r) for r in results})
     if args.save_calibration:
         cal.save(args.save_calibration)
     if args.json:
@@ -183,6 +185,17 @@ def run_calibrate(args: argparse.Namespace) -> int:
         if args.save_calibration:
             print(f"written to {args.save_calibration}")
     return 0
+
+
+def validate_path(results: str, *, calibration_path: str | None = None, bench_paths: list[str] | tuple[str, ...] = (),
+                  holdout: str = "config") -> ValidationReport:
+    """:func:`lowbit.perfmodel.validate.validate` on a results directory / ``.jsonl``, with an optional
+    saved calibration and bench files."""
+    runs = load_run_records(results)
+    cal = Calibration.load(calibration_path) if calibration_path else None
+    bench = calibrate(list(bench_paths)) if bench_paths else None
+    return validate(runs, calibration=cal, bench=bench, holdout=holdout,
+                    results_path=str(resolve_results_path(results)))
 
 
 def run_validate(args: argparse.Namespace) -> int:
@@ -457,9 +470,9 @@ def run_advise(args: argparse.Namespace) -> int:
     if args.evidence is None:
         path = default_evidence_path()
         if path is not None:
-            runs, source = load_runs(path), f"{path} (default)"
+            runs, source = load_run_records(path), f"{path} (default)"
     elif args.evidence.lower() != "none":
-        runs, source = load_runs(args.evidence), args.evidence
+        runs, source = load_run_records(args.evidence), args.evidence
     advice = advise(args.network, setup, tolerance=args.tolerance, evidence=runs, evidence_source=source)
     print(json.dumps(advice.to_dict(), indent=2, default=str) if args.json else format_advice(advice))
     return 0

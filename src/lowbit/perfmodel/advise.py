@@ -52,7 +52,7 @@ from lowbit.perfmodel.codecbits import bits_per_value
 from lowbit.perfmodel.links import Link
 from lowbit.perfmodel.model import Cluster, LayerCodec, Prediction, layers_for_network, predict
 from lowbit.perfmodel.networks import Network, get_network
-from lowbit.perfmodel.validate import short_codec
+from lowbit.perfmodel.fit import short_codec
 from lowbit.policy import Policy
 
 __all__ = ["Candidate", "CANDIDATES", "SEED_FINDINGS", "Advice", "advise", "format_advice", "policy_code",

@@ -31,7 +31,6 @@ predicting its own training data), and saves to / loads from JSON.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import functools
 import itertools
 import json
@@ -59,12 +58,11 @@ __all__ = [
     "RunRecord",
     "Calibration",
     "load_bench",
-    "load_runs",
+    "run_record",
     "transport_key",
     "fit_bench",
     "fit_study",
     "fit_comm_in_situ",
-    "calibrate",
     "run_groups",
     "run_buckets",
     "run_layers",
@@ -399,17 +397,10 @@ class RunRecord:
         return f"{self.network}/{self.dataset}"
 
 
-def _resolve_results(path: str | os.PathLike[str]) -> Path:
-    p = Path(path)
-    if p.is_dir():
-        p = p / "results.jsonl"
-    if not p.exists():
-        raise ValueError(f"study results {str(path)!r} not found (give a results directory holding "
-                         "results.jsonl, or the .jsonl file)")
-    return p
-
-
-def _run_record(row: dict[str, Any]) -> RunRecord | None:
+def run_record(row: dict[str, Any]) -> RunRecord | None:
+    """A study result row (a finished run's ``run`` row) as the model reads it; None for runs it does
+    not describe (model / hybrid parallelism, the simulated NCCL, no timed steps). The study's reader
+    (:func:`lowbit.study.store.load_run_records`) applies it to a results file."""
     c, s = row.get("config") or {}, row.get("summary") or {}
     epochs = row.get("epochs") or []
     timed = set(s.get("timed_epochs") or [e.get("epoch") for e in epochs[1:]] or [e.get("epoch") for e in epochs])
@@ -455,18 +446,6 @@ def _run_record(row: dict[str, Any]) -> RunRecord | None:
         gflop_per_sample=float(s.get("gflop_per_sample") or math.nan),
         nodes=int(c.get("nodes", 1) or 1), intra_Bps=link_Bps("intra_GBps"), inter_Bps=link_Bps("inter_GBps"),
     )
-
-
-def load_runs(path: str | os.PathLike[str]) -> list[RunRecord]:
-    """Finished runs of a study results directory or ``results.jsonl``; ValueError if none."""
-    from lowbit.study.store import ResultStore
-
-    p = _resolve_results(path)
-    store = ResultStore(p)
-    runs = [r for r in (_run_record(row) for row in store.finished().values()) if r is not None]
-    if not runs:
-        raise ValueError(f"study results {str(p)!r} hold no finished runs")
-    return runs
 
 
 @functools.lru_cache(maxsize=64)
@@ -812,47 +791,4 @@ def fit_comm_in_situ(runs: Iterable[RunRecord]) -> Calibration:
             d0, d1 = _affine_nonneg(dec_b, [r.decode_s for r in crs], calls)
             cal.codecs.setdefault(transport, {}).setdefault(algo, {})[codec] = CodecCost(
                 e0, e1, d0, d1, len(crs), f"in situ: {len(crs)} {transport} study runs' encode/decode time")
-    return cal
-
-
-def calibrate(
-    bench_paths: Sequence[str | os.PathLike[str]] = (),
-    results_paths: Sequence[str | os.PathLike[str]] = (),
-    *,
-    in_situ_comm: bool | None = None,
-) -> Calibration:
-    """A :class:`Calibration` from bench files and study results (module doc).
-
-    ``in_situ_comm`` (default: only when no bench file is given) also fits links and codec costs from
-    the study runs; bench fits take precedence where both exist.
-    """
-    if not bench_paths and not results_paths:
-        raise ValueError("nothing to calibrate from: give a bench JSON and/or study results")
-    cal = Calibration()
-    cal.sources = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   "bench": [], "results": []}
-    for path in bench_paths:
-        bench = load_bench(path)
-        transport, links, codecs = fit_bench(bench)
-        for a, f in links.items():
-            cal.links.setdefault(transport, {})[a] = f
-        for a, by in codecs.items():
-            cal.codecs.setdefault(transport, {}).setdefault(a, {}).update(by)
-        m = bench["meta"]
-        cal.sources["bench"].append({k: m.get(k) for k in (
-            "path", "backend", "world_size", "device_name", "hostname", "timestamp", "kernel_backend",
-            "loadavg_1_5_15_before", "loadavg_1_5_15_after", "nccl_env", "label")})
-    runs: list[RunRecord] = []
-    for path in results_paths:
-        rs = load_runs(path)
-        runs += rs
-        cal.sources["results"].append({"path": str(_resolve_results(path)), "runs": len(rs)})
-    if runs:
-        from lowbit.perfmodel.validate import fit_overhead  # validate builds on this module
-
-        study = fit_study(runs)
-        if in_situ_comm if in_situ_comm is not None else not bench_paths:
-            study = study.merged(fit_comm_in_situ(runs))
-        cal = cal.merged(study)
-        cal.step_overhead_s.update(fit_overhead(runs, cal))
     return cal

@@ -29,7 +29,6 @@ same codec on other networks and data sets, and so on. The output says which sou
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import statistics
@@ -38,43 +37,19 @@ from pathlib import Path
 from typing import Any
 
 from lowbit.perfmodel.calibrate import (
-    DDP_BUCKET_BYTES,
-    DDP_FIRST_BUCKET_BYTES,
     Calibration,
     RunRecord,
-    _resolve_results,
-    calibrate,
     config_id,
     fit_comm_in_situ,
     fit_study,
-    load_runs,
-    run_layers,
 )
-from lowbit.perfmodel.codecbits import bits_per_value
-from lowbit.perfmodel.collectives import Topology
-from lowbit.perfmodel.links import Link
-from lowbit.perfmodel.model import Breakdown, Layer, LayerCodec, simulate_step
+from lowbit.perfmodel.fit import fit_overhead, model_step, short_codec
 
-__all__ = ["RunPrediction", "ValidationReport", "predict_run", "validate", "validate_path",
-           "format_validation", "short_codec", "TARGET_MEDIAN_ABS_ERROR"]
+__all__ = ["RunPrediction", "ValidationReport", "predict_run", "validate", "format_validation",
+           "TARGET_MEDIAN_ABS_ERROR"]
 
 #: The project's target for the median absolute relative error of the predicted step time.
 TARGET_MEDIAN_ABS_ERROR = 0.15
-
-
-def short_codec(spec: str) -> str:
-    """``qsgd:bits=4,bucket=512,...`` -> ``qsgd4/512``; ``onebit:bucket=64`` -> ``onebit/64``."""
-    name, _, rest = spec.partition(":")
-    p = dict(item.split("=", 1) for item in rest.split(",") if "=" in item)
-    if name == "qsgd":
-        return f"qsgd{p.get('bits', '8')}/{p.get('bucket', '512')}"
-    if name == "onebit":
-        return f"onebit/{p.get('bucket', 'col')}"
-    if name == "dettmers":
-        return f"dettmers-{p.get('type', 'dynamic')[:3]}"
-    if name == "topk":
-        return f"topk{p.get('ratio', '')}"
-    return name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,95 +95,6 @@ class RunPrediction:
         }
 
 
-def _compute_for(run: RunRecord, cal: Calibration) -> tuple[float | None, str]:
-    one = cal.compute.get(run.compute_key)
-    if run.world == 1:
-        return (one["step_s"], "1-worker fp32 runs") if one else (
-            None, "no other 1-worker fp32 run of this network/data/batch to take its compute from")
-    at_k = cal.compute_at_world.get("|".join(map(str, run.setting_key)))
-    if at_k:
-        return at_k["step_s"], f"measured at K={run.world} (other configs)"
-    if one:
-        f = cal.world_factor.get(run.scale_key)
-        if f:
-            return one["step_s"] * f["factor"], f"1 worker x {f['factor']:.2f} (factor of other settings)"
-        return one["step_s"], "1 worker (no factor for this K: none applied)"
-    return None, "no compute measured for this network/data/batch"
-
-
-@functools.lru_cache(maxsize=256)
-def _bits(spec: str) -> float:
-    return bits_per_value(spec)
-
-
-def model_step(run: RunRecord, cal: Calibration) -> tuple[float, Breakdown, str, str] | str:
-    """The modelled step of ``run`` without the overhead term: ``(step_s, breakdown, compute source,
-    communication source)``, or a string saying why it cannot be predicted.
-
-    Layers as :func:`lowbit.perfmodel.calibrate.run_layers` builds them (the network's profile, each
-    layer split into the compressed part and an fp32 part), buckets as DDP makes them (1 MiB first, then
-    25 MiB): one collective per codec and bucket, communication overlapping the rest of the backward.
-    """
-    compute, compute_src = _compute_for(run, cal)
-    if compute is None:
-        return compute_src
-    if run.world == 1 or run.params <= 0:
-        layer = Layer("net", max(run.params, 1), compute)
-        step, br, _, _ = simulate_step([layer], Topology(1, 1, Link(0.0, 1e15)), algorithm="allreduce",
-                                       bits=32.0)
-        return step, br, compute_src, "-"
-    notes: set[str] = set()
-    sources: set[str] = set()
-    nodes = max(1, run.nodes)
-    intra_Bps = run.intra_Bps if run.world // nodes > 1 else run.inter_Bps  # (one rank a node: no intra link)
-    if nodes > 1 and not (intra_Bps > 0 and run.inter_Bps > 0):
-        return f"a run as {nodes} emulated nodes without the links it measured (env.links)"
-    comp = run.compressed_params if run.codec_name != "fp32" else 0
-    specs = [(run.codec, run.algorithm)] if comp > 0 else []
-    if comp < run.params:
-        specs.append(("fp32", "allreduce"))
-    lcs: dict[str, LayerCodec] = {}
-    for spec, algo in specs:
-        fit, note = cal.link_for(run.backend, algo)
-        if nodes > 1:
-            # as emulated nodes: the links the run's group measured, inside a node and between nodes (the
-            # one-node fit's latency, when there is one); the algorithms' formulas split the traffic
-            lc: dict[str, Any] = dict(bits=_bits(spec), algorithm=algo, link=None)
-            sources.add(f"measured links (intra {intra_Bps / 1e9:.3g} GB/s, inter {run.inter_Bps / 1e9:.3g} GB/s)")
-        else:
-            if fit is None:
-                return f"no link calibrated for backend {run.backend!r}"
-            if note:
-                notes.add(note)
-            sources.add(fit.source.split(":", 1)[0].split(",", 1)[0])
-            lc = dict(bits=_bits(spec), algorithm=algo, link=fit.link())
-        if spec.split(":", 1)[0] != "fp32":
-            cost, cnote = cal.codec_for(run.backend, algo, spec)
-            if cost is None:
-                notes.add(f"no cost for {short_codec(spec)}: free")
-            else:
-                if cnote:
-                    notes.add(f"{short_codec(spec)}: {cnote}")
-                lc.update(encode_Bps=cost.encode_Bps, decode_Bps=cost.decode_Bps,
-                          encode_call_s=cost.encode_call_s, decode_call_s=cost.decode_call_s)
-        lcs[spec] = LayerCodec(**lc)
-    layers, layer_specs = run_layers(run, compute)
-    codecs = [lcs[spec] for spec in layer_specs]
-    if nodes > 1:
-        fit, _ = cal.link_for(run.backend, "allreduce")
-        alpha = fit.latency_s if fit is not None else 0.0
-        topo = Topology(run.world, run.world // nodes, Link(alpha, intra_Bps), Link(alpha, run.inter_Bps))
-    else:
-        topo = Topology(run.world, run.world, next(iter(lcs.values())).link or Link(0.0, 1e15))
-    step, br, _, _ = simulate_step(layers, topo, algorithm="allreduce", bits=32.0, overlap=True,
-                                   bucket_bytes=DDP_BUCKET_BYTES, first_bucket_bytes=DDP_FIRST_BUCKET_BYTES,
-                                   layer_codecs=codecs)
-    comm_src = "; ".join(sorted(sources))
-    if notes:
-        comm_src += " (" + "; ".join(sorted(notes)) + ")"
-    return step, br, compute_src, comm_src
-
-
 def predict_run(run: RunRecord, cal: Calibration, holdout: str = "") -> RunPrediction | str:
     """The model's step for ``run`` under ``cal`` (overhead included), or why it cannot predict it."""
     m = model_step(run, cal)
@@ -225,20 +111,6 @@ def predict_run(run: RunRecord, cal: Calibration, holdout: str = "") -> RunPredi
     # The overhead is a fitted bias and may be negative, but no step is shorter than its compute.
     return RunPrediction(run, max(step + overhead, br.compute_s, 1e-12), br.compute_s, br.encode_s, br.exposed_comm_s,
                          br.decode_s, overhead, compute_src, comm_src, holdout)
-
-
-def fit_overhead(runs: Sequence[RunRecord], cal: Calibration) -> dict[str, dict[str, Any]]:
-    """Per backend / device / K, for native and compressed codecs apart and together: the median of
-    (measured - modelled step) over the multi-worker ``runs``."""
-    res: dict[str, list[float]] = {}
-    for r in runs:
-        if r.world <= 1:
-            continue
-        m = model_step(r, cal)
-        if not isinstance(m, str):
-            res.setdefault(r.scale_key, []).append(r.step_s - m[0])
-            res.setdefault(r.overhead_key, []).append(r.step_s - m[0])
-    return {k: {"seconds": statistics.median(v), "runs": len(v)} for k, v in res.items()}
 
 
 # ------------------------------------------------------------------------------------------ validation
@@ -410,21 +282,6 @@ def validate(
     devices = sorted({(r.device_name or r.device, r.backend) for r in runs})
     machine = "; ".join(f"{d} ({b})" for d, b in devices)
     return ValidationReport(preds, skipped, results_path, method, "\n".join(notes), machine)
-
-
-def validate_path(
-    results: str,
-    *,
-    calibration_path: str | None = None,
-    bench_paths: Sequence[str] = (),
-    holdout: str = "config",
-) -> ValidationReport:
-    """:func:`validate` on a results directory / ``.jsonl`` with an optional saved calibration / bench files."""
-    runs = load_runs(results)
-    cal = Calibration.load(calibration_path) if calibration_path else None
-    bench = calibrate(list(bench_paths), []) if bench_paths else None
-    return validate(runs, calibration=cal, bench=bench, holdout=holdout,
-                    results_path=str(_resolve_results(results)))
 
 
 # ------------------------------------------------------------------------------------------ output

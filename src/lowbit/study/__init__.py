@@ -14,18 +14,9 @@ spawn or torchrun; DDP + lowbit per run), ``metrics`` (what is measured and how)
 from __future__ import annotations
 
 from lowbit.study.config import RunConfig, StudyConfig, expand_runs, load_config
+from lowbit.study.report import write_report
+from lowbit.study.runner import run_study
 from lowbit.study.store import ResultStore
 
 __all__ = ["RunConfig", "StudyConfig", "ResultStore", "expand_runs", "load_config", "run_study", "write_report"]
 
-
-def __getattr__(name: str):  # lazy: the runner pulls in torch.distributed, the report matplotlib
-    if name == "run_study":
-        from lowbit.study.runner import run_study
-
-        return run_study
-    if name == "write_report":
-        from lowbit.study.report import write_report
-
-        return write_report
-    raise AttributeError(f"module 'lowbit.study' has no attribute {name!r}")

@@ -57,6 +57,8 @@ from typing import Any
 
 from lowbit.autotune import DEFAULT_ALLOW
 from lowbit.codecs.base import Codec, get_codec
+from lowbit.data import available_datasets, load_dataset
+from lowbit.models import available_models, build_model
 from lowbit.parallel.split import PARALLELISMS, check_splits
 from lowbit.perfmodel.links import parse_bandwidth
 from lowbit.study import seed_data
@@ -91,13 +93,11 @@ _POLICY_KEYS = ("by_type", "by_name")
 
 
 def _known_models() -> list[str]:
-    from lowbit.models import available_models
 
     return available_models()
 
 
 def _known_datasets() -> list[str]:
-    from lowbit.data import available_datasets
 
     return available_datasets()
 
@@ -532,7 +532,6 @@ def _splits(network: str, parallelism: str) -> bool:
         return True
     import torch
 
-    from lowbit.models import build_model
 
     with torch.device("meta"):
         model = build_model(network)
@@ -638,8 +637,6 @@ def check_runs(runs: Iterable[RunConfig]) -> None:
     """
     import torch
 
-    from lowbit.data import load_dataset
-    from lowbit.models import build_model
 
     checked: set[str] = set()
     data_cache: dict[str, Any] = {}

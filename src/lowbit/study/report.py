@@ -31,8 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from lowbit.codecs.base import get_codec
+from lowbit.extras import require
+from lowbit.perfmodel.projection import projection_curve, speedup_bound
 from lowbit.study import seed_data
 from lowbit.study.config import codec_label, policy_label
+from lowbit.study.export import write_csv
 from lowbit.study.store import ResultStore, resolve_results_path
 
 __all__ = ["write_report", "load_runs", "accuracy_matches", "MATCH_POINTS", "DEFAULT_PRICE_PER_GPU_HOUR"]
@@ -288,7 +291,6 @@ def _colors(labels: Sequence[str]) -> dict[str, str]:
 
 
 def _figure(n_panels: int, width: float = 4.6, height: float = 3.4, max_cols: int = 3):
-    from lowbit.extras import require
 
     Figure = require("matplotlib.figure", "study", "lowbit report's plots").Figure  # noqa: N806
 
@@ -491,7 +493,6 @@ def _plot_speedup_ratio(runs: list[dict[str, Any]], out: Path) -> str | None:
     ratios = [s["ratio"] for s in sp]
     lo, hi = min(ratios), max(ratios)
     try:
-        from lowbit.perfmodel.projection import projection_curve, speedup_bound
 
         xs = [10 ** (math.log10(min(lo, 0.01)) + i * (math.log10(max(hi, 100)) - math.log10(min(lo, 0.01))) / 80)
               for i in range(81)]
@@ -691,7 +692,6 @@ def write_report(
     outdir.mkdir(parents=True, exist_ok=True)
     for old in outdir.glob("fig*.png"):
         old.unlink()
-    from lowbit.study.export import write_csv
 
     write_csv(runs, outdir)  # runs.csv, epochs.csv: the same runs as tables
 

@@ -37,10 +37,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import lowbit.ddp
+from lowbit.codecs.base import get_codec
 from lowbit.comm import collectives as C
+from lowbit.comm.hierarchical import topology
+from lowbit.data import load_dataset
+from lowbit.data.sharding import ShardedLoader
 from lowbit.env import launched_rank_and_size, under_torchrun
+from lowbit.extras import require
+from lowbit.launch import WorkerError, emulate_node, init_from_env, spawn
+from lowbit.models import build_model
+from lowbit.parallel import Hybrid, ParallelComm, hybrid_parts, model_parallel_chain, parallelize
 from lowbit.perfmodel.links import parse_bandwidth
+from lowbit.policy import Policy
 from lowbit.study.config import RunConfig, StudyConfig, check_runs, expand_runs
+from lowbit.study.export import TensorBoardLog
 from lowbit.study.metrics import TailClock, environment, fwd_bwd_gflop_per_sample
 from lowbit.study.store import ResultStore
 
@@ -87,7 +98,6 @@ _DATA_CACHE: dict[str, Any] = {}
 
 
 def _load_data(run: RunConfig) -> Any:
-    from lowbit.data import load_dataset
 
     args = dict(run.dataset_args)
     if run.dataset == "synthetic":
@@ -175,8 +185,6 @@ class _Trainer:
     evaluation and the counters each of them needs."""
 
     def __init__(self, run: RunConfig, model: nn.Module, rank: int, world: int, device: torch.device) -> None:
-        import lowbit.ddp
-        from lowbit.policy import Policy
 
         self.run, self.model, self.rank, self.world, self.device = run, model, rank, world, device
         cuda = device.type == "cuda"
@@ -193,13 +201,11 @@ class _Trainer:
         node_size = world // run.nodes if run.algorithm == "hierarchical" else None
         if run.parallelism == "model":
             # every linear layer split over the ranks; activations and their gradients in the run's codec
-            from lowbit.parallel import ParallelComm, model_parallel_chain, parallelize
 
             self.comm = ParallelComm(codec=run.codec)
             self.net = parallelize(model_parallel_chain(model), self.comm, seed=run.seed)
             return
         if run.parallelism == "hybrid":
-            from lowbit.parallel import Hybrid, ParallelComm, hybrid_parts
 
             features, classifier = hybrid_parts(model)
             grads: nn.Module = features
@@ -239,7 +245,6 @@ class _Trainer:
         return self.comm is not None and self.hybrid is None
 
     def loader(self, x: torch.Tensor, y: torch.Tensor) -> Any:
-        from lowbit.data.sharding import ShardedLoader
 
         run = self.run
         if self.same_batch_everywhere:  # the global batch on every rank
@@ -357,7 +362,6 @@ def train_run(
 ) -> dict[str, Any]:
     """Train one run on this rank (collective: every rank of the group calls it). Returns the run row
     (meaningful on rank 0; every rank computes the same numbers)."""
-    from lowbit.models import build_model
 
     if run.world_size != world:
         raise ValueError(f"run wants world size {run.world_size}, the group has {world}")
@@ -502,7 +506,6 @@ def train_run(
 def _warm_up_codecs(specs: set[str], device: torch.device) -> None:
     """Encode, decode and sum once with every codec, so just-in-time compilation of the CPU kernels
     (numba; seconds per kernel) happens before the first timed step rather than inside a run."""
-    from lowbit.codecs.base import get_codec
 
     for n in (4096, 4099):  # (Triton specialises on sizes divisible by 16 or not: compile both)
         x = torch.randn(n, device=device)
@@ -522,7 +525,6 @@ def measure_links(world: int, nodes: int, device: torch.device, mib: int = 16, r
     the whole group, and with emulated nodes inside a node and between nodes (among ranks of one local
     index), as every rank of the group measures it (rank 0's figures are returned everywhere). Recorded
     in every result row of the group as ``env.links``: the link a run had, not the one it should have."""
-    from lowbit.comm.hierarchical import topology
 
     x = torch.ones(mib * 2**20 // 4, dtype=torch.float32, device=device)
 
@@ -570,7 +572,6 @@ def _run_group(rank: int, world: int, plan: _GroupPlan) -> int:
                    desc=f"study K={world}", smoothing=0.1)
     tb = None
     if rank == 0 and plan.tensorboard:
-        from lowbit.study.export import TensorBoardLog
 
         tb = TensorBoardLog(plan.tensorboard)
     done = 0
@@ -662,7 +663,6 @@ def run_study(
     """
     tb = str(tensorboard) if tensorboard else None
     if tb:
-        from lowbit.extras import require
 
         require("tensorboard", "tensorboard", "--tensorboard")  # before any run starts, not in a worker
     if launcher == "auto":
@@ -687,7 +687,6 @@ def run_study(
             groups[-1][1].append(r)
         else:
             groups.append((gk, [r]))
-    from lowbit.launch import WorkerError, spawn
 
     ran = 0
     for (backend, ws, nodes), group in groups:
@@ -709,7 +708,6 @@ def run_study(
 
 def _run_under_torchrun(cfg: StudyConfig, out_dir: str | os.PathLike[str], progress: bool, crash_after: int,
                         log: Callable[[str], None], t0: float, tensorboard: str | None = None) -> StudyResult:
-    from lowbit.launch import init_from_env
 
     _, world = launched_rank_and_size()
     all_runs = expand_runs(cfg)
@@ -727,7 +725,6 @@ def _run_under_torchrun(cfg: StudyConfig, out_dir: str | os.PathLike[str], progr
     if runs[0].device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if layouts[0] > 1:  # emulated nodes on this host: before the group (and NCCL) start
-        from lowbit.launch import emulate_node
 
         emulate_node(int(os.environ.get("RANK", 0)), world // layouts[0])
     if backends[0] == "mpi":

@@ -21,7 +21,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ResultStore", "resolve_results_path", "RESULTS_NAME"]
+from lowbit.perfmodel.calibrate import RunRecord, run_record
+
+__all__ = ["ResultStore", "resolve_results_path", "load_run_records", "RESULTS_NAME"]
 
 RESULTS_NAME = "results.jsonl"
 
@@ -109,3 +111,17 @@ class ResultStore:
             elif row["kind"] == "epoch":
                 epochs.setdefault(row.get("attempt", ""), []).append(row)
         return {a: rs for a, rs in epochs.items() if a not in done_attempts}
+
+
+def load_run_records(path: str | os.PathLike[str]) -> list[RunRecord]:
+    """The finished runs of a results directory or ``.jsonl`` file as the speed model reads them
+    (:func:`lowbit.perfmodel.calibrate.run_record`: data-parallel runs with timed steps); ValueError if
+    the file is missing or holds none."""
+    p = resolve_results_path(path)
+    if not p.exists():
+        raise ValueError(f"study results {str(path)!r} not found (give a results directory holding "
+                         "results.jsonl, or the .jsonl file)")
+    runs = [r for r in (run_record(row) for row in ResultStore(p).finished().values()) if r is not None]
+    if not runs:
+        raise ValueError(f"study results {str(p)!r} hold no finished runs")
+    return runs

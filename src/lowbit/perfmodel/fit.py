@@ -1,0 +1,201 @@
+"""The model applied to recorded runs, and the calibration that needs it.
+
+* :func:`model_step`: a study run's modelled step (its network's layer profile, DDP's buckets, the
+  calibrated links and codec costs, overlap on the backward), without the step overhead;
+* :func:`fit_overhead`: that overhead, the median of measured minus modelled steps per setting;
+* :func:`calibrate`: a :class:`~lowbit.perfmodel.calibrate.Calibration` from bench files and study runs,
+  the overhead included.
+
+:mod:`lowbit.perfmodel.calibrate` fits the parts (links, codec costs, compute); :mod:`.validate`
+predicts held-out runs with these functions. Study results are read by :mod:`lowbit.study.store`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lowbit.perfmodel.calibrate import (
+    DDP_BUCKET_BYTES,
+    DDP_FIRST_BUCKET_BYTES,
+    Calibration,
+    RunRecord,
+    fit_bench,
+    fit_comm_in_situ,
+    fit_study,
+    load_bench,
+    run_layers,
+)
+from lowbit.perfmodel.codecbits import bits_per_value
+from lowbit.perfmodel.collectives import Topology
+from lowbit.perfmodel.links import Link
+from lowbit.perfmodel.model import Breakdown, Layer, LayerCodec, simulate_step
+
+__all__ = ["short_codec", "model_step", "fit_overhead", "calibrate"]
+
+
+def short_codec(spec: str) -> str:
+    """``qsgd:bits=4,bucket=512,...`` -> ``qsgd4/512``; ``onebit:bucket=64`` -> ``onebit/64``."""
+    name, _, rest = spec.partition(":")
+    p = dict(item.split("=", 1) for item in rest.split(",") if "=" in item)
+    if name == "qsgd":
+        return f"qsgd{p.get('bits', '8')}/{p.get('bucket', '512')}"
+    if name == "onebit":
+        return f"onebit/{p.get('bucket', 'col')}"
+    if name == "dettmers":
+        return f"dettmers-{p.get('type', 'dynamic')[:3]}"
+    if name == "topk":
+        return f"topk{p.get('ratio', '')}"
+    return name
+
+
+
+def _compute_for(run: RunRecord, cal: Calibration) -> tuple[float | None, str]:
+    one = cal.compute.get(run.compute_key)
+    if run.world == 1:
+        return (one["step_s"], "1-worker fp32 runs") if one else (
+            None, "no other 1-worker fp32 run of this network/data/batch to take its compute from")
+    at_k = cal.compute_at_world.get("|".join(map(str, run.setting_key)))
+    if at_k:
+        return at_k["step_s"], f"measured at K={run.world} (other configs)"
+    if one:
+        f = cal.world_factor.get(run.scale_key)
+        if f:
+            return one["step_s"] * f["factor"], f"1 worker x {f['factor']:.2f} (factor of other settings)"
+        return one["step_s"], "1 worker (no factor for this K: none applied)"
+    return None, "no compute measured for this network/data/batch"
+
+
+@functools.lru_cache(maxsize=256)
+def _bits(spec: str) -> float:
+    return bits_per_value(spec)
+
+
+def model_step(run: RunRecord, cal: Calibration) -> tuple[float, Breakdown, str, str] | str:
+    """The modelled step of ``run`` without the overhead term: ``(step_s, breakdown, compute source,
+    communication source)``, or a string saying why it cannot be predicted.
+
+    Layers as :func:`lowbit.perfmodel.calibrate.run_layers` builds them (the network's profile, each
+    layer split into the compressed part and an fp32 part), buckets as DDP makes them (1 MiB first, then
+    25 MiB): one collective per codec and bucket, communication overlapping the rest of the backward.
+    """
+    compute, compute_src = _compute_for(run, cal)
+    if compute is None:
+        return compute_src
+    if run.world == 1 or run.params <= 0:
+        layer = Layer("net", max(run.params, 1), compute)
+        step, br, _, _ = simulate_step([layer], Topology(1, 1, Link(0.0, 1e15)), algorithm="allreduce",
+                                       bits=32.0)
+        return step, br, compute_src, "-"
+    notes: set[str] = set()
+    sources: set[str] = set()
+    nodes = max(1, run.nodes)
+    intra_Bps = run.intra_Bps if run.world // nodes > 1 else run.inter_Bps  # (one rank a node: no intra link)
+    if nodes > 1 and not (intra_Bps > 0 and run.inter_Bps > 0):
+        return f"a run as {nodes} emulated nodes without the links it measured (env.links)"
+    comp = run.compressed_params if run.codec_name != "fp32" else 0
+    specs = [(run.codec, run.algorithm)] if comp > 0 else []
+    if comp < run.params:
+        specs.append(("fp32", "allreduce"))
+    lcs: dict[str, LayerCodec] = {}
+    for spec, algo in specs:
+        fit, note = cal.link_for(run.backend, algo)
+        if nodes > 1:
+            # as emulated nodes: the links the run's group measured, inside a node and between nodes (the
+            # one-node fit's latency, when there is one); the algorithms' formulas split the traffic
+            lc: dict[str, Any] = dict(bits=_bits(spec), algorithm=algo, link=None)
+            sources.add(f"measured links (intra {intra_Bps / 1e9:.3g} GB/s, inter {run.inter_Bps / 1e9:.3g} GB/s)")
+        else:
+            if fit is None:
+                return f"no link calibrated for backend {run.backend!r}"
+            if note:
+                notes.add(note)
+            sources.add(fit.source.split(":", 1)[0].split(",", 1)[0])
+            lc = dict(bits=_bits(spec), algorithm=algo, link=fit.link())
+        if spec.split(":", 1)[0] != "fp32":
+            cost, cnote = cal.codec_for(run.backend, algo, spec)
+            if cost is None:
+                notes.add(f"no cost for {short_codec(spec)}: free")
+            else:
+                if cnote:
+                    notes.add(f"{short_codec(spec)}: {cnote}")
+                lc.update(encode_Bps=cost.encode_Bps, decode_Bps=cost.decode_Bps,
+                          encode_call_s=cost.encode_call_s, decode_call_s=cost.decode_call_s)
+        lcs[spec] = LayerCodec(**lc)
+    layers, layer_specs = run_layers(run, compute)
+    codecs = [lcs[spec] for spec in layer_specs]
+    if nodes > 1:
+        fit, _ = cal.link_for(run.backend, "allreduce")
+        alpha = fit.latency_s if fit is not None else 0.0
+        topo = Topology(run.world, run.world // nodes, Link(alpha, intra_Bps), Link(alpha, run.inter_Bps))
+    else:
+        topo = Topology(run.world, run.world, next(iter(lcs.values())).link or Link(0.0, 1e15))
+    step, br, _, _ = simulate_step(layers, topo, algorithm="allreduce", bits=32.0, overlap=True,
+                                   bucket_bytes=DDP_BUCKET_BYTES, first_bucket_bytes=DDP_FIRST_BUCKET_BYTES,
+                                   layer_codecs=codecs)
+    comm_src = "; ".join(sorted(sources))
+    if notes:
+        comm_src += " (" + "; ".join(sorted(notes)) + ")"
+    return step, br, compute_src, comm_src
+
+
+
+def fit_overhead(runs: Sequence[RunRecord], cal: Calibration) -> dict[str, dict[str, Any]]:
+    """Per backend / device / K, for native and compressed codecs apart and together: the median of
+    (measured - modelled step) over the multi-worker ``runs``."""
+    res: dict[str, list[float]] = {}
+    for r in runs:
+        if r.world <= 1:
+            continue
+        m = model_step(r, cal)
+        if not isinstance(m, str):
+            res.setdefault(r.scale_key, []).append(r.step_s - m[0])
+            res.setdefault(r.overhead_key, []).append(r.step_s - m[0])
+    return {k: {"seconds": statistics.median(v), "runs": len(v)} for k, v in res.items()}
+
+
+def calibrate(
+    bench_paths: Sequence[str | os.PathLike[str]] = (),
+    results: Mapping[str, Sequence[RunRecord]] | Sequence[RunRecord] = (),
+    *,
+    in_situ_comm: bool | None = None,
+) -> Calibration:
+    """A :class:`Calibration` from bench files and study runs (docs/perfmodel.md).
+
+    ``results``: the study runs (:func:`lowbit.study.store.load_run_records` reads them from a results
+    file), or ``{results path: its runs}`` so that the calibration records where they came from.
+    ``in_situ_comm`` (default: only when no bench file is given) also fits links and codec costs from
+    the study runs; bench fits take precedence where both exist.
+    """
+    by_source = dict(results) if isinstance(results, Mapping) else ({"(runs given)": list(results)} if results else {})
+    if not bench_paths and not by_source:
+        raise ValueError("nothing to calibrate from: give a bench JSON and/or study results")
+    cal = Calibration()
+    cal.sources = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   "bench": [], "results": []}
+    for path in bench_paths:
+        bench = load_bench(path)
+        transport, links, codecs = fit_bench(bench)
+        for a, f in links.items():
+            cal.links.setdefault(transport, {})[a] = f
+        for a, by in codecs.items():
+            cal.codecs.setdefault(transport, {}).setdefault(a, {}).update(by)
+        m = bench["meta"]
+        cal.sources["bench"].append({k: m.get(k) for k in (
+            "path", "backend", "world_size", "device_name", "hostname", "timestamp", "kernel_backend",
+            "loadavg_1_5_15_before", "loadavg_1_5_15_after", "nccl_env", "label")})
+    runs: list[RunRecord] = []
+    for source, rs in by_source.items():
+        runs += rs
+        cal.sources["results"].append({"path": source, "runs": len(rs)})
+    if runs:
+        study = fit_study(runs)
+        if in_situ_comm if in_situ_comm is not None else not bench_paths:
+            study = study.merged(fit_comm_in_situ(runs))
+        cal = cal.merged(study)
+        cal.step_overhead_s.update(fit_overhead(runs, cal))
+    return cal
