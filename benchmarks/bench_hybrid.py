@@ -9,6 +9,20 @@ Configurations (``--configs``, ';'-separated):
   ``dp:HOOK``                     the whole model under DDP with bench_ddp's HOOK (ddp, fp16, lowbit:SPEC, ...)
   ``hybrid[s=S,conv=HOOK]:SPEC``  Hybrid with S sub-batches, activations in SPEC, the features' DDP with HOOK
 Prints a table last and writes JSON (card, commit, every number); samples/s is the global batch per second.
+
+``--phases`` (default on) also measures, per model and activation codec of the ``s=1`` hybrids, the inputs
+of Dettmers' single-node model (ICLR 2016, Appendix 5; :mod:`lowbit.perfmodel.dettmers`) on this machine,
+and sets its prediction beside the measured run::
+
+    step = (T_total - T_fc) + P_conv + K T_fc,par + P_fc            samples/s = K B / step
+
+``T_total``: one GPU's whole step (forward, backward, SGD) on its batch ``B``; ``T_fc``: the classifier's
+share of it; ``K T_fc,par``: the model-parallel classifier's compute on the gathered ``K B`` rows (each
+Linear with ``out/K`` outputs, forward, backward, SGD), no communication; ``P_conv``: the sync of the first
+conv layer's gradients (native allreduce); ``P_fc``: every activation transfer of a step, timed alone on
+this link with the codec (encode, collective, decode): the batch's features gathered, the labels, each
+layer's outputs gathered, the activation gradients summed (layers 2..), the features' gradient
+reduce-scattered. With one sub-batch nothing overlaps them, so they add up (Dettmers' unhidden terms).
 """
 
 from __future__ import annotations
@@ -30,6 +44,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_ddp as B  # noqa: E402  (the DDP bench's model feeds, hooks, context and metadata)
 
+from lowbit.comm.allreduce import all_reduce  # noqa: E402
+from lowbit.comm.gather import all_gather, part_sizes, reduce_scatter  # noqa: E402
 from lowbit.parallel import Hybrid, ParallelComm  # noqa: E402
 
 DEFAULT_CONFIGS = ("dp:ddp;dp:lowbit:qsgd:bits=8,bucket=512;dp:lowbit:onebit:bucket=64;"
@@ -75,6 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--no-phases", dest="phases", action="store_false",
+                   help="skip measuring Dettmers' model inputs and its prediction beside the s=1 hybrids")
     a = p.parse_args(argv)
     if a.device == "auto":
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -131,6 +149,93 @@ def run(ctx: B.Ctx, initial: nn.Module, feed: dict[str, Any], x: torch.Tensor, y
             torch.cuda.empty_cache()
 
 
+def _median_time(ctx: B.Ctx, fn: Any, reps: int = 10, collective: bool = False) -> float:
+    """Median seconds of ``fn`` (device synchronised; ranks aligned by a barrier first for collectives)."""
+    fn()
+    ctx.sync()
+    times = []
+    for _ in range(reps):
+        if collective:
+            ctx.barrier()
+        ctx.sync()
+        t0 = time.perf_counter()
+        fn()
+        ctx.sync()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def dettmers_phases(ctx: B.Ctx, initial: nn.Module, x: torch.Tensor, y: torch.Tensor, specs: list[str]) -> dict[str, Any]:
+    """The inputs of Dettmers' single-node hybrid model measured here (module doc), per activation codec."""
+    a, k, dev = ctx.args, ctx.world, ctx.device
+    ce = nn.functional.cross_entropy
+    model = copy.deepcopy(initial).to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=a.lr)
+
+    def whole() -> None:
+        opt.zero_grad(set_to_none=True)
+        ce(model(x), y).backward()
+        opt.step()
+
+    features = nn.Sequential(model.features, model.pool, nn.Flatten())
+    with torch.no_grad():
+        feats = features(x)
+    clf = model.classifier
+    opt_c = torch.optim.SGD(clf.parameters(), lr=a.lr)
+
+    def fc() -> None:
+        opt_c.zero_grad(set_to_none=True)
+        ce(clf(feats), y).backward()
+        opt_c.step()
+
+    out: dict[str, Any] = {"t_total_ms": _median_time(ctx, whole) * 1e3, "t_fc_ms": _median_time(ctx, fc) * 1e3}
+    # K T_fc,par: each Linear with out/K outputs on the K B gathered rows, forward + backward + SGD
+    linears = [m for m in clf if isinstance(m, nn.Linear)]
+    par = 0.0
+    for i, lin in enumerate(linears):
+        part = nn.Linear(lin.in_features, -(-lin.out_features // k)).to(dev)
+        o = torch.optim.SGD(part.parameters(), lr=a.lr)
+        inp = torch.randn(k * x.shape[0], lin.in_features, device=dev, requires_grad=i > 0)
+
+        def one(part: nn.Module = part, o: torch.optim.Optimizer = o, inp: torch.Tensor = inp) -> None:
+            o.zero_grad(set_to_none=True)
+            torch.relu(part(inp)).sum().backward()
+            o.step()
+        par += _median_time(ctx, one)
+    out["k_t_fc_par_ms"] = par * 1e3
+    conv1 = next(m for m in model.features.modules() if isinstance(m, nn.Conv2d))
+    g = torch.randn(conv1.weight.numel(), device=dev)
+    out["p_conv_ms"] = _median_time(ctx, lambda: torch.distributed.all_reduce(g), collective=True) * 1e3
+    # P_fc: every transfer of an s=1 hybrid step, timed alone with each codec
+    b = x.shape[0]
+    lab = torch.empty(k * b, dtype=y.dtype, device=dev)
+    labels_ms = _median_time(ctx, lambda: torch.distributed.all_gather_into_tensor(lab, y), collective=True) * 1e3
+    out["p_fc_ms"], out["transfers_ms"] = {}, {}
+    for spec in specs:
+        t: dict[str, float] = {"labels": labels_ms}
+        t["features"] = _median_time(ctx, lambda: all_gather(feats, spec, dim=0), collective=True) * 1e3
+        for i, lin in enumerate(linears):
+            sizes = part_sizes(lin.out_features, k)
+            mine = torch.randn(k * b, sizes[ctx.rank], device=dev).relu()
+            t[f"fc{i + 1}_gather"] = _median_time(ctx, lambda m=mine, sz=sizes: all_gather(m, spec, dim=-1, sizes=sz),
+                                                  collective=True) * 1e3
+            if i > 0:
+                gin = torch.randn(k * b, lin.in_features, device=dev)
+                t[f"fc{i + 1}_input_grad"] = _median_time(
+                    ctx, lambda gg=gin: all_reduce(gg.clone(), spec, op="sum"), collective=True) * 1e3
+        gf = torch.randn(k * b, feats.shape[1], device=dev)
+        t["features_grad"] = _median_time(ctx, lambda: reduce_scatter(gf, spec, dim=0, sizes=[b] * k),
+                                          collective=True) * 1e3
+        out["transfers_ms"][spec] = t
+        out["p_fc_ms"][spec] = sum(t.values())
+    out["predicted"] = {}
+    for spec in specs:
+        step = (out["t_total_ms"] - out["t_fc_ms"]) + out["p_conv_ms"] + out["k_t_fc_par_ms"] + out["p_fc_ms"][spec]
+        out["predicted"][spec] = {"step_ms": step, "samples_per_s": k * b / step * 1e3}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     B.init_dist(a)
@@ -171,6 +276,26 @@ def main(argv: list[str] | None = None) -> int:
         base = res["configs"].get("dp:ddp", {}).get("samples_per_s")
         for c in res["configs"].values():
             c["ratio_vs_ddp"] = c["samples_per_s"] / base if base else None
+        hybrids = {c: parse_hybrid(c) for c in configs}
+        specs = sorted({h[2] for h in hybrids.values() if h is not None and h[0] == 1})
+        if a.phases and specs and ctx.world > 1:
+            try:
+                ph = res["dettmers"] = dettmers_phases(ctx, initial, x, y, specs)
+            except Exception as exc:  # noqa: BLE001 — recorded; the measured table stands
+                errors.append({"model": name, "config": "dettmers phases", "error": repr(exc)[:2000]})
+                ctx.log(f"  Dettmers phases: FAILED {exc!r}"[:300])
+            else:
+                ctx.log(f"  Dettmers' model inputs: T_total {ph['t_total_ms']:.2f} ms, T_fc {ph['t_fc_ms']:.2f}, "
+                        f"K T_fc,par {ph['k_t_fc_par_ms']:.2f}, P_conv {ph['p_conv_ms']:.3f}, P_fc "
+                        + ", ".join(f"{sp}: {v:.2f}" for sp, v in ph["p_fc_ms"].items()))
+                for c, h in hybrids.items():
+                    if h is not None and h[0] == 1 and c in res["configs"]:
+                        pred = ph["predicted"][h[2]]["samples_per_s"]
+                        meas = res["configs"][c]["samples_per_s"]
+                        res["configs"][c]["dettmers_predicted_samples_per_s"] = pred
+                        res["configs"][c]["dettmers_error"] = meas / pred - 1.0  # error of the predicted step
+                        ctx.log(f"  {c}: measured {meas:.0f}, Dettmers' model {pred:.0f} samples/s "
+                                f"(step error {meas / pred - 1.0:+.1%})")
     info["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     if ctx.rank == 0:
         print("\n| model | " + " | ".join(configs) + " |")
