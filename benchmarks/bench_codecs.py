@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     try:
-        import lowbit.kernels.numba_cpu  # noqa: F401
+        import lowbit.kernels.numba  # noqa: F401
     except ImportError as exc:
         print(f"numba kernels unavailable ({exc}); nothing to compare", file=sys.stderr)
         return 1

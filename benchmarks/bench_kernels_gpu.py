@@ -27,7 +27,7 @@ from triton.testing import do_bench
 
 import lowbit
 from lowbit.kernels import reference as ref
-from lowbit.kernels import triton_kernels as tk
+from lowbit.kernels import triton as tk
 
 try:
     from gputime import copy_ms, graph_ms, warm_up
@@ -111,7 +111,7 @@ def main() -> None:
     ap.add_argument("--extra-mib", type=int, default=64, help="size of the odd-n / decode_sum rows")
     ap.add_argument("--device", default="cuda", help="cpu: functional dry run (TRITON_INTERPRET=1)")
     ap.add_argument("--module", default="", help="time the kernels of this file instead of "
-                    "lowbit.kernels.triton_kernels (an earlier version, for a before/after in one session)")
+                    "lowbit.kernels.triton (an earlier single-file version, for a before/after in one session)")
     ap.add_argument("--timing", choices=("graph", "do_bench"), default="graph",
                     help="graph: GPU time per call from CUDA graphs (no host overhead, cold L2); do_bench: "
                     "triton.testing.do_bench (includes host time the GPU waits for)")
@@ -133,7 +133,7 @@ def main() -> None:
         "triton": triton.__version__,
         "sm_count": torch.cuda.get_device_properties(dev).multi_processor_count if not DRY_RUN else 0,
         "config": dict(tk.CONFIG),
-        "module": args.module or "lowbit.kernels.triton_kernels",
+        "module": args.module or "lowbit.kernels.triton",
         "method": ("GPU time per call from CUDA graphs of (L2 flush, call) minus the flushes (benchmarks/"
                    "gputime.py)" if args.timing == "graph" else "triton.testing.do_bench median (L2 flushed "
                    "between runs)") + "; effective GB/s = (bytes read + written) / time, minimal bytes; "

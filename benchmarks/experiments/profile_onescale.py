@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from lowbit.kernels import triton_kernels as tk
+from lowbit.kernels import triton as tk
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--mib", type=int, default=64)

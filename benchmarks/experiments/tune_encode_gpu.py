@@ -32,7 +32,9 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
-from lowbit.kernels import triton_kernels as tk
+from lowbit.kernels import triton as tk
+from lowbit.kernels.triton import common as tkc
+from lowbit.kernels.triton import dettmers as tkd
 
 import os as _os
 import sys as _sys
@@ -112,17 +114,17 @@ def _diag_fused(x_ptr, scale_ptr, code_ptr, cell_ptr, t_ptr, n, BUCKET: tl.const
         scale = tl.max(tl.abs(x).to(tl.int32, bitcast=True), axis=0).to(tl.float32, bitcast=True)
         tl.store(scale_ptr + pid, scale)
     if LIB:
-        code = tk._dm_codes(x, tk._div_tile(x, scale, 1, BUCKET, True, 0.0), cell_ptr, t_ptr, 0.0, 0.0, True,
-                            False, False, True, 63, SHIFT, 0, 8161, True)
+        code = tkd._dm_codes(x, tkc._div_tile(x, scale, 1, BUCKET, True, 0.0), cell_ptr, t_ptr, 0.0, 0.0, True,
+                             False, False, True, 63, SHIFT, 0, 8161, True)
     else:
         safe = tl.where(scale > 0, scale, 1.0)
         if TWO_D:
             safe = safe[:, None]
         inv = tl.div_rn(1.0, safe)
         if TWO_D:
-            fast = tk._all_fast(scale)
+            fast = tkc._all_fast(scale)
         else:
-            fast = tk._fast_ok(scale)
+            fast = tkc._fast_ok(scale)
         if BRANCH:
             if fast:
                 q = x * inv
@@ -256,8 +258,8 @@ def diag_rows(x, n, sms, add, bench):
     for block, warps in ((2048, 4), (8192, 8), (16384, 8)):
         def absmax(block=block, warps=warps):
             bits.zero_()
-            tk._absmax_atomic[(triton.cdiv(n, block),)](x, bits, n, n, BLOCK=block, I64=False,
-                                                        num_warps=warps)
+            tkc._absmax_atomic[(triton.cdiv(n, block),)](x, bits, n, n, BLOCK=block, I64=False,
+                                                         num_warps=warps)
         absmax()
         add(f"absmax atomic block={block} warps={warps}", bench(absmax), 4 * n)
     for per_sm, block, warps in ((2, 4096, 8), (4, 2048, 4), (8, 2048, 4)):
@@ -269,7 +271,7 @@ def diag_rows(x, n, sms, add, bench):
         add(f"absmax persistent {per_sm}/SM block={block} warps={warps}", bench(pabs), 4 * n)
 
     # -- the fused encode (bucket 4096), gather swapped, warps and cache hints
-    t = tk._dm_tables("dynamic", 0, dev)
+    t = tkd._dm_tables("dynamic", 0, dev)
     shift = t["consts"]["SHIFT"]
     codes = torch.empty(n, dtype=torch.uint8, device=dev)
     scales = torch.empty(n // 4096, device=dev)
@@ -290,7 +292,7 @@ def diag_rows(x, n, sms, add, bench):
     add("library encode dettmers b4096 warps=2", bench(fn), 5 * n)
     tk.CONFIG["warps"] = saved_w
     # -- quantise pass alone (read 4n, write n), scale known
-    t = tk._dm_tables("dynamic", 0, dev)
+    t = tkd._dm_tables("dynamic", 0, dev)
     shift = t["consts"]["SHIFT"]
     scale = x.abs().max().reshape(1)
     codes = torch.empty(n, dtype=torch.uint8, device=dev)

@@ -31,7 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit.kernels import triton_kernels as tk
+from lowbit.kernels import triton as tk
+from lowbit.kernels.triton import common as tkc
+from lowbit.kernels.triton import dettmers as tkd
 
 import os as _os
 import sys as _sys
@@ -65,7 +67,7 @@ def _amax(x_ptr, ws_ptr, out_ptr, n, BLOCK: tl.constexpr, TRIGGER: tl.constexpr,
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
-    tl.atomic_max(ws_ptr, tk._absmax_bits(x, 0))
+    tl.atomic_max(ws_ptr, tkc._absmax_bits(x, 0))
     if TICKET:
         tl.debug_barrier()
         t = tl.atomic_add(ws_ptr + 1, 1)
@@ -85,7 +87,7 @@ def _amax_hint(x_ptr, ws_ptr, n, keep_from, BLOCK: tl.constexpr):
         x = tl.load(x_ptr + offs, mask=offs < n, other=0.0, eviction_policy="evict_last")
     else:
         x = tl.load(x_ptr + offs, mask=offs < n, other=0.0, eviction_policy="evict_first")
-    tl.atomic_max(ws_ptr, tk._absmax_bits(x, 0))
+    tl.atomic_max(ws_ptr, tkc._absmax_bits(x, 0))
 
 
 @triton.jit
@@ -110,8 +112,8 @@ def _quant_store(x, s, code_ptr, offs, cell_ptr, n, SHIFT: tl.constexpr, KBASE: 
     """Dettmers dynamic nearest codes of the tile x (one scale s), stored at offs (the library's
     helpers, as _dm_one_scale_kernel uses them). STORE_CS: a streaming store, so the codes need not
     stay in L2 where x is wanted."""
-    codes = tk._dm_codes(x, tk._div_tile(x, s, 1, 1, True, 0.0), cell_ptr, cell_ptr, 0.0, 0.0, True, False,
-                         False, True, 63, SHIFT, KBASE, NCELL, True).to(tl.uint8)
+    codes = tkd._dm_codes(x, tkc._div_tile(x, s, 1, 1, True, 0.0), cell_ptr, cell_ptr, 0.0, 0.0, True, False,
+                          False, True, 63, SHIFT, KBASE, NCELL, True).to(tl.uint8)
     if STORE_CS:
         tl.store(code_ptr + offs, codes, mask=offs < n, cache_modifier=".cs")
     else:
@@ -253,7 +255,7 @@ def pipe_study(args) -> None:
     info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "method": "GPU time per call (gputime.graph_ms, memset flush); pct = (4n + n + 4) bytes / time vs "
             "copy 8n"}
-    t = tk._dm_tables("dynamic", 0, dev)
+    t = tkd._dm_tables("dynamic", 0, dev)
     cells, c = t["cells"], t["consts"]
     rows = []
     warm_up(dev)
@@ -261,7 +263,7 @@ def pipe_study(args) -> None:
         n, x, dst, copy_row, ref, moved = _size_setup(mib, dev)
         rows.append(copy_row)
         gbps = copy_row["GBps"]
-        pay = tk._new_payload(4, 4 + n, dev)
+        pay = tkc._new_payload(4, 4 + n, dev)
         sbits = pay[:4].view(torch.int32)
         codes = pay[4:]
 
@@ -283,8 +285,8 @@ def pipe_study(args) -> None:
         def amax(block, tiles, warps):
             sbits.zero_()
             if tiles == 0:
-                tk._absmax_atomic[(triton.cdiv(n, block),)](x, sbits, n, n, BLOCK=block, I64=False,
-                                                            num_warps=warps)
+                tkc._absmax_atomic[(triton.cdiv(n, block),)](x, sbits, n, n, BLOCK=block, I64=False,
+                                                             num_warps=warps)
             else:
                 _amax_pipe[(triton.cdiv(n, block * tiles),)](x, sbits, n, BLOCK=block, TILES=tiles,
                                                              num_warps=warps)
@@ -375,7 +377,7 @@ def main() -> None:
     info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "gdc": HAVE_GDC, "method": "GPU time per call (gputime.graph_ms); pct = (4n + n + 4) bytes / time "
             "vs copy 8n"}
-    t = tk._dm_tables("dynamic", 0, dev)
+    t = tkd._dm_tables("dynamic", 0, dev)
     cells, c = t["cells"], t["consts"]
     rows, t0 = [], time.time()
     warm_up(dev)
@@ -398,7 +400,7 @@ def main() -> None:
             rows.append(r)
             print(json.dumps(r), flush=True)
 
-        pay = tk._new_payload(4, 4 + n, dev)
+        pay = tkc._new_payload(4, 4 + n, dev)
         sc = pay[:4].view(torch.float32)
         sbits = sc.view(torch.int32)
         codes = pay[4:]

@@ -36,9 +36,9 @@ POISON = 12345.0
 
 
 def _tk():
-    from lowbit.kernels import triton_kernels
+    from lowbit.kernels import triton
 
-    return triton_kernels
+    return triton
 
 
 def _x(n: int, seed: int) -> torch.Tensor:
@@ -224,7 +224,7 @@ def _div_exhaustive_kernel():
     import triton
     import triton.language as tl
 
-    tk = _tk()
+    from lowbit.kernels.triton import common as tk  # _div_tile
 
     @triton.jit
     def kernel(s, last, bad_ptr, BLOCK: tl.constexpr):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import lowbit
-from lowbit.codecs.dettmers import bnb_dynamic_map
 from lowbit.kernels import reference as ref
+from lowbit.kernels.dettmers_tables import bnb_dynamic_map
 
 SPECS = [
     "fp32",

@@ -21,6 +21,10 @@ LAYER = {"__init__": 10, "__main__": 10, "cli": 9, "study": 8, "perfmodel": 7, "
 UPWARD_ALLOWED = {("lowbit.integrations.accelerate", "lowbit.ddp"), ("lowbit.integrations.lightning", "lowbit.ddp")}
 #: lowbit imports inside functions, per top-level package (2026-11-26: 53 in all; 30 after the commands moved to cli/ and perfmodel lost 5; 3 once study hoisted its 24 and perfmodel lost its calibrate <-> validate cycle and its upward read of study results)
 INNER_MAX = {"__init__": 2, "codecs": 1}
+#: The compiled kernel backends (issue 13 item 3): packages of one module per codec family, each importing
+#: its package's common module and the kernels' shared modules, never another family.
+KERNEL_BACKENDS = ("lowbit.kernels.triton", "lowbit.kernels.numba")
+KERNEL_FAMILIES = ("qsgd", "onebit", "dettmers")
 
 
 def _modules() -> dict[str, tuple[ast.Module, Path]]:
@@ -97,3 +101,14 @@ def test_inner_imports_do_not_grow() -> None:
                         counts[_layer(name)] += 1
     for pkg, n in counts.items():
         assert n <= INNER_MAX.get(pkg, 0), (pkg, n, INNER_MAX.get(pkg, 0))
+
+
+def test_kernel_families_import_only_common() -> None:
+    mods = _modules()
+    for pkg in KERNEL_BACKENDS:
+        shared = {f"{pkg}.common", "lowbit.kernels", "lowbit.kernels.reference", "lowbit.kernels.dettmers_tables"}
+        for fam in KERNEL_FAMILIES:
+            name = f"{pkg}.{fam}"
+            assert name in mods, name
+            imports = {i for i in _top_level_imports(mods[name][0]) if i in mods}
+            assert imports <= shared, (name, sorted(imports - shared))

@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("numba")
 
 from lowbit.kernels import dispatch  # noqa: E402
-from lowbit.kernels import numba_cpu as nk  # noqa: E402
+from lowbit.kernels import numba as nk  # noqa: E402
 from lowbit.kernels import reference as ref  # noqa: E402
 
 BITS = (1, 2, 3, 4, 5, 6, 7, 8, 16)
@@ -262,9 +262,10 @@ def test_unaligned_payload_slices_decode() -> None:
 
 def test_import_without_numba_raises_import_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "numba", None)  # `import numba` now raises ImportError
-    monkeypatch.delitem(sys.modules, "lowbit.kernels.numba_cpu")
+    for name in [m for m in sys.modules if m == nk.__name__ or m.startswith(nk.__name__ + ".")]:
+        monkeypatch.delitem(sys.modules, name)  # import the package afresh (restored afterwards)
     with pytest.raises(ImportError):
-        importlib.import_module("lowbit.kernels.numba_cpu")
+        importlib.import_module(nk.__name__)
 
 
 def _run_python(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -282,7 +283,7 @@ def test_first_call_keeps_torch_thread_count() -> None:
         """
         import numba, torch
         torch.set_num_threads(1)
-        from lowbit.kernels import numba_cpu as nk
+        from lowbit.kernels import numba as nk
         nk.qsgd_decode(nk.qsgd_encode(torch.randn(5000), 8, 512, "max", True, 0), 5000, 8, 512, torch.empty(5000))
         assert torch.get_num_threads() == 1, torch.get_num_threads()
         assert numba.get_num_threads() == 1, numba.get_num_threads()
@@ -298,8 +299,9 @@ def test_l2_exact_with_torch_default_kernels() -> None:
     res = _run_python(
         """
         import torch
-        from lowbit.kernels import numba_cpu as nk, reference as ref
-        assert torch.backends.cpu.get_cpu_capability() == "DEFAULT" and not nk._L2_TAIL_FMA
+        from lowbit.kernels import numba as nk, reference as ref
+        from lowbit.kernels.numba.qsgd import _L2_TAIL_FMA
+        assert torch.backends.cpu.get_cpu_capability() == "DEFAULT" and not _L2_TAIL_FMA
         g = torch.Generator().manual_seed(0)
         for bucket in (2, 3, 5, 7, 13, 100):
             x = torch.randn(4099, generator=g) * 3

@@ -9,7 +9,7 @@ GPU; tests/gpu/test_triton_gpu.py repeats the comparisons at large sizes there.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
 import sys
 
@@ -22,7 +22,8 @@ pytest.importorskip("triton")
 
 import lowbit  # noqa: E402
 from lowbit.kernels import reference as ref  # noqa: E402
-from lowbit.kernels import triton_kernels as tk  # noqa: E402
+from lowbit.kernels import triton as tk  # noqa: E402
+from lowbit.kernels.triton import common as tkc  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # The interpreter evaluates NaN/inf inputs with numpy, which warns; the results are what we check.
@@ -185,7 +186,7 @@ def test_dettmers_bit_identical_to_codec(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_dettmers_nearest_on_every_midpoint(monkeypatch: pytest.MonkeyPatch) -> None:
     """Values at, just below and just above every midpoint of each table: ties and cell edges."""
-    from lowbit.codecs import dettmers as dm
+    from lowbit.kernels import dettmers_tables as dm
 
     monkeypatch.setenv("LOWBIT_KERNELS", "reference")
     for spec in ("dettmers", "dettmers:type=linear", "dettmers:type=dynamic_bnb", "dettmers:type=mantissa"):
@@ -221,10 +222,10 @@ def test_dispatch_forced_triton_matches_reference(monkeypatch: pytest.MonkeyPatc
 def test_import_raises_importerror_without_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "triton", None)
     monkeypatch.setitem(sys.modules, "triton.language", None)
-    spec = importlib.util.spec_from_file_location("_lowbit_tk_probe", tk.__file__)
-    mod = importlib.util.module_from_spec(spec)
+    for name in [m for m in sys.modules if m == tk.__name__ or m.startswith(tk.__name__ + ".")]:
+        monkeypatch.delitem(sys.modules, name)  # import the package afresh (restored afterwards)
     with pytest.raises(ImportError):
-        spec.loader.exec_module(mod)
+        importlib.import_module(tk.__name__)
 
 
 # ------------------------------------------------------------------ the division shortcut
@@ -239,10 +240,10 @@ def _div_probe(x_ptr, s_ptr, out_rows_ptr, out_scalar_ptr, C: tl.constexpr):
     pid = tl.program_id(0)
     offs = 2 * pid * C + tl.arange(0, 2 * C)
     s2 = tl.load(s_ptr + 2 * pid + tl.arange(0, 2))
-    tl.store(out_rows_ptr + offs, tk._div_tile(tl.load(x_ptr + offs), s2, 2, C, False, 0.0))
+    tl.store(out_rows_ptr + offs, tkc._div_tile(tl.load(x_ptr + offs), s2, 2, C, False, 0.0))
     for k in tl.static_range(2):
         o = (2 * pid + k) * C + tl.arange(0, C)
-        tl.store(out_scalar_ptr + o, tk._div_tile(tl.load(x_ptr + o), tl.load(s_ptr + 2 * pid + k), 1, 1, False,
+        tl.store(out_scalar_ptr + o, tkc._div_tile(tl.load(x_ptr + o), tl.load(s_ptr + 2 * pid + k), 1, 1, False,
                                                   0.0))
 
 

@@ -68,9 +68,10 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     name = request.param
     monkeypatch.setenv("LOWBIT_KERNELS", name)
     if name == "triton":
-        from lowbit.kernels import triton_kernels as tk
+        from lowbit.kernels import triton as tk
 
-        monkeypatch.setattr(tk, "CONFIG", {**tk.CONFIG, "elems": 256, "max_fused_bucket": 256})
+        monkeypatch.setitem(tk.CONFIG, "elems", 256)  # one dict shared by the kernel modules: set in place
+        monkeypatch.setitem(tk.CONFIG, "max_fused_bucket", 256)
     return name
 
 

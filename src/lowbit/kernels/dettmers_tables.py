@@ -1,6 +1,6 @@
 """Dettmers' 8-bit types as data: the 2015 value tables, the code -> magnitude maps, and the host-side
 tables of the compiled kernels (Triton and numba). The one module of these numbers; the ``dettmers``
-codec and every kernel backend read them from here.
+codec, the reference kernels and every compiled backend read them from here.
 
 Dettmers' 2015 8-bit tables, copied from the published code (see shared/reference).
 
@@ -17,9 +17,10 @@ Host-side tables of Dettmers' 8-bit types for the compiled kernels (Triton and n
 
 ``host_tables(type_, offset)`` gives, for the codec's nearest search, a cell table indexed by the top
 bits of a value's order-preserving integer key (one gather and one compare per value; see
-:mod:`lowbit.kernels.triton_kernels`, "Dettmers' nearest search"), the 130-entry table of the 2015
+:mod:`lowbit.kernels.triton.dettmers`, "Dettmers' nearest search"), the 130-entry table of the 2015
 binary search (``search="paper"``), the 256-entry decode table, and the constants the kernels take.
-Bit-identical to the codec's ``torch.bucketize`` over its float32 midpoints.
+Bit-identical to :func:`lowbit.kernels.reference.dettmers_nearest_codes` (``torch.bucketize`` over
+float32 midpoints).
 """
 
 from __future__ import annotations
@@ -179,7 +180,6 @@ def decode_table(type_: str, offset: int) -> tuple[float, ...]:
     return tuple(lut)
 
 
-
 def layout(n: int, type_: str, bucket: int) -> tuple[bool, int, int]:
     """(normalised, values per scale, number of scales) of a payload of ``n`` values; ``bucket=0`` means
     one scale for the whole tensor, and types that are not normalised carry none."""
@@ -187,12 +187,13 @@ def layout(n: int, type_: str, bucket: int) -> tuple[bool, int, int]:
     per = (bucket or n) if norm else n
     return norm, per, ((n + per - 1) // per if norm and n else 0)
 
+
 @functools.lru_cache(maxsize=None)
 def host_tables(type_: str, offset: int) -> dict:
     """Host-side tables of a Dettmers type (torch tensors on the CPU, and the kernels' constants)."""
     signed = type_ == "dynamic_bnb"
     values = list(bnb_dynamic_map()) if signed else list(magnitudes(type_, offset))
-    # Exactly the codec's _nearest_codes: sorted unique values, float64 midpoints rounded to float32.
+    # Exactly reference.dettmers_nearest_codes: sorted unique values, float64 midpoints rounded to float32.
     uniq = sorted(set(values))
     first_code = [values.index(v) for v in uniq]
     sv = torch.tensor(uniq, dtype=torch.float64)

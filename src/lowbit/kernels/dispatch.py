@@ -1,8 +1,8 @@
 """Choose a kernel backend per call.
 
-* CUDA tensors: the Triton kernels (:mod:`lowbit.kernels.triton_kernels`); if Triton cannot be imported,
+* CUDA tensors: the Triton kernels (:mod:`lowbit.kernels.triton`); if Triton cannot be imported,
   the torch reference, with one warning.
-* CPU tensors: the numba kernels (:mod:`lowbit.kernels.numba_cpu`) when numba is installed and the tensor
+* CPU tensors: the numba kernels (:mod:`lowbit.kernels.numba`) when numba is installed and the tensor
   is large enough to repay the call overhead; otherwise the torch reference.
 
 ``LOWBIT_KERNELS=reference|numba|triton`` forces a backend (tests use it to compare backends). Every
@@ -24,6 +24,9 @@ from lowbit.kernels import reference as ref
 
 #: Below this many elements the reference is used on CPU (a numba call costs a few microseconds).
 NUMBA_MIN_NUMEL = 4096
+#: The compiled backends: packages of one module per codec family, imported on first use.
+_TRITON = "lowbit.kernels.triton"
+_NUMBA = "lowbit.kernels.numba"
 
 
 @functools.lru_cache(maxsize=None)
@@ -31,7 +34,7 @@ def _load(modname: str) -> ModuleType | None:
     try:
         return importlib.import_module(modname)
     except Exception as exc:  # ImportError, or a backend that fails to initialise
-        if modname.endswith("triton_kernels"):
+        if modname == _TRITON:
             warnings.warn(
                 f"lowbit: Triton kernels unavailable ({type(exc).__name__}: {exc}); CUDA tensors use the "
                 "slower torch reference kernels",
@@ -47,12 +50,12 @@ def backend_for(x: torch.Tensor, op: str) -> Any:
     if forced == "reference":
         return ref
     if x.is_cuda or forced == "triton":
-        mod = _load("lowbit.kernels.triton_kernels") if (x.is_cuda or forced == "triton") else None
+        mod = _load(_TRITON) if (x.is_cuda or forced == "triton") else None
         if mod is not None and hasattr(mod, op):
             return mod
         return ref
     if x.device.type == "cpu" and (forced == "numba" or x.numel() >= NUMBA_MIN_NUMEL):
-        mod = _load("lowbit.kernels.numba_cpu")
+        mod = _load(_NUMBA)
         if mod is not None and hasattr(mod, op):
             return mod
     return ref

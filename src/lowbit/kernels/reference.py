@@ -13,11 +13,20 @@ Counter-based uniforms
     ``u(seed, i) = (fmix32(((i * 0x9E3779B1) mod 2^32) XOR key(seed)) >> 8) * 2^-24`` with murmur3's
     finaliser ``fmix32`` and ``key(seed) = fmix32((seed * 0x85EBCA77 + 0x165667B1) mod 2^32)``.
     Reproducible, independent of thread scheduling, and it never touches torch's global RNG.
+
+Dettmers' 8-bit types
+    :func:`dettmers_encode` and :func:`dettmers_decode` are the ``dettmers`` codec's wire format (the
+    types, the searches and the departures from the 2015 kernels are described in
+    :mod:`lowbit.codecs.dettmers`); the numbers come from :mod:`lowbit.kernels.dettmers_tables`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+from lowbit.kernels.dettmers_tables import NAN_CODE, NORMALISED, bnb_dynamic_map, decode_table, layout, magnitudes
 
 M32 = 0xFFFFFFFF
 
@@ -288,4 +297,103 @@ def onebit_decode_columns(payload: torch.Tensor, n: int, rows: int, out: torch.T
     bits = unpack_bits(payload[8 * cols :], 1, n).to(torch.bool).view(rows, cols)
     if n:
         out.view(rows, cols).copy_(torch.where(bits, scales[:, 0][None, :], scales[:, 1][None, :]))
+    return out
+
+
+# --------------------------------------------------------------------------------- dettmers
+def _dm_table(values: Sequence[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def dettmers_nearest_codes(m: torch.Tensor, values: Sequence[float]) -> torch.Tensor:
+    """Code of the nearest entry of ``values`` (codes = positions; duplicates take the first)."""
+    dev = m.device
+    uniq = sorted(set(values))
+    first_code = {v: values.index(v) for v in uniq}
+    sv = torch.tensor(uniq, dtype=torch.float64, device=dev)
+    mids = ((sv[1:] + sv[:-1]) / 2).to(torch.float32)
+    codes = torch.tensor([first_code[v] for v in uniq], dtype=torch.int64, device=dev)
+    return codes[torch.bucketize(m, mids)]
+
+
+def dettmers_paper_search(m: torch.Tensor, tbl: Sequence[float], size: int, pivot0: int) -> torch.Tensor:
+    """Emulate the 2015 kernels' binary search over ``tbl[:size]`` (vectorised; see lowbit.codecs.dettmers)."""
+    t = _dm_table(list(tbl[:size]) + [1.0] * (130 - size), m.device)  # index `size` = the kernel's overread
+    pivot = torch.full_like(m, pivot0, dtype=torch.int64)
+    lower = torch.zeros_like(pivot)
+    j = 32
+    while j > 0:
+        gt = m > t[pivot]
+        lower = torch.where(gt, pivot, lower)
+        pivot = torch.where(gt, pivot + j, pivot - j)
+        j >>= 1
+    # lower == pivot can never hold after the loop, so the kernel always takes this branch:
+    take_pivot = (t[pivot] - m) < (t[lower] - m).abs()
+    return torch.where(take_pivot, pivot, lower)
+
+
+def dettmers_codes(m: torch.Tensor, type_: str, search: str, offset: int) -> torch.Tensor:
+    """Magnitudes (already divided by the scale where normalised) -> codes 0..127."""
+    t = type_
+    mags = magnitudes(t, offset)
+    if search == "nearest":
+        return dettmers_nearest_codes(m, mags)
+    if t == "dynamic":
+        codes = dettmers_paper_search(m, mags, 126, 63)
+        codes = torch.where(codes == 126, torch.full_like(codes, 127), codes)
+        codes = torch.where(m < 1.5e-6, torch.full_like(codes, 126), codes)
+        return torch.where(m > 0.995703, torch.full_like(codes, 127), codes)
+    codes = dettmers_paper_search(m, mags, 128, 64)
+    scale10 = 10.0**offset
+    lo, hi = {"linear": (1.5e-6, 0.990703), "static": (5e-7 * scale10, 93 * scale10),
+              "mantissa": (5e-7 * scale10, 150 * scale10)}[t]
+    codes = torch.where(m < lo, torch.zeros_like(codes), codes)
+    return torch.where(m > hi, torch.full_like(codes, 127), codes)
+
+
+def dettmers_signed(codes: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    # Code 0 (zero) keeps sign 0, so 0x80 stays free as the NaN marker of the fixed-offset types.
+    neg = (x < 0) & (codes != 0)
+    return codes | (neg.to(torch.int64) << 7)
+
+
+def dettmers_encode(x: torch.Tensor, type_: str, search: str, bucket: int, offset: int) -> torch.Tensor:
+    """x: (n,) float32 contiguous -> [absmax f32 per bucket (normalised types only)][one code byte per
+    value]; ``bucket=0``: one scale for the whole tensor."""
+    n = x.numel()
+    if n == 0:
+        return torch.empty(0, dtype=torch.uint8, device=x.device)
+    if type_ in NORMALISED:
+        xb = to_buckets(x, bucket) if bucket else x.view(1, n)
+        scale = bucket_absmax(xb)  # (nb,)
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        r = (xb / safe[:, None]).reshape(-1)[:n]
+        r = torch.nan_to_num(r, nan=0.0, posinf=1.0, neginf=-1.0)
+        if type_ == "dynamic_bnb":
+            codes = dettmers_nearest_codes(r, bnb_dynamic_map())
+        else:
+            codes = dettmers_signed(dettmers_codes(r.abs(), type_, search, offset), r)
+        return torch.cat([scale.contiguous().view(torch.uint8), codes.to(torch.uint8)])
+    finite = torch.isfinite(x)
+    m = torch.where(finite, x.abs(), torch.zeros_like(x))
+    codes = dettmers_signed(dettmers_codes(m, type_, search, offset), x)
+    codes = torch.where(finite, codes, torch.full_like(codes, NAN_CODE))
+    return codes.to(torch.uint8)
+
+
+def dettmers_decode(payload: torch.Tensor, n: int, type_: str, bucket: int, offset: int,
+                    out: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`dettmers_encode` into ``out`` (n,): table lookup times the bucket's scale."""
+    if n == 0:
+        return out
+    ns = layout(n, type_, bucket)[2]
+    lut = _dm_table(decode_table(type_, offset), payload.device)
+    vals = lut[payload[4 * ns :].to(torch.int64)]
+    if ns:
+        scale = view_as(payload[: 4 * ns], torch.float32)
+        if bucket:
+            vals = (to_buckets(vals, bucket) * scale[:, None]).reshape(-1)[:n]
+        else:
+            vals = vals * scale
+    out.copy_(vals)
     return out

@@ -1,0 +1,61 @@
+"""Compiled CPU kernels (numba) for QSGD and bucketed 1bitSGD, bit for bit equal to the reference.
+
+One module per codec family: :mod:`.qsgd`, :mod:`.onebit` (1bitSGD per bucket) and :mod:`.dettmers`
+(Dettmers' 8-bit types), over :mod:`.common` (the jit options, constants and intrinsics, the counter
+hash, bit packing and the host-side helpers they share). This package exports every backend function
+the dispatcher looks up.
+
+:mod:`lowbit.kernels.reference` is the specification; these kernels produce the same payload bytes and
+the same decoded floats, only faster (one pass over the data, all cores). Importing this package without
+numba raises ImportError, and :mod:`lowbit.kernels.dispatch` then falls back to the reference.
+
+How the work is split
+    Encode: the buckets are grouped into chunks whose length is a multiple of 8 values, so every chunk
+    starts on a byte boundary of the packed stream at any bit width and threads never share a byte.
+    ``prange`` runs over the chunks; a chunk computes its buckets' scales, then quantises and packs its
+    values while they are still in cache. When there are too few buckets to keep every core busy (huge
+    buckets), the scales are computed first (one bucket per task) and the codes afterwards in blocks of
+    values. Decode runs over blocks of values: unpack a sub-block of codes into a small buffer (1-7 bits),
+    then ``(code - s) * (scale / s)`` bucket segment by bucket segment. ``qsgd_decode_sum`` does that for
+    every payload while a block of the output is in cache: ``acc = v0; acc += v1; ...`` in float32.
+
+Why the arithmetic is written out the way it is
+    The payload must equal the reference's bytes, so every float32 operation follows the reference's
+    order: ``q = (x / safe_scale) * s + s``, ``floor(q + u)`` or ``floor(q + 0.5)``, NaN -> 0, clamp to
+    ``[0, 2s]``. ``fastmath=False`` keeps LLVM from contracting ``a * b + c`` into an FMA or reordering.
+    The uniforms are the reference's counter hash (murmur3 ``fmix32``) in uint64 arithmetic masked to
+    32 bits. Two scales are float32 reductions whose rounding depends on the summation order, so we
+    replay the order of torch's CPU kernels (verified bit for bit on torch 2.13, x86-64, with the
+    AVX512, AVX2 and DEFAULT kernel dispatch; ``tests/unit/test_kernels_numba.py`` checks it):
+
+    * ``norm=l2``: ``torch.linalg.vector_norm`` of a contiguous row accumulates ``x*x`` into 8 float32
+      lanes (element ``d`` into lane ``d % 8``, multiply then add), folds the lanes left to right, then
+      adds the ``t = len % 8`` leftover squares one by one; in the AVX2/AVX512 builds the compiler
+      turned the last ``t % 4`` of those into fused multiply-adds (the first ``4 * (t // 4)`` stay
+      multiply-then-add), in the DEFAULT build none.
+    * onebit's means: ``Tensor.sum(dim=1)`` is torch's cascade sum: 8-lane vectors, 4 interleaved
+      accumulators, levels of 16, then the lanes folded left to right onto the scalar tail.
+
+    If a future torch changes these kernels, the l2 scales / onebit means may differ from the reference
+    in the last bit (the tests would say so); max-norm QSGD and all decoding do not depend on torch.
+
+Not accelerated (left to the reference): onebit's per-column mode, inputs that are not float32, and
+a single onebit bucket of at least 32768 values (torch then splits the sum across its threads, so the
+reference's own rounding depends on the torch thread count).
+"""
+
+from __future__ import annotations
+
+from lowbit.kernels.numba.dettmers import dettmers_decode, dettmers_encode
+from lowbit.kernels.numba.onebit import onebit_decode_buckets, onebit_encode_buckets
+from lowbit.kernels.numba.qsgd import qsgd_decode, qsgd_decode_sum, qsgd_encode
+
+__all__ = [
+    "qsgd_encode",
+    "qsgd_decode",
+    "qsgd_decode_sum",
+    "onebit_encode_buckets",
+    "onebit_decode_buckets",
+    "dettmers_encode",
+    "dettmers_decode",
+]
