@@ -240,7 +240,7 @@ def test_fig3_recipe_sets_each_networks_epochs_and_learning_rate() -> None:
 
 
 def test_timed_epochs_skip_the_first_and_the_switch_to_compression() -> None:
-    from lowbit.study.runner import timed_epochs
+    from lowbit.study.train import timed_epochs
 
     eps = [{"epoch": i + 1} for i in range(4)]
     # many steps per epoch: all but the first (the switch at step 2 falls in the first)

@@ -5,8 +5,8 @@
     result = run_study(cfg, "study-results/")          # resumes: finished runs are skipped
     html = write_report("study-results/")              # study-results/report/index.html + PNGs
 
-Modules: ``config`` (TOML / presets -> validated grid -> runs with stable keys), ``runner`` (local
-spawn or torchrun; DDP + lowbit per run), ``metrics`` (what is measured and how), ``store``
+Modules: ``config`` (TOML / presets -> validated grid -> runs with stable keys), ``runner`` (runs onto
+worker groups: local spawn or torchrun), ``train`` (one run on a rank: DDP + lowbit, the timed loop), ``metrics`` (what is measured and how), ``store``
 (append-only JSON Lines), ``report`` (HTML + matplotlib PNGs), ``seed_data`` (the seed's Figure 4,
 10 and 11 numbers). The commands (``lowbit study``, ``report``, ``export``) are :mod:`lowbit.cli.study`. See docs/study.md.
 """
