@@ -69,8 +69,7 @@ from lowbit.autotune import AutoTuner
 from lowbit.choose import message_limit
 from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
-from lowbit.comm.allreduce import ALGORITHMS, CommStats, resolve_algorithm, start
-from lowbit.comm.hierarchical import node_size_for
+from lowbit.comm.allreduce import AUTO, CommStats, get_algorithm, resolve_algorithm, start
 from lowbit.policy import Policy
 
 __all__ = ["LowbitState", "hook", "make_state", "register", "ConfigMismatchError", "message_limit"]
@@ -305,11 +304,10 @@ class LowbitState:
         message_mb: Union[float, str] = "auto",
         node_size: Optional[int] = None,
     ) -> None:
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {list(ALGORITHMS)}")
+        entry = None if algorithm == AUTO else get_algorithm(algorithm)  # (a ValueError naming the known ones)
         quantised = sorted({c.spec for c in plan.values() if not c.sums_on_wire})
-        if algorithm == "allreduce" and quantised:
-            raise ValueError(f"algorithm 'allreduce' sums on the wire (fp32/fp16/bf16 only), but the plan quantises "
+        if entry is not None and not entry.quantised and quantised:
+            raise ValueError(f"algorithm {algorithm!r} sums on the wire (fp32/fp16/bf16 only), but the plan quantises "
                              f"with {quantised[0]}: use 'auto', 'scatter_gather', 'allgather' or 'hierarchical'")
         if error_feedback not in (True, False, "auto"):
             raise ValueError(f"error_feedback must be True, False or 'auto', got {error_feedback!r}")
@@ -339,8 +337,9 @@ class LowbitState:
         self.message_mb = message_mb
         if node_size is not None and (isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1):
             raise ValueError(f"node_size must be a positive int (ranks per node), got {node_size!r}")
-        if algorithm == "hierarchical" and node_size is None:
-            node_size = node_size_for(process_group)  # from the environment, now: a clear error if unknown
+        if entry is not None and entry.prepare is not None and node_size is None:
+            node_size = entry.prepare(process_group, None)  # (hierarchical: from the environment, now: a clear
+            # error if unknown)
         self.node_size = node_size
         self._group_of: Optional[Dict[str, _Group]] = None  # parameter name -> its message group
         self._world: Optional[Tuple[int, int]] = None  # (rank, size), read once
@@ -574,8 +573,8 @@ def make_state(
     if auto:
         tuner = AutoTuner(allow, error_budget, measure_steps, remeasure_every)
         quantised = [s for s in tuner.allow if not get_codec(s).sums_on_wire]
-        if algorithm == "allreduce" and quantised:
-            raise ValueError(f"algorithm 'allreduce' sums on the wire, but codec='auto' may choose {quantised[0]}: "
+        if algorithm != AUTO and not get_algorithm(algorithm).quantised and quantised:
+            raise ValueError(f"algorithm {algorithm!r} sums on the wire, but codec='auto' may choose {quantised[0]}: "
                              "allow only fp32/fp16/bf16, or use 'auto', 'scatter_gather', 'allgather' or "
                              "'hierarchical'")
         codec = "fp32"  # until the decision

@@ -39,7 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    try:
+        parser = build_parser()
+    except ValueError as exc:  # a $LOWBIT_PLUGINS module that does not import (the parsers list the algorithms)
+        print(f"lowbit: error: {exc}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from lowbit.codecs.base import parse_codec_list
-from lowbit.comm.allreduce import ALGORITHMS, SIMULATED
+from lowbit.comm.allreduce import SIMULATED, algorithm_choices
 from lowbit.env import NCCL_ENV, git_commit, loadavg, under_torchrun
 from lowbit.launch import init_from_env, spawn
 from lowbit.comm.measure import _SUFFIX, BenchConfig, size_label, worker
@@ -87,9 +87,10 @@ def parse_codecs(values: list[str] | None) -> list[str]:
 
 def parse_algorithms(text: str) -> list[str]:
     algos = [a.strip() for a in text.replace(";", ",").split(",") if a.strip()]
+    known = algorithm_choices()
     for a in algos:
-        if a not in ALGORITHMS:
-            raise ValueError(f"unknown algorithm {a!r} in --algorithms; choose from {', '.join(ALGORITHMS)}")
+        if a not in known:
+            raise ValueError(f"unknown algorithm {a!r} in --algorithms; choose from {', '.join(known)}")
     if not algos:
         raise ValueError("--algorithms is empty")
     return list(dict.fromkeys(algos))
@@ -277,8 +278,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--codecs", action="extend", nargs="+", metavar="SPEC",
                    help="codec specs, separated by spaces, ';' or ',' (a 'key=value' item continues the spec "
                    "before it), as for every lowbit command. Default: " + " ".join(DEFAULT_CODECS))
-    p.add_argument("--algorithms", default=",".join(a for a in ALGORITHMS if a not in (SIMULATED, "hierarchical")),
-                   help=f"comma-separated subset of {','.join(ALGORITHMS)} (default all but simulated: Grubic "
+    known = algorithm_choices()
+    p.add_argument("--algorithms", default=",".join(a for a in known if a not in (SIMULATED, "hierarchical")),
+                   help=f"comma-separated subset of {','.join(known)} (default all but simulated: Grubic "
                    "et al.'s simulated low-precision NCCL, an fp32 allreduce of the codec's wire size that "
                    "leaves the tensor unreduced; label it so; and hierarchical, which needs ranks per node: "
                    "$LOWBIT_NODE_SIZE or torchrun's LOCAL_WORLD_SIZE)")

@@ -24,12 +24,12 @@ from typing import Any
 from lowbit.extras import require
 from lowbit.perfmodel import advise as advise_mod
 from lowbit.perfmodel import dettmers
-from lowbit.perfmodel.advise import (LOWBIT_ALGORITHMS, MULTI_NODE_ALGORITHMS, SpeedSetup, advise,
-                                     default_evidence_path, format_advice)
+from lowbit.perfmodel.advise import (SpeedSetup, advise, default_evidence_path, format_advice, lowbit_algorithms,
+                                     multi_node_algorithms)
 from lowbit.perfmodel.calibrate import Calibration, RunRecord
 from lowbit.perfmodel.fit import calibrate
 from lowbit.perfmodel.codecbits import bits_per_value
-from lowbit.perfmodel.collectives import ALGORITHMS
+from lowbit.perfmodel.collectives import modeled_algorithms
 from lowbit.perfmodel.links import PRESETS
 from lowbit.perfmodel.model import Cluster, Prediction, predict_network
 from lowbit.perfmodel.networks import NETWORKS, get_network
@@ -86,7 +86,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--codec", default="qsgd:bits=8,bucket=512",
                    help="codec spec (default qsgd:bits=8,bucket=512)")
     p.add_argument("--bits", type=float, default=None, help="bits per value; overrides what --codec implies")
-    p.add_argument("--algorithm", default="auto", choices=("auto",) + ALGORITHMS,
+    p.add_argument("--algorithm", default="auto", choices=("auto",) + modeled_algorithms(),
                    help="auto: allreduce for 16/32-bit floats, scatter_gather below")
     p.add_argument("--batch", type=int, default=64, help="samples per GPU per step (default 64)")
     p.add_argument("--device-tflops", type=float, default=None,
@@ -401,7 +401,7 @@ def add_advise_arguments(p: argparse.ArgumentParser) -> None:
                    help="calibration JSON (lowbit predict --calibrate ... --save-calibration): measured links, "
                    "codec costs, device rate and overheads")
     p.add_argument("--transport", default=None, help="which calibrated transport (default: the only/first one)")
-    p.add_argument("--algorithm", default="auto", choices=("auto",) + LOWBIT_ALGORITHMS + MULTI_NODE_ALGORITHMS,
+    p.add_argument("--algorithm", default="auto", choices=("auto",) + lowbit_algorithms() + multi_node_algorithms(),
                    help="collective for the quantised codecs; auto (default) takes the fastest of scatter_gather, "
                    "allgather and (on several nodes) hierarchical for each assignment")
     p.add_argument("--batch", type=int, default=64, help="samples per GPU per step (default 64)")

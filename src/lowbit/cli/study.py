@@ -18,6 +18,7 @@ import sys
 from typing import Any
 
 from lowbit.codecs.base import parse_codec_list
+from lowbit.comm.allreduce import algorithms
 from lowbit.env import launched_rank_and_size, under_torchrun
 from lowbit.extras import require
 from lowbit.study.config import PRESETS, load_config
@@ -154,7 +155,7 @@ def register(sub: Any) -> None:
     p.add_argument("--codecs", nargs="+", metavar="SPEC",
                    help="codec specs separated by spaces, ';' or ',' as for every lowbit command, "
                    "e.g. fp32 qsgd:bits=4,bucket=512 onebit:bucket=64")
-    p.add_argument("--algorithms", nargs="+", metavar="ALG", help="scatter_gather | allgather | hierarchical")
+    p.add_argument("--algorithms", nargs="+", metavar="ALG", help=" | ".join(algorithms()))
     p.add_argument("--world-sizes", nargs="+", metavar="K")
     p.add_argument("--emulate-nodes", nargs="+", metavar="N",
                    help="also split each world size into N emulated nodes on this host (NCCL_HOSTID per node, "

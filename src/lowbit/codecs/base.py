@@ -32,6 +32,7 @@ __all__ = [
     "available_codecs",
     "parse_spec",
     "parse_codec_list",
+    "load_plugins",
 ]
 
 _REGISTRY: dict[str, type[Codec]] = {}
@@ -304,10 +305,17 @@ def available_codecs() -> dict[str, dict[str, Any]]:
     return out
 
 
-#: Comma-separated modules that register codecs of their own (``@register_codec``) when imported; read at
-#: the first codec lookup, in every process (spawned workers inherit it): docs/codecs.md, "Your own codec".
+#: Comma-separated modules that register codecs (``@register_codec``) or collective algorithms
+#: (``lowbit.comm.allreduce.register_algorithm``) of their own when imported; read at the first codec or
+#: algorithm lookup, in every process (spawned workers inherit it): docs/codecs.md, "Your own codec".
 PLUGINS_ENV = "LOWBIT_PLUGINS"
 _PLUGINS_LOADED: set[str] = set()
+
+
+def load_plugins() -> None:
+    """Import lowbit's codecs and the modules named in ``$LOWBIT_PLUGINS`` (each once): what registers
+    itself on import (codecs, algorithms) is then known. ValueError when a named module does not import."""
+    _ensure_loaded()
 
 
 def _ensure_loaded() -> None:
@@ -319,7 +327,7 @@ def _ensure_loaded() -> None:
             try:
                 importlib.import_module(mod)
             except ImportError as exc:
-                raise ValueError(f"${PLUGINS_ENV}: cannot import codec plugin {mod!r}: {exc}") from exc
+                raise ValueError(f"${PLUGINS_ENV}: cannot import plugin {mod!r}: {exc}") from exc
             _PLUGINS_LOADED.add(mod)
 
 

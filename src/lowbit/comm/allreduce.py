@@ -20,6 +20,10 @@ Algorithms (K ranks, tensor of n values, payload size P(m) for m values):
 
 ``allreduce`` — the native allreduce in fp32, fp16 or bf16 (the seed's "NCCL 32-bit" baseline).
 
+These, ``simulated``, ``hierarchical`` (:mod:`lowbit.comm.hierarchical`) and any plugin's are entries of
+one registry (:func:`register_algorithm`, :class:`AlgorithmPlugin`) that every layer reads: the DDP hook,
+the study, the CLI and the speed model (docs/codecs.md, "Your own algorithm").
+
 Error feedback keeps one residual per key (per tensor), updated in place. The server's quantisation
 error on the chunk that rank r owns is folded into rank r's residual (times K for a mean), so it
 re-enters the next step's sum; the residual therefore does not depend on how the tensor is chunked,
@@ -46,43 +50,135 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lowbit.codecs.base import Codec, get_codec
+from lowbit.codecs.base import Codec, get_codec, load_plugins
 from lowbit.comm import collectives as C
 from lowbit.feedback import ErrorFeedback
-
-ALGORITHMS = ("auto", "scatter_gather", "allgather", "allreduce", "hierarchical", "simulated")
-
-
-@dataclasses.dataclass(frozen=True)
-class AlgorithmPlugin:
-    """An algorithm that lives in a module of its own and registers itself (:func:`register_algorithm`):
-    ``lowbit.comm.hierarchical`` is one. ``start(x, codec, group, op, residual, seed, stats, out, post,
-    node_size, shape, world)`` issues one reduction (as :func:`start`, the call already counted);
-    ``bytes_per_rank(codec, n, k, rank, exact, node_size, shape)`` is its bytes formula; ``prepare(group,
-    node_size)`` resolves what the ranks must agree on (here: the node size) before the first call."""
-
-    start: Callable[..., torch.futures.Future]
-    bytes_per_rank: Callable[..., int]
-    prepare: Callable[[dist.ProcessGroup | None, int | None], int | None]
-
-
-_PLUGINS: dict[str, AlgorithmPlugin] = {}
-
-
-def register_algorithm(name: str, plugin: AlgorithmPlugin) -> None:
-    """Make ``name`` an algorithm of :func:`all_reduce`, :func:`start` and the DDP hook (it must be listed
-    in :data:`ALGORITHMS`, so that every layer validates it alike)."""
-    if name not in ALGORITHMS:
-        raise ValueError(f"register_algorithm: {name!r} is not in lowbit.comm.allreduce.ALGORITHMS")
-    _PLUGINS[name] = plugin
-
 
 #: Grubic et al.'s simulation of low-precision NCCL (Figs 7, 9, 11): a native fp32 allreduce of a buffer cut
 #: to bits/32 of the tensor. Speed only: the tensor is NOT reduced (each rank keeps its own values).
 SIMULATED = "simulated"
 
-__all__ = ["ALGORITHMS", "SIMULATED", "AlgorithmPlugin", "register_algorithm", "CommStats", "Handle", "all_reduce",
+__all__ = ["AUTO", "SIMULATED", "AlgorithmPlugin", "register_algorithm", "algorithms",
+           "algorithm_choices", "get_algorithm", "set_cost", "CommStats", "Handle", "all_reduce",
            "chunk_sizes", "bytes_sent_per_rank", "resolve_algorithm", "simulated_numel", "start"]
+
+#: The name that is not an algorithm but picks one per call (:func:`resolve_algorithm`).
+AUTO = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmPlugin:
+    """One collective algorithm: an entry of the registry that every layer reads (:func:`register_algorithm`,
+    :func:`algorithms`); the built-ins are entries too, and a new algorithm is one more, in a module of its
+    own (``lowbit.comm.hierarchical``; ``tests/plugins/toy_algorithm.py``; docs/codecs.md, "Your own
+    algorithm").
+
+    ``start(x, codec, group, op, residual, seed, stats, out, post, node_size, shape, world)`` issues one
+    reduction of ``x`` ((n,) float32) into ``out`` and returns the future of ``out`` (of ``post()`` when
+    given), as :func:`start` does, the call already counted in ``stats``; ``None`` for lowbit's flat
+    algorithms, which :func:`start` runs itself. ``bytes_per_rank(codec, n, k, rank, exact, node_size,
+    shape)`` is what rank ``rank`` sends for one call of ``n`` values (``None``: the flat formulas of
+    :func:`bytes_sent_per_rank`). ``prepare(group, node_size)`` resolves, once per call before the ranks
+    agree, what they must agree on (hierarchical: the node size); ``None``: nothing.
+
+    For the speed model (lowbit.perfmodel, which reads them; ``None``: the algorithm is not modelled):
+    ``cost(nbytes, topo, fp32_bytes)`` is a :class:`lowbit.perfmodel.collectives.CommCost` (seconds,
+    bytes sent per rank, steps) for a payload of ``nbytes`` per rank in the codec's precision on a
+    :class:`lowbit.perfmodel.collectives.Topology` (world size, ranks per node, links), ``fp32_bytes``
+    being the uncompressed size when the payload is compressed (None when it is fp32);
+    ``work(numel, world, gpus_per_node)`` gives the values ``(encoded, decoded)`` per rank for one call of
+    ``numel`` values (default ``(numel, numel)``). The built-ins' costs are attached by
+    :mod:`lowbit.perfmodel.collectives` (:func:`set_cost`).
+
+    ``quantised``: takes quantised codecs (False: only codecs that sum on the wire, as ``allreduce``).
+    ``multi_node``: meant for clusters of several nodes (``lowbit advise --algorithm auto`` tries it only
+    there). ``doc``: one line for listings.
+    """
+
+    start: Callable[..., torch.futures.Future] | None = None
+    bytes_per_rank: Callable[..., int] | None = None
+    prepare: Callable[[dist.ProcessGroup | None, int | None], int | None] | None = None
+    cost: Callable[..., Any] | None = None
+    work: Callable[[float, int, int], tuple[float, float]] | None = None
+    quantised: bool = True
+    multi_node: bool = False
+    doc: str = ""
+
+
+_PLUGINS: dict[str, AlgorithmPlugin] = {}
+_FLAT = frozenset(("scatter_gather", "allgather", "allreduce", SIMULATED))  # run by start() itself
+_COSTS: dict[str, tuple[Callable[..., Any], Callable[[float, int, int], tuple[float, float]] | None]] = {}
+
+
+def register_algorithm(name: str, plugin: AlgorithmPlugin) -> None:
+    """Make ``name`` an algorithm of :func:`all_reduce`, :func:`start`, the DDP hook, the study, the CLI
+    and (with a ``cost``) the speed model: every layer validates and lists algorithms from this registry.
+    Registering a name again replaces its entry. Name a module that calls this in ``$LOWBIT_PLUGINS`` so
+    that every process, spawned workers included, registers it."""
+    if not isinstance(name, str) or not name.isidentifier() or name == AUTO:
+        raise ValueError(f"register_algorithm: the name must be an identifier other than {AUTO!r}, got {name!r}")
+    if not isinstance(plugin, AlgorithmPlugin):
+        raise ValueError(f"register_algorithm: {name!r} needs an AlgorithmPlugin, got {type(plugin).__name__}")
+    if name not in _FLAT and (plugin.start is None or plugin.bytes_per_rank is None):
+        raise ValueError(f"register_algorithm: {name!r} needs its start and bytes_per_rank (only lowbit's flat "
+                         f"algorithms {', '.join(sorted(_FLAT))} are run by start() itself)")
+    cost = _COSTS.get(name)
+    if cost is not None and plugin.cost is None:
+        plugin = dataclasses.replace(plugin, cost=cost[0], work=cost[1])
+    _PLUGINS[name] = plugin
+
+
+def algorithms() -> tuple[str, ...]:
+    """Every registered algorithm (the built-ins, then those of ``$LOWBIT_PLUGINS``), in registration order;
+    ``auto`` is not one of them (:func:`algorithm_choices`)."""
+    load_plugins()
+    return tuple(_PLUGINS)
+
+
+def algorithm_choices() -> tuple[str, ...]:
+    """What ``algorithm=`` accepts: ``auto`` and every registered algorithm."""
+    return (AUTO,) + algorithms()
+
+
+def get_algorithm(name: str) -> AlgorithmPlugin:
+    """The registry's entry of ``name``; a ValueError naming the known algorithms when there is none."""
+    plugin = _PLUGINS.get(name) if isinstance(name, str) else None
+    if plugin is None:
+        names = algorithms()  # (loads $LOWBIT_PLUGINS: the name may be one of theirs)
+        plugin = _PLUGINS.get(name) if isinstance(name, str) else None
+        if plugin is None:
+            raise ValueError(f"unknown algorithm {name!r}; choose one of {list((AUTO,) + names)}")
+    return plugin
+
+
+def set_cost(name: str, cost: Callable[..., Any], work: Callable[[float, int, int], tuple[float, float]] | None = None
+             ) -> None:
+    """Attach the speed model's ``cost`` (and ``work``) to the algorithm ``name``, now or when it registers
+    (how :mod:`lowbit.perfmodel.collectives` gives the built-ins theirs, without loading any plugin; a
+    plugin passes them to its :class:`AlgorithmPlugin` directly)."""
+    _COSTS[name] = (cost, work)
+    if name in _PLUGINS:
+        _PLUGINS[name] = dataclasses.replace(_PLUGINS[name], cost=cost, work=work)
+
+
+# lowbit's flat algorithms (start() and bytes_sent_per_rank() run them); hierarchical registers itself
+# (lowbit.comm.hierarchical); the speed model attaches the built-ins' costs (lowbit.perfmodel.collectives).
+register_algorithm("scatter_gather", AlgorithmPlugin(
+    doc="all-to-all of encoded chunks, sum per chunk, all-gather of the re-encoded sums: ~2 payloads per rank"))
+register_algorithm("allgather", AlgorithmPlugin(
+    doc="every rank's whole payload to every rank, each decodes and sums all K: (K-1) payloads per rank"))
+register_algorithm("allreduce", AlgorithmPlugin(
+    quantised=False, doc="the native allreduce in fp32, fp16 or bf16 (codecs that sum on the wire only)"))
+register_algorithm(SIMULATED, AlgorithmPlugin(
+    doc="Grubic et al.'s simulated low-precision NCCL: an fp32 allreduce of the codec's wire size; speed only, "
+        "the tensor is not reduced"))
+
+
+def __getattr__(name: str) -> Any:
+    # ALGORITHMS, as it was a tuple: now read from the registry when asked for.
+    if name == "ALGORITHMS":
+        return algorithm_choices()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclasses.dataclass
@@ -200,11 +296,10 @@ def normalize_op(op: object) -> str:
 def _check_args(tensor: torch.Tensor, codec: Codec, algorithm: str) -> None:
     if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
         raise ValueError(f"all_reduce expects a floating-point tensor, got {getattr(tensor, 'dtype', type(tensor))}")
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {list(ALGORITHMS)}")
-    if algorithm == "allreduce" and not codec.sums_on_wire:
+    plugin = None if algorithm == AUTO else get_algorithm(algorithm)
+    if plugin is not None and not plugin.quantised and not codec.sums_on_wire:
         raise ValueError(
-            f"algorithm 'allreduce' sums on the wire, so it only takes fp32/fp16/bf16, not {codec.spec}; "
+            f"algorithm {algorithm!r} sums on the wire, so it only takes fp32/fp16/bf16, not {codec.spec}; "
             "use 'scatter_gather' or 'allgather' for quantised codecs"
         )
 
@@ -247,7 +342,7 @@ def start(
     rank, k = C.world(group) if world is None else world
     out = x if out is None else out
     plugin = _PLUGINS.get(algorithm)
-    if plugin is not None and k > 1:
+    if plugin is not None and plugin.start is not None and k > 1:
         if exact:
             raise ValueError("exact values ride only with the allgather algorithm")
         if stats is not None:
@@ -260,7 +355,7 @@ def start(
         return _simulated(x, codec, group, k, stats, out, post, shape)
     if exact and algorithm != "allgather":
         raise ValueError("exact values ride only with the allgather algorithm")
-    if k == 1 and algorithm in _PLUGINS:
+    if k == 1 and algorithm in _PLUGINS and _PLUGINS[algorithm].start is not None:
         algorithm = "allgather"  # one rank: nothing to send, the flat path copies
     if algorithm == "allreduce":
         return _native(x, codec, group, op, k, stats, out, post)
@@ -442,8 +537,9 @@ def bytes_sent_per_rank(codec: Codec, n: int, k: int, algorithm: str, rank: int 
     really send; this is the model's side."""
     if k == 1 or (n == 0 and not exact):
         return 0
-    if algorithm in _PLUGINS:
-        return _PLUGINS[algorithm].bytes_per_rank(codec, n, k, rank, exact, node_size, shape)
+    plugin = _PLUGINS.get(algorithm)
+    if plugin is not None and plugin.bytes_per_rank is not None:
+        return plugin.bytes_per_rank(codec, n, k, rank, exact, node_size, shape)
     if algorithm == SIMULATED:
         return int(2 * (k - 1) * simulated_numel(codec, n + exact, shape) * 4 // k)
     algorithm = resolve_algorithm(algorithm, codec, k)
@@ -675,9 +771,9 @@ def all_reduce(
         raise ValueError(f"{codec.spec} is summed natively and is lossless up to the cast; it takes no error feedback")
 
     plugin = _PLUGINS.get(algorithm)
-    if plugin is not None and not codec.sums_on_wire:
+    if plugin is not None and plugin.prepare is not None and not codec.sums_on_wire:
         node_size = plugin.prepare(group, node_size)
-    _agree(group, key, (codec.spec, algorithm if plugin is None else f"{algorithm}/{node_size}", op,
+    _agree(group, key, (codec.spec, algorithm if plugin is None or plugin.start is None else f"{algorithm}/{node_size}", op,
                         tensor.numel(), feedback is not None))
 
     src = tensor.detach()

@@ -33,7 +33,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from lowbit.codecs.base import Codec, get_codec
+from lowbit.codecs.base import Codec
+from lowbit.codecs.floats import FP32
 from lowbit.comm import collectives as C
 from lowbit.comm.allreduce import (
     AlgorithmPlugin,
@@ -207,7 +208,7 @@ def start_hierarchical(
 
 
 # ---------------------------------------------------------------------------------- the algorithm
-_FP32 = get_codec("fp32")
+_FP32 = FP32()  # (not get_codec: a lookup would import $LOWBIT_PLUGINS while lowbit.comm is half imported)
 
 
 def _start(x: torch.Tensor, codec: Codec, group: dist.ProcessGroup | None, op: str, residual: torch.Tensor | None,
@@ -241,4 +242,6 @@ def _bytes(codec: Codec, n: int, k: int, rank: int, exact: int, node_size: int |
     return bytes_hierarchical(codec, n, k, node_size, rank)
 
 
-register_algorithm("hierarchical", AlgorithmPlugin(start=_start, bytes_per_rank=_bytes, prepare=node_size_for))
+register_algorithm("hierarchical", AlgorithmPlugin(
+    start=_start, bytes_per_rank=_bytes, prepare=node_size_for, multi_node=True,
+    doc="native fp32 inside each node, compressed only between nodes (node_size ranks per node)"))

@@ -19,7 +19,7 @@ from __future__ import annotations
 from lowbit.perfmodel.calibrate import Calibration, fit_link
 from lowbit.perfmodel.fit import calibrate
 from lowbit.perfmodel.codecbits import bits_per_value
-from lowbit.perfmodel.collectives import ALGORITHMS, CommCost, Topology, collective
+from lowbit.perfmodel.collectives import CommCost, Topology, collective, modeled_algorithms
 from lowbit.perfmodel.links import PRESETS, Link, parse_link
 from lowbit.perfmodel.model import (
     Breakdown,
@@ -51,6 +51,7 @@ __all__ = [
     "calibrate",
     "collective",
     "fit_link",
+    "modeled_algorithms",
     "get_network",
     "parse_link",
     "predict",
@@ -58,3 +59,10 @@ __all__ = [
     "projected_speedup",
     "speedup_bound",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # ALGORITHMS: the registry's modelled algorithms when asked for (lowbit.perfmodel.collectives)
+    if name == "ALGORITHMS":
+        return modeled_algorithms()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -49,6 +49,7 @@ from lowbit.codecs.base import get_codec
 from lowbit.models import build_model
 from lowbit.perfmodel.calibrate import Calibration, RunRecord
 from lowbit.perfmodel.codecbits import bits_per_value
+from lowbit.perfmodel.collectives import modeled_algorithms
 from lowbit.perfmodel.links import Link
 from lowbit.perfmodel.model import Cluster, LayerCodec, Prediction, layers_for_network, predict
 from lowbit.perfmodel.networks import Network, get_network
@@ -56,12 +57,30 @@ from lowbit.perfmodel.fit import short_codec
 from lowbit.policy import Policy
 
 __all__ = ["Candidate", "CANDIDATES", "SEED_FINDINGS", "Advice", "advise", "format_advice", "policy_code",
-           "default_evidence_path", "GROUP_TYPES", "SpeedSetup", "LOWBIT_ALGORITHMS", "MULTI_NODE_ALGORITHMS"]
+           "default_evidence_path", "GROUP_TYPES", "SpeedSetup",
+           "lowbit_algorithms", "multi_node_algorithms"]
 
-#: The collectives lowbit.ddp runs for quantised codecs (lowbit.comm.allreduce.ALGORITHMS minus allreduce).
-LOWBIT_ALGORITHMS = ("scatter_gather", "allgather")
-#: Tried as well under --algorithm auto when the cluster spans several nodes (lowbit.comm.hierarchical).
-MULTI_NODE_ALGORITHMS = ("hierarchical",)
+
+def lowbit_algorithms() -> tuple[str, ...]:
+    """The collectives lowbit.ddp runs for quantised codecs that the speed model knows, for any cluster: the
+    registry's modelled algorithms that take quantised codecs and are not multi-node ones (scatter_gather,
+    allgather, and a plugin's with a cost)."""
+    return modeled_algorithms(quantised=True, multi_node=False)
+
+
+def multi_node_algorithms() -> tuple[str, ...]:
+    """Tried as well under --algorithm auto when the cluster spans several nodes (hierarchical)."""
+    return modeled_algorithms(quantised=True, multi_node=True)
+
+
+def __getattr__(name: str) -> object:
+    # LOWBIT_ALGORITHMS / MULTI_NODE_ALGORITHMS, as they were tuples: read from the registry when asked for
+    if name == "LOWBIT_ALGORITHMS":
+        return lowbit_algorithms()
+    if name == "MULTI_NODE_ALGORITHMS":
+        return multi_node_algorithms()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 #: Layer group -> the module type names ``lowbit.Policy(by_type=...)`` matches.
 GROUP_TYPES = {"Conv2d": ("Conv2d",), "Linear": ("Linear",), "LSTM": ("LSTM",)}
@@ -491,7 +510,7 @@ def advise(
 def _auto_algorithms(setup: "SpeedSetup") -> tuple[str, ...]:
     """The collectives ``--algorithm auto`` compares: the flat ones, and hierarchical across nodes."""
     multi = setup.cluster.gpus > setup.cluster.gpus_per_node
-    return LOWBIT_ALGORITHMS + (MULTI_NODE_ALGORITHMS if multi else ())
+    return lowbit_algorithms() + (multi_node_algorithms() if multi else ())
 
 
 def policy_code(policy: dict[str, Any], fp32: bool = False, algorithm: str = "scatter_gather") -> str:

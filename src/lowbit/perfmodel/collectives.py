@@ -29,6 +29,11 @@ The all_to_all is pairwise exchange: ``(K-1) alpha + max(intra bytes * beta_intr
 beta_inter / nics)``. ``scatter_gather`` is the seed's MPI reduce-and-broadcast and what
 ``lowbit.all_reduce(..., algorithm="scatter_gather")`` does: encode K chunks, all_to_all, decode and
 sum the own chunk, re-encode, all_gather.
+
+The algorithms are those of lowbit's registry (:func:`lowbit.comm.allreduce.register_algorithm`) that carry
+a ``cost``: this module attaches the built-ins' (the formulas above, and the values each encodes and
+decodes: :func:`lowbit.perfmodel.model.codec_work`), and a plugin brings its own. :func:`collective`
+asks the registry.
 """
 
 from __future__ import annotations
@@ -36,10 +41,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from lowbit.comm.allreduce import AlgorithmPlugin, algorithms, get_algorithm, set_cost
 from lowbit.perfmodel.links import Link
 
 __all__ = [
-    "ALGORITHMS",
     "CommCost",
     "Topology",
     "ring_allreduce",
@@ -49,9 +54,8 @@ __all__ = [
     "allgather",
     "hierarchical",
     "collective",
+    "modeled_algorithms",
 ]
-
-ALGORITHMS = ("allreduce", "scatter_gather", "allgather", "hierarchical")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,21 +207,81 @@ def hierarchical(nbytes: float, topo: Topology, fp32_bytes: float | None = None)
     return half_intra + across + half_intra
 
 
-_DISPATCH = {
-    "allreduce": ring_allreduce,
-    "scatter_gather": scatter_gather,
-    "allgather": allgather,
-    "hierarchical": hierarchical,
-}
+# ------------------------------------------------------------------- the built-ins, in the registry
+# cost(nbytes, topo, fp32_bytes) -> CommCost and work(numel, world, gpus_per_node) -> (encoded, decoded) values
+# per rank (lowbit.comm.allreduce.AlgorithmPlugin); world > 1 and a compressed payload for work.
+def _cost_allreduce(nbytes: float, topo: Topology, fp32_bytes: float | None = None) -> CommCost:
+    return ring_allreduce(nbytes, topo)
+
+
+def _cost_scatter_gather(nbytes: float, topo: Topology, fp32_bytes: float | None = None) -> CommCost:
+    return scatter_gather(nbytes, topo)
+
+
+def _cost_allgather(nbytes: float, topo: Topology, fp32_bytes: float | None = None) -> CommCost:
+    return allgather(nbytes, topo)
+
+
+def _work_allreduce(n: float, k: int, g: int) -> tuple[float, float]:
+    return n, n
+
+
+def _work_scatter_gather(n: float, k: int, g: int) -> tuple[float, float]:
+    return n * (1 + 1 / k), 2 * n
+
+
+def _work_allgather(n: float, k: int, g: int) -> tuple[float, float]:
+    return n, k * n
+
+
+def _work_hierarchical(n: float, k: int, g: int) -> tuple[float, float]:
+    # lowbit's: only the 1/G shard between nodes is coded
+    nodes = math.ceil(k / g)
+    if nodes == 1:
+        return 0.0, 0.0
+    shard = n / g
+    return (shard, nodes * shard) if nodes == 2 else (shard * (1 + 1 / nodes), 2 * shard)
+
+
+set_cost("allreduce", _cost_allreduce, _work_allreduce)
+set_cost("scatter_gather", _cost_scatter_gather, _work_scatter_gather)
+set_cost("allgather", _cost_allgather, _work_allgather)
+set_cost("hierarchical", hierarchical, _work_hierarchical)
+
+
+def modeled_algorithms(quantised: bool | None = None, multi_node: bool | None = None) -> tuple[str, ...]:
+    """The registered algorithms that carry a cost (what the speed model knows), in registration order;
+    ``quantised`` / ``multi_node`` (when not None) keep those whose registry flag is that."""
+    out = []
+    for name in algorithms():
+        p = get_algorithm(name)
+        if p.cost is None or (quantised is not None and p.quantised != quantised) or (
+                multi_node is not None and p.multi_node != multi_node):
+            continue
+        out.append(name)
+    return tuple(out)
+
+
+def model_of(algorithm: str) -> AlgorithmPlugin:
+    """The registry's entry of ``algorithm``, when it carries a cost; else a ValueError naming those that do."""
+    try:
+        plugin = get_algorithm(algorithm)
+    except ValueError:
+        plugin = None
+    if plugin is None or plugin.cost is None:
+        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(modeled_algorithms())}")
+    return plugin
 
 
 def collective(algorithm: str, nbytes: float, topo: Topology, fp32_bytes: float | None = None) -> CommCost:
-    """Cost of ``algorithm`` (one of :data:`ALGORITHMS`) on ``nbytes`` of payload per rank (``fp32_bytes``:
-    the uncompressed size, which ``hierarchical`` moves inside the node)."""
-    try:
-        fn = _DISPATCH[algorithm]
-    except KeyError:
-        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}") from None
-    if algorithm == "hierarchical":
-        return hierarchical(nbytes, topo, fp32_bytes)
-    return fn(nbytes, topo)
+    """Cost of ``algorithm`` (one of :func:`modeled_algorithms`) on ``nbytes`` of payload per rank
+    (``fp32_bytes``: the uncompressed size when the payload is compressed, which ``hierarchical`` moves
+    inside the node): the registry's ``cost``."""
+    return model_of(algorithm).cost(nbytes, topo, fp32_bytes)
+
+
+def __getattr__(name: str) -> object:
+    # ALGORITHMS, as it was a tuple: the modelled algorithms of the registry when asked for
+    if name == "ALGORITHMS":
+        return modeled_algorithms()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -31,7 +31,8 @@ hierarchical        ``n/G`` (N=2)     ``N n/G`` (N=2)    fp32 inside nodes, ``n/
                     ``n/G (1+1/N)``   ``2 n/G``          between them (scatter_gather, N>2)
 ==================  ================  =================  ===================================
 
-fp32 (32 bits per value) is never encoded. Encode/decode seconds = ``4 * values / throughput``
+Another algorithm of lowbit's registry brings its own (``work`` and ``cost`` of its
+:class:`lowbit.comm.allreduce.AlgorithmPlugin`). fp32 (32 bits per value) is never encoded. Encode/decode seconds = ``4 * values / throughput``
 (throughput in bytes of float32 per second). The step time is the end of the last decode (or the
 last transfer, or the backward, whichever is later). From it::
 
@@ -57,7 +58,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from lowbit.perfmodel.codecbits import bits_per_value as _bits_per_value
-from lowbit.perfmodel.collectives import ALGORITHMS, Topology, collective
+from lowbit.perfmodel.collectives import Topology, collective, model_of
 from lowbit.perfmodel.links import Link, parse_link
 from lowbit.perfmodel.networks import Network, get_network
 
@@ -119,8 +120,7 @@ class LayerCodec:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.bits) and self.bits > 0):
             raise ValueError(f"bits per value must be a finite number > 0, got {self.bits!r}")
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown algorithm {self.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+        model_of(self.algorithm)  # a ValueError naming the modelled algorithms when it is not one
         for name in ("encode_Bps", "decode_Bps"):
             v = getattr(self, name)
             if v is not None and not v > 0:
@@ -228,23 +228,13 @@ def make_buckets(
 
 
 def codec_work(algorithm: str, numel: int, world: int, gpus_per_node: int, bits: float) -> tuple[float, float]:
-    """Values ``(encoded, decoded)`` per rank for one bucket (see the table in the module doc)."""
+    """Values ``(encoded, decoded)`` per rank for one bucket (see the table in the module doc): the
+    registry's ``work`` of the algorithm (default: each value encoded and decoded once)."""
     if world == 1 or bits >= FP32_BITS:
         return 0.0, 0.0
     n, k, g = float(numel), world, min(gpus_per_node, world)
-    if algorithm == "allreduce":
-        return n, n
-    if algorithm == "scatter_gather":
-        return n * (1 + 1 / k), 2 * n
-    if algorithm == "allgather":
-        return n, k * n
-    if algorithm == "hierarchical":  # lowbit's: only the 1/G shard between nodes is coded
-        nodes = math.ceil(k / g)
-        if nodes == 1:
-            return 0.0, 0.0
-        shard = n / g
-        return (shard, nodes * shard) if nodes == 2 else (shard * (1 + 1 / nodes), 2 * shard)
-    raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    work = model_of(algorithm).work
+    return (n, n) if work is None else work(n, k, g)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,7 +303,7 @@ def simulate_step(
             group_topo = topo if lc.link is None else dataclasses.replace(
                 topo, intra=lc.link, inter=lc.link if topo.inter is not None else None)
             cost = collective(lc.algorithm, numel * lc.bits / 8, group_topo,
-                              fp32_bytes=4 * numel if lc.algorithm == "hierarchical" and lc.bits < FP32_BITS else None)
+                              fp32_bytes=4 * numel if lc.bits < FP32_BITS else None)
             duration += cost.time_s
             sent += cost.bytes_per_rank
         t += enc
@@ -342,8 +332,10 @@ def resolve_algorithm(algorithm: str, bits: float) -> str:
     """``auto`` -> native ``allreduce`` for 16/32-bit floats, ``scatter_gather`` below 16 bits."""
     if algorithm == "auto":
         return "allreduce" if bits >= 16 else "scatter_gather"
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algorithm!r}; choose auto or one of {', '.join(ALGORITHMS)}")
+    try:
+        model_of(algorithm)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("choose one of", "choose auto or one of", 1)) from None
     return algorithm
 
 

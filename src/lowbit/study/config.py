@@ -57,6 +57,7 @@ from typing import Any
 
 from lowbit.autotune import DEFAULT_ALLOW
 from lowbit.codecs.base import Codec, get_codec
+from lowbit.comm.allreduce import algorithms as registered_algorithms
 from lowbit.data import available_datasets, load_dataset
 from lowbit.models import available_models, build_model
 from lowbit.parallel.split import PARALLELISMS, check_splits
@@ -80,7 +81,6 @@ __all__ = [
 SCHEMA = 1
 
 BACKENDS = ("gloo", "nccl", "mpi")
-ALGORITHMS = ("scatter_gather", "allgather", "allreduce", "hierarchical", "simulated")
 SCHEDULES = ("cosine", "constant")
 DEVICES = ("auto", "cpu", "cuda")
 OPTIMIZERS = ("sgd", "rmsprop", "adam")
@@ -90,6 +90,13 @@ PRESETS = ("default", "seeds", "throughput", "smoke", "fig3")
 _LIST_KEYS = ("networks", "datasets", "codecs", "algorithms", "world_sizes", "backends", "batch_sizes", "seeds",
               "nodes", "policies", "parallelism")
 _POLICY_KEYS = ("by_type", "by_name")
+
+
+def __getattr__(name: str) -> Any:
+    # ALGORITHMS, as it was a tuple: the algorithms registered now (lowbit.comm.allreduce.algorithms)
+    if name == "ALGORITHMS":
+        return registered_algorithms()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _known_models() -> list[str]:
@@ -159,7 +166,7 @@ class StudyConfig:
             object.__setattr__(self, key, value)
         _check_names("networks", self.networks, _known_models(), "model")
         _check_names("datasets", self.datasets, _known_datasets(), "data set")
-        _check_names("algorithms", self.algorithms, ALGORITHMS, "algorithm")
+        _check_names("algorithms", self.algorithms, registered_algorithms(), "algorithm")
         _check_names("backends", self.backends, BACKENDS, "backend")
         canon = []
         for spec in self.codecs:
