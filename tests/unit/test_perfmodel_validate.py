@@ -307,3 +307,17 @@ def test_bad_inputs_raise_value_errors(tmp_path):
         load_runs(empty)
     with pytest.raises(ValueError, match="nothing to calibrate"):
         calibrate([], [])
+
+
+def test_calibration_keys_are_typed_and_round_trip() -> None:
+    from lowbit.perfmodel.calibrate import OverheadKey, ScaleKey
+
+    for sk in (ScaleKey("gloo", "cpu", 2), ScaleKey("nccl", "cuda", 4, nodes=2)):
+        assert ScaleKey.parse(str(sk)) == sk
+        for native in (True, False):
+            assert OverheadKey.parse(str(OverheadKey(sk, native))) == OverheadKey(sk, native)
+        assert OverheadKey.parse(str(sk)) == sk  # a plain scale key holds both kinds' overhead
+    assert str(ScaleKey("gloo", "cpu", 2)) == "gloo|cpu|2"  # the text saved calibrations already hold
+    assert str(OverheadKey(ScaleKey("nccl", "cuda", 4, 2), False)) == "nccl|cuda|4|2nodes|compressed"
+    with pytest.raises(ValueError, match="not a scale key"):
+        ScaleKey.parse("gloo|cpu")

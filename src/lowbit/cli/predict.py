@@ -26,7 +26,7 @@ from lowbit.perfmodel import advise as advise_mod
 from lowbit.perfmodel import dettmers
 from lowbit.perfmodel.advise import (SpeedSetup, advise, default_evidence_path, format_advice, lowbit_algorithms,
                                      multi_node_algorithms)
-from lowbit.perfmodel.calibrate import Calibration, RunRecord
+from lowbit.perfmodel.calibrate import Calibration, OverheadKey, RunRecord, ScaleKey
 from lowbit.perfmodel.fit import calibrate
 from lowbit.perfmodel.codecbits import bits_per_value
 from lowbit.perfmodel.collectives import modeled_algorithms
@@ -440,13 +440,14 @@ def _setup(args: argparse.Namespace) -> SpeedSetup:
             tflops = statistics.median(rates) / 1e12
         backend = transport.split("/")[0]
         for key, v in cal.world_factor.items():
-            b, _, k = key.split("|")
-            if b == backend and int(k) == args.gpus:
+            sk = ScaleKey.parse(key)
+            if sk.backend == backend and sk.world == args.gpus and sk.nodes == 1:
                 factor = float(v["factor"])
         for key, v in cal.step_overhead_s.items():
-            parts = key.split("|")
-            if parts[0] == backend and int(parts[2]) == args.gpus and len(parts) == 4:
-                if parts[3] == "native":
+            ok = OverheadKey.parse(key)
+            if isinstance(ok, OverheadKey) and ok.scale.backend == backend and ok.scale.world == args.gpus \
+                    and ok.scale.nodes == 1:
+                if ok.native:
                     o_nat = float(v["seconds"])
                 else:
                     o_comp = float(v["seconds"])

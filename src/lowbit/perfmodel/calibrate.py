@@ -60,6 +60,10 @@ __all__ = [
     "load_bench",
     "run_record",
     "transport_key",
+    "ComputeKey",
+    "SettingKey",
+    "ScaleKey",
+    "OverheadKey",
     "fit_bench",
     "fit_study",
     "fit_comm_in_situ",
@@ -326,6 +330,77 @@ def fit_bench(bench: dict[str, Any]) -> tuple[str, dict[str, LinkFit], dict[str,
 
 
 # ------------------------------------------------------------------------------------------ study runs
+# ------------------------------------------------------------------------------------------ keys
+@dataclasses.dataclass(frozen=True)
+class ComputeKey:
+    """What sets one worker's compute: network, data, batch, device. Its text (``str``) keys
+    :attr:`Calibration.compute` in JSON."""
+
+    network: str
+    dataset: str
+    batch: int
+    device: str
+
+    def __str__(self) -> str:
+        return f"{self.network}|{self.dataset}|{self.batch}|{self.device}"
+
+
+@dataclasses.dataclass(frozen=True)
+class SettingKey:
+    """What sets the compute of a step at ``world`` workers (:attr:`Calibration.compute_at_world`)."""
+
+    network: str
+    dataset: str
+    batch: int
+    backend: str
+    device: str
+    world: int
+
+    def __str__(self) -> str:
+        return f"{self.network}|{self.dataset}|{self.batch}|{self.backend}|{self.device}|{self.world}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleKey:
+    """Backend, device, workers and emulated nodes: the scale a factor or an overhead belongs to
+    (:attr:`Calibration.world_factor`, :attr:`Calibration.step_overhead_s`)."""
+
+    backend: str
+    device: str
+    world: int
+    nodes: int = 1
+
+    def __str__(self) -> str:
+        return f"{self.backend}|{self.device}|{self.world}" + (f"|{self.nodes}nodes" if self.nodes > 1 else "")
+
+    @classmethod
+    def parse(cls, text: str) -> "ScaleKey":
+        parts = text.split("|")
+        if len(parts) not in (3, 4) or (len(parts) == 4 and not parts[3].endswith("nodes")):
+            raise ValueError(f"not a scale key: {text!r} (backend|device|K[|Nnodes])")
+        return cls(parts[0], parts[1], int(parts[2]), int(parts[3].removesuffix("nodes")) if len(parts) == 4 else 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class OverheadKey:
+    """A scale and whether the codec sums on the wire (native: fp32/fp16/bf16, one allreduce) or is
+    compressed (encode on the training thread, several collectives per bucket): their overheads differ."""
+
+    scale: ScaleKey
+    native: bool
+
+    def __str__(self) -> str:
+        return f"{self.scale}|{'native' if self.native else 'compressed'}"
+
+    @classmethod
+    def parse(cls, text: str) -> "OverheadKey | ScaleKey":
+        """An overhead key, or the plain scale key that holds the overhead of both kinds together."""
+        head, _, kind = text.rpartition("|")
+        if kind in ("native", "compressed"):
+            return cls(ScaleKey.parse(head), kind == "native")
+        return ScaleKey.parse(text)
+
+
 @dataclasses.dataclass(frozen=True)
 class RunRecord:
     """One finished study run as the speed model sees it (times per training step, averaged over ranks
@@ -370,23 +445,27 @@ class RunRecord:
                 self.algorithm, self.error_feedback, self.config_rest)
 
     @property
-    def setting_key(self) -> tuple[Any, ...]:
+    def setting_key(self) -> SettingKey:
         """Network, data, batch, backend, device and workers: what sets the compute of a step."""
-        return (self.network, self.dataset, self.batch, self.backend, self.device, self.world)
+        return SettingKey(self.network, self.dataset, self.batch, self.backend, self.device, self.world)
 
     @property
     def compute_key(self) -> str:
-        return f"{self.network}|{self.dataset}|{self.batch}|{self.device}"
+        return str(ComputeKey(self.network, self.dataset, self.batch, self.device))
+
+    @property
+    def scale(self) -> ScaleKey:
+        return ScaleKey(self.backend, self.device, self.world, self.nodes)
 
     @property
     def scale_key(self) -> str:
-        return f"{self.backend}|{self.device}|{self.world}" + (f"|{self.nodes}nodes" if self.nodes > 1 else "")
+        return str(self.scale)
 
     @property
     def overhead_key(self) -> str:
         """Overheads differ between native (fp32/fp16/bf16: one allreduce) and compressed codecs (encode on
         the training thread, several collectives per bucket)."""
-        return f"{self.scale_key}|{'native' if sums_on_wire(self.codec_name) else 'compressed'}"
+        return str(OverheadKey(self.scale, sums_on_wire(self.codec_name)))
 
     @property
     def codec_name(self) -> str:
@@ -711,7 +790,7 @@ def fit_study(runs: Iterable[RunRecord]) -> Calibration:
         if r.world == 1 and sums_on_wire(r.codec_name):
             one.setdefault(r.compute_key, []).append(r)
         elif r.world > 1:
-            at_k.setdefault("|".join(map(str, r.setting_key)), []).append(r)
+            at_k.setdefault(str(r.setting_key), []).append(r)
     for key, rs in one.items():
         step = statistics.fmean(r.compute_s or r.step_s for r in rs)
         gflop = rs[0].gflop_per_sample
