@@ -46,7 +46,7 @@ import bench_ddp as B  # noqa: E402  (the DDP bench's model feeds, hooks, contex
 
 from lowbit.comm.allreduce import all_reduce  # noqa: E402
 from lowbit.comm.gather import all_gather, part_sizes, reduce_scatter  # noqa: E402
-from lowbit.parallel import Hybrid, ParallelComm  # noqa: E402
+from lowbit.parallel import Hybrid, ParallelComm, hybrid_parts  # noqa: E402
 
 DEFAULT_CONFIGS = ("dp:ddp;dp:lowbit:qsgd:bits=8,bucket=512;dp:lowbit:onebit:bucket=64;"
                    "hybrid[s=1]:fp32;hybrid[s=4]:fp32;"
@@ -117,11 +117,11 @@ def run(ctx: B.Ctx, initial: nn.Module, feed: dict[str, Any], x: torch.Tensor, y
             return B.train_step(net, opt, x, y, False)
     else:
         s, conv, spec = hyb
-        features = nn.Sequential(model.features, model.pool, nn.Flatten())
+        features, classifier = hybrid_parts(model)
         fdp = DDP(features, device_ids=[ctx.local_rank] if ctx.cuda else None)
         state = B.register_hook(fdp, conv, a)
         comm = ParallelComm(codec=spec)
-        h = Hybrid(fdp, model.classifier, comm, sub_batches=s)
+        h = Hybrid(fdp, classifier, comm, sub_batches=s)
         opt_f = torch.optim.SGD(fdp.parameters(), lr=a.lr, momentum=0.9)
         opt_c = torch.optim.SGD(h.classifier.parameters(), lr=a.lr, momentum=0.9)
 
@@ -178,10 +178,9 @@ def dettmers_phases(ctx: B.Ctx, initial: nn.Module, x: torch.Tensor, y: torch.Te
         ce(model(x), y).backward()
         opt.step()
 
-    features = nn.Sequential(model.features, model.pool, nn.Flatten())
+    features, clf = hybrid_parts(model)
     with torch.no_grad():
         feats = features(x)
-    clf = model.classifier
     opt_c = torch.optim.SGD(clf.parameters(), lr=a.lr)
 
     def fc() -> None:
@@ -204,7 +203,7 @@ def dettmers_phases(ctx: B.Ctx, initial: nn.Module, x: torch.Tensor, y: torch.Te
             o.step()
         par += _median_time(ctx, one)
     out["k_t_fc_par_ms"] = par * 1e3
-    conv1 = next(m for m in model.features.modules() if isinstance(m, nn.Conv2d))
+    conv1 = next(m for m in features.modules() if isinstance(m, (nn.Conv1d, nn.Conv2d)))
     g = torch.randn(conv1.weight.numel(), device=dev)
     out["p_conv_ms"] = _median_time(ctx, lambda: torch.distributed.all_reduce(g), collective=True) * 1e3
     # P_fc: every transfer of an s=1 hybrid step, timed alone with each codec

@@ -1,0 +1,47 @@
+"""benchmarks/bench_hybrid.py under torchrun on gloo: 2 ranks, the small CNN as a hybrid (features
+data-parallel, classifier model-parallel), and Dettmers' model measured and set beside the runs."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+D8 = "dettmers:type=dynamic,bucket=0"
+
+
+def test_bench_hybrid_with_dettmers_model_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "hybrid.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    configs = f"dp:ddp;hybrid[s=1]:fp32;hybrid[s=1]:{D8};hybrid[s=2]:{D8}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
+           str(ROOT / "benchmarks" / "bench_hybrid.py"), "--device", "cpu", "--models", "small_cnn",
+           "--configs", configs, "--batch", "8", "--warmup", "1", "--steps", "2", "--rounds", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    doc = json.loads(out.read_text())
+    assert doc["errors"] == []
+    res = doc["results"]["small_cnn"]
+    cfgs = res["configs"]
+    assert set(cfgs) == set(configs.split(";"))
+    assert all(c["samples_per_s"] > 0 for c in cfgs.values())
+    # 8-bit activations cross in fewer bytes than fp32 ones (counted from the buffers sent)
+    assert 0 < cfgs[f"hybrid[s=1]:{D8}"]["activation_bytes_per_step"] < cfgs["hybrid[s=1]:fp32"]["activation_bytes_per_step"]
+    ph = res["dettmers"]
+    assert sorted(ph["p_fc_ms"]) == sorted(["fp32", D8])
+    for spec in ("fp32", D8):
+        t = ph["transfers_ms"][spec]
+        assert {"labels", "features", "fc1_gather", "features_grad"} <= set(t) and all(v > 0 for v in t.values())
+        assert math.isclose(ph["p_fc_ms"][spec], sum(t.values()))
+        step = ph["t_total_ms"] - ph["t_fc_ms"] + ph["p_conv_ms"] + ph["k_t_fc_par_ms"] + ph["p_fc_ms"][spec]
+        assert math.isclose(ph["predicted"][spec]["step_ms"], step)
+        assert math.isclose(ph["predicted"][spec]["samples_per_s"], 2 * 8 / step * 1e3)
+    # the prediction sits beside the one-sub-batch hybrids only, with its error
+    for cfg in ("hybrid[s=1]:fp32", f"hybrid[s=1]:{D8}"):
+        c = cfgs[cfg]
+        assert math.isclose(c["dettmers_error"], c["samples_per_s"] / c["dettmers_predicted_samples_per_s"] - 1)
+    assert "dettmers_predicted_samples_per_s" not in cfgs[f"hybrid[s=2]:{D8}"]
