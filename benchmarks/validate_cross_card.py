@@ -25,7 +25,7 @@ What each prediction uses:
 The simulator is :func:`lowbit.choose.simulate`, the replay behind ``codec="auto"`` (and ``lowbit
 advise``'s decision rule): it replays a step as the DDP hook sends it (message groups of consecutive
 tensors, native all-reduces per DDP bucket, one link serving messages in issue order, encoding on the
-compute timeline), which is what ``bench_ddp`` timed. ``lowbit.perfmodel.simulate_step`` models one
+compute timeline), which is what ``bench_ddp`` timed. ``lowbit.perfmodel.model.simulate_step`` models one
 collective per DDP bucket instead, which is not how lowbit's hook has sent messages since bucket
 coalescing. The hook's message structure is the *code* each file ran (``benchmarks/results/ddp_runs.md``):
 the 2x H100 files say ``git_commit 6ffbde3`` but ran 0109990 (NVLink) and 727860e (sockets), where

@@ -4,6 +4,7 @@ the speed model without a line of lowbit changed (issue 13 item 6, the codec hal
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,24 @@ from lowbit.launch import spawn
 from lowbit.study.store import ResultStore
 
 PLUGIN = "tests.plugins.toy_codec"
+
+
+@pytest.fixture(autouse=True)
+def _registries_restored():
+    """Plugins registered here (toy8, toy_ring) leave the process's registries as they found them, so
+    tests that run later in the same process see the built-ins only."""
+    from lowbit.codecs import base as codec_base
+    from lowbit.comm import allreduce as allreduce_mod
+
+    saved = (dict(codec_base._REGISTRY), set(codec_base._PLUGINS_LOADED), dict(allreduce_mod._PLUGINS),
+             dict(allreduce_mod._COSTS))
+    yield
+    for live, old in zip((codec_base._REGISTRY, codec_base._PLUGINS_LOADED, allreduce_mod._PLUGINS,
+                          allreduce_mod._COSTS), saved):
+        live.clear()
+        live.update(old)
+    for name in [m for m in sys.modules if m.startswith("tests.plugins.")]:
+        del sys.modules[name]  # (imported again, a plugin registers again)
 
 
 def _body(rank: int, world: int) -> dict:

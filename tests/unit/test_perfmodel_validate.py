@@ -321,3 +321,10 @@ def test_calibration_keys_are_typed_and_round_trip() -> None:
     assert str(OverheadKey(ScaleKey("nccl", "cuda", 4, 2), False)) == "nccl|cuda|4|2nodes|compressed"
     with pytest.raises(ValueError, match="not a scale key"):
         ScaleKey.parse("gloo|cpu")
+
+
+def test_calibrate_takes_runs_not_paths(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="given as runs"):
+        calibrate([], [str(tmp_path)])
+    with pytest.raises(ValueError, match="given as runs"):
+        calibrate([], {str(tmp_path): str(tmp_path)})

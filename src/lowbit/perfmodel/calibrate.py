@@ -781,7 +781,7 @@ def config_id(run: RunRecord) -> str:
 def fit_study(runs: Iterable[RunRecord]) -> Calibration:
     """Compute at one worker, compute at K workers (without in-backward encoding: :func:`pure_compute_s`)
     and the factor between them. The per-step overhead needs the whole model:
-    :func:`lowbit.perfmodel.validate.fit_overhead`."""
+    :func:`lowbit.perfmodel.fit.fit_overhead`."""
     runs = [r for r in runs if r.step_s > 0]
     cal = Calibration(run_keys=[r.key for r in runs], config_keys=sorted({config_id(r) for r in runs}))
     one: dict[str, list[RunRecord]] = {}

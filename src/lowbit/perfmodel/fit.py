@@ -172,6 +172,11 @@ def calibrate(
     the study runs; bench fits take precedence where both exist.
     """
     by_source = dict(results) if isinstance(results, Mapping) else ({"(runs given)": list(results)} if results else {})
+    for source, rs in by_source.items():
+        bad = [r for r in rs if not isinstance(r, RunRecord)]
+        if isinstance(rs, (str, os.PathLike)) or bad:
+            raise ValueError(f"calibrate: study results are given as runs (lowbit.study.store.load_run_records(path)), "
+                             f"not as paths; got {(rs if isinstance(rs, (str, os.PathLike)) else bad[0])!r} for {source!r}")
     if not bench_paths and not by_source:
         raise ValueError("nothing to calibrate from: give a bench JSON and/or study results")
     cal = Calibration()
