@@ -348,9 +348,10 @@ class LowbitState:
     # ------------------------------------------------------------------------------ helpers
     @property
     def one_node(self) -> bool:
-        """``hierarchical`` with the whole group inside one node: nothing crosses a slow link, so nothing
-        is compressed and the reduction is DDP's own fp32 allreduce."""
-        if self.algorithm != "hierarchical" or self.node_size is None:
+        """A multi-node algorithm (``hierarchical``: the registry's ``multi_node``) with the whole group
+        inside one node: nothing crosses a slow link, so nothing is compressed and the reduction is DDP's
+        own fp32 allreduce."""
+        if self.algorithm == AUTO or not get_algorithm(self.algorithm).multi_node or self.node_size is None:
             return False
         size = self._world[1] if self._world is not None else C.world(self.process_group)[1]
         return size <= self.node_size

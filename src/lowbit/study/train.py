@@ -20,7 +20,7 @@ from torch import nn
 
 import lowbit.ddp
 from lowbit.comm import collectives as C
-from lowbit.comm.allreduce import algorithms, get_algorithm
+from lowbit.comm.allreduce import get_algorithm
 from lowbit.data import load_dataset
 from lowbit.data.sharding import ShardedLoader
 from lowbit.models import build_model
@@ -144,7 +144,7 @@ class _Trainer:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         algorithm = run.algorithm if run.algorithm != "none" else "scatter_gather"
-        node_size = world // run.nodes if algorithm in algorithms() and get_algorithm(algorithm).multi_node else None
+        node_size = world // run.nodes if get_algorithm(algorithm).multi_node else None
         if run.parallelism == "model":
             # every linear layer split over the ranks; activations and their gradients in the run's codec
 
