@@ -77,7 +77,7 @@ GPU_HOOKS = ("ddp;fp16;powersgd;lowbit:fp32;lowbit:qsgd:bits=8,bucket=512;"
 CPU_MODELS = "mlp10m"
 CPU_HOOKS = "ddp;lowbit:fp32;lowbit:qsgd:bits=8,bucket=512"
 BASELINES = ("ddp", "fp16", "powersgd")
-AUTO_WARMUP = 24  # codec="auto" decides by step 7 + 3 x (finalists <= 4) = 19 (src/lowbit/autotune.py)
+AUTO_STEADY = 4  # codec="auto": untimed steps after its latest possible decision (AutoTuner.last_decision_step)
 POWERSGD_GLOO = ("PowerSGD's hook issues its allreduces from future callbacks, whose order differs across "
                  "ranks on gloo: a collective mismatch aborts the run (pytorch/pytorch#58467); "
                  "--powersgd-gloo runs it anyway")
@@ -260,7 +260,7 @@ def run_config(ctx: Ctx, initial: nn.Module, feed: dict[str, Any], x: torch.Tens
         opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
         warmup = args.warmup
         if getattr(state, "auto", None) is not None:  # room to measure, probe and try before the timed steps
-            warmup = max(warmup, AUTO_WARMUP)
+            warmup = max(warmup, state.auto.last_decision_step(state.start_iter) + 1 + AUTO_STEADY)
         for _ in range(warmup):
             train_step(ddp, opt, x, y, bf16)
         b0, i0 = bytes_sent(state), bytes_sent(state, "bytes_inter")
@@ -480,7 +480,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpt-batch", type=int, default=16, help="per-rank batch of gpt2_small")
     p.add_argument("--seq", type=int, default=256, help="sequence length of token models")
     p.add_argument("--warmup", type=int, default=8,
-                   help=f"untimed steps per run (lowbit:auto at least {AUTO_WARMUP}: it measures, probes and tries first)")
+                   help=f"untimed steps per run (lowbit:auto: at least {AUTO_STEADY} past its latest possible decision: "
+                        "it measures, probes and tries first)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--lr", type=float, default=0.01)

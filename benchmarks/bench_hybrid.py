@@ -47,6 +47,7 @@ import bench_ddp as B  # noqa: E402  (the DDP bench's model feeds, hooks, contex
 from lowbit.comm.allreduce import all_reduce  # noqa: E402
 from lowbit.comm.gather import all_gather, part_sizes, reduce_scatter  # noqa: E402
 from lowbit.parallel import Hybrid, ParallelComm, hybrid_parts  # noqa: E402
+from lowbit.perfmodel.dettmers import single_node_step_ms  # noqa: E402
 
 DEFAULT_CONFIGS = ("dp:ddp;dp:lowbit:qsgd:bits=8,bucket=512;dp:lowbit:onebit:bucket=64;"
                    "hybrid[s=1]:fp32;hybrid[s=4]:fp32;"
@@ -230,7 +231,8 @@ def dettmers_phases(ctx: B.Ctx, initial: nn.Module, x: torch.Tensor, y: torch.Te
         out["p_fc_ms"][spec] = sum(t.values())
     out["predicted"] = {}
     for spec in specs:
-        step = (out["t_total_ms"] - out["t_fc_ms"]) + out["p_conv_ms"] + out["k_t_fc_par_ms"] + out["p_fc_ms"][spec]
+        step = single_node_step_ms(out["t_total_ms"], out["t_fc_ms"], out["k_t_fc_par_ms"], out["p_conv_ms"],
+                                   out["p_fc_ms"][spec])
         out["predicted"][spec] = {"step_ms": step, "samples_per_s": k * b / step * 1e3}
     return out
 

@@ -31,11 +31,9 @@ def cells(doc: dict[str, Any]) -> list[dict[str, Any]]:
         autos = [a for a in hooks.get("lowbit:auto", {}).get("auto", []) if a]
         if not autos:
             continue
-        world = r["global_batch"] // r["batch_per_rank"]
-
-        def step_ms(hook: str) -> float | None:
-            sps = hooks.get(hook, {}).get("samples_per_s")
-            return world * r["batch_per_rank"] / sps * 1e3 if sps else None
+        def step_ms(hook: str) -> float | None:  # as bench_ddp recorded it (global batch / samples/s)
+            row = hooks.get(hook, {})
+            return row.get("step_ms") if row.get("samples_per_s") else None
 
         for prefix, hook in FIXED.items():
             preds = [v for a in autos for k, v in a.get("finalists_predicted_step_ms", {}).items()
@@ -67,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         print("no lowbit:auto rows with predictions in these files", file=sys.stderr)
         return 1
-    print(f"| model | codec | auto's prediction (ms/step) | bench_ddp measured | error |\n|---|---|---:|---:|---:|")
+    print("| model | codec | auto's prediction (ms/step) | bench_ddp measured | error |\n|---|---|---:|---:|---:|")
     for r in rows:
         print(f"| {r['model']} | {r['codec']}{' (measured)' if r['kind'] != 'predicted' else ''} | "
               f"{r['predicted_ms']:.1f} | {r['measured_ms']:.1f} | {r['error']:+.1%} |")

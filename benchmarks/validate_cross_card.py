@@ -91,8 +91,9 @@ class Card:
 
 
 def _step_ms(r: Mapping[str, Any], hook: str) -> float | None:
-    sps = r["hooks"].get(hook, {}).get("samples_per_s")
-    return r["global_batch"] / sps * 1e3 if sps else None
+    """The hook's step as bench_ddp recorded it (global batch / samples/s; None where it did not run)."""
+    row = r["hooks"].get(hook, {})
+    return row.get("step_ms") if row.get("samples_per_s") else None
 
 
 def hook_messages(meta: Mapping[str, Any]) -> tuple[str, Union[float, str]]:

@@ -134,6 +134,11 @@ class AutoTuner:
         self._grad_handles = [p.register_post_accumulate_grad_hook(self._on_grad(name))
                               for name, p in module.named_parameters() if p.requires_grad and name in state.plan]
 
+    def last_decision_step(self, start_iter: int) -> int:
+        """The step whose forward pass takes the first decision at the latest: ``start_iter``, the warm-up
+        and measured steps, then every finalist's warm-up and timed steps (fewer finalists decide earlier)."""
+        return start_iter + self.warmup_steps + self.measure_steps + (1 + self.trial_steps) * self.max_trials
+
     def detach(self) -> None:
         """Remove the hooks on the module (measuring stops)."""
         self._release(keep_forward=False)
