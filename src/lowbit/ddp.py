@@ -15,9 +15,13 @@ How a step goes (per DDP bucket, as the backward pass makes it ready):
    ride, fp16, bf16) are reduced per bucket, in place where the bucket holds them together.
 2. ``hook`` copies the bucket's gradients into their groups' staging buffers (one fused copy); a group
    whose last gradient has arrived adds its residual, encodes in one call and issues its collective:
-   all on the calling thread and without waiting, so collectives keep DDP's program order
-   (``find_unused_parameters`` and the user's own collectives mix freely), and on CUDA the host never
-   waits for the device.
+   without waiting, in DDP's program order (``find_unused_parameters`` and the user's own collectives
+   mix freely), and on CUDA the host never waits for the device. On CUDA this work runs on one
+   *hook thread* per process (``hook_thread``): DDP calls the hook on the autograd thread, which also
+   launches the backward pass's kernels, so every microsecond of Python there delays the backward
+   pass; the hook only records an event and queues the bucket, and the hook thread, on a side stream
+   that waits for that event, copies, encodes and issues the collectives in the order DDP called
+   (FIFO: the same order on every rank).
 3. Decoding, the mean and the copy back into the bucket(s) run when the data has arrived: on CUDA on a
    pool stream that waits for the collective (the backward pass goes on), on CPU on gloo's thread.
    DDP waits for each bucket's future (its groups' messages) before the optimizer step.
@@ -46,6 +50,9 @@ Tuning guide (``LowbitState``):
   are the same before and after DDP's bucket rebuild, and a resumed run is bit-identical.
 * ``start_iter`` — DDP rebuilds its buckets after the first iteration, so compression (and error
   feedback) starts at iteration 2 by default; before, the plain fp32 allreduce runs.
+* ``hook_thread`` — ``"auto"`` (default): on for CUDA buckets, off on CPU (there the thread would
+  compete with the backward pass for the same cores); ``True``/``False`` force it. Results are
+  bit-identical either way; only where the host time is spent changes.
 * ``state.stats`` counts calls and bytes sent; ``state.stats.timing = True`` adds the time per phase
   (on CUDA it synchronises the device around each phase: for profiling, not for speed).
 
@@ -59,6 +66,9 @@ No ``from __future__ import annotations`` here: DDP inspects the hook's annotati
 import hashlib
 import json
 import logging
+import os
+import queue
+import threading
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -303,6 +313,7 @@ class LowbitState:
         policy_fingerprint: str = "",
         message_mb: Union[float, str] = "auto",
         node_size: Optional[int] = None,
+        hook_thread: Union[bool, str] = "auto",
     ) -> None:
         entry = None if algorithm == AUTO else get_algorithm(algorithm)  # (a ValueError naming the known ones)
         quantised = sorted({c.spec for c in plan.values() if not c.sums_on_wire})
@@ -311,6 +322,8 @@ class LowbitState:
                              f"with {quantised[0]}: use 'auto', 'scatter_gather', 'allgather' or 'hierarchical'")
         if error_feedback not in (True, False, "auto"):
             raise ValueError(f"error_feedback must be True, False or 'auto', got {error_feedback!r}")
+        if hook_thread not in (True, False, "auto"):
+            raise ValueError(f"hook_thread must be True, False or 'auto', got {hook_thread!r}")
         if start_iter < 0:
             raise ValueError(f"start_iter must be >= 0, got {start_iter}")
         if message_mb != "auto" and (isinstance(message_mb, bool) or not isinstance(message_mb, (int, float))
@@ -344,6 +357,7 @@ class LowbitState:
         self._group_of: Optional[Dict[str, _Group]] = None  # parameter name -> its message group
         self._world: Optional[Tuple[int, int]] = None  # (rank, size), read once
         self._native = False  # set with _world (_refresh_native): the hook runs the fp32 allreduce only
+        self.hook_thread = hook_thread  # not part of config(): where the host work runs, not what is sent
 
     # ------------------------------------------------------------------------------ helpers
     @property
@@ -485,14 +499,6 @@ def hook(state: LowbitState, bucket: dist.GradBucket) -> torch.futures.Future[to
         # fp32 everywhere): the plain fp32 allreduce, as torch's own hook does it.
         state._advance(bucket)
         return start(buf, _FP32, group, "allreduce", "mean", stats=state.stats, world=state._world)
-    if torch.autograd.profiler._is_profiler_enabled:  # a range for torch.profiler, free otherwise
-        with torch.autograd.profiler.record_function("lowbit.ddp.hook"):
-            return _compressed(state, bucket, buf, group, world)
-    return _compressed(state, bucket, buf, group, world)
-
-
-def _compressed(state: LowbitState, bucket: dist.GradBucket, buf: torch.Tensor, group: Optional[dist.ProcessGroup],
-                world: int) -> torch.futures.Future:
     flat = buf.reshape(-1)
     if state._group_of is None:
         state._group_of = _plan_groups(state, world, flat.device)
@@ -500,6 +506,24 @@ def _compressed(state: LowbitState, bucket: dist.GradBucket, buf: torch.Tensor, 
     step_seed = state.seed * 1_000_003 + state.iter * 1_009
     last = bucket.is_last()
     state._advance(bucket)
+    mode = getattr(state, "hook_thread", "auto")  # (states pickled before the option: "auto")
+    if mode is True or (mode == "auto" and flat.is_cuda):
+        return _HOOK_THREAD.submit(state, lay, buf, group, step_seed, last)
+    return _issue(state, lay, buf, group, step_seed, last)
+
+
+def _issue(state: LowbitState, lay: _Layout, buf: torch.Tensor, group: Optional[dist.ProcessGroup], step_seed: int,
+           last: bool) -> torch.futures.Future:
+    """The bucket's work: copy its gradients into their messages, send the complete messages and the
+    natively summed units; a future of the bucket holding the mean."""
+    if torch.autograd.profiler._is_profiler_enabled:  # a range for torch.profiler, free otherwise
+        with torch.autograd.profiler.record_function("lowbit.ddp.hook"):
+            return _issue_bucket(state, lay, buf, group, step_seed, last)
+    return _issue_bucket(state, lay, buf, group, step_seed, last)
+
+
+def _issue_bucket(state: LowbitState, lay: _Layout, buf: torch.Tensor, group: Optional[dist.ProcessGroup],
+                  step_seed: int, last: bool) -> torch.futures.Future:
     futs = []
     if lay.grouped:
         dst, src = [], []
@@ -523,6 +547,105 @@ def _compressed(state: LowbitState, bucket: dist.GradBucket, buf: torch.Tensor, 
     if len(futs) == 1 and not lay.grouped:
         return futs[0]  # its value is the whole bucket, reduced in place
     return C.join(futs, lambda: buf, buf.device)  # (not collect_all: it loses the CUDA stream order)
+
+
+class _HookThread:
+    """One thread per process that does the compressed hook's work (:func:`_issue`) for every lowbit
+    state, in the order DDP called the hook (one FIFO queue: collectives keep the same order on every
+    rank, as on the calling thread). The hook returns a future at once; the job completes it with the
+    bucket once the bucket's own future has (or with its error). On CUDA a job runs on a side stream of
+    the bucket's device that first waits for an event recorded on the caller's stream when the hook
+    was called (the gradients are in the bucket by then), and the future it completes records its
+    events after that stream's work, so DDP's stream waits for everything the job did.
+
+    The step's last bucket waits until every queued job has issued its collectives: right after it
+    DDP issues a collective of its own from the autograd thread (``find_unused_parameters``: the
+    used-parameter map), which must come after lowbit's on every rank. The backward pass has been
+    launched by then, so the wait costs it nothing."""
+
+    def __init__(self) -> None:
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        self._idle = threading.Condition()
+        self._pending = 0
+        self._streams: Dict[torch.device, torch.cuda.Stream] = {}
+
+    def _reset(self) -> None:  # in a forked child: the parent's thread does not exist there
+        self.__init__()  # type: ignore[misc]
+
+    def submit(self, state: LowbitState, lay: _Layout, buf: torch.Tensor, group: Optional[dist.ProcessGroup],
+               step_seed: int, last: bool) -> torch.futures.Future:
+        cuda = buf.is_cuda
+        out: torch.futures.Future = torch.futures.Future(devices=[buf.device] if cuda else None)
+        ready = None
+        if cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(buf.device))
+        with self._idle:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="lowbit-ddp-hook", daemon=True)
+                self._thread.start()
+            self._pending += 1
+        self._queue.put((state, lay, buf, group, step_seed, last, ready, out))
+        if last:
+            with self._idle:
+                self._idle.wait_for(lambda: self._pending == 0)
+        return out
+
+    def _stream(self, device: torch.device) -> "torch.cuda.Stream":
+        s = self._streams.get(device)
+        if s is None:
+            s = self._streams[device] = torch.cuda.Stream(device)
+        return s
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                self._job(*job)
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    if self._pending == 0:
+                        self._idle.notify_all()
+
+    def _job(self, state: LowbitState, lay: _Layout, buf: torch.Tensor, group: Optional[dist.ProcessGroup],
+             step_seed: int, last: bool, ready: Optional[torch.cuda.Event], out: torch.futures.Future) -> None:
+        try:
+            if ready is not None:
+                stream = self._stream(buf.device)
+                with torch.cuda.device(buf.device), torch.cuda.stream(stream):
+                    stream.wait_event(ready)
+                    inner = _issue(state, lay, buf, group, step_seed, last)
+            else:
+                inner = _issue(state, lay, buf, group, step_seed, last)
+        except BaseException as exc:  # noqa: BLE001 — DDP's wait on the bucket raises it
+            out.set_exception(exc)
+            # and so does its wait on any bucket with gradients in a message this failure left unsent
+            for g in (state._group_of or {}).values():
+                if g.fut is not None and not g.fut.done():
+                    g.fut.set_exception(exc)
+            return
+        inner.then(_forward_to(out, buf))
+
+
+def _forward_to(out: torch.futures.Future, buf: torch.Tensor):
+    def done(f: torch.futures.Future) -> None:
+        # A ``then`` callback runs on a stream that waited for ``f``'s work (the futures' contract on
+        # CUDA): completing ``out`` there records its events after it.
+        try:
+            f.wait()
+        except BaseException as exc:  # noqa: BLE001
+            out.set_exception(exc)
+            return
+        out.set_result(buf)
+
+    return done
+
+
+_HOOK_THREAD = _HookThread()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_HOOK_THREAD._reset)
 
 
 def _check_same_config(state: LowbitState, group: Optional[dist.ProcessGroup]) -> None:
@@ -555,6 +678,7 @@ def make_state(
     error_budget: Optional[float] = 1.0,
     measure_steps: int = 3,
     remeasure_every: int = 0,
+    hook_thread: Union[bool, str] = "auto",
 ) -> LowbitState:
     """Build the hook's state for ``module`` (the model *inside* DDP) without registering it.
 
@@ -583,7 +707,7 @@ def make_state(
     plan = pol.resolve(module)
     params = {id(p): name for name, p in module.named_parameters() if p.requires_grad}
     state = LowbitState(process_group, plan, params, algorithm, error_feedback, start_iter, seed,
-                        "auto" if auto else pol.fingerprint(), message_mb, node_size)
+                        "auto" if auto else pol.fingerprint(), message_mb, node_size, hook_thread)
     state._devices = {name: p.device for name, p in module.named_parameters()}
     state._numels = {name: p.numel() for name, p in module.named_parameters()}
     state._shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
@@ -609,6 +733,7 @@ def register(
     error_budget: Optional[float] = 1.0,
     measure_steps: int = 3,
     remeasure_every: int = 0,
+    hook_thread: Union[bool, str] = "auto",
 ) -> LowbitState:
     """Install lowbit's comm hook on ``ddp_model`` and return its state.
 
@@ -622,13 +747,16 @@ def register(
     node (``state.one_node``) installs no hook: nothing would be compressed, and DDP's own allreduce is
     the fastest fp32 mean. ``one_node_native=False`` installs the hook anyway (it then runs one fp32
     allreduce per bucket and counts it in ``state.stats``, as the study does to measure it).
+    ``hook_thread`` (default ``"auto"``: on for CUDA) does the compressed buckets' host work on one
+    thread per process instead of DDP's autograd thread, which then goes on launching the backward
+    pass (module doc); results are bit-identical either way.
     """
     module = getattr(ddp_model, "module", None)
     if module is None or not hasattr(ddp_model, "register_comm_hook"):
         raise ValueError("lowbit.ddp.register expects a torch.nn.parallel.DistributedDataParallel model")
     group = process_group if process_group is not None else getattr(ddp_model, "process_group", None)
     state = make_state(module, codec, algorithm, policy, error_feedback, start_iter, seed, group, message_mb,
-                       node_size, allow, error_budget, measure_steps, remeasure_every)
+                       node_size, allow, error_budget, measure_steps, remeasure_every, hook_thread)
     _check_same_config(state, group)
     if state.auto is not None:
         # codec="auto": DDP's own allreduce runs while the first steps are measured; lowbit's hook is

@@ -192,3 +192,62 @@ def test_message_groups_match_per_tensor_messages() -> None:
         err = sum(float((a - b).norm()) for a, b in zip(got, want)) / sum(float(b.norm()) for b in want)
         assert err < (0.05 if spec.startswith("qsgd") else 1.0), (key, err)
         assert (calls == 1) == (mb == 64), (key, calls)         # 64 MiB: one message for the step
+
+
+THREAD_CODECS = ["bf16", "qsgd:bits=8,bucket=512", "onebit:bucket=64"]
+
+
+def _body_hook_thread(rank: int, world: int) -> dict:
+    """Every codec trained twice, its host work on the autograd thread and on the hook thread; small
+    buckets and messages (several per step, groups spanning buckets), unused parameters found by DDP,
+    and the user's own collective between steps."""
+    out = {}
+    for spec in THREAD_CODECS:
+        for thread in (False, True):
+            torch.manual_seed(0)
+            model = DDP(_Branchy(), find_unused_parameters=True, bucket_cap_mb=0.02)
+            state = lowbit.ddp.register(model, codec=spec, hook_thread=thread, message_mb=0.03)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            g = torch.Generator().manual_seed(rank)
+            for step in range(6):
+                x, y = torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g)
+                loss = nn.functional.cross_entropy(model(x, step % 2 == 0), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                t = torch.ones(2) * (rank + 1)
+                dist.all_reduce(t)
+            out[(spec, thread)] = ([p.detach().clone() for p in model.parameters()], state.stats.calls,
+                                   state.stats.bytes_sent, float(t[0]))
+    # a failure inside the hook thread's job reaches the training loop as DDP's error, on every rank
+    torch.manual_seed(0)
+    model = DDP(_Branchy(), bucket_cap_mb=0.02)
+    state = lowbit.ddp.register(model, codec="qsgd:bits=8,bucket=512", hook_thread=True, start_iter=0)
+    x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
+    nn.functional.cross_entropy(model(x, False), y).backward()  # builds the message groups
+
+    class _Planted:
+        def __getattr__(self, name):
+            raise RuntimeError(f"planted failure in {name}")
+
+    for g in state._group_of.values():
+        g.codec = _Planted()
+    try:
+        nn.functional.cross_entropy(model(x, False), y).backward()
+        out["error"] = "no error"
+    except Exception as exc:  # noqa: BLE001
+        out["error"] = str(exc)
+    return out
+
+
+def test_hook_thread_is_bit_identical_and_passes_errors_on() -> None:
+    r0, r1 = spawn(_body_hook_thread, 2, backend="gloo", timeout_s=120)
+    for spec in THREAD_CODECS:
+        inline, threaded = r0[(spec, False)], r0[(spec, True)]
+        assert inline[1] > 6 and inline[1:] == threaded[1:], spec  # same calls, bytes, user's collective
+        for a, b in zip(inline[0], threaded[0]):
+            assert torch.equal(a, b), spec
+        for a, b in zip(threaded[0], r1[(spec, True)][0]):
+            assert torch.equal(a, b), spec
+    for r in (r0, r1):
+        assert "planted failure" in r["error"], r["error"]

@@ -56,7 +56,8 @@ DDP_CASES = [("qsgd:bits=4,bucket=512", 25.0, 64.0, "auto"), ("qsgd:bits=8,bucke
              ("qsgd:bits=4,bucket=512", 0.1, 0.3, "scatter_gather")]
 
 
-def train_mlp(rank: int, spec: str, cap: float, mb: float, algorithm: str, steps: int) -> tuple[list, object, list]:
+def train_mlp(rank: int, spec: str, cap: float, mb: float, algorithm: str, steps: int,
+              hook_thread="auto") -> tuple[list, object, list]:
     """A 256-512-256-10 MLP under DDP with lowbit's hook on this rank's GPU, ``steps`` SGD steps: (each step's
     reduced gradients, on the CPU; the hook's state; the final parameters). Gradients must stay finite."""
     from torch import nn
@@ -66,7 +67,7 @@ def train_mlp(rank: int, spec: str, cap: float, mb: float, algorithm: str, steps
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10)).to(dev)
     model = DDP(net, device_ids=[rank], bucket_cap_mb=cap)
-    state = lowbit.ddp.register(model, codec=spec, message_mb=mb, algorithm=algorithm)
+    state = lowbit.ddp.register(model, codec=spec, message_mb=mb, algorithm=algorithm, hook_thread=hook_thread)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator(device=dev).manual_seed(rank)
     grads = []
@@ -103,6 +104,28 @@ def test_ddp_hook_on_nccl_keeps_ranks_identical() -> None:
             a, b = (a[0], a[2]), (b[0], b[2])
         for x, y in zip(a[1], b[1]):
             assert torch.equal(x, y), a[0]
+
+
+def _thread_body(rank: int, world: int) -> list:
+    out = []
+    for spec, cap, mb, algorithm in DDP_CASES + [("bf16", 0.1, 0.3, "auto")]:
+        inline = train_mlp(rank, spec, cap, mb, algorithm, steps=6, hook_thread=False)
+        threaded = train_mlp(rank, spec, cap, mb, algorithm, steps=6, hook_thread=True)
+        out.append((spec, inline[0], inline[2], threaded[0], threaded[2]))
+    return out
+
+
+@needs_2_gpus
+def test_hook_thread_on_nccl_is_bit_identical_to_the_calling_thread() -> None:
+    r0, r1 = spawn(_thread_body, 2, backend="nccl")
+    for a, b in zip(r0, r1):
+        spec = a[0]
+        for part in (1, 3):  # every step's reduced gradients: ranks agree
+            for step_a, step_b in zip(a[part], b[part]):
+                assert all(torch.equal(u, v) for u, v in zip(step_a, step_b)), (spec, part)
+        for step_a, step_b in zip(a[1], a[3]):  # the hook thread reduces what the calling thread does
+            assert all(torch.equal(u, v) for u, v in zip(step_a, step_b)), spec
+        assert all(torch.equal(u, v) for u, v in zip(a[2], a[4])), spec  # and the final parameters
 
 
 def test_join_waits_for_the_device_work_of_every_input() -> None:
