@@ -18,8 +18,8 @@ Hook configs (``--hooks``, separated by ``;`` since codec specs contain commas):
 * ``powersgd`` — ``powerSGD_hook`` with rank 4, ``start_powerSGD_iter=2``, error feedback, warm start;
 * ``lowbit:SPEC`` — ``lowbit.ddp.register(ddp_model, codec=SPEC)`` (``--lowbit-algorithm`` passed as
   ``algorithm=`` only when given; everything else is the library's default, so onebit gets error feedback);
-  ``lowbit[mb=256,algorithm=allgather]:SPEC`` sets ``message_mb`` / ``algorithm`` for that config alone,
-  so one run can compare them.
+  ``lowbit[mb=256,algorithm=allgather,thread=0]:SPEC`` sets ``message_mb`` / ``algorithm`` /
+  ``hook_thread`` for that config alone, so one run can compare them.
 
 Protocol, per model: the model is built once per rank (same seed); for each hook config a deep copy goes
 to the device, is wrapped in DDP and gets the hook; SGD (lr 0.01, momentum 0.9) runs ``--warmup`` steps
@@ -130,7 +130,14 @@ def make_batch(feed: dict[str, Any], device: torch.device, seed: int) -> tuple[t
 # ----------------------------------------------------------------------------------------------- hooks
 
 LOWBIT_HOOK = re.compile(r"lowbit(?:\[(?P<opts>[^\]]*)\])?:(?P<spec>.+)")
-LOWBIT_OPTS = {"mb": ("message_mb", float), "algorithm": ("algorithm", str)}
+def _flag(text: str) -> bool:
+    if text.lower() not in ("0", "1", "true", "false"):
+        raise ValueError(text)
+    return text.lower() in ("1", "true")
+
+
+_flag.__name__ = "0/1"
+LOWBIT_OPTS = {"mb": ("message_mb", float), "algorithm": ("algorithm", str), "thread": ("hook_thread", _flag)}
 
 
 def lowbit_hook(hook: str) -> tuple[str, dict[str, Any]] | None:
