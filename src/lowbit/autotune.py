@@ -199,7 +199,7 @@ class AutoTuner:
             errors = {name: _errors(x, n, specs) for name, (x, n) in self._samples.items()}
             self._samples = {}
         else:  # re-measuring: the link only
-            timeline = _timeline_of(self.measured, state.message_mb)
+            timeline = _timeline_of(self.measured, state.message_mb, self._rides(state))
             errors = self.measured["errors"]
         mine = {"tensors": [dict(name=t.name, numel=t.numel, ready_s=t.ready_s, bucket=t.bucket)
                             for t in timeline.tensors],
@@ -208,7 +208,7 @@ class AutoTuner:
                 "errors": errors}
         agreed = _average(C.all_gather_object(mine, group))  # the same numbers on every rank
         costs = {s: CodecCost(**c) for s, c in agreed["costs"].items()}
-        timeline = _timeline_of(agreed, state.message_mb)
+        timeline = _timeline_of(agreed, state.message_mb, self._rides(state))
         limit = None
         base = get_codec(BASELINE).spec
         if self.error_budget is not None and agreed["errors"]:
@@ -259,7 +259,7 @@ class AutoTuner:
         for (label, _, _), t in zip(pred.finalists, times):
             pred.measured_s[label] = t  # (a re-measured "fp32" replaces the first measurement)
         fp32_s = pred.measured_s["fp32"]
-        timeline = _timeline_of(self.measured, state.message_mb)
+        timeline = _timeline_of(self.measured, state.message_mb, self._rides(state))
         costs = {s: CodecCost(**c) for s, c in self.measured["costs"].items()}
         tried = [Tried(assignment, fp32_s / t, weighted_bits(timeline, assignment, costs), label)
                  for (label, assignment, _), t in zip(pred.finalists, times) if label != "fp32"]
@@ -323,7 +323,13 @@ class AutoTuner:
                 bucket, size, cap, pending = bucket + 1, 0, self._bucket_bytes, []
         backward_end = max(ready.values())
         step = statistics.median(periods)
-        return Timeline(tuple(tensors), backward_end, max(step, backward_end), state.message_mb)
+        return Timeline(tuple(tensors), backward_end, max(step, backward_end), state.message_mb, self._rides(state))
+
+    def _rides(self, state: LowbitState) -> bool:
+        """Whether the fp32 tensors would ride in the quantised codecs' messages (allgather)."""
+        quantised = [get_codec(s) for s in self.allow if not get_codec(s).sums_on_wire]
+        k = (state._world or C.world(state.process_group))[1]
+        return bool(quantised) and resolve_algorithm(state.algorithm, quantised[0], k) == "allgather"
 
     def _probe(self, state: LowbitState, group: Optional[dist.ProcessGroup], device: torch.device,
                timeline: Timeline, k: int) -> dict[str, dict[str, Any]]:
@@ -401,8 +407,9 @@ def apply(state: LowbitState, assignment: dict[str, str]) -> None:
 
 
 # ------------------------------------------------------------------------------------------ helpers
-def _timeline_of(d: dict[str, Any], message_mb: Any) -> Timeline:
-    return Timeline(tuple(TensorTiming(**t) for t in d["tensors"]), d["backward_end_s"], d["step_s"], message_mb)
+def _timeline_of(d: dict[str, Any], message_mb: Any, ride: bool = False) -> Timeline:
+    return Timeline(tuple(TensorTiming(**t) for t in d["tensors"]), d["backward_end_s"], d["step_s"], message_mb,
+                    ride)
 
 
 def _device_of(module: torch.nn.Module) -> torch.device:

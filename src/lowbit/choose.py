@@ -31,7 +31,7 @@ from typing import Any, Union
 
 __all__ = ["Tried", "pick", "TensorTiming", "Timeline", "CodecCost", "simulate", "decide", "Decision",
            "compute_time", "explain", "weighted_bits",
-           "message_limit", "WITHIN_BEST", "FASTER_THAN_FP32", "AUTO_FASTER_THAN_FP32"]
+           "message_limit", "ddp_buckets", "WITHIN_BEST", "FASTER_THAN_FP32", "AUTO_FASTER_THAN_FP32"]
 
 #: ``lowbit advise``: below this predicted speedup, fp32 is the answer (its predictions are extrapolated)
 FASTER_THAN_FP32 = 1.05
@@ -44,17 +44,47 @@ WITHIN_BEST = 0.97
 UNIFORM_MIN_NUMEL = 10_000
 
 #: ``message_mb="auto"``: a message holds at least this much fp32 ...
-AUTO_MESSAGE_MIN = 64 * 2**20
-#: ... and at least this share of the model's quantised gradients (about three messages a step).
-AUTO_MESSAGE_SHARE = 1 / 3
+AUTO_MESSAGE_MIN = 16 * 2**20
+#: ... and at least this share of the model's quantised gradients (at most about eight messages a step);
+#: it closes only where a DDP bucket ends, and DDP's last bucket of the step goes alone (ddp module doc).
+AUTO_MESSAGE_SHARE = 1 / 8
+#: DDP's first bucket holds at least this much (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES), the
+#: others at least its ``bucket_cap_mb`` (default 25 MiB)
+DDP_FIRST_BUCKET_BYTES = 2**20
+DDP_BUCKET_BYTES = 25 * 2**20
 
 
 def message_limit(message_mb: Union[float, str], quantised_bytes: float) -> float:
     """Bytes of fp32 after which a message group closes: ``message_mb`` MiB, or for ``"auto"`` the larger
-    of 64 MiB and a third of ``quantised_bytes`` (the model's quantised gradients, fp32)."""
+    of 16 MiB and an eighth of ``quantised_bytes`` (the model's quantised gradients, fp32), reached at
+    the end of a DDP bucket."""
     if message_mb == "auto":
         return max(AUTO_MESSAGE_MIN, quantised_bytes * AUTO_MESSAGE_SHARE)
     return float(message_mb) * 2**20
+
+
+def ddp_buckets(numels: Sequence[int], bucket_bytes: float = DDP_BUCKET_BYTES, itemsize: int = 4) -> list[int]:
+    """How DDP cuts tensors (sizes in the order their gradients become ready) into buckets, as
+    ``torch.distributed._compute_bucket_assignment_by_size`` does for one dtype and device: a bucket
+    closes once it holds at least its limit (the first 1 MiB, the others ``bucket_bytes``). Returns
+    each tensor's bucket index."""
+    out, index, size, limit = [], 0, 0, DDP_FIRST_BUCKET_BYTES
+    for n in numels:
+        out.append(index)
+        size += itemsize * n
+        if size >= limit:
+            index, size, limit = index + 1, 0, bucket_bytes
+    return out
+
+
+def closes_after(i: int, buckets: Sequence[int], size_bytes: float, limit: float) -> bool:
+    """``message_mb="auto"``: whether a message group ends after tensor ``i`` (of ``buckets``, each tensor's
+    DDP bucket): where a bucket ends, once it holds ``limit`` bytes of fp32 or when the next bucket is
+    the step's last (that one goes alone: what is sent after the backward pass is only the last
+    bucket, whose data cannot arrive earlier)."""
+    if i + 1 >= len(buckets) or buckets[i + 1] == buckets[i]:
+        return False
+    return size_bytes >= limit or buckets[i + 1] == buckets[-1]
 
 
 # ------------------------------------------------------------------------------------------ the rule
@@ -97,12 +127,14 @@ class TensorTiming:
 class Timeline:
     """One measured fp32 step: tensors in the order their gradients became ready, when the backward pass
     ended (the last bucket ready), the whole step (forward start to the next forward start), and the
-    hook's ``message_mb``."""
+    hook's ``message_mb``; ``ride``: the quantised codecs go by ``allgather``, in whose messages the fp32
+    tensors ride raw instead of going out as allreduces of their own."""
 
     tensors: tuple[TensorTiming, ...]
     backward_end_s: float
     step_s: float
     message_mb: Union[float, str] = "auto"
+    ride: bool = False
 
     def __post_init__(self) -> None:
         if not self.tensors:
@@ -143,7 +175,7 @@ def simulate(timeline: Timeline, assignment: Mapping[str, str], costs: Mapping[s
     limit = message_limit(timeline.message_mb, quantised)
     free = 0.0      # when the link is next idle
     shift = 0.0     # encoding so far, which delays the rest of the backward pass
-    group: list[Any] = []  # [cost, values, ready of its last tensor]
+    group: list[Any] = []  # [cost, values (riders counted in the codec's), ready of its last tensor, quantised values]
     units: dict[str, float] = {}
 
     def send(ready: float, seconds: float) -> None:
@@ -153,26 +185,44 @@ def simulate(timeline: Timeline, assignment: Mapping[str, str], costs: Mapping[s
     def flush() -> None:
         nonlocal shift, group
         if group:
-            c, n, ready = group
+            c, n, ready, _ = group
             enc = c.encode_s_per_value * n
             send(ready + enc, c.time(n))
             shift += enc
             group = []
 
     tensors = timeline.tensors
+    aligned = timeline.message_mb == "auto"
+    buckets = [t.bucket for t in tensors]
+    # fp32 riding in allgather messages (counted in the group's codec's values, 32/bits each): with the
+    # open group, else with the next one (left over at the end: an allreduce of the last bucket)
+    ride = timeline.ride and any(not costs[s].native for s in assignment.values())
+    riders = 0.0
     for i, t in enumerate(tensors):
         c = costs[assignment[t.name]]
-        if c.native:
+        if ride and c.native and c.bits >= 32:
+            if group:
+                group[1] += t.numel * 32 / group[0].bits
+                group[2] = t.ready_s + shift
+            else:
+                riders += t.numel
+        elif c.native:
             units[c.spec] = units.get(c.spec, 0.0) + t.numel
         else:
             if group and group[0].spec != c.spec:
                 flush()
             if not group:
-                group = [c, 0.0, 0.0]
+                group = [c, riders * 32 / c.bits, 0.0, 0.0]
+                riders = 0.0
             group[1] += t.numel
             group[2] = t.ready_s + shift
-            if 4 * group[1] >= limit or c.per_tensor:
+            group[3] += t.numel  # the quantised values, which the size limit counts
+            if c.per_tensor or (not aligned and 4 * group[3] >= limit):
                 flush()
+        if aligned and group and closes_after(i, buckets, 4 * group[3], limit):
+            flush()
+        if i + 1 == len(tensors) and riders:
+            units[next(s for s in assignment.values() if costs[s].native and costs[s].bits >= 32)] = riders
         if i + 1 == len(tensors) or tensors[i + 1].bucket != t.bucket:  # the bucket's native units go out
             for spec in sorted(units):
                 send(t.ready_s + shift, costs[spec].time(units[spec]))

@@ -40,14 +40,16 @@ Tuning guide (``LowbitState``):
 * ``message_mb`` — quantised gradients go out in *message groups*: consecutive parameters (in reverse
   model order, the order their gradients become ready) of one codec, up to this many MiB of fp32
   (0: one message per parameter tensor), plus the fp32 tensors that ride along. The default,
-  ``"auto"``, is the larger of 64 MiB and a third of the model's quantised gradients: at most about
-  three messages a step. A group is sent as soon as its last gradient has arrived. Each collective
-  costs the host a fixed time, which a fast link or a small model cannot hide, and a compressed bucket
-  is 4-32x smaller than DDP sized it for: fewer, larger messages pay, while the first messages still
-  overlap the rest of the backward pass. (2 GPUs, ``benchmarks/bench_ddp.py``: over NVLink "auto" and
-  64 MiB ran alike within the noise on all four models; on ResNet-50 over sockets 16, 32 and 64 MiB
-  did too; docs/bench.md has the files.) Groups depend on the model only, not on DDP's buckets, so results
-  are the same before and after DDP's bucket rebuild, and a resumed run is bit-identical.
+  ``"auto"``, closes a group where one of DDP's buckets ends (as DDP cuts the model: 1 MiB first, then
+  its ``bucket_cap_mb``) once it holds the larger of 16 MiB and an eighth of the model's quantised
+  gradients, and sends DDP's last bucket of the step alone: at most about eight messages a step, and
+  what is left to send after the backward pass is only the last bucket (a group that reached into it
+  would wait for it). A group is sent as soon as its last gradient has arrived. Each collective costs
+  a fixed time, which a fast link or a small model cannot hide, and a compressed bucket is 4-32x
+  smaller than DDP sized it for: fewer, larger messages pay, while the first messages still overlap
+  the rest of the backward pass. Groups depend on the model and DDP's bucket cap only, not on DDP's
+  actual (rebuilt) buckets, so results are the same before and after DDP's bucket rebuild, and a
+  resumed run is bit-identical.
 * ``start_iter`` — DDP rebuilds its buckets after the first iteration, so compression (and error
   feedback) starts at iteration 2 by default; before, the plain fp32 allreduce runs.
 * ``hook_thread`` — ``"auto"`` (default): on for CUDA buckets, off on CPU (there the thread would
@@ -76,7 +78,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lowbit.autotune import AutoTuner
-from lowbit.choose import message_limit
+from lowbit.choose import DDP_BUCKET_BYTES, closes_after, ddp_buckets, message_limit
 from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
 from lowbit.comm.allreduce import AUTO, CommStats, get_algorithm, resolve_algorithm, start
@@ -237,24 +239,28 @@ def _plan_groups(state: "LowbitState", k: int, device: torch.device) -> Dict[str
     ride = resolve_algorithm(state.algorithm, quantised[0], k) == "allgather"
     limit = message_limit(state.message_mb,
                           sum(4 * state._numels[n] for n in names if not state.plan[n].sums_on_wire))
+    aligned = state.message_mb == "auto"  # close where DDP's buckets end (as DDP cuts the model: its cap)
+    buckets = ddp_buckets([state._numels[n] for n in names], getattr(state, "bucket_bytes", DDP_BUCKET_BYTES))
     groups: List[Tuple[Codec, List[Tuple[str, int]], List[Tuple[str, int]]]] = []
     cur: Optional[Tuple[Codec, List[Tuple[str, int]], List[Tuple[str, int]]]] = None
     riders: List[Tuple[str, int]] = []
     size = 0
-    for name in names:
+    for i, name in enumerate(names):
         codec, n = state.plan[name], state._numels[name]
         if codec.sums_on_wire:
             if ride and codec.spec == _FP32.spec:
                 (cur[2] if cur is not None else riders).append((name, n))
-            continue
-        if cur is None or cur[0].spec != codec.spec:
-            cur = (codec, [], riders)
-            riders = []
-            groups.append(cur)
-            size = 0
-        cur[1].append((name, n))
-        size += 4 * n
-        if size >= limit or codec.per_tensor:  # a per-tensor codec sends every tensor on its own
+        else:
+            if cur is None or cur[0].spec != codec.spec:
+                cur = (codec, [], riders)
+                riders = []
+                groups.append(cur)
+                size = 0
+            cur[1].append((name, n))
+            size += 4 * n
+            if codec.per_tensor or (not aligned and size >= limit):  # a per-tensor codec sends every tensor alone
+                cur = None
+        if aligned and cur is not None and closes_after(i, buckets, size, limit):
             cur = None
     if riders:  # fp32 tensors after the last quantised one ride in the last message
         groups[-1][2].extend(riders)
@@ -358,6 +364,9 @@ class LowbitState:
         self._world: Optional[Tuple[int, int]] = None  # (rank, size), read once
         self._native = False  # set with _world (_refresh_native): the hook runs the fp32 allreduce only
         self.hook_thread = hook_thread  # not part of config(): where the host work runs, not what is sent
+        # DDP's bucket cap, for message_mb="auto" (groups end where DDP's buckets end); register reads it
+        # from the DDP model
+        self.bucket_bytes: float = DDP_BUCKET_BYTES
 
     # ------------------------------------------------------------------------------ helpers
     @property
@@ -757,6 +766,7 @@ def register(
     group = process_group if process_group is not None else getattr(ddp_model, "process_group", None)
     state = make_state(module, codec, algorithm, policy, error_feedback, start_iter, seed, group, message_mb,
                        node_size, allow, error_budget, measure_steps, remeasure_every, hook_thread)
+    state.bucket_bytes = getattr(ddp_model, "bucket_bytes_cap", DDP_BUCKET_BYTES)
     _check_same_config(state, group)
     if state.auto is not None:
         # codec="auto": DDP's own allreduce runs while the first steps are measured; lowbit's hook is
