@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from lowbit.study.store import ResultStore
+from lowbit.study.store import read_runs
 
 SUMMARY = ("params", "compressed_params", "samples_per_s", "final_test_acc", "timed_epochs", "gflop_per_sample")
 EPOCH = ("epoch", "steps", "train_s", "compute_s", "exposed_comm_s", "encode_s", "comm_s", "decode_s",
@@ -31,7 +31,7 @@ def slim(row: dict) -> dict:
 
 
 def main(src: str, dst: str) -> int:
-    rows = list(ResultStore(Path(src) / "results.jsonl" if Path(src).is_dir() else Path(src)).finished().values())
+    rows, _ = read_runs(src)  # the study's one reader: the rows the report and the speed model see
     with open(dst, "w") as f:
         for row in sorted(rows, key=lambda r: r["key"]):
             f.write(json.dumps(slim(row), sort_keys=True, separators=(",", ":")) + "\n")

@@ -92,3 +92,43 @@ def test_scalability_series_per_node_layout_and_algorithm(tmp_path) -> None:
     assert html.count("<h3>") == 1  # one setting: the layouts are rows of it, not settings of their own
     for lab in ("32bit (2 nodes)", "QSGD 4bit/512 [hierarchical] (2 nodes)"):
         assert lab in html
+
+
+def test_one_reader_for_the_report_and_the_speed_model(tmp_path: Path) -> None:
+    """The report (load_runs), the speed model (load_run_records) and read_runs read the same rows of
+    a damaged, partial results file, warn the same, and fail the same on a missing one."""
+    import pytest
+
+    from lowbit.study.store import load_run_records, read_runs
+
+    path = tmp_path / "results.jsonl"
+    text = REAL.read_text()
+    base = next(json.loads(x) for x in text.splitlines() if x.strip() and json.loads(x).get("kind") == "run")
+    bad = json.loads(json.dumps(base))
+    bad["key"], bad["config"]["world_size"] = "bad", "two"
+    again = json.loads(json.dumps(base))
+    again["summary"] = {"samples_per_s": -1.0}  # a second run row of a finished key: the first one counts
+    path.write_text(text + '{"kind": "run", "key": "torn", "conf\n' + json.dumps(bad) + "\n" + json.dumps(again) + "\n"
+                    + '{"kind": "epoch", "key": "k", "attempt": "cut", "epoch": 0}\n[1, 2]\n'
+                    + '{"kind": "run", "key": "torn2"')
+    out = {}
+    for name, read in (("rows", read_runs), ("report", load_runs), ("model", load_run_records)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = read(path)
+        out[name] = got, [str(w.message) for w in caught]
+    (rows, notes), w_rows = out["rows"]
+    keys = [r["key"] for r in rows]
+    assert keys == [r["key"] for r in out["report"][0][0]] == [r.key for r in out["model"][0]]
+    assert "bad" not in keys and "torn" not in keys and len(keys) == len(set(keys))
+    assert next(r for r in rows if r["key"] == base["key"])["summary"] == base["summary"]
+    assert w_rows == out["report"][1] == out["model"][1] and len(w_rows) == 1 and "'bad'" in w_rows[0]
+    assert notes == out["report"][0][1]
+    assert notes["malformed_rows"] == 1 and notes["skipped_lines"] == 4  # torn x2, [1, 2], bad
+    assert notes["incomplete_attempts"] == 1 and notes["incomplete_epochs"] == 1
+    errors = set()
+    for read in (read_runs, load_runs, load_run_records):
+        with pytest.raises(ValueError) as exc:
+            read(tmp_path / "missing")
+        errors.add(str(exc.value))
+    assert len(errors) == 1 and "not found" in errors.pop()

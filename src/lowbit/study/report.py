@@ -24,7 +24,6 @@ import html
 import math
 import os
 import statistics
-import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -36,7 +35,7 @@ from lowbit.perfmodel.projection import projection_curve, speedup_bound
 from lowbit.study import seed_data
 from lowbit.study.config import codec_label, policy_label
 from lowbit.study.export import write_csv
-from lowbit.study.store import ResultStore, resolve_results_path
+from lowbit.study.store import read_runs, resolve_results_path
 
 __all__ = ["write_report", "load_runs", "accuracy_matches", "MATCH_POINTS", "DEFAULT_PRICE_PER_GPU_HOUR"]
 
@@ -50,26 +49,17 @@ _NOT_SETTING = set(_VARIANT) | {"seed", "batch_preset"}
 
 # ------------------------------------------------------------------------------------ loading
 def load_runs(results: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Finished runs (flattened: config fields at top level, plus summary/epochs/labels/env) and notes."""
-    store = ResultStore(results)
-    if not store.path.exists():
-        raise ValueError(f"no results at {store.path}")
-    finished = store.finished()
+    """The finished runs of :func:`lowbit.study.store.read_runs` as the report reads them (flattened:
+    config fields at top level, plus summary/epochs/labels/env) and its notes."""
+    rows, notes = read_runs(results)
     runs = []
-    malformed = 0
-    for key, row in finished.items():
-        problem = _malformed(row)
-        if problem:
-            malformed += 1
-            warnings.warn(f"{store.path}, line {store.line_of.get(id(row), '?')}: skipping a malformed run row "
-                          f"(key {key!r}): {problem}", RuntimeWarning, stacklevel=2)
-            continue
+    for row in rows:
         cfg = dict(row["config"])
         cfg.setdefault("nodes", 1)  # rows from before emulated nodes
         cfg.setdefault("policy", {})  # ... and before per-layer policies
         cfg.setdefault("parallelism", "data")  # ... and before model parallelism
         cfg.setdefault("sub_batches", 1)
-        r = {**cfg, "key": key, "summary": row.get("summary", {}), "epoch_rows": row.get("epochs", []),
+        r = {**cfg, "key": row["key"], "summary": row.get("summary", {}), "epoch_rows": row.get("epochs", []),
              "labels": row.get("labels", {}), "env": row.get("env", {}), "study": row.get("study", ""),
              "finished": row.get("finished", "")}
         r["label"] = codec_label(cfg["codec"], bool(cfg.get("error_feedback"))) + policy_label(cfg["policy"])
@@ -88,37 +78,7 @@ def load_runs(results: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], di
             r["label"] += " (NCCL simulated)"
         r["bits"] = _bits(cfg["codec"])
         runs.append(r)
-    incomplete = store.incomplete_attempts()
-    notes = {"path": str(store.path), "skipped_lines": store.skipped_lines + malformed,
-             "malformed_rows": malformed, "incomplete_attempts": len(incomplete),
-             "incomplete_epochs": sum(len(v) for v in incomplete.values())}
     return runs, notes
-
-
-_ROW_FIELDS = {"network": str, "dataset": str, "codec": str, "algorithm": str, "world_size": int, "backend": str,
-               "batch_size": int, "seed": int, "epochs": int}
-
-
-def _malformed(row: dict[str, Any]) -> str:
-    """Why a run row cannot be reported ('' when it can): what the report reads must be there, typed."""
-    cfg = row.get("config")
-    if not isinstance(cfg, dict):
-        return f"'config' must be an object, got {type(cfg).__name__}"
-    for field, typ in _ROW_FIELDS.items():
-        v = cfg.get(field)
-        if not isinstance(v, typ) or isinstance(v, bool):
-            return f"config.{field} must be {typ.__name__}, got {v!r}"
-    try:
-        if cfg["codec"] != "auto":  # (codec="auto" chooses while training)
-            get_codec(cfg["codec"])
-    except ValueError as exc:
-        return f"config.codec: {exc}"
-    for field, typ in (("summary", dict), ("epochs", list), ("labels", dict), ("env", dict)):
-        if field in row and not isinstance(row[field], typ):
-            return f"'{field}' must be {'an object' if typ is dict else 'a list'}, got {type(row[field]).__name__}"
-    if any(not isinstance(e, dict) for e in row.get("epochs", [])):
-        return "'epochs' must hold objects"
-    return ""
 
 
 def _bits(spec: str) -> float:

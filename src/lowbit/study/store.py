@@ -10,6 +10,10 @@ Rows (one JSON object per line, each with ``kind`` and the run's ``key``):
 Every append is one ``write`` of a whole line, then ``flush`` and ``fsync``: a crash or Ctrl-C loses at
 most the line being written. A truncated last line (the crash case) is ignored on read, and the next
 append starts on a fresh line so it cannot glue onto the fragment.
+
+:func:`read_runs` is the one reader of a study's finished runs: the report (``lowbit report``, ``lowbit
+export``), the speed model (:func:`load_run_records`: ``lowbit predict``, ``lowbit advise``) and the tests
+all see the same rows and the same errors.
 """
 
 from __future__ import annotations
@@ -17,13 +21,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from lowbit.codecs.base import get_codec
 from lowbit.perfmodel.calibrate import RunRecord, run_record
 
-__all__ = ["ResultStore", "resolve_results_path", "load_run_records", "RESULTS_NAME"]
+__all__ = ["ResultStore", "resolve_results_path", "read_runs", "load_run_records", "RESULTS_NAME"]
 
 RESULTS_NAME = "results.jsonl"
 
@@ -101,27 +107,82 @@ class ResultStore:
     def finished_keys(self) -> set[str]:
         return set(self.finished())
 
-    def incomplete_attempts(self) -> dict[str, list[dict[str, Any]]]:
-        """Epoch rows of attempts that never wrote a run row (interrupted runs), by attempt id."""
-        done_attempts = set()
-        epochs: dict[str, list[dict[str, Any]]] = {}
-        for row in self.rows():
-            if row["kind"] == "run":
-                done_attempts.add(row.get("attempt"))
-            elif row["kind"] == "epoch":
-                epochs.setdefault(row.get("attempt", ""), []).append(row)
-        return {a: rs for a, rs in epochs.items() if a not in done_attempts}
+
+_ROW_FIELDS = {"network": str, "dataset": str, "codec": str, "algorithm": str, "world_size": int, "backend": str,
+               "batch_size": int, "seed": int, "epochs": int}
+
+
+def _malformed(row: dict[str, Any]) -> str:
+    """Why a run row cannot be read ('' when it can): what the readers use must be there, typed."""
+    cfg = row.get("config")
+    if not isinstance(cfg, dict):
+        return f"'config' must be an object, got {type(cfg).__name__}"
+    for field, typ in _ROW_FIELDS.items():
+        v = cfg.get(field)
+        if not isinstance(v, typ) or isinstance(v, bool):
+            return f"config.{field} must be {typ.__name__}, got {v!r}"
+    try:
+        if cfg["codec"] != "auto":  # (codec="auto" chooses while training)
+            get_codec(cfg["codec"])
+    except ValueError as exc:
+        return f"config.codec: {exc}"
+    for field, typ in (("summary", dict), ("epochs", list), ("labels", dict), ("env", dict)):
+        if field in row and not isinstance(row[field], typ):
+            return f"'{field}' must be {'an object' if typ is dict else 'a list'}, got {type(row[field]).__name__}"
+    if any(not isinstance(e, dict) for e in row.get("epochs", [])):
+        return "'epochs' must hold objects"
+    return ""
+
+
+def read_runs(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The finished runs of a results directory or ``.jsonl`` file, and notes on what was left out.
+
+    Runs are the ``run`` rows as written, in file order, the first one of each key. Torn lines (an
+    interrupted write) and rows that are not objects with ``kind`` and ``key`` are skipped; parseable
+    run rows without what the readers need (:func:`_malformed`) are skipped with a warning naming their
+    line. Notes: ``path`` (the file), ``skipped_lines`` (both kinds), ``malformed_rows``, and the
+    ``incomplete_attempts`` / ``incomplete_epochs`` of runs that never finished (a partial sweep).
+    ValueError if the file is missing.
+    """
+    store = ResultStore(path)
+    if not store.path.exists():
+        raise ValueError(f"study results not found: no results at {store.path} (give a results directory "
+                         "holding results.jsonl, or the .jsonl file)")
+    finished: dict[str, dict[str, Any]] = {}
+    line_of: dict[str, int] = {}
+    done_attempts = set()
+    epochs: dict[str, int] = {}
+    for row in store.rows():
+        if row["kind"] == "run":
+            done_attempts.add(row.get("attempt"))
+            if row["key"] not in finished:
+                finished[row["key"]] = row
+                line_of[row["key"]] = store.line_of[id(row)]
+        elif row["kind"] == "epoch":
+            attempt = row.get("attempt", "")
+            epochs[attempt] = epochs.get(attempt, 0) + 1
+    runs = []
+    for key, row in finished.items():
+        problem = _malformed(row)
+        if problem:
+            warnings.warn(f"{store.path}, line {line_of[key]}: skipping a malformed run row (key {key!r}): "
+                          f"{problem}", RuntimeWarning, stacklevel=3)
+            continue
+        runs.append(row)
+    malformed = len(finished) - len(runs)
+    incomplete = [n for a, n in epochs.items() if a not in done_attempts]
+    notes = {"path": str(store.path), "skipped_lines": store.skipped_lines + malformed,
+             "malformed_rows": malformed, "incomplete_attempts": len(incomplete),
+             "incomplete_epochs": sum(incomplete)}
+    return runs, notes
 
 
 def load_run_records(path: str | os.PathLike[str]) -> list[RunRecord]:
-    """The finished runs of a results directory or ``.jsonl`` file as the speed model reads them
+    """The finished runs of :func:`read_runs` as the speed model reads them
     (:func:`lowbit.perfmodel.calibrate.run_record`: data-parallel runs with timed steps); ValueError if
     the file is missing or holds none."""
-    p = resolve_results_path(path)
-    if not p.exists():
-        raise ValueError(f"study results {str(path)!r} not found (give a results directory holding "
-                         "results.jsonl, or the .jsonl file)")
-    runs = [r for r in (run_record(row) for row in ResultStore(p).finished().values()) if r is not None]
+    rows, notes = read_runs(path)
+    runs = [r for r in (run_record(row) for row in rows) if r is not None]
     if not runs:
-        raise ValueError(f"study results {str(p)!r} hold no finished runs")
+        raise ValueError(f"study results {notes['path']!r} hold no finished runs")
     return runs
