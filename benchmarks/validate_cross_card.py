@@ -55,7 +55,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import lowbit
 from lowbit.choose import CodecCost, TensorTiming, Timeline, message_limit, simulate
-from lowbit.models import build_model, model_info
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_ddp  # noqa: E402  (the bench's models and batches: build, make_batch)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_FILES = {
@@ -124,15 +126,11 @@ def load_card(name: str, sockets: Path, nvlink: Path) -> Card:
 def profile(network: str, batch: int, seq: int = 256) -> tuple[float, tuple[tuple[str, int, float], ...]]:
     """(forward share of the step's FLOPs, ((tensor, numel, share of the backward's FLOPs done when its
     gradient is ready), ...) in the order the gradients become ready): one forward + backward of the
-    bench's batch on the meta device under torch's FLOP counter."""
-    info = model_info(network)
-    shape = info.in_shape
-    tokens = info.task == "sequence" and len(shape) == 1
-    if tokens:
-        shape = (seq,)
+    bench's batch on the meta device under torch's FLOP counter. The model and its input are the ones
+    bench_ddp timed (:func:`bench_ddp.build`, :func:`bench_ddp.make_batch`), ``batch`` per rank."""
     with torch.device("meta"):
-        model = build_model(network, in_shape=shape)
-        x = (torch.randint(0, info.num_classes, (batch, *shape)) if tokens else torch.randn(batch, *shape))
+        model, feed = bench_ddp.build(network, bench_ddp.parse_args(["--device", "cpu", "--seq", str(seq)]))
+    x, _ = bench_ddp.make_batch({**feed, "batch": batch}, torch.device("meta"), 0)
     counter = FlopCounterMode(display=False)
     marks: list[tuple[str, int, float]] = []
     for name, p in model.named_parameters():
