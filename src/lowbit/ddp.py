@@ -107,7 +107,9 @@ class _Unit:
             self.src: List[torch.Tensor] = []
             self.dst: List[torch.Tensor] = []
         else:
-            self.stage = torch.empty(sum(v.numel() for v in views), dtype=torch.float32, device=views[0].device)
+            # staged in the wire's dtype (fp16/bf16: the copy in is the cast, the copy out the cast back;
+            # the collective then reduces the staging buffer itself, as it already holds the wire's dtype)
+            self.stage = torch.empty(sum(v.numel() for v in views), dtype=codec.wire_dtype, device=views[0].device)
             self.src = views
             pos, self.dst = 0, []
             for v in views:
@@ -134,11 +136,8 @@ class _Unit:
 def _copy_all(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
     if len(dst) == 1:
         dst[0].copy_(src[0])
-    elif dst[0].dtype == src[0].dtype:
-        torch._foreach_copy_(dst, src)  # one fused launch (a few for big buckets) on CUDA
     else:
-        for d, s in zip(dst, src):
-            d.copy_(s)
+        torch._foreach_copy_(dst, src)  # one fused launch (a few for big buckets) on CUDA; casts if need be
 
 
 class _Group:

@@ -251,3 +251,37 @@ def test_hook_thread_is_bit_identical_and_passes_errors_on() -> None:
             assert torch.equal(a, b), spec
     for r in (r0, r1):
         assert "planted failure" in r["error"], r["error"]
+
+
+def _body_half_as_torch(rank: int, world: int) -> dict:
+    """lowbit's fp16 plan (big tensors fp16, staged in fp16 out of a bucket that mixes them with fp32
+    biases; bf16 takes the same path) reduces the big tensors exactly as torch's fp16_compress_hook does
+    (cast, divide, sum, cast back), and the small ones exactly in fp32. (torch's bf16 hook refuses gloo.)"""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    out: dict = {}
+    for which in ("torch", "lowbit", "plain"):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+        model = DDP(net, bucket_cap_mb=0.2)
+        if which == "torch":
+            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif which == "lowbit":
+            out["plan"] = {n: c.spec for n, c in lowbit.ddp.register(model, codec="fp16", start_iter=0).plan.items()}
+        g = torch.Generator().manual_seed(rank)
+        x, y = torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g)
+        nn.functional.cross_entropy(model(x), y).backward()
+        out[which] = {n: p.grad.clone() for n, p in model.module.named_parameters()}
+    return out
+
+
+def test_half_plan_reduces_big_tensors_as_torch_and_small_ones_in_fp32() -> None:
+    r0, _ = spawn(_body_half_as_torch, 2, backend="gloo", timeout_s=60)
+    plan = r0["plan"]
+    assert sorted(set(plan.values())) == ["fp16", "fp32"]
+    for name, g in r0["lowbit"].items():
+        if plan[name] == "fp16":
+            assert torch.equal(g, r0["torch"][name]), name
+        else:
+            assert torch.allclose(g, r0["plain"][name], rtol=1e-6, atol=1e-8), name
+    assert any(not torch.equal(r0["lowbit"][n], r0["torch"][n]) for n in plan if plan[n] == "fp32")

@@ -328,7 +328,8 @@ def start(
 ) -> torch.futures.Future:
     """Issue one reduction now, on this thread; returns a future of ``out`` holding the result.
 
-    x: (n + exact,) float32 contiguous. The first n values cross in ``codec``'s precision; the last
+    x: (n + exact,) float32 contiguous (a natively summed codec also takes x already in its wire dtype,
+    and reduces it in place). The first n values cross in ``codec``'s precision; the last
     ``exact`` (allgather only: a DDP bucket's small tensors) ride raw in fp32 in the same message and are
     summed exactly. ``residual`` ((n,) float32, updated in place) enables error feedback: x + residual is
     what gets sent. ``out`` (default ``x``) may alias ``x``; ``x`` is not read after the call's own
