@@ -1,10 +1,27 @@
 """The seed study's networks as parameter counts and FLOPs, so the model runs without building them.
 
 Each :class:`Network` carries the *published* totals (parameters; forward multiply-accumulates per
-sample) and a per-layer *profile* in forward order. Where the architecture is simple to write down
-(AlexNet, VGG19, the ResNets, the MNIST MLP, the small CNN) the profile is computed below from the
-layer shapes, and the published totals only rescale it; for BN-Inception and the LSTM the profile is a
-uniform split (assumption, stated in ``notes``).
+sample) and a per-layer *profile* in forward order; the published totals only rescale the profile.
+
+Profiles come from torch modules built on the meta device (no memory, no arithmetic) and walked in one
+forward pass of a meta sample (:func:`module_profile`: forward hooks on every module holding parameters
+record its parameters and, from its type and the shapes of the call, its forward MACs; cached: 0.01-0.3 s
+a network, after a one-off ~2 s in a process's first walk, where torch's Python meta kernels import
+torch._dynamo). The module is lowbit.models'
+network of the same name for VGG19, ResNet-50, ResNet-152 and the MNIST MLP. Where the profile the
+model has always used is of another variant than lowbit.models builds, the variant is written here as
+a module and walked the same way, so the predictions do not move:
+
+* alexnet: torchvision's AlexNet (64-192-384-256-256 maps, 224x224; 61.1M parameters, 0.714 GMACs);
+  lowbit.models builds CNTK's (96-192-384-384-256 maps with LRN, 227x227; 62.0M, 0.986 GMACs);
+* resnet110: He et al.'s parameter-free shortcuts (1,727,962 parameters); lowbit.models builds CNTK's
+  1x1-convolution projection shortcuts in the first block of stages 2 and 3 (1,730,714);
+* cifar10_quick: Caffe's network, which lowbit.models does not build.
+
+BN-Inception and the LSTM keep a uniform split (12 and 4 equal groups; assumption, stated in ``notes``).
+``network_profile("bn_inception")`` and ``network_profile("lstm")`` walk lowbit.models' modules (as do
+"alexnet_cntk" and "resnet110_projection"); the speed model does not use them yet, since that moves
+its predictions (by up to ~15% for BN-Inception's advice).
 
 FLOPs convention: 1 MAC = 2 FLOPs, and forward + backward = 3 x forward (the backward pass computes
 gradients with respect to inputs and to weights, each about one forward), so::
@@ -24,15 +41,25 @@ Sources of the published totals:
   parameters x 100 frames per sample (assumption: one MAC per weight per frame, 100-frame utterance
   segments; the seed does not give the sequence length).
 * MNIST MLP 784-1024-1024-10 (Dettmers 2016, Sec. 4) and the small CNN (Caffe's ``cifar10_quick``:
-  conv5x5-32, pool, conv5x5-32, pool, conv5x5-64, pool, fc64, fc10) are computed exactly.
+  conv5x5-32, pool, conv5x5-32, pool, conv5x5-64, pool, fc64, fc10): the profile's own totals.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+import re
+from collections import OrderedDict
 from collections.abc import Callable
 
-__all__ = ["LayerProfile", "Network", "NETWORKS", "get_network", "network_names", "FWD_BWD_FLOPS_PER_MAC"]
+import torch
+from torch import nn
+
+from lowbit.models import build_model, model_info
+
+__all__ = ["LayerProfile", "Network", "NETWORKS", "get_network", "network_names", "FWD_BWD_FLOPS_PER_MAC",
+           "MODEL_SOURCES", "module_profile", "network_profile"]
 
 #: FLOPs of forward + backward per forward multiply-accumulate: 2 FLOPs per MAC x (1 fwd + 2 bwd).
 FWD_BWD_FLOPS_PER_MAC = 6.0
@@ -80,106 +107,196 @@ class Network:
         return out
 
 
-# --------------------------------------------------------------------------------- shape arithmetic
-def _conv(name: str, cin: int, cout: int, k: int, hw_out: int, bias: bool = True) -> LayerProfile:
-    """A k x k convolution: ``cin*cout*k^2 (+cout)`` weights, ``cin*cout*k^2*hw_out^2`` MACs."""
-    weights = cin * cout * k * k
-    return LayerProfile(name, weights + (cout if bias else 0), float(weights * hw_out * hw_out))
+# ------------------------------------------------------------------------ profiles from torch modules
+# kind of a parameterised module: convolutions and dense layers compute; norms and embeddings are
+# counted for their parameters with no MACs (their arithmetic is negligible next to the matmuls)
+_ZERO_MAC_KINDS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.Embedding)
+_SHAPE_KEEPING = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
+#: names a module's profile entry: (qualified module name, kind "conv" | "fc" | "lstm" | "norm", index of
+#: that kind from 1 in forward order) -> entry name; modules given one name are summed into one entry
+_Namer = Callable[[str, str, int], str]
 
 
-def _fc(name: str, fin: int, fout: int) -> LayerProfile:
-    return LayerProfile(name, fin * fout + fout, float(fin * fout))
+def _pass_on(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
-def _bn(name: str, c: int) -> LayerProfile:
-    return LayerProfile(name, 2 * c, 0.0)  # gamma, beta; the arithmetic is negligible
+def _lstm_layers(lstm: nn.LSTM, steps: int) -> list[tuple[int, float]]:
+    """(params, MACs) per layer of ``lstm`` over ``steps`` time steps, per sample and per direction summed:
+    the four gates' input and recurrent matmuls, ``4 H (I + R)``, plus the projection ``P H`` when there is
+    one (R = P with a projection, else H), times the steps; gate nonlinearities and biases not counted."""
+    dirs = 2 if lstm.bidirectional else 1
+    rec = lstm.proj_size or lstm.hidden_size
+    out = []
+    for k in range(lstm.num_layers):
+        inp = lstm.input_size if k == 0 else rec * dirs
+        macs = dirs * steps * (4 * lstm.hidden_size * (inp + rec) + lstm.proj_size * lstm.hidden_size)
+        params = sum(p.numel() for n, p in lstm.named_parameters() if re.search(rf"_l{k}(_reverse)?$", n))
+        out.append((params, float(macs)))
+    return out
 
 
-def _merge(name: str, parts: list[LayerProfile]) -> LayerProfile:
-    return LayerProfile(name, sum(p.params for p in parts), sum(p.macs for p in parts))
+def module_profile(model: nn.Module, in_shape: tuple[int, ...], name_of: _Namer) -> tuple[LayerProfile, ...]:
+    """The per-layer profile of ``model`` from one forward pass of one sample of ``in_shape`` on the model's
+    device (build it on the meta device: no memory, no arithmetic). Every module holding parameters of its
+    own gets a forward hook that records its parameters and forward MACs per sample, from its type and the
+    shapes of the call:
+
+    * convolution: output elements x (in_channels / groups) x kernel area;
+    * dense layer: output elements x in_features (in x out x rows, rows = time steps of a sequence);
+    * LSTM, one entry per layer: see :func:`_lstm_layers`;
+    * batch/layer/group norm, embedding: parameters, no MACs. Bias additions are not counted anywhere.
+
+    ``name_of`` names each module's entry (see ``_Namer``); entries come in the order their names first
+    appear. Every module holding parameters must be called exactly once in the pass."""
+    rows: dict[str, list] = {}
+    counts: dict[str, int] = {}
+    seen: set[int] = set()
+
+    def add(qualname: str, kind: str, params: int, macs: float) -> None:
+        counts[kind] = counts.get(kind, 0) + 1
+        row = rows.setdefault(name_of(qualname, kind, counts[kind]), [0, 0.0])
+        row[0] += params
+        row[1] += macs
+
+    def hook(module: nn.Module, args: tuple, out: object) -> None:
+        if id(module) in seen:
+            raise ValueError(f"module {names[id(module)]!r} is called twice: the profile counts each layer once")
+        seen.add(id(module))
+        qualname = names[id(module)]
+        params = sum(p.numel() for p in module.parameters(recurse=False))
+        if isinstance(module, nn.LSTM):
+            steps = args[0].shape[1 if module.batch_first else 0]
+            for k, (p, m) in enumerate(_lstm_layers(module, steps)):
+                add(f"{qualname}.l{k}", "lstm", p, m)
+        elif isinstance(module, nn.modules.conv._ConvNd):
+            # out[0]: the one sample's output
+            add(qualname, "conv", params, float(out[0].numel() * (module.in_channels // module.groups)
+                                                * math.prod(module.kernel_size)))
+        elif isinstance(module, nn.Linear):
+            add(qualname, "fc", params, float(out[0].numel() * module.in_features))
+        elif isinstance(module, _ZERO_MAC_KINDS):
+            add(qualname, "norm", params, 0.0)
+        else:
+            raise TypeError(f"no MAC count for {type(module).__name__} ({qualname!r})")
+
+    names = {id(m): q for q, m in model.named_modules() if next(m.parameters(recurse=False), None) is not None}
+    handles = [m.register_forward_hook(hook) for m in model.modules() if id(m) in names]
+    # During the walk norms pass their input on (same shape; their arithmetic on meta tensors costs ~1-3 ms
+    # a call, most of a ResNet's walk); their hooks still fire. Eval mode: dropout does nothing either.
+    norms = [m for m in model.modules() if isinstance(m, _SHAPE_KEEPING)]
+    training = model.training
+    try:
+        for m in norms:
+            m.forward = _pass_on
+        with torch.no_grad():
+            model.eval()(torch.zeros((1, *in_shape), device=next(model.parameters()).device))
+    finally:
+        model.train(training)
+        for m in norms:
+            del m.forward
+        for h in handles:
+            h.remove()
+    if missing := sorted(q for i, q in names.items() if i not in seen):
+        raise ValueError(f"modules never called in the forward pass: {missing}")
+    return tuple(LayerProfile(name, params, macs) for name, (params, macs) in rows.items())
 
 
-def _out(hw: int, k: int, stride: int, pad: int) -> int:
-    return (hw + 2 * pad - k) // stride + 1
+def _numbered(fc_first: int) -> _Namer:
+    """conv1, conv2, ... and fc<fc_first>, fc<fc_first+1>, ... in forward order."""
+    return lambda q, kind, i: f"fc{fc_first + i - 1}" if kind == "fc" else f"conv{i}"
 
 
-def alexnet_profile() -> tuple[LayerProfile, ...]:
-    """AlexNet as in Krizhevsky (2014, "one weird trick"; torchvision): 5 conv + 3 fc, 224x224 input."""
-    h1 = _out(224, 11, 4, 2)                       # 55
-    p1 = _out(h1, 3, 2, 0)                         # 27
-    p2 = _out(p1, 3, 2, 0)                         # 13
-    p3 = _out(p2, 3, 2, 0)                         # 6
-    return (
-        _conv("conv1", 3, 64, 11, h1), _conv("conv2", 64, 192, 5, p1), _conv("conv3", 192, 384, 3, p2),
-        _conv("conv4", 384, 256, 3, p2), _conv("conv5", 256, 256, 3, p2),
-        _fc("fc6", 256 * p3 * p3, 4096), _fc("fc7", 4096, 4096), _fc("fc8", 4096, 1000),
-    )
+def _resnet(block: str, first_stage: int) -> _Namer:
+    """lowbit.models' ResNets: the stem is conv1, each residual block one entry (``block`` formatted with
+    the stage, counted from ``first_stage``, and the block from 1), then fc."""
+    def name_of(q: str, kind: str, i: int) -> str:
+        head, *rest = q.split(".")
+        if head == "stages":
+            return block.format(first_stage + int(rest[0]), int(rest[1]) + 1)
+        return "conv1" if head == "stem" else head
+    return name_of
 
 
-def vgg19_profile() -> tuple[LayerProfile, ...]:
-    """VGG19 (Simonyan & Zisserman 2015, config E): 16 conv3x3 + 3 fc, 224x224 input."""
-    cfg = [64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M",
-           512, 512, 512, 512, "M"]
-    layers, cin, hw, i = [], 3, 224, 0
-    for c in cfg:
-        if c == "M":
-            hw //= 2
-            continue
-        i += 1
-        layers.append(_conv(f"conv{i}", cin, int(c), 3, hw))
-        cin = int(c)
-    layers += [_fc("fc6", cin * hw * hw, 4096), _fc("fc7", 4096, 4096), _fc("fc8", 4096, 1000)]
-    return tuple(layers)
+def _bn_inception(q: str, kind: str, i: int) -> str:
+    """lowbit.models' BN-Inception in 12 entries: the stem, the ten inception modules, the dense layer."""
+    head, *rest = q.split(".")
+    return "block1" if head == "stem" else f"block{int(rest[0]) + 2}" if head == "inception" else "block12"
 
 
-def resnet_imagenet_profile(blocks: tuple[int, int, int, int]) -> tuple[LayerProfile, ...]:
-    """Bottleneck ResNet (He et al. 2016) for 224x224 input; one profile entry per residual block."""
-    layers = [_merge("conv1", [_conv("conv1", 3, 64, 7, 112, bias=False), _bn("bn1", 64)])]
-    cin, hw = 64, 56
-    for stage, (n, mid) in enumerate(zip(blocks, (64, 128, 256, 512)), start=2):
-        for b in range(n):
-            stride = 2 if (b == 0 and stage > 2) else 1
-            hw_out = hw // stride
-            parts = [
-                _conv("a", cin, mid, 1, hw, bias=False), _bn("a", mid),
-                _conv("b", mid, mid, 3, hw_out, bias=False), _bn("b", mid),
-                _conv("c", mid, 4 * mid, 1, hw_out, bias=False), _bn("c", 4 * mid),
-            ]
-            if b == 0:
-                parts += [_conv("down", cin, 4 * mid, 1, hw_out, bias=False), _bn("down", 4 * mid)]
-            layers.append(_merge(f"conv{stage}_{b + 1}", parts))
-            cin, hw = 4 * mid, hw_out
-    layers.append(_fc("fc", cin, 1000))
-    return tuple(layers)
+def _lstm(q: str, kind: str, i: int) -> str:
+    """lowbit.models' LSTM in the uniform split's 4 entries: lstm1-3 the LSTMP layers, lstm4 the output layer."""
+    return f"lstm{i}" if kind == "lstm" else "lstm4"
 
 
-def resnet_cifar_profile(depth: int = 110) -> tuple[LayerProfile, ...]:
-    """CIFAR ResNet (He et al. 2016, Sec. 4.2): 6n+2 layers, 16/32/64 channels, identity shortcuts."""
-    n = (depth - 2) // 6
-    layers = [_merge("conv1", [_conv("conv1", 3, 16, 3, 32, bias=False), _bn("bn1", 16)])]
-    cin, hw = 16, 32
+def _first_part(q: str, kind: str, i: int) -> str:
+    """The modules below are named as the profile names their layers."""
+    return q.split(".")[0]
+
+
+def _torchvision_alexnet() -> nn.Module:
+    """torchvision's single-tower AlexNet (64-192-384-256-256 maps, no LRN; 61,100,840 parameters)."""
+    relu = nn.ReLU(inplace=True)  # in place: no meta kernel to run (and no parameters, so one can serve)
+    return nn.Sequential(OrderedDict(
+        conv1=nn.Conv2d(3, 64, 11, stride=4, padding=2), relu1=relu, pool1=nn.MaxPool2d(3, 2),
+        conv2=nn.Conv2d(64, 192, 5, padding=2), relu2=relu, pool2=nn.MaxPool2d(3, 2),
+        conv3=nn.Conv2d(192, 384, 3, padding=1), relu3=relu, conv4=nn.Conv2d(384, 256, 3, padding=1), relu4=relu,
+        conv5=nn.Conv2d(256, 256, 3, padding=1), relu5=relu, pool5=nn.MaxPool2d(3, 2), flat=nn.Flatten(),
+        fc6=nn.Linear(256 * 6 * 6, 4096), fc7=nn.Linear(4096, 4096), fc8=nn.Linear(4096, 1000),
+    ))
+
+
+def _resnet110_identity() -> nn.Module:
+    """He et al.'s CIFAR ResNet-110 with parameter-free (zero-padding) shortcuts: 1,727,962 parameters. The
+    shortcut adds no parameters and changes no shape, so the blocks' bodies in sequence give the profile."""
+    def conv_bn(cin: int, cout: int, stride: int = 1) -> list[nn.Module]:
+        return [nn.Conv2d(cin, cout, 3, stride, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True)]
+    layers: dict[str, nn.Module] = {"conv1": nn.Sequential(*conv_bn(3, 16))}
+    cin = 16
     for stage, c in enumerate((16, 32, 64), start=1):
-        for b in range(n):
-            hw_out = hw // 2 if (b == 0 and stage > 1) else hw
-            parts = [_conv("a", cin, c, 3, hw_out, bias=False), _bn("a", c),
-                     _conv("b", c, c, 3, hw_out, bias=False), _bn("b", c)]
-            layers.append(_merge(f"stage{stage}_{b + 1}", parts))
-            cin, hw = c, hw_out
-    layers.append(_fc("fc", cin, 10))
-    return tuple(layers)
+        for b in range(18):
+            layers[f"stage{stage}_{b + 1}"] = nn.Sequential(*conv_bn(cin, c, 2 if b == 0 and stage > 1 else 1),
+                                                            *conv_bn(c, c))
+            cin = c
+    return nn.Sequential(OrderedDict(layers, pool=nn.AdaptiveAvgPool2d(1), flat=nn.Flatten(), fc=nn.Linear(64, 10)))
 
 
-def mlp_profile(sizes: tuple[int, ...] = (784, 1024, 1024, 10)) -> tuple[LayerProfile, ...]:
-    return tuple(_fc(f"fc{i + 1}", a, b) for i, (a, b) in enumerate(zip(sizes, sizes[1:])))
+def _cifar10_quick() -> nn.Module:
+    """Caffe's ``cifar10_quick`` (145,578 parameters); Caffe's pooling rounds up: 32 -> 16 -> 8 -> 4."""
+    relu = nn.ReLU(inplace=True)
+    return nn.Sequential(OrderedDict(
+        conv1=nn.Conv2d(3, 32, 5, padding=2), pool1=nn.MaxPool2d(3, 2, ceil_mode=True), relu1=relu,
+        conv2=nn.Conv2d(32, 32, 5, padding=2), relu2=relu, pool2=nn.AvgPool2d(3, 2, ceil_mode=True),
+        conv3=nn.Conv2d(32, 64, 5, padding=2), relu3=relu, pool3=nn.AvgPool2d(3, 2, ceil_mode=True),
+        flat=nn.Flatten(), fc1=nn.Linear(64 * 4 * 4, 64), fc2=nn.Linear(64, 10),
+    ))
 
 
-def small_cnn_profile() -> tuple[LayerProfile, ...]:
-    """Caffe ``cifar10_quick``: conv5x5(3->32), pool, conv5x5(32->32), pool, conv5x5(32->64), pool,
-    fc64, fc10 (32x32 input, padding 2)."""
-    return (
-        _conv("conv1", 3, 32, 5, 32), _conv("conv2", 32, 32, 5, 16), _conv("conv3", 32, 64, 5, 8),
-        _fc("fc1", 64 * 4 * 4, 64), _fc("fc2", 64, 10),
-    )
+#: Where each profile comes from: a lowbit.models name (its default input shape) or, for the variants
+#: lowbit.models does not build, a module here and its input shape; and how its layers are named.
+MODEL_SOURCES: dict[str, tuple[str | Callable[[], nn.Module], tuple[int, ...] | None, _Namer]] = {
+    "alexnet": (_torchvision_alexnet, (3, 224, 224), _first_part),
+    "vgg19": ("vgg19", None, _numbered(6)),
+    "resnet50": ("resnet50", None, _resnet("conv{}_{}", 2)),
+    "resnet152": ("resnet152", None, _resnet("conv{}_{}", 2)),
+    "resnet110": (_resnet110_identity, (3, 32, 32), _first_part),
+    "mlp": ("mlp", None, _numbered(1)),
+    "cifar10_quick": (_cifar10_quick, (3, 32, 32), _first_part),
+    # lowbit.models' own builds where the speed model keeps another profile (see the module docstring)
+    "alexnet_cntk": ("alexnet", None, _numbered(6)),
+    "resnet110_projection": ("resnet110", None, _resnet("stage{}_{}", 1)),
+    "bn_inception": ("bn_inception", None, _bn_inception),
+    "lstm": ("lstm", None, _lstm),
+}
+
+
+@functools.cache
+def network_profile(name: str) -> tuple[LayerProfile, ...]:
+    """The profile of ``MODEL_SOURCES[name]``'s module, built on the meta device and walked (cached)."""
+    source, in_shape, name_of = MODEL_SOURCES[name]
+    with torch.device("meta"):
+        model = build_model(source) if isinstance(source, str) else source()
+    return module_profile(model, in_shape or model_info(str(source)).in_shape, name_of)
 
 
 def _uniform(prefix: str, groups: int) -> tuple[LayerProfile, ...]:
@@ -192,22 +309,23 @@ def _exact(name: str, profile: tuple[LayerProfile, ...], dataset: str, notes: st
 
 
 _BUILDERS: dict[str, Callable[[], Network]] = {
-    "alexnet": lambda: Network("alexnet", 62_000_000, 0.72, alexnet_profile(), "ImageNet",
+    "alexnet": lambda: Network("alexnet", 62_000_000, 0.72, network_profile("alexnet"), "ImageNet",
                                "params: seed Fig. 3 (CNTK AlexNet); profile: torchvision layer shapes"),
-    "vgg19": lambda: Network("vgg19", 143_000_000, 19.6, vgg19_profile(), "ImageNet",
+    "vgg19": lambda: Network("vgg19", 143_000_000, 19.6, network_profile("vgg19"), "ImageNet",
                              "params: seed Fig. 3; MACs: He et al. 2016"),
-    "resnet50": lambda: Network("resnet50", 25_000_000, 3.8, resnet_imagenet_profile((3, 4, 6, 3)),
+    "resnet50": lambda: Network("resnet50", 25_000_000, 3.8, network_profile("resnet50"),
                                 "ImageNet", "params: seed Fig. 3; MACs: He et al. 2016 Table 1"),
-    "resnet152": lambda: Network("resnet152", 60_000_000, 11.3, resnet_imagenet_profile((3, 8, 36, 3)),
+    "resnet152": lambda: Network("resnet152", 60_000_000, 11.3, network_profile("resnet152"),
                                  "ImageNet", "params: seed Fig. 3; MACs: He et al. 2016 Table 1"),
-    "resnet110": lambda: Network("resnet110", 1_700_000, 0.253, resnet_cifar_profile(110), "CIFAR-10",
+    "resnet110": lambda: Network("resnet110", 1_700_000, 0.253, network_profile("resnet110"), "CIFAR-10",
                                  "params: He et al. 2016 (seed Fig. 3 prints 1M); MACs: Li et al. 2017"),
     "bn_inception": lambda: Network("bn_inception", 11_000_000, 2.0, _uniform("block", 12), "ImageNet",
                                     "MACs approximate; profile: uniform over 12 groups (assumption)"),
     "lstm": lambda: Network("lstm", 13_000_000, 1.3, _uniform("lstm", 4), "AN4",
                             "MACs: 13M params x 100 frames per sample (assumption); uniform profile"),
-    "mlp": lambda: _exact("mlp", mlp_profile(), "MNIST", "784-1024-1024-10 (Dettmers 2016)"),
-    "cifar10_quick": lambda: _exact("cifar10_quick", small_cnn_profile(), "CIFAR-10", "Caffe cifar10_quick"),
+    "mlp": lambda: _exact("mlp", network_profile("mlp"), "MNIST", "784-1024-1024-10 (Dettmers 2016)"),
+    "cifar10_quick": lambda: _exact("cifar10_quick", network_profile("cifar10_quick"), "CIFAR-10",
+                                    "Caffe cifar10_quick"),
 }
 
 # The names are lowbit.models' (and so the study's) wherever the network is the same one: one set of
