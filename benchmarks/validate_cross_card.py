@@ -30,8 +30,10 @@ collective per DDP bucket instead, which is not how lowbit's hook has sent messa
 coalescing. The hook's message structure is the *code* each file ran (``benchmarks/results/ddp_runs.md``):
 the 2x H100 files say ``git_commit 6ffbde3`` but ran 0109990 (NVLink) and 727860e (sockets), where
 consecutive DDP buckets of one codec coalesce into messages of at least 64 MiB of fp32; from b534a38
-on, message groups of consecutive tensors up to ``message_mb="auto"`` (the larger of 64 MiB and a
-third of the quantised gradients). A predicted step is ``NVLink step + simulate(...)``.
+on, message groups of consecutive tensors up to ``message_mb="auto"``, which until c0fc04b was the
+larger of 64 MiB and a third of the quantised gradients (replayed here as that many MiB: ``LEGACY_AUTO``)
+and from c0fc04b on closes where DDP's buckets end (what ``choose.simulate`` replays for "auto"). A
+predicted step is ``NVLink step + simulate(...)``.
 
     python benchmarks/validate_cross_card.py [--h100 SOCKETS NVLINK] [--h200 SOCKETS NVLINK] \\
         [--out benchmarks/results/speed_model_cross_card.json] [--md benchmarks/results/speed_model_cross_card.md]
@@ -45,6 +47,7 @@ import functools
 import json
 import math
 import statistics
+import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -72,6 +75,23 @@ FIRST_BUCKET, BUCKET = 2**20, 25 * 2**20  # DDP's bucket caps
 #: bench_ddp files whose git_commit is stale (ddp_runs.md): the hook of 0109990 / 727860e coalesced DDP
 #: buckets of one codec into messages of >= 64 MiB fp32
 STALE_COMMITS = {"6ffbde3", "6ffbde304b26d87e03e45e8c6d38060460cdf53d"}
+#: the first commit whose message_mb="auto" cuts messages where DDP's buckets end; files of earlier code ran
+#: the size rule, max(64 MiB, a third of the quantised gradients), replayed as LEGACY_AUTO
+ALIGNED_AUTO_SINCE = "c0fc04b"
+LEGACY_AUTO = "auto (before c0fc04b)"
+
+
+def runs_aligned_auto(commit: Any) -> bool:
+    """Whether ``commit`` (a bench file's git_commit) has the DDP-aligned message_mb="auto" (git ancestry;
+    False where git cannot tell)."""
+    if not commit or str(commit) in STALE_COMMITS:
+        return False
+    try:
+        r = subprocess.run(["git", "merge-base", "--is-ancestor", ALIGNED_AUTO_SINCE, str(commit)],
+                           cwd=Path(__file__).resolve().parent, capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return r.returncode == 0
 
 
 # ------------------------------------------------------------------------------------------ data
@@ -103,7 +123,9 @@ def hook_messages(meta: Mapping[str, Any]) -> tuple[str, Union[float, str]]:
     mb = (meta.get("args") or {}).get("lowbit_message_mb")
     if str(meta.get("git_commit")) in STALE_COMMITS:
         return ("buckets", float(mb) if mb is not None else 64.0)
-    return ("tensors", float(mb) if mb is not None else "auto")
+    if mb is not None:
+        return ("tensors", float(mb))
+    return ("tensors", "auto" if runs_aligned_auto(meta.get("git_commit")) else LEGACY_AUTO)
 
 
 def load_card(name: str, sockets: Path, nvlink: Path) -> Card:
@@ -199,6 +221,8 @@ def _step(network: str, batch: int, seq: int, step_s: float, messages: tuple[str
             buckets.append(TensorTiming(f"bucket{bucket}", sum(p[1] for p in pending), t_ready, bucket))
             tensors += [TensorTiming(p[0], p[1], t_ready, bucket) for p in pending]
             bucket, size, cap, pending = bucket + 1, 0, BUCKET, []
+    if messages[1] == LEGACY_AUTO:  # the size rule that code ran, as a fixed size
+        messages = (messages[0], max(64.0, 4 * sum(p[1] for p in ready) / 3 / 2**20))
     by_bucket = Timeline(tuple(buckets), step_s, step_s, messages[1])
     if messages[0] == "buckets":
         return _Step(by_bucket, by_bucket, by_bucket)
@@ -214,7 +238,7 @@ def _step(network: str, batch: int, seq: int, step_s: float, messages: tuple[str
         else:
             units.append(TensorTiming(f"unit{len(units)}", t.numel, t.ready_s, t.bucket))
         group += t.numel
-        closed = 4 * group >= limit
+        closed = messages[1] != "auto" and 4 * group >= limit  # ("auto" closes at bucket ends only)
         if closed:
             group = 0
     return _Step(hooked, Timeline(tuple(units), step_s, step_s, messages[1]), by_bucket)

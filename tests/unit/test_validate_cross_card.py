@@ -104,4 +104,6 @@ def test_held_out_network_absent_from_fit(vcc, cards, result):
 def test_hook_messages_follow_the_code_that_ran(vcc, cards):
     # ddp_runs.md: the H100 files' git_commit is stale (the hook coalesced DDP buckets, 64 MiB); H200: groups
     assert cards["H100"].messages == ("buckets", 64.0)
-    assert cards["H200"].messages == ("tensors", "auto")
+    assert cards["H200"].messages == ("tensors", vcc.LEGACY_AUTO)  # b534a38: auto was the size rule then
+    assert vcc.hook_messages({"git_commit": "c0fc04b"}) == ("tensors", "auto")  # (git history permitting)
+    assert vcc.hook_messages({"git_commit": "b534a38", "args": {"lowbit_message_mb": 32}}) == ("tensors", 32.0)
