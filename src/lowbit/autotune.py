@@ -312,7 +312,8 @@ class AutoTuner:
             periods.append(_elapsed(f, nxt["forward"]))
         ready = {name: statistics.median(v) for name, v in offsets.items()}
         names = sorted(ready, key=lambda n: (ready[n], -state.order.get(n, 0)))
-        tensors, bucket, size, cap = [], 0, 0, 2**20  # DDP: a 1 MiB first bucket, then the cap
+        # DDP's first bucket (1 MiB with its default cap, else the cap), then the cap
+        tensors, bucket, size, cap = [], 0, 0, getattr(state, "first_bucket_bytes", 2**20)
         pending: list[str] = []
         for i, name in enumerate(names):
             pending.append(name)

@@ -31,7 +31,7 @@ from typing import Any, Union
 
 __all__ = ["Tried", "pick", "TensorTiming", "Timeline", "CodecCost", "simulate", "decide", "Decision",
            "compute_time", "explain", "weighted_bits",
-           "message_limit", "ddp_buckets", "WITHIN_BEST", "FASTER_THAN_FP32", "AUTO_FASTER_THAN_FP32"]
+           "message_limit", "ddp_buckets", "ddp_bucket_caps", "WITHIN_BEST", "FASTER_THAN_FP32", "AUTO_FASTER_THAN_FP32"]
 
 #: ``lowbit advise``: below this predicted speedup, fp32 is the answer (its predictions are extrapolated)
 FASTER_THAN_FP32 = 1.05
@@ -63,18 +63,31 @@ def message_limit(message_mb: Union[float, str], quantised_bytes: float) -> floa
     return float(message_mb) * 2**20
 
 
-def ddp_buckets(numels: Sequence[int], bucket_bytes: float = DDP_BUCKET_BYTES, itemsize: int = 4) -> list[int]:
+def ddp_buckets(numels: Sequence[int], bucket_bytes: float = DDP_BUCKET_BYTES, itemsize: int = 4,
+                first_bytes: float = DDP_FIRST_BUCKET_BYTES) -> list[int]:
     """How DDP cuts tensors (sizes in the order their gradients become ready) into buckets, as
     ``torch.distributed._compute_bucket_assignment_by_size`` does for one dtype and device: a bucket
-    closes once it holds at least its limit (the first 1 MiB, the others ``bucket_bytes``). Returns
-    each tensor's bucket index."""
-    out, index, size, limit = [], 0, 0, DDP_FIRST_BUCKET_BYTES
+    closes once it holds at least its limit (the first ``first_bytes``: 1 MiB with DDP's default cap,
+    else the cap itself; the others ``bucket_bytes``). Returns each tensor's bucket index."""
+    out, index, size, limit = [], 0, 0, first_bytes
     for n in numels:
         out.append(index)
         size += itemsize * n
         if size >= limit:
             index, size, limit = index + 1, 0, bucket_bytes
     return out
+
+
+def ddp_bucket_caps(ddp_model: Any) -> tuple[float, float]:
+    """(first bucket's cap, the others' cap) in bytes of a DistributedDataParallel model, as its reducer
+    rebuilds its buckets: torch gives the first bucket 1 MiB only when ``bucket_cap_mb`` is left at its
+    default, else the cap itself."""
+    cap = float(getattr(ddp_model, "bucket_bytes_cap", DDP_BUCKET_BYTES))
+    config = getattr(ddp_model, "_bucket_config", None)
+    if config is not None and hasattr(config, "first_bucket_bytes_cap"):
+        return float(config.first_bucket_bytes_cap), cap
+    default = getattr(ddp_model, "bucket_bytes_cap_default", True)
+    return (float(DDP_FIRST_BUCKET_BYTES) if default else cap), cap
 
 
 def closes_after(i: int, buckets: Sequence[int], size_bytes: float, limit: float) -> bool:

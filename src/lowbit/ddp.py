@@ -21,7 +21,10 @@ How a step goes (per DDP bucket, as the backward pass makes it ready):
    launches the backward pass's kernels, so every microsecond of Python there delays the backward
    pass; the hook only records an event and queues the bucket, and the hook thread, on a side stream
    that waits for that event, copies, encodes and issues the collectives in the order DDP called
-   (FIFO: the same order on every rank).
+   (FIFO: the same order on every rank), on a process group of its own (the same ranks, made by
+   ``make_state``): collectives that the backward pass itself issues on the user's group
+   (SyncBatchNorm, ``torch.distributed.nn``, a custom autograd function) cannot meet lowbit's in a
+   different order on different ranks.
 3. Decoding, the mean and the copy back into the bucket(s) run when the data has arrived: on CUDA on a
    pool stream that waits for the collective (the backward pass goes on), on CPU on gloo's thread.
    DDP waits for each bucket's future (its groups' messages) before the optimizer step.
@@ -78,7 +81,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lowbit.autotune import AutoTuner
-from lowbit.choose import DDP_BUCKET_BYTES, closes_after, ddp_buckets, message_limit
+from lowbit.choose import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, closes_after, ddp_bucket_caps, ddp_buckets, message_limit
 from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
 from lowbit.comm.allreduce import AUTO, CommStats, get_algorithm, resolve_algorithm, start
@@ -239,7 +242,8 @@ def _plan_groups(state: "LowbitState", k: int, device: torch.device) -> Dict[str
     limit = message_limit(state.message_mb,
                           sum(4 * state._numels[n] for n in names if not state.plan[n].sums_on_wire))
     aligned = state.message_mb == "auto"  # close where DDP's buckets end (as DDP cuts the model: its cap)
-    buckets = ddp_buckets([state._numels[n] for n in names], getattr(state, "bucket_bytes", DDP_BUCKET_BYTES))
+    buckets = ddp_buckets([state._numels[n] for n in names], getattr(state, "bucket_bytes", DDP_BUCKET_BYTES),
+                          first_bytes=getattr(state, "first_bucket_bytes", DDP_FIRST_BUCKET_BYTES))
     groups: List[Tuple[Codec, List[Tuple[str, int]], List[Tuple[str, int]]]] = []
     cur: Optional[Tuple[Codec, List[Tuple[str, int]], List[Tuple[str, int]]]] = None
     riders: List[Tuple[str, int]] = []
@@ -261,8 +265,10 @@ def _plan_groups(state: "LowbitState", k: int, device: torch.device) -> Dict[str
                 cur = None
         if aligned and cur is not None and closes_after(i, buckets, size, limit):
             cur = None
-    if riders:  # fp32 tensors after the last quantised one ride in the last message
+    if riders and not aligned:  # fp32 tensors after the last quantised one ride in the last message
         groups[-1][2].extend(riders)
+    # (message_mb="auto": they are reduced natively with their own buckets instead; the last message may
+    # have closed at an earlier bucket end, and would otherwise wait for DDP's last bucket)
     out: Dict[str, _Group] = {}
     for i, (codec, members, exact) in enumerate(groups):
         g = _Group(state, i, codec, members, exact, resolve_algorithm(state.algorithm, codec, k), device)
@@ -363,9 +369,15 @@ class LowbitState:
         self._world: Optional[Tuple[int, int]] = None  # (rank, size), read once
         self._native = False  # set with _world (_refresh_native): the hook runs the fp32 allreduce only
         self.hook_thread = hook_thread  # not part of config(): where the host work runs, not what is sent
-        # DDP's bucket cap, for message_mb="auto" (groups end where DDP's buckets end); register reads it
-        # from the DDP model
+        # DDP's bucket caps, for message_mb="auto" (groups end where DDP's buckets end); register reads
+        # them from the DDP model
         self.bucket_bytes: float = DDP_BUCKET_BYTES
+        self.first_bucket_bytes: float = DDP_FIRST_BUCKET_BYTES
+        # the hook thread's own process group (the same ranks as process_group), made by make_state when
+        # the thread may run: collectives issued during the backward pass on the user's group (by
+        # SyncBatchNorm, torch.distributed.nn, DDP itself) cannot interleave with lowbit's differently on
+        # different ranks. Not pickled (a restored state falls back to process_group).
+        self._thread_group: Optional[dist.ProcessGroup] = None
 
     # ------------------------------------------------------------------------------ helpers
     @property
@@ -491,6 +503,7 @@ class LowbitState:
         d["_group_of"] = None
         d["_world"] = None
         d["_native"] = False
+        d["_thread_group"] = None
         return d
 
 
@@ -516,7 +529,8 @@ def hook(state: LowbitState, bucket: dist.GradBucket) -> torch.futures.Future[to
     state._advance(bucket)
     mode = getattr(state, "hook_thread", "auto")  # (states pickled before the option: "auto")
     if mode is True or (mode == "auto" and flat.is_cuda):
-        return _HOOK_THREAD.submit(state, lay, buf, group, step_seed, last)
+        own = getattr(state, "_thread_group", None)
+        return _HOOK_THREAD.submit(state, lay, buf, own if own is not None else group, step_seed, last)
     return _issue(state, lay, buf, group, step_seed, last)
 
 
@@ -696,6 +710,9 @@ def make_state(
         Trainer(strategy=DDPStrategy(ddp_comm_state=state, ddp_comm_hook=lowbit.ddp.hook))
 
     ``codec="auto"`` measures the job and chooses per tensor among ``allow`` (:mod:`lowbit.autotune`).
+    Where the hook thread may run (``hook_thread`` True, or "auto" with the module on CUDA) and
+    torch.distributed is initialised, it creates the thread's own process group: then every rank of
+    ``process_group`` must call it, in the same order as their other ``new_group`` calls.
     """
     if codec is not None and policy is not None:
         raise ValueError("pass codec= or policy=, not both (a Policy carries its default codec)")
@@ -722,6 +739,11 @@ def make_state(
     if tuner is not None:
         state.auto = tuner
         tuner.attach(module, state)  # the hook, registered by a framework, reduces in fp32 until the decision
+    cuda = any(p.is_cuda for p in module.parameters())
+    if (hook_thread is True or (hook_thread == "auto" and cuda)) and dist.is_available() and dist.is_initialized():
+        base = process_group if process_group is not None else dist.group.WORLD
+        state._thread_group = dist.new_group(ranks=dist.get_process_group_ranks(base), backend=dist.get_backend(base),
+                                             use_local_synchronization=True)
     return state
 
 
@@ -765,7 +787,7 @@ def register(
     group = process_group if process_group is not None else getattr(ddp_model, "process_group", None)
     state = make_state(module, codec, algorithm, policy, error_feedback, start_iter, seed, group, message_mb,
                        node_size, allow, error_budget, measure_steps, remeasure_every, hook_thread)
-    state.bucket_bytes = getattr(ddp_model, "bucket_bytes_cap", DDP_BUCKET_BYTES)
+    state.first_bucket_bytes, state.bucket_bytes = ddp_bucket_caps(ddp_model)
     _check_same_config(state, group)
     if state.auto is not None:
         # codec="auto": DDP's own allreduce runs while the first steps are measured; lowbit's hook is

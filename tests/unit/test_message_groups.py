@@ -86,3 +86,21 @@ def test_message_mb_sets_the_number_of_messages(mb, count: int) -> None:
 def test_bad_message_mb_is_refused(bad) -> None:
     with pytest.raises(ValueError, match="message_mb"):
         D.make_state(nn.Linear(4, 4), "qsgd:bits=8", message_mb=bad)
+
+
+def test_auto_leaves_trailing_fp32_tensors_to_their_own_buckets() -> None:
+    """fp32 tensors after the last quantised one (auto keeping the first layers in fp32) are reduced
+    natively with their buckets, not appended to the last message, which may have closed at an earlier
+    bucket end and would then wait for DDP's last bucket (found in review)."""
+    from lowbit.codecs.base import get_codec
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(784, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 10))
+    state = D.make_state(model, "qsgd:bits=8,bucket=512", message_mb="auto")
+    state.plan = {**state.plan, "0.weight": get_codec("fp32"), "0.bias": get_codec("fp32")}
+    plan = D._plan_groups(state, 2, torch.device("cpu"))
+    assert "0.weight" not in plan and "0.bias" not in plan
+    assert "2.weight" in plan
+    state.message_mb = 64  # an explicit size: they ride in the last message, as documented
+    plan = D._plan_groups(state, 2, torch.device("cpu"))
+    assert "0.weight" in plan and plan["0.weight"] is plan["2.weight"]
