@@ -17,7 +17,7 @@ D8 = "dettmers:type=dynamic,bucket=0"
 def test_bench_hybrid_with_dettmers_model_cpu(tmp_path: Path) -> None:
     out = tmp_path / "hybrid.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    configs = f"dp:ddp;hybrid[s=1]:fp32;hybrid[s=1]:{D8};hybrid[s=2]:{D8}"
+    configs = f"dp:ddp;hybrid[s=1]:fp32;hybrid[s=1]:{D8};hybrid[s=2]:{D8};hybrid[s=1,pair=1]:{D8}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
            str(ROOT / "benchmarks" / "bench_hybrid.py"), "--device", "cpu", "--models", "small_cnn",
            "--configs", configs, "--batch", "8", "--warmup", "1", "--steps", "2", "--rounds", "1", "--out", str(out)]
@@ -45,3 +45,9 @@ def test_bench_hybrid_with_dettmers_model_cpu(tmp_path: Path) -> None:
         c = cfgs[cfg]
         assert math.isclose(c["dettmers_error"], c["samples_per_s"] / c["dettmers_predicted_samples_per_s"] - 1)
     assert "dettmers_predicted_samples_per_s" not in cfgs[f"hybrid[s=2]:{D8}"]
+    # pair=1 reaches the hybrid (small_cnn's classifier is one Linear: nothing to pair, the same bytes; the
+    # saving on a chain of layers is tested in test_parallel.py) and gets no Dettmers prediction (his
+    # model is the unpaired split)
+    paired = cfgs[f"hybrid[s=1,pair=1]:{D8}"]
+    assert paired["activation_bytes_per_step"] == cfgs[f"hybrid[s=1]:{D8}"]["activation_bytes_per_step"]
+    assert "dettmers_predicted_samples_per_s" not in paired

@@ -41,11 +41,13 @@ class Hybrid(nn.Module):
     :func:`lowbit.parallel.parallelize`, same values on every rank required) or one already split with
     ``first_reduces_input_grad=False``. ``ddp_average``: the features' gradients are averaged over ranks
     (DDP); the activations' gradients are then scaled by ``K`` so that the average is the global batch's
-    gradient.
+    gradient. ``pair``: the classifier's linear layers split in column/row pairs (fewer transfers;
+    :func:`lowbit.parallel.parallelize`).
     """
 
     def __init__(self, features: nn.Module, classifier: nn.Sequential, comm: ParallelComm | None = None,
-                 sub_batches: int = 1, update_each: bool = False, ddp_average: bool = True, seed: int = 0) -> None:
+                 sub_batches: int = 1, update_each: bool = False, ddp_average: bool = True, seed: int = 0,
+                 pair: bool = False) -> None:
         super().__init__()
         if not isinstance(sub_batches, int) or isinstance(sub_batches, bool) or sub_batches < 1:
             raise ValueError(f"sub_batches must be a positive int, got {sub_batches!r}")
@@ -53,7 +55,7 @@ class Hybrid(nn.Module):
         self.features = features
         split = any(hasattr(m, "comm") for m in classifier)
         self.classifier = classifier if split else parallelize(classifier, self.comm, first_reduces_input_grad=False,
-                                                                seed=seed)
+                                                                seed=seed, pair=pair)
         self.sub_batches, self.update_each, self.ddp_average = sub_batches, update_each, ddp_average
 
     def _labels(self, y: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,13 @@ default the same). The default is Dettmers' dynamic tree 8-bit with one scale pe
 
 :func:`parallelize` turns a ``Sequential`` of ``Linear`` / ``ReLU`` / ``Dropout`` (a classifier, an MLP)
 into its model-parallel twin with the same parameters; its dropout draws the same mask on every rank.
+
+With ``pair=True`` consecutive ``Linear`` layers go in pairs, as in Megatron-LM (Shoeybi et al. 2019):
+a column-parallel layer keeps its output slice (no gather), the next, a :class:`RowParallelLinear`,
+takes that slice as its input (its weight's matching columns) and sums the ranks' partial outputs with
+one compressed all-reduce. Per pair that is one transfer forward and none backward for the pair's
+inside (the row layer's input gradient is local), instead of a gather forward and a reduction backward
+per layer: half the activation transfers of an MLP's chain.
 """
 
 from __future__ import annotations
@@ -30,8 +37,8 @@ from lowbit.comm import collectives as C
 from lowbit.comm.allreduce import CommStats, all_reduce
 from lowbit.comm.gather import all_gather, part_sizes
 
-__all__ = ["DEFAULT_CODEC", "ParallelComm", "ColumnParallelLinear", "SharedDropout", "parallelize",
-           "gather_features", "copy_to_parallel"]
+__all__ = ["DEFAULT_CODEC", "ParallelComm", "ColumnParallelLinear", "RowParallelLinear", "SharedDropout",
+           "parallelize", "gather_features", "copy_to_parallel", "reduce_features"]
 
 DEFAULT_CODEC = "dettmers:type=dynamic,bucket=0"
 
@@ -89,6 +96,28 @@ class _GatherFeatures(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         return g.narrow(-1, ctx.lo, ctx.size).contiguous(), None, None, None
+
+
+class _ReduceFeatures(torch.autograd.Function):
+    """Forward: the compressed sum over ranks of every rank's partial output; backward: identity (the
+    output, and so its gradient, is replicated: each partial's gradient is the output's)."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, comm: ParallelComm, tag: int) -> torch.Tensor:
+        y = y.contiguous().clone()
+        if comm.world[1] > 1:
+            all_reduce(y, comm.codec, comm.group, algorithm="auto", op="sum", key=("lowbit.parallel.row", tag),
+                       seed=comm.step * 31 + tag, stats=comm.stats)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return g, None, None
+
+
+def reduce_features(y: torch.Tensor, comm: ParallelComm, tag: int = 0) -> torch.Tensor:
+    """Every rank's partial output ``y`` summed in ``comm.codec`` (the same result on every rank)."""
+    return _ReduceFeatures.apply(y, comm, tag)
 
 
 def copy_to_parallel(x: torch.Tensor, comm: ParallelComm, tag: int = 0) -> torch.Tensor:
@@ -157,15 +186,62 @@ class ColumnParallelLinear(nn.Module):
                 f"{self.weight.shape[0]}), codec={self.comm.codec.spec}")
 
 
+class RowParallelLinear(nn.Module):
+    """``nn.Linear(in_features, out_features)`` with the *input* features split across the group's ranks
+    (the weight's columns, :func:`lowbit.comm.gather.part_sizes` of them, as a
+    :class:`ColumnParallelLinear` with ``gather_output=False`` leaves its output).
+
+    ``forward(x)``: ``x`` (..., in slice) this rank's slice -> (..., out_features) on every rank: the
+    partial products summed with one compressed all-reduce in ``comm.codec``, then the bias (held whole,
+    the same on every rank). Backward: the input slice's gradient is local (the output gradient is
+    replicated), the weight's from the local slice: no communication."""
+
+    def __init__(self, in_features: int, out_features: int, comm: ParallelComm, bias: bool = True, tag: int = 0,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        rank, k = comm.world
+        if in_features < k:
+            raise ValueError(f"RowParallelLinear: {in_features} input features cannot be split over {k} ranks")
+        self.in_features, self.out_features = in_features, out_features
+        self.comm, self.tag = comm, tag
+        self.sizes = part_sizes(in_features, k)
+        self.lo = sum(self.sizes[:rank])
+        self.weight = nn.Parameter(torch.empty(out_features, self.sizes[rank], device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
+        nn.init.kaiming_uniform_(self.weight, a=5**0.5)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, comm: ParallelComm, **kw: Any) -> "RowParallelLinear":
+        """This rank's columns of ``linear`` (and its whole bias)."""
+        m = cls(linear.in_features, linear.out_features, comm, bias=linear.bias is not None,
+                device=linear.weight.device, **kw)
+        with torch.no_grad():
+            m.weight.copy_(linear.weight[:, m.lo : m.lo + m.weight.shape[1]])
+            if m.bias is not None and linear.bias is not None:
+                m.bias.copy_(linear.bias)
+        return m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_features(F.linear(x, self.weight), self.comm, 2 * self.tag + 1)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        rank, k = self.comm.world
+        return (f"in_features={self.in_features} (rank {rank} of {k}: {self.weight.shape[1]}), "
+                f"out_features={self.out_features}, codec={self.comm.codec.spec}")
+
+
 class SharedDropout(nn.Module):
     """Dropout that draws the same mask on every rank (the activations after a gather are replicated and
     must stay so): the mask comes from a generator seeded by (seed, the comm's step, call index)."""
 
-    def __init__(self, p: float, comm: ParallelComm, seed: int = 0) -> None:
+    def __init__(self, p: float, comm: ParallelComm, seed: int = 0,
+                 features: tuple[int, int, int] | None = None) -> None:
         super().__init__()
         if not 0.0 <= p < 1.0:
             raise ValueError(f"dropout probability must be in [0, 1), got {p}")
         self.p, self.comm, self.seed = p, comm, seed
+        self.features = features  # (lo, size, total): x is this slice of the last dimension of the whole
         self._calls = 0
         self._step = -1
 
@@ -177,7 +253,11 @@ class SharedDropout(nn.Module):
         g = torch.Generator(device=x.device)
         g.manual_seed((self.seed * 1_000_003 + self.comm.step * 9_973 + self._calls) & 0x7FFFFFFF)
         self._calls += 1
-        keep = torch.rand(x.shape, generator=g, device=x.device) >= self.p
+        if self.features is None:
+            keep = torch.rand(x.shape, generator=g, device=x.device) >= self.p
+        else:  # the whole tensor's mask, this slice of it: as the unsplit layer would have drawn
+            lo, size, total = self.features
+            keep = (torch.rand((*x.shape[:-1], total), generator=g, device=x.device) >= self.p).narrow(-1, lo, size)
         return x * keep / (1.0 - self.p)
 
 
@@ -185,16 +265,27 @@ _ELEMENTWISE = (nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.SiLU)
 
 
 def parallelize(seq: nn.Sequential, comm: ParallelComm, first_reduces_input_grad: bool = True,
-                seed: int = 0) -> nn.Sequential:
+                seed: int = 0, pair: bool = False) -> nn.Sequential:
     """The model-parallel twin of ``seq`` (``Linear``, ``ReLU``, ``Dropout``, ``Flatten``, ``Identity``
     only): every ``Linear`` becomes this rank's :class:`ColumnParallelLinear` slice with the same values
     and its output gathered (an elementwise activation right after it is applied to the slice before the
     gather), every ``Dropout`` a :class:`SharedDropout`. ``first_reduces_input_grad=False``
-    for a caller that sums the first layer's input gradient itself (:class:`lowbit.parallel.Hybrid`)."""
+    for a caller that sums the first layer's input gradient itself (:class:`lowbit.parallel.Hybrid`).
+    ``pair=True``: a ``Linear`` followed (after elementwise layers and dropout) by another goes with it
+    as a column-parallel layer without gather and a :class:`RowParallelLinear` (module doc)."""
     out: list[nn.Module] = []
     tag = 0
     mods = list(seq)
     i = 0
+
+    def tail(j: int) -> tuple[list[nn.Module], int]:
+        """The elementwise layers and dropouts from index j, and the index after them."""
+        got = []
+        while j < len(mods) and isinstance(mods[j], (*_ELEMENTWISE, nn.Dropout, nn.Identity)):
+            got.append(mods[j])
+            j += 1
+        return got, j
+
     while i < len(mods):
         m = mods[i]
         i += 1
@@ -203,8 +294,22 @@ def parallelize(seq: nn.Sequential, comm: ParallelComm, first_reduces_input_grad
             if i < len(mods) and isinstance(mods[i], _ELEMENTWISE):
                 act = mods[i]  # applied to the slice before the gather
                 i += 1
-            out.append(ColumnParallelLinear.from_linear(m, comm, tag=tag, activation=act,
-                                                        reduce_input_grad=first_reduces_input_grad or tag > 0))
+            reduce_in = first_reduces_input_grad or tag > 0
+            between, j = tail(i)
+            if pair and j < len(mods) and isinstance(mods[j], nn.Linear):
+                col = ColumnParallelLinear.from_linear(m, comm, tag=tag, activation=act, gather_output=False,
+                                                       reduce_input_grad=reduce_in)
+                out.append(col)
+                rank = comm.world[0]
+                for b in between:  # on the slice: elementwise as is, dropout with the whole layer's mask
+                    out.append(SharedDropout(b.p, comm, seed=seed * 101 + len(out),
+                                             features=(col.lo, col.sizes[rank], col.out_features))
+                               if isinstance(b, nn.Dropout) else b)
+                out.append(RowParallelLinear.from_linear(mods[j], comm, tag=tag + 1))
+                tag += 2
+                i = j + 1
+                continue
+            out.append(ColumnParallelLinear.from_linear(m, comm, tag=tag, activation=act, reduce_input_grad=reduce_in))
             tag += 1
         elif isinstance(m, nn.Dropout):
             out.append(SharedDropout(m.p, comm, seed=seed * 101 + len(out)))
