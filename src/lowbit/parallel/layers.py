@@ -131,7 +131,39 @@ def gather_features(y: torch.Tensor, comm: ParallelComm, sizes: list[int], tag: 
     return _GatherFeatures.apply(y, comm, sizes, tag)
 
 
-class ColumnParallelLinear(nn.Module):
+class _SplitLinear(nn.Module):
+    """What the column- and row-parallel layers share: ``weight`` split along ``split_dim`` (0: output
+    features, 1: input features) in :func:`lowbit.comm.gather.part_sizes` parts, this rank's from
+    ``lo``; the bias split with the output features, else whole."""
+
+    split_dim = 0
+
+    def _split(self, in_features: int, out_features: int, comm: ParallelComm, tag: int) -> int:
+        """Set the split's attributes; returns this rank's number of split features."""
+        rank, k = comm.world
+        n, what = (out_features, "output") if self.split_dim == 0 else (in_features, "input")
+        if n < k:
+            raise ValueError(f"{type(self).__name__}: {n} {what} features cannot be split over {k} ranks")
+        self.in_features, self.out_features = in_features, out_features
+        self.comm, self.tag = comm, tag
+        self.sizes = part_sizes(n, k)
+        self.lo = sum(self.sizes[:rank])
+        return self.sizes[rank]
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, comm: ParallelComm, **kw: Any) -> "_SplitLinear":
+        """This rank's slice of ``linear`` (same values: a model split this way computes what it did)."""
+        m = cls(linear.in_features, linear.out_features, comm, bias=linear.bias is not None,  # type: ignore[call-arg]
+                device=linear.weight.device, **kw)
+        n = m.weight.shape[m.split_dim]
+        with torch.no_grad():
+            m.weight.copy_(linear.weight.narrow(m.split_dim, m.lo, n))
+            if m.bias is not None and linear.bias is not None:
+                m.bias.copy_(linear.bias.narrow(0, m.lo, n) if m.split_dim == 0 else linear.bias)
+        return m
+
+
+class ColumnParallelLinear(_SplitLinear):
     """``nn.Linear(in_features, out_features)`` with the output features split across the group's ranks.
 
     ``forward(x)``: ``x`` (..., in_features) replicated on every rank -> (..., out_features) gathered on every
@@ -146,29 +178,12 @@ class ColumnParallelLinear(nn.Module):
                  gather_output: bool = True, reduce_input_grad: bool = True, tag: int = 0,
                  activation: nn.Module | None = None, device: torch.device | str | None = None) -> None:
         super().__init__()
-        rank, k = comm.world
-        if out_features < k:
-            raise ValueError(f"ColumnParallelLinear: {out_features} output features cannot be split over {k} ranks")
-        self.in_features, self.out_features = in_features, out_features
-        self.comm, self.tag = comm, tag
-        self.sizes = part_sizes(out_features, k)
-        self.lo = sum(self.sizes[:rank])
+        n = self._split(in_features, out_features, comm, tag)
         self.gather_output, self.reduce_input_grad = gather_output, reduce_input_grad
         self.activation = activation
-        self.weight = nn.Parameter(torch.empty(self.sizes[rank], in_features, device=device))
-        self.bias = nn.Parameter(torch.zeros(self.sizes[rank], device=device)) if bias else None
+        self.weight = nn.Parameter(torch.empty(n, in_features, device=device))
+        self.bias = nn.Parameter(torch.zeros(n, device=device)) if bias else None
         nn.init.kaiming_uniform_(self.weight, a=5**0.5)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, comm: ParallelComm, **kw: Any) -> "ColumnParallelLinear":
-        """This rank's slice of ``linear`` (same values: a model split this way computes what it did)."""
-        m = cls(linear.in_features, linear.out_features, comm, bias=linear.bias is not None,
-                device=linear.weight.device, **kw)
-        with torch.no_grad():
-            m.weight.copy_(linear.weight[m.lo : m.lo + m.weight.shape[0]])
-            if m.bias is not None and linear.bias is not None:
-                m.bias.copy_(linear.bias[m.lo : m.lo + m.bias.shape[0]])
-        return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.reduce_input_grad and x.requires_grad:
@@ -186,7 +201,7 @@ class ColumnParallelLinear(nn.Module):
                 f"{self.weight.shape[0]}), codec={self.comm.codec.spec}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_SplitLinear):
     """``nn.Linear(in_features, out_features)`` with the *input* features split across the group's ranks
     (the weight's columns, :func:`lowbit.comm.gather.part_sizes` of them, as a
     :class:`ColumnParallelLinear` with ``gather_output=False`` leaves its output).
@@ -196,30 +211,15 @@ class RowParallelLinear(nn.Module):
     the same on every rank). Backward: the input slice's gradient is local (the output gradient is
     replicated), the weight's from the local slice: no communication."""
 
+    split_dim = 1
+
     def __init__(self, in_features: int, out_features: int, comm: ParallelComm, bias: bool = True, tag: int = 0,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
-        rank, k = comm.world
-        if in_features < k:
-            raise ValueError(f"RowParallelLinear: {in_features} input features cannot be split over {k} ranks")
-        self.in_features, self.out_features = in_features, out_features
-        self.comm, self.tag = comm, tag
-        self.sizes = part_sizes(in_features, k)
-        self.lo = sum(self.sizes[:rank])
-        self.weight = nn.Parameter(torch.empty(out_features, self.sizes[rank], device=device))
+        n = self._split(in_features, out_features, comm, tag)
+        self.weight = nn.Parameter(torch.empty(out_features, n, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
         nn.init.kaiming_uniform_(self.weight, a=5**0.5)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, comm: ParallelComm, **kw: Any) -> "RowParallelLinear":
-        """This rank's columns of ``linear`` (and its whole bias)."""
-        m = cls(linear.in_features, linear.out_features, comm, bias=linear.bias is not None,
-                device=linear.weight.device, **kw)
-        with torch.no_grad():
-            m.weight.copy_(linear.weight[:, m.lo : m.lo + m.weight.shape[1]])
-            if m.bias is not None and linear.bias is not None:
-                m.bias.copy_(linear.bias)
-        return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = reduce_features(F.linear(x, self.weight), self.comm, 2 * self.tag + 1)
