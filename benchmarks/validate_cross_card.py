@@ -57,7 +57,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import lowbit
-from lowbit.choose import CodecCost, TensorTiming, Timeline, message_limit, simulate
+from lowbit.choose import CodecCost, TensorTiming, Timeline, ddp_buckets, message_limit, simulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_ddp  # noqa: E402  (the bench's models and batches: build, make_batch)
@@ -209,18 +209,12 @@ def _step(network: str, batch: int, seq: int, step_s: float, messages: tuple[str
     fwd_share, marks = profile(network, batch, seq)
     fwd_s = fwd_share * step_s
     ready = [(n, k, fwd_s + f * (step_s - fwd_s)) for n, k, f in marks]
-    tensors: list[TensorTiming] = []
-    buckets: list[TensorTiming] = []
-    pending: list[tuple[str, int, float]] = []
-    size, cap, bucket = 0, FIRST_BUCKET, 0
-    for i, (n, k, t) in enumerate(ready):
-        pending.append((n, k, t))
-        size += 4 * k
-        if size >= cap or i + 1 == len(ready):
-            t_ready = max(p[2] for p in pending)
-            buckets.append(TensorTiming(f"bucket{bucket}", sum(p[1] for p in pending), t_ready, bucket))
-            tensors += [TensorTiming(p[0], p[1], t_ready, bucket) for p in pending]
-            bucket, size, cap, pending = bucket + 1, 0, BUCKET, []
+    cut = ddp_buckets([k for _, k, _ in ready], BUCKET, first_bytes=FIRST_BUCKET)
+    nb = max(cut) + 1
+    t_ready = [max(t for (_, _, t), b in zip(ready, cut) if b == i) for i in range(nb)]
+    buckets = [TensorTiming(f"bucket{i}", sum(k for (_, k, _), b in zip(ready, cut) if b == i), t_ready[i], i)
+               for i in range(nb)]
+    tensors = [TensorTiming(n, k, t_ready[b], b) for (n, k, _), b in zip(ready, cut)]
     if messages[1] == LEGACY_AUTO:  # the size rule that code ran, as a fixed size
         messages = (messages[0], max(64.0, 4 * sum(p[1] for p in ready) / 3 / 2**20))
     by_bucket = Timeline(tuple(buckets), step_s, step_s, messages[1])

@@ -43,8 +43,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from lowbit.choose import (AUTO_FASTER_THAN_FP32, WITHIN_BEST, CodecCost, Decision, TensorTiming, Timeline, Tried,
-                           compute_time, decide, explain, pick, simulate, weighted_bits)
+from lowbit.choose import (AUTO_FASTER_THAN_FP32, DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, WITHIN_BEST, CodecCost,
+                           Decision, TensorTiming, Timeline, Tried, compute_time, ddp_buckets, decide, explain, pick,
+                           simulate, weighted_bits)
 from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
 from lowbit.comm.allreduce import resolve_algorithm, start
@@ -112,7 +113,6 @@ class AutoTuner:
         self._install: Optional[Callable[[], None]] = None
         self._state: Any = None
         self._device = torch.device("cpu")
-        self._bucket_bytes = 25 * 2**20
 
     # ------------------------------------------------------------------------------ configuration
     def config(self) -> dict[str, Any]:
@@ -120,15 +120,14 @@ class AutoTuner:
                 "remeasure_every": self.remeasure_every}
 
     def attach(self, module: torch.nn.Module, state: LowbitState,
-               install: Optional[Callable[[], None]] = None, bucket_bytes: float = 25 * 2**20) -> None:
+               install: Optional[Callable[[], None]] = None) -> None:
         """Watch ``module`` (the model DDP wraps): count its training forward passes, mark when each one
         starts and when each parameter's gradient is ready (post-accumulate-grad hooks), and decide at the
         forward pass after the measured ones. ``install``: registers lowbit's hook on the DDP model, called
         only once compression pays (until then DDP's own allreduce runs untouched); None: the hook is
-        already installed and reduces in fp32 until the decision. ``bucket_bytes``: DDP's bucket cap."""
+        already installed and reduces in fp32 until the decision. DDP's bucket caps are the state's."""
         self.detach()
         self._state, self._install = state, install
-        self._bucket_bytes = bucket_bytes
         self._device = _device_of(module)
         self._handle = module.register_forward_pre_hook(self._on_forward)
         self._grad_handles = [p.register_post_accumulate_grad_hook(self._on_grad(name))
@@ -312,16 +311,12 @@ class AutoTuner:
             periods.append(_elapsed(f, nxt["forward"]))
         ready = {name: statistics.median(v) for name, v in offsets.items()}
         names = sorted(ready, key=lambda n: (ready[n], -state.order.get(n, 0)))
-        # DDP's first bucket (1 MiB with its default cap, else the cap), then the cap
-        tensors, bucket, size, cap = [], 0, 0, getattr(state, "first_bucket_bytes", 2**20)
-        pending: list[str] = []
-        for i, name in enumerate(names):
-            pending.append(name)
-            size += 4 * state._numels[name]
-            if size >= cap or i + 1 == len(names):
-                t_ready = max(ready[n] for n in pending)
-                tensors += [TensorTiming(n, state._numels[n], t_ready, bucket) for n in pending]
-                bucket, size, cap, pending = bucket + 1, 0, self._bucket_bytes, []
+        cut = ddp_buckets([state._numels[n] for n in names], getattr(state, "bucket_bytes", DDP_BUCKET_BYTES),
+                          first_bytes=getattr(state, "first_bucket_bytes", DDP_FIRST_BUCKET_BYTES))
+        bucket_ready: dict[int, float] = {}  # a bucket is handed to the hook when its last gradient is ready
+        for n, b in zip(names, cut):
+            bucket_ready[b] = max(bucket_ready.get(b, ready[n]), ready[n])
+        tensors = [TensorTiming(n, state._numels[n], bucket_ready[b], b) for n, b in zip(names, cut)]
         backward_end = max(ready.values())
         step = statistics.median(periods)
         return Timeline(tuple(tensors), backward_end, max(step, backward_end), state.message_mb, self._rides(state))

@@ -795,8 +795,7 @@ def register(
         if one_node_native and state.one_node:
             state.auto.detach()  # nothing crosses nodes: DDP's allreduce stays, as for any codec
         else:
-            state.auto.attach(module, state, install=lambda: ddp_model.register_comm_hook(state, hook),
-                              bucket_bytes=getattr(ddp_model, "bucket_bytes_cap", 25 * 2**20))
+            state.auto.attach(module, state, install=lambda: ddp_model.register_comm_hook(state, hook))
         return state
     if one_node_native and state.one_node:
         # hierarchical inside one node compresses nothing: leave DDP's own C++ allreduce in place, which no
