@@ -97,6 +97,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--profile", type=Path, default=None,
+                   help="directory: profile 5 more steps of each --profile-config on rank 0 (chrome trace + "
+                        "key_averages table)")
+    p.add_argument("--profile-config", action="append", default=[],
+                   help="a config of --configs to profile (repeatable)")
     p.add_argument("--no-phases", dest="phases", action="store_false",
                    help="skip measuring Dettmers' model inputs and its prediction beside the s=1 hybrids")
     a = p.parse_args(argv)
@@ -107,7 +112,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
-def run(ctx: B.Ctx, initial: nn.Module, feed: dict[str, Any], x: torch.Tensor, y: torch.Tensor, cfg: str) -> dict[str, Any]:
+def run(ctx: B.Ctx, initial: nn.Module, feed: dict[str, Any], x: torch.Tensor, y: torch.Tensor, cfg: str,
+        profile_tag: str | None = None) -> dict[str, Any]:
     a = ctx.args
     model = copy.deepcopy(initial).to(ctx.device)
     hyb = parse_hybrid(cfg)
@@ -144,6 +150,8 @@ def run(ctx: B.Ctx, initial: nn.Module, feed: dict[str, Any], x: torch.Tensor, y
         ctx.sync()
         elapsed = time.perf_counter() - t0
         b1, a1 = (B.bytes_sent(state) or 0), (comm.stats.bytes_sent if comm else 0)
+        if profile_tag is not None and ctx.args.profile is not None:
+            profile(ctx, step, ctx.args.profile, profile_tag)
         return {"elapsed_s": elapsed, "loss": B._finite(float(loss.detach())),
                 # lowbit's counters: the gradients' hook (not plain DDP's or fp16's) plus the activations
                 "bytes_sent_per_step": (b1 - b0 + a1 - a0) / a.steps,
@@ -153,6 +161,31 @@ def run(ctx: B.Ctx, initial: nn.Module, feed: dict[str, Any], x: torch.Tensor, y
         gc.collect()
         if ctx.cuda:
             torch.cuda.empty_cache()
+
+
+def profile(ctx: B.Ctx, step: Any, out: Path, tag: str, steps: int = 5) -> None:
+    """Every rank runs ``steps`` more steps (the collectives need them all); rank 0 records them."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    ctx.barrier()
+    if ctx.rank != 0:
+        for _ in range(steps):
+            step()
+        ctx.sync()
+        return
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
+    with torch_profile(activities=acts) as prof:
+        for _ in range(steps):
+            step()
+        ctx.sync()
+    out.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(out / f"trace_{tag}_rank0.json"))
+    sort = "cuda_time_total" if ctx.cuda else "cpu_time_total"
+    avg = prof.key_averages()
+    (out / f"key_averages_{tag}_rank0.txt").write_text(
+        avg.table(sort_by=sort, row_limit=40) + "\n\n" + avg.table(sort_by="cpu_time_total", row_limit=40))
+    ctx.log(f"  profile of {tag}: {out}/trace_{tag}_rank0.json, key_averages_{tag}_rank0.txt")
 
 
 def _median_time(ctx: B.Ctx, fn: Any, reps: int = 10, collective: bool = False) -> float:
@@ -264,7 +297,9 @@ def main(argv: list[str] | None = None) -> int:
             rows = []
             for rnd in range(a.rounds):
                 try:
-                    row = run(ctx, initial, feed, x, y, cfg)
+                    tag = (f"{name}_{configs.index(cfg)}" if cfg in a.profile_config and rnd == a.rounds - 1
+                           else None)
+                    row = run(ctx, initial, feed, x, y, cfg, tag)
                 except Exception as exc:  # noqa: BLE001 — recorded, the other configs go on
                     errors.append({"model": name, "config": cfg, "error": repr(exc)[:2000]})
                     ctx.log(f"  {cfg}: FAILED {exc!r}"[:300])

@@ -20,7 +20,8 @@ def test_bench_hybrid_with_dettmers_model_cpu(tmp_path: Path) -> None:
     configs = f"dp:ddp;hybrid[s=1]:fp32;hybrid[s=1]:{D8};hybrid[s=2]:{D8};hybrid[s=1,pair=1]:{D8}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
            str(ROOT / "benchmarks" / "bench_hybrid.py"), "--device", "cpu", "--models", "small_cnn",
-           "--configs", configs, "--batch", "8", "--warmup", "1", "--steps", "2", "--rounds", "1", "--out", str(out)]
+           "--configs", configs, "--batch", "8", "--warmup", "1", "--steps", "2", "--rounds", "1", "--out", str(out),
+           "--profile", str(tmp_path / "prof"), "--profile-config", f"hybrid[s=1,pair=1]:{D8}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     doc = json.loads(out.read_text())
@@ -51,3 +52,6 @@ def test_bench_hybrid_with_dettmers_model_cpu(tmp_path: Path) -> None:
     paired = cfgs[f"hybrid[s=1,pair=1]:{D8}"]
     assert paired["activation_bytes_per_step"] == cfgs[f"hybrid[s=1]:{D8}"]["activation_bytes_per_step"]
     assert "dettmers_predicted_samples_per_s" not in paired
+    # --profile: rank 0's trace and table of the one config asked for (the 5th of --configs)
+    assert sorted(f.name for f in (tmp_path / "prof").iterdir()) == ["key_averages_small_cnn_4_rank0.txt",
+                                                                      "trace_small_cnn_4_rank0.json"]
