@@ -73,7 +73,7 @@ def test_a_codec_from_its_own_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
     runs = {r["config"]["codec"]: r for r in ResultStore(out).rows() if r["kind"] == "run"}
     assert runs["toy8"]["summary"]["bytes_per_step_per_rank"] > 0 and 0 <= runs["toy8"]["summary"]["final_test_acc"]
     # the speed model asks the codec for its bits per value
-    from lowbit.perfmodel.codecbits import bits_per_value
+    from lowbit.perfmodel.model import bits_per_value
 
     assert abs(bits_per_value("toy8") - 8.0) < 1e-3
     # a plugin that does not import is a clear error

@@ -11,7 +11,7 @@ import pytest
 
 from lowbit.perfmodel import dettmers, projection
 from lowbit.perfmodel.calibrate import fit_link
-from lowbit.perfmodel.codecbits import bits_per_value
+from lowbit.perfmodel.model import bits_per_value
 from lowbit.perfmodel.collectives import (
     Topology,
     allgather,

@@ -25,7 +25,7 @@ from lowbit.perfmodel.calibrate import (
     fit_comm_in_situ,
     load_bench,
 )
-from lowbit.perfmodel.codecbits import bits_per_value
+from lowbit.perfmodel.model import bits_per_value
 from lowbit.perfmodel.collectives import Topology, collective
 from lowbit.perfmodel.links import Link
 from lowbit.perfmodel.model import Cluster, codec_work

@@ -28,10 +28,9 @@ from lowbit.perfmodel.advise import (SpeedSetup, advise, default_evidence_path, 
                                      multi_node_algorithms)
 from lowbit.perfmodel.calibrate import Calibration, OverheadKey, RunRecord, ScaleKey
 from lowbit.perfmodel.fit import calibrate
-from lowbit.perfmodel.codecbits import bits_per_value
 from lowbit.perfmodel.collectives import modeled_algorithms
 from lowbit.perfmodel.links import PRESETS
-from lowbit.perfmodel.model import Cluster, Prediction, predict_network
+from lowbit.perfmodel.model import Cluster, Prediction, bits_per_value, predict_network
 from lowbit.perfmodel.networks import NETWORKS, get_network
 from lowbit.perfmodel.validate import ValidationReport, format_validation, validate
 from lowbit.study.store import load_run_records, resolve_results_path

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from lowbit.perfmodel.calibrate import Calibration, fit_link
 from lowbit.perfmodel.fit import calibrate
-from lowbit.perfmodel.codecbits import bits_per_value
 from lowbit.perfmodel.collectives import CommCost, Topology, collective, modeled_algorithms
 from lowbit.perfmodel.links import PRESETS, Link, parse_link
 from lowbit.perfmodel.model import (
@@ -27,6 +26,7 @@ from lowbit.perfmodel.model import (
     Layer,
     LayerCodec,
     Prediction,
+    bits_per_value,
     predict,
     predict_network,
 )
@@ -34,7 +34,6 @@ from lowbit.perfmodel.networks import NETWORKS, Network, get_network
 from lowbit.perfmodel.projection import projected_speedup, speedup_bound
 
 __all__ = [
-    "ALGORITHMS",
     "Breakdown",
     "Calibration",
     "Cluster",
@@ -60,9 +59,3 @@ __all__ = [
     "speedup_bound",
 ]
 
-
-def __getattr__(name: str) -> object:
-    # ALGORITHMS: the registry's modelled algorithms when asked for (lowbit.perfmodel.collectives)
-    if name == "ALGORITHMS":
-        return modeled_algorithms()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

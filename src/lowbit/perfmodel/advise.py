@@ -48,10 +48,9 @@ from lowbit.choose import FASTER_THAN_FP32, WITHIN_BEST, Tried, pick
 from lowbit.codecs.base import get_codec
 from lowbit.models import build_model
 from lowbit.perfmodel.calibrate import Calibration, RunRecord
-from lowbit.perfmodel.codecbits import bits_per_value
 from lowbit.perfmodel.collectives import modeled_algorithms
 from lowbit.perfmodel.links import Link
-from lowbit.perfmodel.model import Cluster, LayerCodec, Prediction, layers_for_network, predict
+from lowbit.perfmodel.model import Cluster, LayerCodec, Prediction, bits_per_value, layers_for_network, predict
 from lowbit.perfmodel.networks import Network, get_network
 from lowbit.perfmodel.fit import short_codec
 from lowbit.policy import Policy
@@ -71,15 +70,6 @@ def lowbit_algorithms() -> tuple[str, ...]:
 def multi_node_algorithms() -> tuple[str, ...]:
     """Tried as well under --algorithm auto when the cluster spans several nodes (hierarchical)."""
     return modeled_algorithms(quantised=True, multi_node=True)
-
-
-def __getattr__(name: str) -> object:
-    # LOWBIT_ALGORITHMS / MULTI_NODE_ALGORITHMS, as they were tuples: read from the registry when asked for
-    if name == "LOWBIT_ALGORITHMS":
-        return lowbit_algorithms()
-    if name == "MULTI_NODE_ALGORITHMS":
-        return multi_node_algorithms()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 #: Layer group -> the module type names ``lowbit.Policy(by_type=...)`` matches.

@@ -43,11 +43,11 @@ from typing import Any
 
 import numpy as np
 
+from lowbit.choose import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES
 from lowbit.codecs.base import get_codec
-from lowbit.perfmodel.codecbits import bits_per_value
 from lowbit.perfmodel.collectives import Topology, collective
 from lowbit.perfmodel.links import Link
-from lowbit.perfmodel.model import Layer, codec_work, make_buckets
+from lowbit.perfmodel.model import Layer, bits_per_value, codec_work, make_buckets
 from lowbit.perfmodel.networks import get_network
 
 __all__ = [
@@ -73,8 +73,6 @@ __all__ = [
     "network_profile",
     "ddp_buckets",
     "pure_compute_s",
-    "DDP_FIRST_BUCKET_BYTES",
-    "DDP_BUCKET_BYTES",
 ]
 
 _UNIT = Link(latency_s=1.0, bandwidth_Bps=1.0, name="unit")
@@ -86,9 +84,6 @@ def sums_on_wire(spec: str) -> bool:
         return get_codec(spec).sums_on_wire
     except ValueError:
         return False
-#: DDP's bucket caps: the first bucket (the last layers' gradients) holds 1 MiB, the others 25 MiB.
-DDP_FIRST_BUCKET_BYTES = 1 << 20
-DDP_BUCKET_BYTES = 25 << 20
 _HUGE_BW = 1e15  # bytes/s standing for "no measurable per-byte cost" (JSON has no infinity)
 
 

@@ -278,10 +278,3 @@ def collective(algorithm: str, nbytes: float, topo: Topology, fp32_bytes: float 
     (``fp32_bytes``: the uncompressed size when the payload is compressed, which ``hierarchical`` moves
     inside the node): the registry's ``cost``."""
     return model_of(algorithm).cost(nbytes, topo, fp32_bytes)
-
-
-def __getattr__(name: str) -> object:
-    # ALGORITHMS, as it was a tuple: the modelled algorithms of the registry when asked for
-    if name == "ALGORITHMS":
-        return modeled_algorithms()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,9 +19,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from lowbit.choose import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES
 from lowbit.perfmodel.calibrate import (
-    DDP_BUCKET_BYTES,
-    DDP_FIRST_BUCKET_BYTES,
     Calibration,
     RunRecord,
     fit_bench,
@@ -30,10 +29,9 @@ from lowbit.perfmodel.calibrate import (
     load_bench,
     run_layers,
 )
-from lowbit.perfmodel.codecbits import bits_per_value
 from lowbit.perfmodel.collectives import Topology
 from lowbit.perfmodel.links import Link
-from lowbit.perfmodel.model import Breakdown, Layer, LayerCodec, simulate_step
+from lowbit.perfmodel.model import Breakdown, Layer, LayerCodec, bits_per_value, simulate_step
 
 __all__ = ["short_codec", "model_step", "fit_overhead", "calibrate"]
 

@@ -57,12 +57,13 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from lowbit.perfmodel.codecbits import bits_per_value as _bits_per_value
+from lowbit.codecs.base import get_codec
 from lowbit.perfmodel.collectives import Topology, collective, model_of
 from lowbit.perfmodel.links import Link, parse_link
 from lowbit.perfmodel.networks import Network, get_network
 
 __all__ = [
+    "bits_per_value",
     "Layer",
     "LayerCodec",
     "Cluster",
@@ -81,6 +82,25 @@ __all__ = [
 
 FP32_BITS = 32.0
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb = 25
+
+
+def bits_per_value(codec: object, numel: int = 1 << 20) -> float:
+    """Bits on the wire per value: a number as is, else the codec's own count for a tensor of ``numel``
+    values (scales and packing included; :meth:`lowbit.codecs.base.Codec.bits_per_value`) of a spec
+    string (parsed by :func:`lowbit.get_codec`) or a codec."""
+    if isinstance(codec, bool):
+        raise ValueError(f"bits per value must be a number or a codec spec, got {codec!r}")
+    if isinstance(codec, (int, float)):
+        bits = float(codec)
+    elif isinstance(codec, str):
+        bits = float(get_codec(codec).bits_per_value(numel))  # a ValueError names an unknown codec
+    elif hasattr(codec, "bits_per_value"):
+        bits = float(codec.bits_per_value(numel))
+    else:
+        raise ValueError(f"bits per value must be a number or a codec spec, got {codec!r}")
+    if not (math.isfinite(bits) and bits > 0):
+        raise ValueError(f"bits per value must be a finite number > 0, got {bits!r}")
+    return bits
 
 
 # ------------------------------------------------------------------------------------------ inputs
@@ -399,7 +419,7 @@ def predict(
         algo = algos.pop() if len(algos) == 1 else ("mixed" if algos else "allreduce")
         label = codec if isinstance(codec, str) and codec != str(FP32_BITS) else "policy"
     else:
-        bits = _bits_per_value(codec)
+        bits = bits_per_value(codec)
         algo = resolve_algorithm(algorithm, bits)
         label = str(codec)
     topo = cluster.topology()

@@ -58,7 +58,7 @@ from torch import nn
 
 from lowbit.models import build_model, model_info
 
-__all__ = ["LayerProfile", "Network", "NETWORKS", "get_network", "network_names", "FWD_BWD_FLOPS_PER_MAC",
+__all__ = ["LayerProfile", "Network", "NETWORKS", "get_network", "FWD_BWD_FLOPS_PER_MAC",
            "MODEL_SOURCES", "module_profile", "network_profile"]
 
 #: FLOPs of forward + backward per forward multiply-accumulate: 2 FLOPs per MAC x (1 fwd + 2 bwd).
@@ -347,10 +347,6 @@ for _name in ("small_cnn", "smallcnn", "cnn"):
     _RETIRED[_name] = _RETIRED["small-cnn"]
 
 NETWORKS: tuple[str, ...] = tuple(_BUILDERS)
-
-
-def network_names() -> list[str]:
-    return list(NETWORKS)
 
 
 def get_network(name: str) -> Network:

@@ -29,11 +29,9 @@ same codec on other networks and data sets, and so on. The output says which sou
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import statistics
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from lowbit.perfmodel.calibrate import (
@@ -341,16 +339,3 @@ def format_validation(rep: ValidationReport) -> str:
     lines.append(f"  target median |error| <= {100 * TARGET_MEDIAN_ABS_ERROR:.0f}% (multi-worker runs): "
                  f"{100 * med:.2f}%, {verdict}")
     return "\n".join(lines)
-
-
-def write_outputs(rep: ValidationReport, text_path: str | None, json_path: str | None) -> list[str]:
-    written = []
-    if text_path:
-        Path(text_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(text_path).write_text(format_validation(rep) + "\n")
-        written.append(text_path)
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(rep.to_dict(), indent=1, allow_nan=False, default=str) + "\n")
-        written.append(json_path)
-    return written
