@@ -21,6 +21,7 @@ of sub-batch ``i+1`` before it computes on sub-batch ``i``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -79,6 +80,56 @@ def _check(x: torch.Tensor, codec: Codec | str, group: dist.ProcessGroup | None,
         raise ValueError(f"lowbit.comm.gather.reduce_scatter: the tensor has {x.shape[d]} entries along dim "
                          f"{d}, sizes add up to {sum(sizes)}")
     return codec, d, rank, k, sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """One call shape of :func:`all_gather` / :func:`reduce_scatter`, checked, agreed between the ranks
+    and laid out once: the parts' sizes, starts and shapes along ``d``, their message slots and payload
+    bytes, and the widest slot."""
+
+    codec: Codec
+    group: object  # the group object itself: a cached plan keeps it alive, so its id is never reused
+    d: int
+    rank: int
+    k: int
+    sizes: tuple[int, ...]
+    starts: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    slots: tuple[tuple[int, int], ...]
+    nbytes: tuple[int, ...]
+    width: int
+
+
+_PLANS: dict[tuple, _Plan] = {}
+
+
+def _plan(x: torch.Tensor, codec: Codec | str, group: dist.ProcessGroup | None, dim: int,
+          sizes: Sequence[int] | None, what: str) -> _Plan:
+    """The plan of this call (built, and agreed between the ranks, on its first call only: model
+    parallelism repeats a few shapes every step, and the checks cost more host time than the kernels)."""
+    g = group if group is not None else (dist.group.WORLD if dist.is_available() and dist.is_initialized()
+                                         else None)
+    key = None
+    if isinstance(x, torch.Tensor) and isinstance(codec, (Codec, str)) and isinstance(dim, int):
+        key = (what, codec, id(g), dim, None if sizes is None else tuple(sizes), tuple(x.shape), x.dtype)
+        plan = _PLANS.get(key)
+        if plan is not None and plan.group is g:
+            return plan
+    codec, d, rank, k, sizes = _check(x, codec, group, dim, sizes, what)
+    shape = _shape(x.shape, d, -1) if what == "all_gather" else tuple(x.shape)
+    _agree(group, what, (codec.spec, d, tuple(sizes), shape, str(x.dtype)))
+    shapes = tuple(_shape(x.shape, d, s) for s in sizes)
+    slots = tuple(_slot(codec, _numel(s), _codec_shape(codec, s)) for s in shapes)
+    plan = _Plan(codec=codec, group=g, d=d, rank=rank, k=k, sizes=tuple(sizes),
+                 starts=tuple(sum(sizes[:r]) for r in range(k)), shapes=shapes, slots=slots,
+                 nbytes=tuple(codec.nbytes(_numel(s), _codec_shape(codec, s)) for s in shapes),
+                 width=max(size for _, size in slots))
+    if key is not None:
+        if len(_PLANS) >= 4096:  # shapes that keep changing: start over rather than grow without bound
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
 
 
 def _agree(group: dist.ProcessGroup | None, what: str, fingerprint: tuple) -> None:
@@ -143,16 +194,13 @@ def all_gather(
     dimensions must agree. Every rank decodes every part (its own too): the result is bit-identical on
     every rank, in ``x``'s dtype. ``async_op=True`` returns a future of the result.
     """
-    codec, d, rank, k, sizes = _check(x, codec, group, dim, sizes, "all_gather")
-    _agree(group, "all_gather", (codec.spec, d, tuple(sizes), _shape(x.shape, d, -1), str(x.dtype)))
-    shapes = [_shape(x.shape, d, s) for s in sizes]
-    slots = [_slot(codec, _numel(s), _codec_shape(codec, s)) for s in shapes]
-    width = max(size for _, size in slots)
-    lead, _ = slots[rank]
+    p = _plan(x, codec, group, dim, sizes, "all_gather")
+    codec, d, rank, k, width = p.codec, p.d, p.rank, p.k, p.width
+    lead = p.slots[rank][0]
     payload = _encode(codec, x, seed * 7_919 + rank) if x.numel() else torch.empty(0, dtype=torch.uint8,
                                                                                       device=x.device)
     send = _framed([(lead, payload, width)], x.device)  # equal slots: all-gather needs equal sizes
-    out = torch.empty(_shape(x.shape, d, sum(sizes)), dtype=x.dtype, device=x.device)
+    out = torch.empty(_shape(x.shape, d, p.starts[-1] + p.sizes[-1]), dtype=x.dtype, device=x.device)
     if k == 1:
         _decode_into(codec, payload, out)
         return C.done(out, x.device) if async_op else out
@@ -165,12 +213,9 @@ def all_gather(
     def finish() -> torch.Tensor:
         _keep(recv)
         _keep(out)
-        at = 0
-        for r, (s, (ld, _)) in enumerate(zip(sizes, slots)):
+        for r, (s, at, (ld, _), nb) in enumerate(zip(p.sizes, p.starts, p.slots, p.nbytes)):
             if s:
-                nb = codec.nbytes(_numel(shapes[r]), _codec_shape(codec, shapes[r]))
                 _decode_into(codec, recv[r * width + ld : r * width + ld + nb], out.narrow(d, at, s))
-            at += s
         return out
 
     fut = C.then(work, finish, "all_gather_into_tensor", group)
@@ -196,11 +241,8 @@ def reduce_scatter(
     ``sizes[r]``: the entries along ``dim`` rank ``r`` owns (default :func:`part_sizes`); they must add
     up to ``x.shape[dim]``. The sum runs in rank order in float32; the result has ``x``'s dtype.
     """
-    codec, d, rank, k, sizes = _check(x, codec, group, dim, sizes, "reduce_scatter")
-    _agree(group, "reduce_scatter", (codec.spec, d, tuple(sizes), tuple(x.shape), str(x.dtype)))
-    starts = [sum(sizes[:r]) for r in range(k)]
-    shapes = [_shape(x.shape, d, s) for s in sizes]
-    slots = [_slot(codec, _numel(s), _codec_shape(codec, s)) for s in shapes]
+    p = _plan(x, codec, group, dim, sizes, "reduce_scatter")
+    codec, d, rank, k, sizes, starts, slots = p.codec, p.d, p.rank, p.k, p.sizes, p.starts, p.slots
     own = x.narrow(d, starts[rank], sizes[rank]).to(torch.float32)
     if k == 1:
         res = own.contiguous().to(x.dtype)
@@ -218,6 +260,7 @@ def reduce_scatter(
         stats.calls += 1
         stats.bytes_sent += sum(send_splits)
     own = own.contiguous()
+    mine_shape = _codec_shape(codec, p.shapes[rank])
 
     def finish() -> torch.Tensor:
         _keep(recv)
@@ -226,11 +269,11 @@ def reduce_scatter(
         n = own.numel()
         total = torch.zeros(n, dtype=torch.float32, device=x.device)
         if n:
-            nb = codec.nbytes(n, _codec_shape(codec, shapes[rank]))
+            nb = p.nbytes[rank]
             payloads = [recv[j * mine_slot + mine_lead : j * mine_slot + mine_lead + nb] for j in range(k - 1)]
-            codec.decode_sum(payloads, n, out=total, shape=_codec_shape(codec, shapes[rank]))
+            codec.decode_sum(payloads, n, out=total, shape=mine_shape)
             total.add_(own.view(-1))
-        return total.view(shapes[rank]).to(x.dtype)
+        return total.view(p.shapes[rank]).to(x.dtype)
 
     fut = C.then(work, finish, "all_to_all_single", group)
     if async_op:

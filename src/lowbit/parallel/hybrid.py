@@ -58,14 +58,20 @@ class Hybrid(nn.Module):
                                                                 seed=seed, pair=pair)
         self.sub_batches, self.update_each, self.ddp_average = sub_batches, update_each, ddp_average
 
-    def _labels(self, y: torch.Tensor) -> torch.Tensor:
+    def _labels(self, y: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Issue the all-gather of every rank's labels now; returns a function that waits for them
+        ((K, B) in rank order)."""
         rank, k = self.comm.world
         if k == 1:
-            return y.reshape(1, -1)
+            return lambda: y.reshape(1, -1)
         out = torch.empty(k * y.numel(), dtype=y.dtype, device=y.device)
-        C.wait(C.all_gather_async(out, y.contiguous().view(-1), self.comm.group), "all_gather_into_tensor",
-               self.comm.group)
-        return out.view(k, -1)
+        work = C.all_gather_async(out, y.contiguous().view(-1), self.comm.group)
+
+        def wait() -> torch.Tensor:
+            C.wait(work, "all_gather_into_tensor", self.comm.group)
+            return out.view(k, -1)
+
+        return wait
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                    opt_features: torch.optim.Optimizer | None = None,
@@ -78,6 +84,7 @@ class Hybrid(nn.Module):
         for opt in (opt_features, opt_classifier):
             if opt is not None:
                 opt.zero_grad(set_to_none=True)
+        labels_of = self._labels(y)  # issued first: they cross while the features compute
         feats = self.features(x)
         b = feats.shape[0]
         s = min(self.sub_batches, b)
@@ -87,7 +94,7 @@ class Hybrid(nn.Module):
         futs = [all_gather(det.narrow(0, lo, n).contiguous(), comm.codec, comm.group, dim=0,
                            seed=comm.step * 1_009 + i, stats=comm.stats, async_op=True)
                 for i, (lo, n) in enumerate(zip(starts, sizes))]
-        labels = self._labels(y)
+        labels = labels_of()
         total = torch.zeros((), dtype=torch.float32, device=feats.device)
         back = []
         for i, (lo, n) in enumerate(zip(starts, sizes)):
