@@ -30,6 +30,7 @@ predicting its own training data), and saves to / loads from JSON.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import itertools
@@ -225,6 +226,15 @@ def _affine_nonneg(x: Sequence[float], y: Sequence[float], calls: Sequence[float
     return float(c0), float(c1)
 
 
+def _codec_cost(work: Sequence[tuple[float, float]], encode_s: Sequence[float], decode_s: Sequence[float],
+                source: str, calls: Sequence[float] | None = None) -> CodecCost:
+    """:class:`CodecCost` fitted to measured encode / decode seconds, one point per ``(values encoded, values
+    decoded)`` of ``work`` (``calls`` per point: default 1)."""
+    e0, e1 = _affine_nonneg([4 * e for e, _ in work], encode_s, calls)
+    d0, d1 = _affine_nonneg([4 * d for _, d in work], decode_s, calls)
+    return CodecCost(e0, e1, d0, d1, len(work), source)
+
+
 # ------------------------------------------------------------------------------------------ bench
 def load_bench(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a ``lowbit bench allreduce --json`` file; ValueError naming the problem."""
@@ -312,15 +322,10 @@ def fit_bench(bench: dict[str, Any]) -> tuple[str, dict[str, LinkFit], dict[str,
             continue  # fp32 is never encoded
         groups.setdefault((r["algorithm"], codec), []).append(r)
     for (algo, codec), rs in groups.items():
-        k = max(world, 1)
-        enc_b, dec_b = [], []
-        for r in rs:
-            ev, dv = codec_work(algo, int(r["numel"]), max(k, 2), max(k, 2), 16.0)
-            enc_b.append(4 * ev)
-            dec_b.append(4 * dv)
-        e0, e1 = _affine_nonneg(enc_b, [float(r["t_encode_s"]) for r in rs])
-        d0, d1 = _affine_nonneg(dec_b, [float(r["t_decode_s"]) for r in rs])
-        codecs.setdefault(algo, {})[codec] = CodecCost(e0, e1, d0, d1, len(rs), f"{where}, {algo} rows")
+        k = max(world, 2)
+        codecs.setdefault(algo, {})[codec] = _codec_cost(
+            [codec_work(algo, int(r["numel"]), k, k, 16.0) for r in rs], [float(r["t_encode_s"]) for r in rs],
+            [float(r["t_decode_s"]) for r in rs], f"{where}, {algo} rows")
     return transport, links, codecs
 
 
@@ -624,8 +629,7 @@ class Calibration:
     def link_for(self, transport: str, algorithm: str) -> tuple[LinkFit | None, str]:
         """The link for ``algorithm`` on ``transport`` (else its allreduce link; else a transport of the
         same backend), with a note on any substitution."""
-        keys = [transport] + sorted(k for k in self.links if k != transport and k.split("/")[0] == transport.split("/")[0])
-        for k in keys:
+        for k in _same_backend(self.links, transport):
             by_algo = self.links.get(k, {})
             for algo in (algorithm, "allreduce"):
                 if algo in by_algo:
@@ -636,7 +640,7 @@ class Calibration:
     def codec_for(self, transport: str, algorithm: str, codec: str) -> tuple[CodecCost | None, str]:
         """Costs of ``codec`` under ``algorithm``: exact; else the same codec family; else the same codec
         under another algorithm; else the mean of the transport's codecs under that algorithm (noted)."""
-        keys = [transport] + sorted(k for k in self.codecs if k != transport and k.split("/")[0] == transport.split("/")[0])
+        keys = _same_backend(self.codecs, transport)
         name = codec.split(":", 1)[0]
         for k in keys:
             table = self.codecs.get(k, {}).get(algorithm, {})
@@ -714,17 +718,11 @@ class Calibration:
 
     def merged(self, other: Calibration) -> Calibration:
         """This calibration with ``other``'s entries added where this one has none."""
-        out = Calibration(**{f.name: _copy(getattr(self, f.name)) for f in dataclasses.fields(self)})
-        for t, by in other.links.items():
-            for a, v in by.items():
-                out.links.setdefault(t, {}).setdefault(a, v)
-        for t, by in other.codecs.items():
-            for a, by_c in by.items():
-                for c, v in by_c.items():
-                    out.codecs.setdefault(t, {}).setdefault(a, {}).setdefault(c, v)
+        out = copy.deepcopy(self)
+        _fill(out.links, other.links, 2)
+        _fill(out.codecs, other.codecs, 3)
         for name in ("compute", "compute_at_world", "world_factor", "step_overhead_s"):
-            for k, v in getattr(other, name).items():
-                getattr(out, name).setdefault(k, v)
+            _fill(getattr(out, name), getattr(other, name), 1)
         out.run_keys = sorted(set(self.run_keys) | set(other.run_keys))
         out.config_keys = sorted(set(self.config_keys) | set(other.config_keys))
         return out
@@ -754,12 +752,19 @@ class Calibration:
         return "\n".join(lines) if lines else "(empty calibration)"
 
 
-def _copy(v: Any) -> Any:
-    if isinstance(v, dict):
-        return {k: _copy(x) for k, x in v.items()}
-    if isinstance(v, list):
-        return list(v)
-    return v
+def _same_backend(table: dict[str, Any], transport: str) -> list[str]:
+    """``transport``, then the table's other transports of the same backend (``nccl/socket`` for ``nccl``)."""
+    backend = transport.split("/")[0]
+    return [transport] + sorted(k for k in table if k != transport and k.split("/")[0] == backend)
+
+
+def _fill(into: dict[str, Any], other: dict[str, Any], depth: int) -> None:
+    """Add ``other``'s entries (dicts nested ``depth`` deep) where ``into`` has none."""
+    for k, v in other.items():
+        if depth > 1:
+            _fill(into.setdefault(k, {}), v, depth - 1)
+        else:
+            into.setdefault(k, v)
 
 
 def _mean_cost(costs: list[CodecCost], source: str) -> CodecCost:
@@ -850,19 +855,17 @@ def fit_comm_in_situ(runs: Iterable[RunRecord]) -> Calibration:
             if r.codec_name != "fp32":
                 by_codec.setdefault((r.algorithm, r.codec), []).append(r)
         for (algo, codec), crs in by_codec.items():
-            calls, enc_b, dec_b = [], [], []
-            for r in crs:
-                groups = [(n) for spec, a, n in run_groups(r) if spec == codec]
-                calls.append(len(groups))
+            calls, work = [], []
+            for r in crs:  # a run's values encoded and decoded per step, over its collectives of this codec
+                sizes = [n for spec, _, n in run_groups(r) if spec == codec]
+                calls.append(len(sizes))
                 ev = dv = 0.0
-                for n in groups:
+                for n in sizes:
                     e, d = codec_work(algo, n, r.world, r.world // max(1, r.nodes), 16.0)
                     ev += e
                     dv += d
-                enc_b.append(4 * ev)
-                dec_b.append(4 * dv)
-            e0, e1 = _affine_nonneg(enc_b, [r.encode_s for r in crs], calls)
-            d0, d1 = _affine_nonneg(dec_b, [r.decode_s for r in crs], calls)
-            cal.codecs.setdefault(transport, {}).setdefault(algo, {})[codec] = CodecCost(
-                e0, e1, d0, d1, len(crs), f"in situ: {len(crs)} {transport} study runs' encode/decode time")
+                work.append((ev, dv))
+            cal.codecs.setdefault(transport, {}).setdefault(algo, {})[codec] = _codec_cost(
+                work, [r.encode_s for r in crs], [r.decode_s for r in crs],
+                f"in situ: {len(crs)} {transport} study runs' encode/decode time", calls)
     return cal

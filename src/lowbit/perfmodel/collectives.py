@@ -192,17 +192,14 @@ def hierarchical(nbytes: float, topo: Topology, fp32_bytes: float | None = None)
     _check_bytes(full)
     if n == 1:
         return ring_allreduce(full, topo)
-    intra = topo.intra
-    intra_shard = full / g
-    half_intra = CommCost((g - 1) * intra.time(intra_shard), (g - 1) * intra_shard, g - 1)  # RS or AG
+    half_intra = ring_allgather(full / g, Topology(g, g, topo.intra))  # the reduce-scatter or the allgather
     inter = topo._inter
     ring_link = Link(inter.latency_s, inter.bandwidth_Bps * min(topo.nics_per_node, g) / g, inter.name)
     shard = nbytes / g
+    cross = Topology(n, 1, ring_link, ring_link)  # one rank of each node: every hop crosses nodes
     if fp32_bytes is None:
-        steps = 2 * (n - 1)
-        across = CommCost(steps * ring_link.time(shard / n), steps * shard / n, steps)
+        across = ring_allreduce(shard, cross)
     else:
-        cross = Topology(n, 1, ring_link, ring_link)  # one rank of each node: every hop crosses nodes
         across = allgather(shard, cross) if n == 2 else scatter_gather(shard, cross)
     return half_intra + across + half_intra
 
@@ -210,30 +207,6 @@ def hierarchical(nbytes: float, topo: Topology, fp32_bytes: float | None = None)
 # ------------------------------------------------------------------- the built-ins, in the registry
 # cost(nbytes, topo, fp32_bytes) -> CommCost and work(numel, world, gpus_per_node) -> (encoded, decoded) values
 # per rank (lowbit.comm.allreduce.AlgorithmPlugin); world > 1 and a compressed payload for work.
-def _cost_allreduce(nbytes: float, topo: Topology, fp32_bytes: float | None = None) -> CommCost:
-    return ring_allreduce(nbytes, topo)
-
-
-def _cost_scatter_gather(nbytes: float, topo: Topology, fp32_bytes: float | None = None) -> CommCost:
-    return scatter_gather(nbytes, topo)
-
-
-def _cost_allgather(nbytes: float, topo: Topology, fp32_bytes: float | None = None) -> CommCost:
-    return allgather(nbytes, topo)
-
-
-def _work_allreduce(n: float, k: int, g: int) -> tuple[float, float]:
-    return n, n
-
-
-def _work_scatter_gather(n: float, k: int, g: int) -> tuple[float, float]:
-    return n * (1 + 1 / k), 2 * n
-
-
-def _work_allgather(n: float, k: int, g: int) -> tuple[float, float]:
-    return n, k * n
-
-
 def _work_hierarchical(n: float, k: int, g: int) -> tuple[float, float]:
     # lowbit's: only the 1/G shard between nodes is coded
     nodes = math.ceil(k / g)
@@ -243,9 +216,10 @@ def _work_hierarchical(n: float, k: int, g: int) -> tuple[float, float]:
     return (shard, nodes * shard) if nodes == 2 else (shard * (1 + 1 / nodes), 2 * shard)
 
 
-set_cost("allreduce", _cost_allreduce, _work_allreduce)
-set_cost("scatter_gather", _cost_scatter_gather, _work_scatter_gather)
-set_cost("allgather", _cost_allgather, _work_allgather)
+set_cost("allreduce", lambda nbytes, topo, fp32_bytes=None: ring_allreduce(nbytes, topo), lambda n, k, g: (n, n))
+set_cost("scatter_gather", lambda nbytes, topo, fp32_bytes=None: scatter_gather(nbytes, topo),
+         lambda n, k, g: (n * (1 + 1 / k), 2 * n))
+set_cost("allgather", lambda nbytes, topo, fp32_bytes=None: allgather(nbytes, topo), lambda n, k, g: (n, k * n))
 set_cost("hierarchical", hierarchical, _work_hierarchical)
 
 

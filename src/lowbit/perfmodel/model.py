@@ -125,7 +125,8 @@ class LayerCodec:
 
     ``encode_Bps`` / ``decode_Bps``: bytes of float32 per second (None = free); ``encode_call_s`` /
     ``decode_call_s``: a fixed cost per codec group per bucket (kernel launches, dispatch), which
-    dominates small tensors on a CPU. 32-bit groups are never encoded.
+    dominates small tensors on a CPU. 32-bit groups are never encoded. Layers whose codecs are equal
+    (the ``label`` aside) travel in one group.
     """
 
     bits: float
@@ -134,7 +135,7 @@ class LayerCodec:
     decode_Bps: float | None = None
     encode_call_s: float = 0.0
     decode_call_s: float = 0.0
-    label: str = ""
+    label: str = dataclasses.field(default="", compare=False)
     link: Link | None = None  # a link measured for this algorithm; None = the cluster's links
 
     def __post_init__(self) -> None:
@@ -149,11 +150,6 @@ class LayerCodec:
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be a finite number of seconds >= 0, got {v!r}")
-
-    @property
-    def key(self) -> tuple[Any, ...]:
-        return (self.bits, self.algorithm, self.encode_Bps, self.decode_Bps, self.encode_call_s,
-                self.decode_call_s, self.link)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,13 +304,11 @@ def simulate_step(
     for b in buckets:
         for i in b.layers:
             t += backward_fraction * layers[i].compute_s
-        groups: dict[tuple[Any, ...], tuple[LayerCodec, int]] = {}
+        groups: dict[LayerCodec, int] = {}  # values per codec group, in the order the groups appear
         for i in b.layers:
-            lc = layer_codecs[i]
-            prev = groups.get(lc.key, (lc, 0))
-            groups[lc.key] = (lc, prev[1] + layers[i].params)
+            groups[layer_codecs[i]] = groups.get(layer_codecs[i], 0) + layers[i].params
         enc = dec = duration = 0.0
-        for lc, numel in groups.values():
+        for lc, numel in groups.items():
             enc_vals, dec_vals = codec_work(lc.algorithm, numel, topo.world, topo.gpus_per_node, lc.bits)
             if enc_vals:
                 enc += lc.encode_call_s + (4 * enc_vals / lc.encode_Bps if lc.encode_Bps else 0.0)
