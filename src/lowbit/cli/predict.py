@@ -26,7 +26,7 @@ from lowbit.perfmodel import advise as advise_mod
 from lowbit.perfmodel import dettmers
 from lowbit.perfmodel.advise import (SpeedSetup, advise, default_evidence_path, format_advice, lowbit_algorithms,
                                      multi_node_algorithms)
-from lowbit.perfmodel.calibrate import Calibration, OverheadKey, RunRecord, ScaleKey
+from lowbit.perfmodel.calibrate import Calibration, OverheadKey, RunRecord, ScaleKey, canonical_spec
 from lowbit.perfmodel.fit import calibrate
 from lowbit.perfmodel.collectives import modeled_algorithms
 from lowbit.perfmodel.links import PRESETS
@@ -215,7 +215,7 @@ def _predict_calibrated(args: argparse.Namespace) -> Prediction:
         inter=args.inter, nics_per_node=args.nics_per_node, device_tflops=args.device_tflops,
         algorithm="scatter_gather" if args.algorithm in ("auto", "allreduce", "hierarchical") else args.algorithm))
     net = get_network(args.network)
-    codec = advise_mod._canon(args.codec)
+    codec = canonical_spec(args.codec)
     assignment = {g: codec for g in advise_mod.network_groups(net)}
     args.intra = setup.cluster.intra
     args.device_tflops = setup.device_tflops

@@ -47,7 +47,7 @@ import torch
 from lowbit.choose import FASTER_THAN_FP32, WITHIN_BEST, Tried, pick
 from lowbit.codecs.base import get_codec
 from lowbit.models import build_model
-from lowbit.perfmodel.calibrate import Calibration, RunRecord
+from lowbit.perfmodel.calibrate import Calibration, RunRecord, canonical_spec, sums_on_wire
 from lowbit.perfmodel.collectives import modeled_algorithms
 from lowbit.perfmodel.links import Link
 from lowbit.perfmodel.model import Cluster, LayerCodec, Prediction, bits_per_value, layers_for_network, predict
@@ -85,7 +85,7 @@ class Candidate:
 
     @property
     def canonical(self) -> str:
-        return _canon(self.spec)
+        return canonical_spec(self.spec)
 
     @property
     def label(self) -> str:
@@ -130,10 +130,6 @@ CONV_FINDING = ("Grubic et al. 2018, Sec. 1 (caveat 1) and 5.1 'Impact of Layer 
 NCCL_FINDING = ("Grubic et al. 2018, Sec. 5.2: with NCCL 'the performance improvement ... is almost negligible' "
                 "on most networks; 'on systems where NCCL is available, the fastest approach may be simply to "
                 "run full precision with NCCL'")
-
-
-def _canon(spec: str) -> str:
-    return get_codec(spec).spec
 
 
 def _norm(name: str) -> str:
@@ -325,10 +321,9 @@ def _layer_codec(spec: str, setup: SpeedSetup) -> LayerCodec:
         if fit is not None and setup.cluster.gpus <= setup.cluster.gpus_per_node:
             link = fit.link()  # measured on one node: it describes the intra-node path
         if codec.name != "fp32":
-            cost, _ = cal.codec_for(setup.transport, algo, _canon(spec))
+            cost, _ = cal.codec_for(setup.transport, algo, codec.spec)
             if cost is not None:
-                kw = dict(encode_Bps=cost.encode_Bps, decode_Bps=cost.decode_Bps,
-                          encode_call_s=cost.encode_call_s, decode_call_s=cost.decode_call_s)
+                kw = cost.terms()
     return LayerCodec(bits, algo, link=link, label=spec, **kw)
 
 
@@ -348,7 +343,7 @@ def predict_assignment(net: Network, assignment: dict[str, str], setup: SpeedSet
     pred = predict(layers, setup.cluster, batch_per_gpu=setup.batch, network=net.name, layer_codecs=codecs)
     base = predict(layers, setup.cluster, batch_per_gpu=setup.batch, network=net.name,
                    layer_codecs=[fp32] * len(layers))
-    native = all(get_codec(s).sums_on_wire for s in assignment.values())
+    native = all(sums_on_wire(s) for s in assignment.values())
     if setup.cluster.gpus > 1:
         step = pred.step_s + (setup.overhead_native_s if native else setup.overhead_compressed_s)
         fp32_step = base.step_s + setup.overhead_native_s
@@ -420,7 +415,7 @@ class Advice:
 
 
 def _rung(spec: str) -> int:
-    c = _canon(spec)
+    c = canonical_spec(spec)
     for cand in (FP32,) + CANDIDATES:
         if cand.canonical == c:
             return cand.rung
@@ -463,37 +458,31 @@ def advise(
                      "study's.")
     conv_rule = "Conv2d" in groups and "Linear" in groups and not direct
     names = list(groups)
-    options: list[dict[str, Any]] = []
-    tried: list[tuple[float, float, dict[str, str], Prediction]] = []
+    tried: list[Tried] = []  # every admissible assignment with its prediction (extra) at its fastest algorithm
     for combo in itertools.product(*(allowed[g] for g in names)):
-        chosen = dict(zip(names, combo))
-        if conv_rule and chosen["Conv2d"].rung <= chosen["Linear"].rung and chosen["Conv2d"].rung < FP32.rung:
+        by_group = dict(zip(names, combo))
+        if conv_rule and by_group["Conv2d"].rung <= by_group["Linear"].rung and by_group["Conv2d"].rung < FP32.rung:
             continue
-        assignment = {g: c.canonical for g, c in chosen.items()}
-        quantised = any(not get_codec(c.spec).sums_on_wire for c in combo)
+        assignment = {g: c.canonical for g, c in by_group.items()}
+        quantised = any(not sums_on_wire(c.spec) for c in combo)
         algos = (_auto_algorithms(setup) if setup.algorithm == "auto" else (setup.algorithm,)) if quantised else ("allreduce",)
         algo, pred = max(((al, predict_assignment(net, assignment, dataclasses.replace(setup, algorithm=al)))
                           for al in algos), key=lambda t: t[1].speedup_vs_fp32)
-        pred = dataclasses.replace(pred, algorithm=algo)
         weighted_bits = sum(groups[g]["params"] * bits_per_value(assignment[g]) for g in names)
-        tried.append((pred.speedup_vs_fp32, weighted_bits, assignment, pred))
-        options.append({"assignment": {g: short_codec(s) for g, s in assignment.items()},
-                        "algorithm": algo, "speedup_vs_fp32": pred.speedup_vs_fp32, "step_s": pred.step_s})
-    fp32_assign = {g: FP32.canonical for g in names}
-    options_tried = [Tried(a, speedup, bits, pred) for speedup, bits, a, pred in tried]
-    fp32_tried = next(t for t in options_tried if dict(t.assignment) == fp32_assign)
-    chosen, fp32_best = pick(options_tried, fp32_tried, within_best=WITHIN_BEST, faster_than_fp32=FASTER_THAN_FP32)
-    best = (chosen.speedup, chosen.bits, dict(chosen.assignment), chosen.extra)
+        tried.append(Tried(assignment, pred.speedup_vs_fp32, weighted_bits, dataclasses.replace(pred, algorithm=algo)))
+    fp32 = next(t for t in tried if dict(t.assignment) == {g: FP32.canonical for g in names})
+    chosen, fp32_best = pick(tried, fp32, within_best=WITHIN_BEST, faster_than_fp32=FASTER_THAN_FP32)
     if fp32_best:
-        fastest = max(t[0] for t in tried)
         notes.append(f"no admissible assignment is predicted >= {FASTER_THAN_FP32:.2f}x faster than fp32 "
-                     f"(fastest {fastest:.2f}x): keep fp32. {NCCL_FINDING}.")
+                     f"(fastest {max(t.speedup for t in tried):.2f}x): keep fp32. {NCCL_FINDING}.")
     if conv_rule:
         notes.append("Conv2d layers were kept at least one rung above Linear layers (no study evidence on this "
                      f"network): {CONV_FINDING}.")
-    options.sort(key=lambda o: -o["speedup_vs_fp32"])
-    return Advice(net.name, groups, best[2], fp32_best, best[3], options, verdicts, cells, evidence_source,
-                  direct, tolerance, setup, notes)
+    options = sorted(({"assignment": {g: short_codec(s) for g, s in t.assignment.items()}, "algorithm": t.extra.algorithm,
+                       "speedup_vs_fp32": t.speedup, "step_s": t.extra.step_s} for t in tried),
+                     key=lambda o: -o["speedup_vs_fp32"])
+    return Advice(net.name, groups, dict(chosen.assignment), fp32_best, chosen.extra, options, verdicts, cells,
+                  evidence_source, direct, tolerance, setup, notes)
 
 
 # ------------------------------------------------------------------------------------------ output

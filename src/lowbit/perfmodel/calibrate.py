@@ -54,6 +54,8 @@ from lowbit.perfmodel.networks import get_network
 __all__ = [
     "fit_link",
     "design_row",
+    "sums_on_wire",
+    "canonical_spec",
     "LinkFit",
     "CodecCost",
     "RunRecord",
@@ -78,14 +80,26 @@ __all__ = [
 
 _UNIT = Link(latency_s=1.0, bandwidth_Bps=1.0, name="unit")
 SCHEMA = 1
+_HUGE_BW = 1e15  # bytes/s standing for "no measurable per-byte cost" (JSON has no infinity)
+
+
+# ------------------------------------------------------------------------------------------ codec facts
+# The codec's own facts (lowbit.get_codec); a spec that no longer parses (an old result row; "auto", a
+# choice and not a codec) is taken as it is and does not sum on the wire.
 def sums_on_wire(spec: str) -> bool:
-    """Whether a run's codec is summed by the native allreduce (the codec's own fact; False for a spec
-    that no longer parses, as an old result row may hold)."""
+    """Whether the codec is summed by the native allreduce (fp32, fp16, bf16)."""
     try:
         return get_codec(spec).sums_on_wire
     except ValueError:
         return False
-_HUGE_BW = 1e15  # bytes/s standing for "no measurable per-byte cost" (JSON has no infinity)
+
+
+def canonical_spec(spec: str) -> str:
+    """The codec's canonical spec (every parameter explicit)."""
+    try:
+        return get_codec(spec).spec
+    except ValueError:
+        return spec
 
 
 # ------------------------------------------------------------------------------------------ link fit
@@ -197,6 +211,11 @@ class CodecCost:
     def decode_Bps(self) -> float | None:
         return 1.0 / self.decode_s_per_byte if self.decode_s_per_byte > 0 else None
 
+    def terms(self) -> dict[str, Any]:
+        """These costs as :class:`lowbit.perfmodel.model.LayerCodec`'s keyword arguments."""
+        return dict(encode_Bps=self.encode_Bps, decode_Bps=self.decode_Bps, encode_call_s=self.encode_call_s,
+                    decode_call_s=self.decode_call_s)
+
     def describe(self) -> str:
         def rate(spb: float) -> str:
             return f"{1e-9 / spb:.3g} GB/s" if spb > 0 else "free per byte"
@@ -275,13 +294,6 @@ def transport_key(backend: str, nccl_env: dict[str, str] | None = None) -> str:
     return backend
 
 
-def _canon(spec: str) -> str:
-    try:
-        return get_codec(spec).spec
-    except ValueError:  # ("auto", a choice, not a codec; a spec an old row holds)
-        return spec
-
-
 def fit_bench(bench: dict[str, Any]) -> tuple[str, dict[str, LinkFit], dict[str, dict[str, CodecCost]]]:
     """``(transport, {algorithm: LinkFit}, {algorithm: {codec spec: CodecCost}})`` from one bench file."""
     meta, rows = bench["meta"], bench["rows"]
@@ -294,7 +306,7 @@ def fit_bench(bench: dict[str, Any]) -> tuple[str, dict[str, LinkFit], dict[str,
         by_algo: dict[str, list[tuple[float, float]]] = {}
         for r in rows:
             t = float(r["t_comm_s"]) or float(r["time_s"])
-            codec = _canon(r["codec"])
+            codec = canonical_spec(r["codec"])
             if r["algorithm"] == "allreduce":
                 if codec != "fp32":  # the link comes from the native fp32 allreduce rows
                     continue
@@ -317,7 +329,7 @@ def fit_bench(bench: dict[str, Any]) -> tuple[str, dict[str, LinkFit], dict[str,
     codecs: dict[str, dict[str, CodecCost]] = {}
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in rows:
-        codec = _canon(r["codec"])
+        codec = canonical_spec(r["codec"])
         if codec == "fp32":
             continue  # fp32 is never encoded
         groups.setdefault((r["algorithm"], codec), []).append(r)

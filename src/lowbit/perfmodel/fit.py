@@ -101,29 +101,29 @@ def model_step(run: RunRecord, cal: Calibration) -> tuple[float, Breakdown, str,
         specs.append(("fp32", "allreduce"))
     lcs: dict[str, LayerCodec] = {}
     for spec, algo in specs:
-        fit, note = cal.link_for(run.backend, algo)
+        link = None
         if nodes > 1:
             # as emulated nodes: the links the run's group measured, inside a node and between nodes (the
             # one-node fit's latency, when there is one); the algorithms' formulas split the traffic
-            lc: dict[str, Any] = dict(bits=_bits(spec), algorithm=algo, link=None)
             sources.add(f"measured links (intra {intra_Bps / 1e9:.3g} GB/s, inter {run.inter_Bps / 1e9:.3g} GB/s)")
         else:
+            fit, note = cal.link_for(run.backend, algo)
             if fit is None:
                 return f"no link calibrated for backend {run.backend!r}"
             if note:
                 notes.add(note)
             sources.add(fit.source.split(":", 1)[0].split(",", 1)[0])
-            lc = dict(bits=_bits(spec), algorithm=algo, link=fit.link())
-        if spec.split(":", 1)[0] != "fp32":
+            link = fit.link()
+        terms: dict[str, Any] = {}
+        if spec != "fp32":
             cost, cnote = cal.codec_for(run.backend, algo, spec)
             if cost is None:
                 notes.add(f"no cost for {short_codec(spec)}: free")
             else:
                 if cnote:
                     notes.add(f"{short_codec(spec)}: {cnote}")
-                lc.update(encode_Bps=cost.encode_Bps, decode_Bps=cost.decode_Bps,
-                          encode_call_s=cost.encode_call_s, decode_call_s=cost.decode_call_s)
-        lcs[spec] = LayerCodec(**lc)
+                terms = cost.terms()
+        lcs[spec] = LayerCodec(_bits(spec), algo, link=link, **terms)
     layers, layer_specs = run_layers(run, compute)
     codecs = [lcs[spec] for spec in layer_specs]
     if nodes > 1:

@@ -238,22 +238,17 @@ def validate(
         if in_situ:
             refit_cal = refit_cal.merged(fit_comm_in_situ(in_situ))
         for r in fold:
-            leaks = given_study is not None and (r.key in leak_keys or config_id(r) in leak_configs)
-            cal = fixed
-            if given_study is not None and not leaks:
-                cal = cal.merged(given_study)
-                used_given += 1
-            else:
-                refit += 1
-            cal = cal.merged(refit_cal)
+            use_given = given_study is not None and r.key not in leak_keys and config_id(r) not in leak_configs
+            cal = (fixed.merged(given_study) if use_given else fixed).merged(refit_cal)
+            used_given += use_given
+            refit += not use_given
             if r.world > 1 and r.overhead_key not in cal.step_overhead_s and r.scale_key not in cal.step_overhead_s:
                 key = (unit, r.scale_key)
                 if key not in overhead_cache:
                     overhead_cache[key] = fit_overhead([t for t in train if t.scale_key == r.scale_key], cal)
                 cal.step_overhead_s.update(overhead_cache[key])
-            scheme = ("leave-one-run-out" if (holdout == "run" or r.world == 1) else "leave-one-config-out")
-            if given_study is not None and not leaks:
-                scheme = "calibration (disjoint runs)"
+            scheme = ("calibration (disjoint runs)" if use_given else
+                      "leave-one-run-out" if unit == r.key else "leave-one-config-out")
             p = predict_run(r, cal, scheme)
             if isinstance(p, str):
                 skipped.append((r, p))
