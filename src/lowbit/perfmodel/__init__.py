@@ -20,42 +20,13 @@ from lowbit.perfmodel.calibrate import Calibration, fit_link
 from lowbit.perfmodel.fit import calibrate
 from lowbit.perfmodel.collectives import CommCost, Topology, collective, modeled_algorithms
 from lowbit.perfmodel.links import PRESETS, Link, parse_link
-from lowbit.perfmodel.model import (
-    Breakdown,
-    Cluster,
-    Layer,
-    LayerCodec,
-    Prediction,
-    bits_per_value,
-    predict,
-    predict_network,
-)
+from lowbit.perfmodel.model import (Breakdown, Cluster, Layer, LayerCodec, Prediction, bits_per_value,
+                                    predict, predict_network)
 from lowbit.perfmodel.networks import NETWORKS, Network, get_network
 from lowbit.perfmodel.projection import projected_speedup, speedup_bound
 
-__all__ = [
-    "Breakdown",
-    "Calibration",
-    "Cluster",
-    "CommCost",
-    "Layer",
-    "LayerCodec",
-    "Link",
-    "NETWORKS",
-    "Network",
-    "PRESETS",
-    "Prediction",
-    "Topology",
-    "bits_per_value",
-    "calibrate",
-    "collective",
-    "fit_link",
-    "modeled_algorithms",
-    "get_network",
-    "parse_link",
-    "predict",
-    "predict_network",
-    "projected_speedup",
-    "speedup_bound",
-]
+__all__ = ["Breakdown", "Calibration", "Cluster", "CommCost", "Layer", "LayerCodec", "Link", "NETWORKS",
+           "Network", "PRESETS", "Prediction", "Topology", "bits_per_value", "calibrate", "collective",
+           "fit_link", "modeled_algorithms", "get_network", "parse_link", "predict", "predict_network",
+           "projected_speedup", "speedup_bound"]
 

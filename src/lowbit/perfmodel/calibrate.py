@@ -51,32 +51,10 @@ from lowbit.perfmodel.links import Link
 from lowbit.perfmodel.model import Layer, bits_per_value, codec_work, make_buckets
 from lowbit.perfmodel.networks import get_network
 
-__all__ = [
-    "fit_link",
-    "design_row",
-    "sums_on_wire",
-    "canonical_spec",
-    "LinkFit",
-    "CodecCost",
-    "RunRecord",
-    "Calibration",
-    "load_bench",
-    "run_record",
-    "transport_key",
-    "ComputeKey",
-    "SettingKey",
-    "ScaleKey",
-    "OverheadKey",
-    "fit_bench",
-    "fit_study",
-    "fit_comm_in_situ",
-    "run_groups",
-    "run_buckets",
-    "run_layers",
-    "network_profile",
-    "ddp_buckets",
-    "pure_compute_s",
-]
+__all__ = ["fit_link", "design_row", "sums_on_wire", "canonical_spec", "LinkFit", "CodecCost", "RunRecord",
+           "Calibration", "load_bench", "run_record", "transport_key", "ComputeKey", "SettingKey", "ScaleKey",
+           "OverheadKey", "fit_bench", "fit_study", "fit_comm_in_situ", "run_groups", "run_buckets",
+           "run_layers", "network_profile", "ddp_buckets", "pure_compute_s"]
 
 _UNIT = Link(latency_s=1.0, bandwidth_Bps=1.0, name="unit")
 SCHEMA = 1

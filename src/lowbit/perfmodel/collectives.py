@@ -44,18 +44,8 @@ import math
 from lowbit.comm.allreduce import AlgorithmPlugin, algorithms, get_algorithm, set_cost
 from lowbit.perfmodel.links import Link
 
-__all__ = [
-    "CommCost",
-    "Topology",
-    "ring_allreduce",
-    "ring_allgather",
-    "all_to_all",
-    "scatter_gather",
-    "allgather",
-    "hierarchical",
-    "collective",
-    "modeled_algorithms",
-]
+__all__ = ["CommCost", "Topology", "ring_allreduce", "ring_allgather", "all_to_all", "scatter_gather",
+           "allgather", "hierarchical", "collective", "modeled_algorithms"]
 
 
 @dataclasses.dataclass(frozen=True)

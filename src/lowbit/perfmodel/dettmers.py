@@ -47,23 +47,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-__all__ = [
-    "SingleNodeInputs",
-    "ClusterInputs",
-    "SpeedupRow",
-    "single_node_p_fc",
-    "single_node_step_ms",
-    "single_node_speedup",
-    "single_node_table",
-    "cluster_forward_ms",
-    "cluster_exposed_sync_ms",
-    "cluster_total_ms",
-    "cluster_speedup",
-    "cluster_table",
-    "PAPER_SINGLE_NODE",
-    "PAPER_CLUSTER",
-    "BASELINES_MS",
-]
+__all__ = ["SingleNodeInputs", "ClusterInputs", "SpeedupRow", "single_node_p_fc", "single_node_step_ms",
+           "single_node_speedup", "single_node_table", "cluster_forward_ms", "cluster_exposed_sync_ms",
+           "cluster_total_ms", "cluster_speedup", "cluster_table", "PAPER_SINGLE_NODE", "PAPER_CLUSTER",
+           "BASELINES_MS"]
 
 #: Single-GPU AlexNet pass (ms): NervanaGPU kernels on a GTX Titan X, and cuda-convnet2 kernels.
 BASELINES_MS: dict[str, float] = {"nervanagpu": 104.1, "convnet2": 177.0}

@@ -20,15 +20,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lowbit.choose import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES
-from lowbit.perfmodel.calibrate import (
-    Calibration,
-    RunRecord,
-    fit_bench,
-    fit_comm_in_situ,
-    fit_study,
-    load_bench,
-    run_layers,
-)
+from lowbit.perfmodel.calibrate import (Calibration, RunRecord, fit_bench, fit_comm_in_situ, fit_study,
+                                        load_bench, run_layers)
 from lowbit.perfmodel.collectives import Topology
 from lowbit.perfmodel.links import Link
 from lowbit.perfmodel.model import Breakdown, Layer, LayerCodec, bits_per_value, simulate_step

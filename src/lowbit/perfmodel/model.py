@@ -62,23 +62,9 @@ from lowbit.perfmodel.collectives import Topology, collective, model_of
 from lowbit.perfmodel.links import Link, parse_link
 from lowbit.perfmodel.networks import Network, get_network
 
-__all__ = [
-    "bits_per_value",
-    "Layer",
-    "LayerCodec",
-    "Cluster",
-    "Breakdown",
-    "Prediction",
-    "layers_from_dict",
-    "layers_from_flops",
-    "layers_for_network",
-    "make_buckets",
-    "codec_work",
-    "simulate_step",
-    "resolve_algorithm",
-    "predict",
-    "predict_network",
-]
+__all__ = ["bits_per_value", "Layer", "LayerCodec", "Cluster", "Breakdown", "Prediction", "layers_from_dict",
+           "layers_from_flops", "layers_for_network", "make_buckets", "codec_work", "simulate_step",
+           "resolve_algorithm", "predict", "predict_network"]
 
 FP32_BITS = 32.0
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb = 25

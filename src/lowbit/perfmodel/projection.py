@@ -38,16 +38,8 @@ from lowbit.perfmodel.collectives import Topology, collective
 from lowbit.perfmodel.links import Link
 from lowbit.perfmodel.networks import Network, get_network
 
-__all__ = [
-    "ProjectionSetting",
-    "speedup_bound",
-    "comm_comp_ratio",
-    "network_ratio",
-    "step_time",
-    "projected_speedup",
-    "projection_curve",
-    "seed_setting",
-]
+__all__ = ["ProjectionSetting", "speedup_bound", "comm_comp_ratio", "network_ratio", "step_time",
+           "projected_speedup", "projection_curve", "seed_setting"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,13 +34,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from lowbit.perfmodel.calibrate import (
-    Calibration,
-    RunRecord,
-    config_id,
-    fit_comm_in_situ,
-    fit_study,
-)
+from lowbit.perfmodel.calibrate import Calibration, RunRecord, config_id, fit_comm_in_situ, fit_study
 from lowbit.perfmodel.fit import fit_overhead, model_step, short_codec
 
 __all__ = ["RunPrediction", "ValidationReport", "predict_run", "validate", "format_validation",
