@@ -434,10 +434,11 @@ class RunRecord:
         return (self.network, self.dataset, self.batch, self.world, self.backend, self.device, self.codec,
                 self.algorithm, self.error_feedback, self.config_rest)
 
+    # The run's keys into the Calibration's tables (their text, as JSON holds it):
     @property
-    def setting_key(self) -> SettingKey:
+    def setting_key(self) -> str:
         """Network, data, batch, backend, device and workers: what sets the compute of a step."""
-        return SettingKey(self.network, self.dataset, self.batch, self.backend, self.device, self.world)
+        return str(SettingKey(self.network, self.dataset, self.batch, self.backend, self.device, self.world))
 
     @property
     def compute_key(self) -> str:
@@ -780,7 +781,7 @@ def fit_study(runs: Iterable[RunRecord]) -> Calibration:
         if r.world == 1 and sums_on_wire(r.codec_name):
             one.setdefault(r.compute_key, []).append(r)
         elif r.world > 1:
-            at_k.setdefault(str(r.setting_key), []).append(r)
+            at_k.setdefault(r.setting_key, []).append(r)
     for key, rs in one.items():
         step = statistics.fmean(r.compute_s or r.step_s for r in rs)
         gflop = rs[0].gflop_per_sample

@@ -50,7 +50,7 @@ def _compute_for(run: RunRecord, cal: Calibration) -> tuple[float | None, str]:
     if run.world == 1:
         return (one["step_s"], "1-worker fp32 runs") if one else (
             None, "no other 1-worker fp32 run of this network/data/batch to take its compute from")
-    at_k = cal.compute_at_world.get(str(run.setting_key))
+    at_k = cal.compute_at_world.get(run.setting_key)
     if at_k:
         return at_k["step_s"], f"measured at K={run.world} (other configs)"
     if one:
