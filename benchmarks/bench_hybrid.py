@@ -56,10 +56,11 @@ DEFAULT_CONFIGS = ("dp:ddp;dp:lowbit:qsgd:bits=8,bucket=512;dp:lowbit:onebit:buc
 HYBRID = re.compile(r"hybrid(?:\[(?P<opts>[^\]]*)\])?:(?P<spec>.+)")
 
 
-def parse_hybrid(cfg: str) -> tuple[int, str, str, bool, float | None] | None:
-    """``hybrid[s=S,pair=1,cap=MB,conv=HOOK]:SPEC`` -> (S, HOOK, SPEC, PAIR, CAP); ``conv=`` comes last (its
-    HOOK may hold commas); ``pair=1``: the classifier's linear layers in column/row pairs
-    (lowbit.parallel.parallelize); ``cap=MB``: the features' DDP ``bucket_cap_mb`` (default DDP's 25)."""
+def parse_hybrid(cfg: str) -> tuple[int, str, str, bool, float | None, bool] | None:
+    """``hybrid[s=S,pair=1,cap=MB,graph=1,conv=HOOK]:SPEC`` -> (S, HOOK, SPEC, PAIR, CAP, GRAPH); ``conv=``
+    comes last (its HOOK may hold commas); ``pair=1``: the classifier's linear layers in column/row pairs
+    (lowbit.parallel.parallelize); ``cap=MB``: the features' DDP ``bucket_cap_mb`` (default DDP's 25);
+    ``graph=1``: the classifier's step replayed from a CUDA graph (``Hybrid(graph=True)``)."""
     m = HYBRID.fullmatch(cfg)
     if not m:
         return None
@@ -67,7 +68,7 @@ def parse_hybrid(cfg: str) -> tuple[int, str, str, bool, float | None] | None:
     conv = "ddp"
     if "conv=" in opts:
         opts, conv = opts.split("conv=", 1)
-    s, pair, cap = 1, False, None
+    s, pair, cap, graph = 1, False, None, False
     for part in filter(None, opts.split(",")):
         k, _, v = part.partition("=")
         if k == "s":
@@ -76,10 +77,12 @@ def parse_hybrid(cfg: str) -> tuple[int, str, str, bool, float | None] | None:
             pair = v == "1"
         elif k == "cap" and v:
             cap = float(v)
+        elif k == "graph" and v in ("0", "1"):
+            graph = v == "1"
         else:
-            raise ValueError(f"hybrid option {part!r}: use s= (sub-batches), pair=0|1, cap=MB and conv= (last: "
-                             "the features' DDP hook)")
-    return s, conv, m.group("spec"), pair, cap
+            raise ValueError(f"hybrid option {part!r}: use s= (sub-batches), pair=0|1, cap=MB, graph=0|1 and "
+                             "conv= (last: the features' DDP hook)")
+    return s, conv, m.group("spec"), pair, cap, graph
 
 
 def split_configs(text: str) -> list[str]:
@@ -131,13 +134,13 @@ def run(ctx: B.Ctx, initial: nn.Module, feed: dict[str, Any], x: torch.Tensor, y
         def step() -> torch.Tensor:
             return B.train_step(net, opt, x, y, False)
     else:
-        s, conv, spec, pair, cap = hyb
+        s, conv, spec, pair, cap, graph = hyb
         features, classifier = hybrid_parts(model)
         fdp = DDP(features, device_ids=[ctx.local_rank] if ctx.cuda else None,
                   **({} if cap is None else {"bucket_cap_mb": cap}))
         state = B.register_hook(fdp, conv, a)
         comm = ParallelComm(codec=spec)
-        h = Hybrid(fdp, classifier, comm, sub_batches=s, pair=pair)
+        h = Hybrid(fdp, classifier, comm, sub_batches=s, pair=pair, graph=graph)
         opt_f = torch.optim.SGD(fdp.parameters(), lr=a.lr, momentum=0.9)
         opt_c = torch.optim.SGD(h.classifier.parameters(), lr=a.lr, momentum=0.9)
 
@@ -322,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         for c in res["configs"].values():
             c["ratio_vs_ddp"] = c["samples_per_s"] / base if base else None
         hybrids = {c: parse_hybrid(c) for c in configs}
-        specs = sorted({h[2] for h in hybrids.values() if h is not None and h[0] == 1 and not h[3] and h[4] is None})
+        specs = sorted({h[2] for h in hybrids.values() if h is not None and h[0] == 1 and not h[3] and h[4] is None and not h[5]})
         if a.phases and specs and ctx.world > 1:
             try:
                 ph = res["dettmers"] = dettmers_phases(ctx, initial, x, y, specs)
@@ -334,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"K T_fc,par {ph['k_t_fc_par_ms']:.2f}, P_conv {ph['p_conv_ms']:.3f}, P_fc "
                         + ", ".join(f"{sp}: {v:.2f}" for sp, v in ph["p_fc_ms"].items()))
                 for c, h in hybrids.items():
-                    if h is not None and h[0] == 1 and not h[3] and h[4] is None and c in res["configs"]:  # (the paper's split)
+                    if h is not None and h[0] == 1 and not h[3] and h[4] is None and not h[5] and c in res["configs"]:  # (the paper's split)
                         pred = ph["predicted"][h[2]]["samples_per_s"]
                         meas = res["configs"][c]["samples_per_s"]
                         res["configs"][c]["dettmers_predicted_samples_per_s"] = pred

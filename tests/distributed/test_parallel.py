@@ -317,3 +317,69 @@ def test_hybrid_with_pairs_computes_the_global_batch_loss() -> None:
     for r in spawn(_paired_hybrid, 2, backend="gloo"):
         assert r["layers"] == ["ColumnParallelLinear", "RowParallelLinear"]  # (the ReLU inside the first)
         assert abs(r["loss"][0] - r["loss"][1]) <= 1e-5 * abs(r["loss"][1])
+
+
+def test_graph_option_is_checked_and_ignored_off_cuda() -> None:
+    f, c = _convnet(0)
+    with pytest.raises(ValueError, match="update_each"):
+        Hybrid(f, c, ParallelComm(codec="fp32"), graph=True, update_each=True)
+    with pytest.raises(ValueError, match="stochastic"):
+        Hybrid(f, c, ParallelComm(codec="qsgd:bits=8,bucket=512"), graph=True)
+    Hybrid(f, c, ParallelComm(codec="qsgd:bits=8,bucket=512,rounding=nearest"), graph=True)  # deterministic: fine
+
+
+def _graph_flag_on_cpu(rank: int, world: int) -> list:
+    out = []
+    for graph in (False, True):
+        torch.manual_seed(0)
+        f, c = _convnet(0)
+        c = nn.Sequential(*c[:-1], nn.Dropout(0.5), c[-1]) if len(c) > 1 else c
+        h = Hybrid(DDP(f), c, ParallelComm(codec=DETTMERS[0]), graph=graph)
+        opt = torch.optim.SGD(h.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(rank)
+        losses = [float(h.train_step(torch.randn(8, 1, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g),
+                                     nn.functional.cross_entropy, opt)) for _ in range(3)]
+        out.append((losses, [p.detach().clone() for p in h.parameters()]))
+    return out
+
+
+def test_graph_flag_changes_nothing_off_cuda() -> None:
+    for (l0, p0), (l1, p1) in spawn(_graph_flag_on_cpu, 2, backend="gloo"):
+        assert l0 == l1
+        assert all(torch.equal(a, b) for a, b in zip(p0, p1))
+
+
+def test_shared_dropout_masks_drawn_into_buffers_equal_the_eager_ones() -> None:
+    """The graph path of SharedDropout: masks recorded by shape, drawn before a replay into buffers the
+    calls read, are those the eager calls of the same step draw."""
+    from lowbit.parallel import SharedDropout
+
+    comm = ParallelComm(codec="fp32")
+    for features in (None, (3, 5, 12)):
+        d = SharedDropout(0.5, comm, seed=7, features=features)
+        xs = [torch.randn(4, 5), torch.randn(6, 5)]
+        calls: list = []
+        d._record = calls
+        comm.step = 11
+        eager = [d(x) for x in xs]
+        d._record = None
+        assert [s for s, _ in calls] == [(4, 5), (6, 5)]
+        bufs = [torch.empty(s, dtype=torch.bool) for s, _ in calls]
+        d._fill(bufs)
+        d._static, d._gcall = bufs, 0
+        assert all(torch.equal(d(x), e) for x, e in zip(xs, eager))
+        d._static = None
+        comm.step = 12
+        d._fill(bufs)  # the next step's masks differ
+        assert not all(torch.equal(b, (e != 0)) for b, e in zip(bufs, eager))
+
+
+def test_deferred_runs_its_callback_once_when_waited() -> None:
+    from lowbit.comm import collectives as C
+
+    ran = []
+    work = C.done(None, torch.device("cpu"))
+    d = C.Deferred(work, lambda: ran.append(1) or 5, "all_gather_into_tensor", None)
+    assert not d.done() and ran == []
+    chained = d.then(lambda f: f.value() + 1)
+    assert chained.wait() == 6 and d.wait() == 5 and d.value() == 5 and ran == [1] and d.done()

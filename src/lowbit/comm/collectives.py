@@ -20,8 +20,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["CollectiveError", "world", "all_to_all_async", "all_gather_async", "all_reduce_async",
-           "reduce_scatter_async", "then", "join", "wait", "done", "all_gather_object", "emulate_link"]
+__all__ = ["CollectiveError", "Deferred", "capturing", "world", "all_to_all_async", "all_gather_async",
+           "all_reduce_async", "reduce_scatter_async", "then", "join", "wait", "done", "all_gather_object",
+           "emulate_link"]
 
 
 class CollectiveError(RuntimeError):
@@ -60,9 +61,51 @@ def done(value: object, device: torch.device) -> torch.futures.Future:
     return fut
 
 
-def then(work: object, fn: Callable[[], object], op: str, group: dist.ProcessGroup | None) -> torch.futures.Future:
+def capturing() -> bool:
+    """Whether the calling thread's current CUDA stream is being captured into a CUDA graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class Deferred:
+    """What :func:`then` returns while a CUDA graph is being captured: ``fn()`` runs when the result is
+    waited for, on the waiting stream, after a stream wait on ``work``. (A future's callback would run
+    on a pool stream outside the capture, and its events cannot be waited on inside it.) ``wait()`` and
+    ``value()`` return ``fn()``'s value, computed once."""
+
+    __slots__ = ("work", "fn", "op", "group", "_done", "_value")
+
+    def __init__(self, work: object, fn: Callable[[], object], op: str, group: dist.ProcessGroup | None) -> None:
+        self.work, self.fn, self.op, self.group = work, fn, op, group
+        self._done, self._value = False, None
+
+    def wait(self) -> object:
+        if not self._done:
+            try:
+                self.work.wait()  # type: ignore[attr-defined]  # a stream wait on NCCL: captured
+            except CollectiveError:
+                raise
+            except Exception as exc:  # noqa: BLE001 — re-raised with context
+                raise _fail(self.op, self.group, exc) from exc
+            self._value, self._done = self.fn(), True
+        return self._value
+
+    value = wait
+
+    def done(self) -> bool:
+        return self._done
+
+    def then(self, cb: Callable[["Deferred"], object]) -> "Deferred":
+        """As torch's ``Future.then``: ``cb(self)``, run when the result is waited for."""
+        return Deferred(self, lambda: cb(self), self.op, self.group)
+
+
+def then(work: object, fn: Callable[[], object], op: str,
+         group: dist.ProcessGroup | None) -> torch.futures.Future | Deferred:
     """Future of ``fn()`` run after ``work`` (a torch Work, or an already complete future) completed.
-    A failed op surfaces as :class:`CollectiveError` naming it."""
+    A failed op surfaces as :class:`CollectiveError` naming it. During CUDA graph capture: a
+    :class:`Deferred` (``fn()`` runs when waited for)."""
+    if capturing():
+        return Deferred(work, fn, op, group)
     fut = work if isinstance(work, torch.futures.Future) else work.get_future()  # type: ignore[attr-defined]
 
     def cb(f: torch.futures.Future) -> object:

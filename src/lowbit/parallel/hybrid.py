@@ -29,7 +29,7 @@ from torch import nn
 
 from lowbit.comm import collectives as C
 from lowbit.comm.gather import all_gather, part_sizes, reduce_scatter
-from lowbit.parallel.layers import ParallelComm, parallelize
+from lowbit.parallel.layers import ParallelComm, SharedDropout, parallelize
 
 __all__ = ["Hybrid"]
 
@@ -43,20 +43,39 @@ class Hybrid(nn.Module):
     (DDP); the activations' gradients are then scaled by ``K`` so that the average is the global batch's
     gradient. ``pair``: the classifier's linear layers split in column/row pairs (fewer transfers;
     :func:`lowbit.parallel.parallelize`).
+
+    ``graph=True`` (CUDA): the classifier's step (the labels' and activations' gathers, the classifier's
+    forward and backward with their transfers, the activation gradients' reduce-scatter) is captured
+    once per input shape into a CUDA graph, after two eager warm-up runs on a side stream, and replayed
+    every step: one launch instead of the hundreds of kernel launches and collective calls whose host
+    time bounds the step (docs/parallel.md "Speed"). The same arithmetic as eager, dropout masks
+    included (drawn before each replay with the eager seeds). Needs deterministic codecs (stochastic
+    rounding would replay the captured seeds), no ``update_each``; the classifier's gradients are the
+    step's own (captured buffers: they are not accumulated over steps). Ignored off CUDA.
     """
 
     def __init__(self, features: nn.Module, classifier: nn.Sequential, comm: ParallelComm | None = None,
                  sub_batches: int = 1, update_each: bool = False, ddp_average: bool = True, seed: int = 0,
-                 pair: bool = False) -> None:
+                 pair: bool = False, graph: bool = False) -> None:
         super().__init__()
         if not isinstance(sub_batches, int) or isinstance(sub_batches, bool) or sub_batches < 1:
             raise ValueError(f"sub_batches must be a positive int, got {sub_batches!r}")
         self.comm = comm if comm is not None else ParallelComm()
+        if graph:
+            if update_each:
+                raise ValueError("Hybrid(graph=True) cannot update the classifier after each sub-batch "
+                                 "(update_each=True): the optimiser's step is outside the captured graph")
+            for c in (self.comm.codec, self.comm.grad_codec):
+                if c.stochastic:  # type: ignore[union-attr]
+                    raise ValueError(f"Hybrid(graph=True) needs deterministic codecs: {c.spec} rounds "  # type: ignore[union-attr]
+                                     "stochastically, and a captured graph would replay one seed every step")
         self.features = features
         split = any(hasattr(m, "comm") for m in classifier)
         self.classifier = classifier if split else parallelize(classifier, self.comm, first_reduces_input_grad=False,
                                                                 seed=seed, pair=pair)
         self.sub_batches, self.update_each, self.ddp_average = sub_batches, update_each, ddp_average
+        self.graph = graph
+        self._graphs: dict[tuple, _Captured] = {}
 
     def _labels(self, y: torch.Tensor) -> Callable[[], torch.Tensor]:
         """Issue the all-gather of every rank's labels now; returns a function that waits for them
@@ -73,29 +92,22 @@ class Hybrid(nn.Module):
 
         return wait
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                   opt_features: torch.optim.Optimizer | None = None,
-                   opt_classifier: torch.optim.Optimizer | None = None) -> torch.Tensor:
-        """One step on the local batch ``(x, y)`` (the same size on every rank); returns the global batch's
-        mean loss (a 0-d tensor, the same on every rank). Steps the optimisers given (and zeroes their
-        gradients first); without them the gradients are left in ``.grad``."""
+    def _classifier_step(self, det: torch.Tensor, labels_of: Callable[[], torch.Tensor],
+                         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                         opt_classifier: torch.optim.Optimizer | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Steps 2-3 of the module doc on this rank's features ``det``: the global batch's mean loss and
+        the gradient of this rank's rows (summed over ranks; before the ``K`` of ``ddp_average``)."""
         rank, k = self.comm.world
         comm = self.comm
-        for opt in (opt_features, opt_classifier):
-            if opt is not None:
-                opt.zero_grad(set_to_none=True)
-        labels_of = self._labels(y)  # issued first: they cross while the features compute
-        feats = self.features(x)
-        b = feats.shape[0]
+        b = det.shape[0]
         s = min(self.sub_batches, b)
         sizes = part_sizes(b, s)
         starts = [sum(sizes[:i]) for i in range(s)]
-        det = feats.detach()
         futs = [all_gather(det.narrow(0, lo, n).contiguous(), comm.codec, comm.group, dim=0,
                            seed=comm.step * 1_009 + i, stats=comm.stats, async_op=True)
                 for i, (lo, n) in enumerate(zip(starts, sizes))]
         labels = labels_of()
-        total = torch.zeros((), dtype=torch.float32, device=feats.device)
+        total = torch.zeros((), dtype=torch.float32, device=det.device)
         back = []
         for i, (lo, n) in enumerate(zip(starts, sizes)):
             xs = C.wait(futs[i], "all_gather_into_tensor", comm.group)
@@ -111,6 +123,35 @@ class Hybrid(nn.Module):
                                        seed=comm.step * 1_009 + s + i, stats=comm.stats, async_op=True))
         grads = [C.wait(f, "all_to_all_single", comm.group) for f in back]
         g = torch.cat(grads, dim=0) if len(grads) > 1 else grads[0]  # type: ignore[arg-type]
+        return total, g  # type: ignore[return-value]
+
+    def _graphed_step(self, det: torch.Tensor, y: torch.Tensor,
+                      loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_classifier_step` replayed from a CUDA graph (captured on the first call of a shape)."""
+        key = (tuple(det.shape), det.dtype, tuple(y.shape), y.dtype, loss_fn)
+        cap = self._graphs.get(key)
+        if cap is None:
+            cap = self._graphs[key] = _Captured.capture(self, det, y, loss_fn)
+        return cap.replay(self, det, y)
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                   opt_features: torch.optim.Optimizer | None = None,
+                   opt_classifier: torch.optim.Optimizer | None = None) -> torch.Tensor:
+        """One step on the local batch ``(x, y)`` (the same size on every rank); returns the global batch's
+        mean loss (a 0-d tensor, the same on every rank). Steps the optimisers given (and zeroes their
+        gradients first); without them the gradients are left in ``.grad``."""
+        rank, k = self.comm.world
+        for opt in (opt_features, opt_classifier):
+            if opt is not None:
+                opt.zero_grad(set_to_none=True)
+        graphed = self.graph and x.is_cuda and k > 1
+        labels_of = None if graphed else self._labels(y)  # issued first: they cross while the features compute
+        feats = self.features(x)
+        det = feats.detach()
+        if graphed:
+            total, g = self._graphed_step(det, y, loss_fn)
+        else:
+            total, g = self._classifier_step(det, labels_of, loss_fn, opt_classifier)  # type: ignore[arg-type]
         if self.ddp_average and k > 1:
             g = g * k
         feats.backward(g.to(feats.dtype))
@@ -118,7 +159,7 @@ class Hybrid(nn.Module):
             opt_classifier.step()
         if opt_features is not None:
             opt_features.step()
-        comm.step += 1
+        self.comm.step += 1
         return total
 
     @torch.no_grad()
@@ -134,4 +175,77 @@ class Hybrid(nn.Module):
         return list(self.classifier.parameters())
 
     def extra_repr(self) -> str:
-        return f"sub_batches={self.sub_batches}, update_each={self.update_each}, codec={self.comm.codec.spec}"  # type: ignore[union-attr]
+        return (f"sub_batches={self.sub_batches}, update_each={self.update_each}, graph={self.graph}, "
+                f"codec={self.comm.codec.spec}")  # type: ignore[union-attr]
+
+
+class _Captured:
+    """One shape's CUDA graph of :meth:`Hybrid._classifier_step`: its static inputs (this rank's
+    features and labels) and outputs (loss, gradient of this rank's rows, the classifier's gradients),
+    the dropout modules whose masks are drawn before each replay, and what one step adds to the
+    byte counters (the captured collectives count once, at capture; each replay adds them again)."""
+
+    def __init__(self) -> None:
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.det = self.y = self.total = self.g = torch.empty(0)
+        self.grads: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self.masks: list[tuple[SharedDropout, list[torch.Tensor]]] = []
+        self.calls = self.bytes = 0
+
+    @classmethod
+    def capture(cls, h: Hybrid, det: torch.Tensor, y: torch.Tensor,
+                loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> "_Captured":
+        cap = cls()
+        stats = h.comm.stats
+        if stats.timing:
+            raise ValueError("Hybrid(graph=True) cannot time the transfers' phases (CommStats.timing "
+                             "synchronises the device, which a CUDA graph capture forbids)")
+        cap.det, cap.y = det.clone(), y.clone()
+        drops = [m for m in h.classifier.modules() if isinstance(m, SharedDropout)]
+        params = [p for p in h.classifier.parameters() if p.requires_grad]
+        # Warm up on a side stream (the graph's stream to be): kernels compiled, plans agreed between the
+        # ranks, communicators and cuBLAS workspaces made; the first run records the dropout calls.
+        side = torch.cuda.Stream(det.device)
+        side.wait_stream(torch.cuda.current_stream(det.device))
+        calls: dict[SharedDropout, list] = {d: [] for d in drops}
+        with torch.cuda.stream(side):
+            for i in range(2):
+                for d in drops:
+                    d._record, d._step = (calls[d] if i == 0 else None), -1
+                h._classifier_step(cap.det, h._labels(cap.y), loss_fn, None)
+        torch.cuda.current_stream(det.device).wait_stream(side)
+        for d in drops:
+            d._record = None
+            bufs = [torch.empty(shape, dtype=torch.bool, device=dev) for shape, dev in calls[d]]
+            if bufs:
+                cap.masks.append((d, bufs))
+        for d, bufs in cap.masks:
+            d._fill(bufs)
+            d._static, d._gcall = bufs, 0
+        for p in params:
+            p.grad = None  # the captured backward then writes its gradients into buffers of its own
+        c0, b0 = stats.calls, stats.bytes_sent
+        cap.graph = torch.cuda.CUDAGraph()
+        try:
+            # thread_local: NCCL's watchdog thread may query its events while the capture runs
+            with torch.cuda.graph(cap.graph, capture_error_mode="thread_local"):
+                cap.total, cap.g = h._classifier_step(cap.det, h._labels(cap.y), loss_fn, None)
+        finally:
+            for d in drops:
+                d._static, d._record = None, None
+        cap.calls, cap.bytes = stats.calls - c0, stats.bytes_sent - b0
+        stats.calls, stats.bytes_sent = c0, b0  # nothing was sent at capture
+        cap.grads = [(p, p.grad) for p in params if p.grad is not None]
+        return cap
+
+    def replay(self, h: Hybrid, det: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.det.copy_(det)
+        self.y.copy_(y)
+        for d, bufs in self.masks:
+            d._fill(bufs)
+        self.graph.replay()  # type: ignore[union-attr]
+        h.comm.stats.calls += self.calls
+        h.comm.stats.bytes_sent += self.bytes
+        for p, g in self.grads:
+            p.grad = g  # the step's gradients (zero_grad(set_to_none=True) dropped them from .grad)
+        return self.total.clone(), self.g

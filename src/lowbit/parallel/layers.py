@@ -233,7 +233,11 @@ class RowParallelLinear(_SplitLinear):
 
 class SharedDropout(nn.Module):
     """Dropout that draws the same mask on every rank (the activations after a gather are replicated and
-    must stay so): the mask comes from a generator seeded by (seed, the comm's step, call index)."""
+    must stay so): the mask comes from a generator seeded by (seed, the comm's step, call index).
+
+    Inside a CUDA graph (:class:`lowbit.parallel.Hybrid` with ``graph=True``) no generator can be
+    seeded per step: while a graph is captured, the calls read buffers (``_static``), into which the
+    masks are drawn before each replay, the same way and with the same seeds (:meth:`_fill`)."""
 
     def __init__(self, p: float, comm: ParallelComm, seed: int = 0,
                  features: tuple[int, int, int] | None = None) -> None:
@@ -244,20 +248,37 @@ class SharedDropout(nn.Module):
         self.features = features  # (lo, size, total): x is this slice of the last dimension of the whole
         self._calls = 0
         self._step = -1
+        self._record: list[tuple[tuple[int, ...], torch.device]] | None = None  # shapes, while recording
+        self._static: list[torch.Tensor] | None = None  # a graph's mask buffers, one per call of a step
+        self._gcall = 0
+
+    def _keep(self, shape: tuple[int, ...], device: torch.device, call: int) -> torch.Tensor:
+        """The keep mask of this step's ``call``-th call on an input of ``shape``."""
+        g = torch.Generator(device=device)
+        g.manual_seed((self.seed * 1_000_003 + self.comm.step * 9_973 + call) & 0x7FFFFFFF)
+        if self.features is None:
+            return torch.rand(shape, generator=g, device=device) >= self.p
+        lo, size, total = self.features  # the whole tensor's mask, this slice of it: as the unsplit layer drew
+        return (torch.rand((*shape[:-1], total), generator=g, device=device) >= self.p).narrow(-1, lo, size)
+
+    def _fill(self, bufs: list[torch.Tensor]) -> None:
+        """Draw this step's masks into a graph's buffers (before its replay), call by call."""
+        for call, buf in enumerate(bufs):
+            buf.copy_(self._keep(tuple(buf.shape), buf.device, call))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
+        if self._static is not None:  # being captured: this step's masks are drawn before each replay
+            keep = self._static[self._gcall % len(self._static)]
+            self._gcall += 1
+            return x * keep / (1.0 - self.p)
         if self._step != self.comm.step:
             self._step, self._calls = self.comm.step, 0
-        g = torch.Generator(device=x.device)
-        g.manual_seed((self.seed * 1_000_003 + self.comm.step * 9_973 + self._calls) & 0x7FFFFFFF)
+        if self._record is not None:
+            self._record.append((tuple(x.shape), x.device))
+        keep = self._keep(tuple(x.shape), x.device, self._calls)
         self._calls += 1
-        if self.features is None:
-            keep = torch.rand(x.shape, generator=g, device=x.device) >= self.p
-        else:  # the whole tensor's mask, this slice of it: as the unsplit layer would have drawn
-            lo, size, total = self.features
-            keep = (torch.rand((*x.shape[:-1], total), generator=g, device=x.device) >= self.p).narrow(-1, lo, size)
         return x * keep / (1.0 - self.p)
 
 
