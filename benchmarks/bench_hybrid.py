@@ -7,7 +7,9 @@ beside plain data parallelism (DDP, and DDP with a lowbit codec) in the same run
 
 Configurations (``--configs``, ';'-separated):
   ``dp:HOOK``                     the whole model under DDP with bench_ddp's HOOK (ddp, fp16, lowbit:SPEC, ...)
-  ``hybrid[s=S,conv=HOOK]:SPEC``  Hybrid with S sub-batches, activations in SPEC, the features' DDP with HOOK
+  ``hybrid[s=S,pair=1,cap=MB,graph=1,conv=HOOK]:SPEC``  Hybrid with S sub-batches, activations in SPEC, the
+                                  features' DDP with HOOK (bucket_cap_mb MB); pair=1: column/row pairs;
+                                  graph=1: the classifier's step replayed from a CUDA graph
 Prints a table last and writes JSON (card, commit, every number); samples/s is the global batch per second.
 
 ``--phases`` (default on) also measures, per model and activation codec of the ``s=1`` hybrids, the inputs
@@ -52,7 +54,9 @@ from lowbit.perfmodel.dettmers import single_node_step_ms  # noqa: E402
 DEFAULT_CONFIGS = ("dp:ddp;dp:lowbit:qsgd:bits=8,bucket=512;dp:lowbit:onebit:bucket=64;"
                    "hybrid[s=1]:fp32;hybrid[s=4]:fp32;"
                    "hybrid[s=1,conv=lowbit:qsgd:bits=8,bucket=512]:dettmers:type=dynamic,bucket=0;"
-                   "hybrid[s=4,conv=lowbit:qsgd:bits=8,bucket=512]:dettmers:type=dynamic,bucket=0")
+                   "hybrid[s=4,conv=lowbit:qsgd:bits=8,bucket=512]:dettmers:type=dynamic,bucket=0;"
+                   "hybrid[s=1,pair=1]:fp32;"
+                   "hybrid[s=1,pair=1,graph=1,conv=lowbit:qsgd:bits=8,bucket=512]:dettmers:type=dynamic,bucket=0")
 HYBRID = re.compile(r"hybrid(?:\[(?P<opts>[^\]]*)\])?:(?P<spec>.+)")
 
 
