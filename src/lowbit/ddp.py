@@ -507,8 +507,16 @@ class LowbitState:
         return d
 
 
+def _bucket_capturing(bucket: dist.GradBucket) -> bool:
+    """Whether the bucket's CUDA stream is being captured into a graph (never on CPU)."""
+    return bucket.buffer().is_cuda and C.capturing()
+
+
 def hook(state: LowbitState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: low-precision mean of the bucket's gradients across the group."""
+    if _bucket_capturing(bucket):
+        raise RuntimeError("lowbit's DDP hook cannot run inside a CUDA graph capture (it returns futures "
+                           "that DDP chains; capture the model without lowbit.ddp, or run DDP eagerly)")
     group = state.process_group
     if state._world is None:
         state._world = C.world(group)

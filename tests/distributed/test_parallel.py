@@ -383,3 +383,27 @@ def test_deferred_runs_its_callback_once_when_waited() -> None:
     assert not d.done() and ran == []
     chained = d.then(lambda f: f.value() + 1)
     assert chained.wait() == 6 and d.wait() == 5 and d.value() == 5 and ran == [1] and d.done()
+
+
+def _plans_take_iterables(rank: int, world: int) -> list[tuple[int, ...]]:
+    x = torch.randn(4, 3)
+    # sizes read once, also on the call that finds the cached plan
+    return [tuple(all_gather(x, "fp32", dim=0, sizes=iter([4] * world)).shape) for _ in range(2)]
+
+
+def test_gather_plans_take_iterables() -> None:
+    for r in spawn(_plans_take_iterables, 2, backend="gloo"):
+        assert r == [(8, 3), (8, 3)]
+
+
+def test_a_gather_plan_never_outlives_its_group(tmp_path) -> None:
+    """After destroy_process_group, the old group is refused as before the plans existed."""
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'store'}")
+    old = dist.group.WORLD
+    x = torch.randn(4, 3)
+    try:
+        all_gather(x, "fp32", group=old)  # a plan made on the live group
+    finally:
+        dist.destroy_process_group()
+    with pytest.raises(ValueError, match="not initialised"):
+        all_gather(x, "fp32", group=old)

@@ -80,12 +80,15 @@ class Deferred:
 
     def wait(self) -> object:
         if not self._done:
-            try:
-                self.work.wait()  # type: ignore[attr-defined]  # a stream wait on NCCL: captured
-            except CollectiveError:
-                raise
-            except Exception as exc:  # noqa: BLE001 — re-raised with context
-                raise _fail(self.op, self.group, exc) from exc
+            if isinstance(self.work, Deferred):  # a chained callback: its own errors are its own
+                self.work.wait()
+            else:
+                try:
+                    self.work.wait()  # type: ignore[attr-defined]  # a stream wait on NCCL: captured
+                except CollectiveError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 — re-raised with context
+                    raise _fail(self.op, self.group, exc) from exc
             self._value, self._done = self.fn(), True
         return self._value
 
@@ -128,6 +131,9 @@ def join(futs: list[torch.futures.Future], value: Callable[[], object], device: 
     Here each input's callback runs on a stream that waited for that input (``then``'s contract), records
     an event there, and the last one makes its stream wait for all the events before completing the
     result with ``value()`` (a tensor's events are then recorded after them). A failed input fails it."""
+    if any(isinstance(f, Deferred) for f in futs):
+        raise RuntimeError("lowbit: collectives issued inside a CUDA graph capture cannot be joined into one "
+                           "future (DDP's hook cannot be captured); wait for each instead")
     cuda = device.type == "cuda"
     res: torch.futures.Future = torch.futures.Future(devices=[device] if cuda else None)
     lock = threading.Lock()

@@ -22,6 +22,7 @@ of sub-batch ``i+1`` before it computes on sub-batch ``i``.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -89,8 +90,8 @@ class _Plan:
     bytes, and the widest slot."""
 
     codec: Codec
-    group: object  # the group object itself: a cached plan keeps it alive, so its id is never reused
-    d: int
+    group: object  # a weak reference to the group: a plan neither keeps a destroyed group alive nor
+    d: int         # serves a new group that reuses its id
     rank: int
     k: int
     sizes: tuple[int, ...]
@@ -108,21 +109,24 @@ def _plan(x: torch.Tensor, codec: Codec | str, group: dist.ProcessGroup | None, 
           sizes: Sequence[int] | None, what: str) -> _Plan:
     """The plan of this call (built, and agreed between the ranks, on its first call only: model
     parallelism repeats a few shapes every step, and the checks cost more host time than the kernels)."""
-    g = group if group is not None else (dist.group.WORLD if dist.is_available() and dist.is_initialized()
-                                         else None)
+    live = dist.is_available() and dist.is_initialized()
+    g = group if group is not None else (dist.group.WORLD if live else None)
+    if sizes is not None and not isinstance(sizes, (list, tuple)):
+        sizes = list(sizes)  # an iterator is read once
     key = None
-    if isinstance(x, torch.Tensor) and isinstance(codec, (Codec, str)) and isinstance(dim, int):
+    if live and g is not None and isinstance(x, torch.Tensor) and isinstance(codec, (Codec, str)) \
+            and isinstance(dim, int):
         key = (what, codec, id(g), dim, None if sizes is None else tuple(sizes), tuple(x.shape), x.dtype)
         plan = _PLANS.get(key)
-        if plan is not None and plan.group is g:
+        if plan is not None and plan.group() is g:
             return plan
     codec, d, rank, k, sizes = _check(x, codec, group, dim, sizes, what)
     shape = _shape(x.shape, d, -1) if what == "all_gather" else tuple(x.shape)
     _agree(group, what, (codec.spec, d, tuple(sizes), shape, str(x.dtype)))
     shapes = tuple(_shape(x.shape, d, s) for s in sizes)
     slots = tuple(_slot(codec, _numel(s), _codec_shape(codec, s)) for s in shapes)
-    plan = _Plan(codec=codec, group=g, d=d, rank=rank, k=k, sizes=tuple(sizes),
-                 starts=tuple(sum(sizes[:r]) for r in range(k)), shapes=shapes, slots=slots,
+    plan = _Plan(codec=codec, group=weakref.ref(g) if g is not None else (lambda: None), d=d, rank=rank, k=k,
+                 sizes=tuple(sizes), starts=tuple(sum(sizes[:r]) for r in range(k)), shapes=shapes, slots=slots,
                  nbytes=tuple(codec.nbytes(_numel(s), _codec_shape(codec, s)) for s in shapes),
                  width=max(size for _, size in slots))
     if key is not None:
@@ -195,7 +199,8 @@ def all_gather(
     every rank, in ``x``'s dtype. ``async_op=True`` returns a future of the result.
     """
     p = _plan(x, codec, group, dim, sizes, "all_gather")
-    codec, d, rank, k, width = p.codec, p.d, p.rank, p.k, p.width
+    codec = codec if isinstance(codec, Codec) else p.codec  # the caller's object (equal ones may differ)
+    d, rank, k, width = p.d, p.rank, p.k, p.width
     lead = p.slots[rank][0]
     payload = _encode(codec, x, seed * 7_919 + rank) if x.numel() else torch.empty(0, dtype=torch.uint8,
                                                                                       device=x.device)
@@ -242,7 +247,8 @@ def reduce_scatter(
     up to ``x.shape[dim]``. The sum runs in rank order in float32; the result has ``x``'s dtype.
     """
     p = _plan(x, codec, group, dim, sizes, "reduce_scatter")
-    codec, d, rank, k, sizes, starts, slots = p.codec, p.d, p.rank, p.k, p.sizes, p.starts, p.slots
+    codec = codec if isinstance(codec, Codec) else p.codec  # the caller's object (equal ones may differ)
+    d, rank, k, sizes, starts, slots = p.d, p.rank, p.k, p.sizes, p.starts, p.slots
     own = x.narrow(d, starts[rank], sizes[rank]).to(torch.float32)
     if k == 1:
         res = own.contiguous().to(x.dtype)

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -31,7 +33,10 @@ from lowbit.comm import collectives as C
 from lowbit.comm.gather import all_gather, part_sizes, reduce_scatter
 from lowbit.parallel.layers import ParallelComm, SharedDropout, parallelize
 
-__all__ = ["Hybrid"]
+__all__ = ["Hybrid", "MAX_GRAPHS"]
+
+#: The most CUDA graphs one Hybrid keeps (each holds a memory pool and a set of gradient buffers).
+MAX_GRAPHS = 8
 
 
 class Hybrid(nn.Module):
@@ -49,9 +54,11 @@ class Hybrid(nn.Module):
     once per input shape into a CUDA graph, after two eager warm-up runs on a side stream, and replayed
     every step: one launch instead of the hundreds of kernel launches and collective calls whose host
     time bounds the step (docs/parallel.md "Speed"). The same arithmetic as eager, dropout masks
-    included (drawn before each replay with the eager seeds). Needs deterministic codecs (stochastic
-    rounding would replay the captured seeds), no ``update_each``; the classifier's gradients are the
-    step's own (captured buffers: they are not accumulated over steps). Ignored off CUDA.
+    included (drawn before each replay with the eager seeds), gradients accumulated as eagerly when not
+    zeroed. A graph is kept per input shape, loss function object, train/eval mode, codec, dropout
+    probability and set of trainable parameters (at most :data:`MAX_GRAPHS`; beyond, eager). Needs
+    deterministic codecs (stochastic rounding would replay the captured seeds), no ``update_each``, no
+    autocast; every rank must see the same shapes in the same order. Ignored off CUDA and on one rank.
     """
 
     def __init__(self, features: nn.Module, classifier: nn.Sequential, comm: ParallelComm | None = None,
@@ -76,6 +83,7 @@ class Hybrid(nn.Module):
         self.sub_batches, self.update_each, self.ddp_average = sub_batches, update_each, ddp_average
         self.graph = graph
         self._graphs: dict[tuple, _Captured] = {}
+        self._warned = False
 
     def _labels(self, y: torch.Tensor) -> Callable[[], torch.Tensor]:
         """Issue the all-gather of every rank's labels now; returns a function that waits for them
@@ -128,9 +136,24 @@ class Hybrid(nn.Module):
     def _graphed_step(self, det: torch.Tensor, y: torch.Tensor,
                       loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`_classifier_step` replayed from a CUDA graph (captured on the first call of a shape)."""
-        key = (tuple(det.shape), det.dtype, tuple(y.shape), y.dtype, loss_fn)
+        comm = self.comm
+        drops = tuple(m.p for m in self.classifier.modules() if isinstance(m, SharedDropout))
+        key = (tuple(det.shape), det.dtype, tuple(y.shape), y.dtype, loss_fn, self.training, self.sub_batches,
+               comm.codec.spec, comm.grad_codec.spec, drops,  # type: ignore[union-attr]
+               tuple(p.requires_grad for p in self.classifier.parameters()))
         cap = self._graphs.get(key)
         if cap is None:
+            if len(self._graphs) >= MAX_GRAPHS:  # a new loss function or shape every step: stay eager
+                if not self._warned:
+                    self._warned = True
+                    warnings.warn(f"lowbit.parallel.Hybrid(graph=True): {MAX_GRAPHS} CUDA graphs captured "
+                                  "already (one per input shape, loss function, mode and codec); new ones run "
+                                  "eagerly. Pass the same loss function object every step.", RuntimeWarning,
+                                  stacklevel=3)
+                return self._classifier_step(det, self._labels(y), loss_fn, None)
+            if torch.is_autocast_enabled("cuda"):
+                raise RuntimeError("Hybrid(graph=True) under torch.autocast: the autocast cache would hold "
+                                   "the captured weights' casts past the graph; use graph=False")
             cap = self._graphs[key] = _Captured.capture(self, det, y, loss_fn)
         return cap.replay(self, det, y)
 
@@ -195,16 +218,22 @@ class _Captured:
     @classmethod
     def capture(cls, h: Hybrid, det: torch.Tensor, y: torch.Tensor,
                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> "_Captured":
+        with torch.cuda.device(det.device):
+            return cls._capture(h, det, y, loss_fn)
+
+    @classmethod
+    def _capture(cls, h: Hybrid, det: torch.Tensor, y: torch.Tensor,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> "_Captured":
         cap = cls()
         stats = h.comm.stats
-        if stats.timing:
+        if stats is not None and stats.timing:
             raise ValueError("Hybrid(graph=True) cannot time the transfers' phases (CommStats.timing "
                              "synchronises the device, which a CUDA graph capture forbids)")
         cap.det, cap.y = det.clone(), y.clone()
         drops = [m for m in h.classifier.modules() if isinstance(m, SharedDropout)]
         params = [p for p in h.classifier.parameters() if p.requires_grad]
-        # Warm up on a side stream (the graph's stream to be): kernels compiled, plans agreed between the
-        # ranks, communicators and cuBLAS workspaces made; the first run records the dropout calls.
+        # Warm up on a side stream: kernels compiled, plans agreed between the ranks, communicators and
+        # cuBLAS workspaces made; the first run records the dropout calls.
         side = torch.cuda.Stream(det.device)
         side.wait_stream(torch.cuda.current_stream(det.device))
         calls: dict[SharedDropout, list] = {d: [] for d in drops}
@@ -220,32 +249,51 @@ class _Captured:
             if bufs:
                 cap.masks.append((d, bufs))
         for d, bufs in cap.masks:
-            d._fill(bufs)
             d._static, d._gcall = bufs, 0
         for p in params:
             p.grad = None  # the captured backward then writes its gradients into buffers of its own
-        c0, b0 = stats.calls, stats.bytes_sent
+        c0, b0 = (stats.calls, stats.bytes_sent) if stats is not None else (0, 0)
         cap.graph = torch.cuda.CUDAGraph()
+        error: BaseException | None = None
         try:
             # thread_local: NCCL's watchdog thread may query its events while the capture runs
             with torch.cuda.graph(cap.graph, capture_error_mode="thread_local"):
                 cap.total, cap.g = h._classifier_step(cap.det, h._labels(cap.y), loss_fn, None)
+        except Exception as exc:  # noqa: BLE001 — every rank learns of it below
+            error = exc
         finally:
             for d in drops:
                 d._static, d._record = None, None
-        cap.calls, cap.bytes = stats.calls - c0, stats.bytes_sent - b0
-        stats.calls, stats.bytes_sent = c0, b0  # nothing was sent at capture
+            if stats is not None:
+                cap.calls, cap.bytes = stats.calls - c0, stats.bytes_sent - b0
+                stats.calls, stats.bytes_sent = c0, b0  # nothing was sent at capture
+        # A capture that failed on one rank must fail on all: the others would replay collectives the
+        # failed one never joins (an eager all-reduce of the outcome, once per capture).
+        ok = torch.tensor([0.0 if error is not None else 1.0], device=det.device)
+        torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN, group=h.comm.group)
+        if error is not None:
+            raise RuntimeError("lowbit.parallel.Hybrid(graph=True): capturing the classifier's step failed "
+                               "on this rank") from error
+        if ok.item() < 1.0:
+            raise RuntimeError("lowbit.parallel.Hybrid(graph=True): capturing the classifier's step failed on "
+                               "another rank (see its error); use graph=False")
         cap.grads = [(p, p.grad) for p in params if p.grad is not None]
         return cap
 
     def replay(self, h: Hybrid, det: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.det.copy_(det)
-        self.y.copy_(y)
-        for d, bufs in self.masks:
-            d._fill(bufs)
-        self.graph.replay()  # type: ignore[union-attr]
-        h.comm.stats.calls += self.calls
-        h.comm.stats.bytes_sent += self.bytes
-        for p, g in self.grads:
-            p.grad = g  # the step's gradients (zero_grad(set_to_none=True) dropped them from .grad)
-        return self.total.clone(), self.g
+        with torch.cuda.device(det.device):
+            self.det.copy_(det)
+            self.y.copy_(y)
+            for d, bufs in self.masks:
+                d._fill(bufs)
+            # gradients not zeroed since the last step accumulate, as eagerly (the graph overwrites its
+            # buffers: one that still holds the last step's gradient is kept aside first)
+            before = [(p, None if p.grad is None else p.grad.clone() if p.grad is g else p.grad)
+                      for p, g in self.grads]
+            self.graph.replay()  # type: ignore[union-attr]
+            if h.comm.stats is not None:
+                h.comm.stats.calls += self.calls
+                h.comm.stats.bytes_sent += self.bytes
+            for (p, prev), (_, g) in zip(before, self.grads):
+                p.grad = g if prev is None else prev.add_(g)
+            return self.total.clone(), self.g

@@ -269,13 +269,17 @@ class SharedDropout(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        if self._static is not None:  # being captured: this step's masks are drawn before each replay
-            keep = self._static[self._gcall % len(self._static)]
+        static = getattr(self, "_static", None)  # (modules pickled before graphs: no such attribute)
+        if static is not None:  # being captured: this step's masks are drawn before each replay
+            if self._gcall >= len(static) or tuple(static[self._gcall].shape) != tuple(x.shape):
+                raise RuntimeError("SharedDropout: the captured step calls the dropout differently from its "
+                                   "warm-up (data-dependent control flow in the classifier?)")
+            keep = static[self._gcall]
             self._gcall += 1
             return x * keep / (1.0 - self.p)
         if self._step != self.comm.step:
             self._step, self._calls = self.comm.step, 0
-        if self._record is not None:
+        if getattr(self, "_record", None) is not None:
             self._record.append((tuple(x.shape), x.device))
         keep = self._keep(tuple(x.shape), x.device, self._calls)
         self._calls += 1
