@@ -90,8 +90,10 @@ class _Plan:
     bytes, and the widest slot."""
 
     codec: Codec
-    group: object  # a weak reference to the group: a plan neither keeps a destroyed group alive nor
-    d: int         # serves a new group that reuses its id
+    #: A weak reference to the group: a plan neither keeps a destroyed group alive nor serves a new
+    #: group that reuses its id.
+    group: object
+    d: int
     rank: int
     k: int
     sizes: tuple[int, ...]

@@ -22,9 +22,8 @@ The classifier's loss is the mean over the global batch (each sub-batch's mean w
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -82,6 +81,7 @@ class Hybrid(nn.Module):
                                                                 seed=seed, pair=pair)
         self.sub_batches, self.update_each, self.ddp_average = sub_batches, update_each, ddp_average
         self.graph = graph
+        self._dropouts = [m for m in self.classifier.modules() if isinstance(m, SharedDropout)]
         self._graphs: dict[tuple, _Captured] = {}
         self._warned = False
 
@@ -137,9 +137,8 @@ class Hybrid(nn.Module):
                       loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`_classifier_step` replayed from a CUDA graph (captured on the first call of a shape)."""
         comm = self.comm
-        drops = tuple(m.p for m in self.classifier.modules() if isinstance(m, SharedDropout))
         key = (tuple(det.shape), det.dtype, tuple(y.shape), y.dtype, loss_fn, self.training, self.sub_batches,
-               comm.codec.spec, comm.grad_codec.spec, drops,  # type: ignore[union-attr]
+               comm.codec.spec, comm.grad_codec.spec, tuple(d.p for d in self._dropouts),  # type: ignore[union-attr]
                tuple(p.requires_grad for p in self.classifier.parameters()))
         cap = self._graphs.get(key)
         if cap is None:
@@ -154,7 +153,8 @@ class Hybrid(nn.Module):
             if torch.is_autocast_enabled("cuda"):
                 raise RuntimeError("Hybrid(graph=True) under torch.autocast: the autocast cache would hold "
                                    "the captured weights' casts past the graph; use graph=False")
-            cap = self._graphs[key] = _Captured.capture(self, det, y, loss_fn)
+            with torch.cuda.device(det.device):
+                cap = self._graphs[key] = _Captured.capture(self, det, y, loss_fn)
         return cap.replay(self, det, y)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -218,19 +218,14 @@ class _Captured:
     @classmethod
     def capture(cls, h: Hybrid, det: torch.Tensor, y: torch.Tensor,
                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> "_Captured":
-        with torch.cuda.device(det.device):
-            return cls._capture(h, det, y, loss_fn)
-
-    @classmethod
-    def _capture(cls, h: Hybrid, det: torch.Tensor, y: torch.Tensor,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> "_Captured":
+        """Warm up, capture and check that every rank captured (``det``'s device current)."""
         cap = cls()
         stats = h.comm.stats
         if stats is not None and stats.timing:
             raise ValueError("Hybrid(graph=True) cannot time the transfers' phases (CommStats.timing "
                              "synchronises the device, which a CUDA graph capture forbids)")
         cap.det, cap.y = det.clone(), y.clone()
-        drops = [m for m in h.classifier.modules() if isinstance(m, SharedDropout)]
+        drops = h._dropouts
         params = [p for p in h.classifier.parameters() if p.requires_grad]
         # Warm up on a side stream: kernels compiled, plans agreed between the ranks, communicators and
         # cuBLAS workspaces made; the first run records the dropout calls.
@@ -243,8 +238,7 @@ class _Captured:
                     d._record, d._step = (calls[d] if i == 0 else None), -1
                 h._classifier_step(cap.det, h._labels(cap.y), loss_fn, None)
         torch.cuda.current_stream(det.device).wait_stream(side)
-        for d in drops:
-            d._record = None
+        for d in drops:  # (the second warm-up stopped the recording)
             bufs = [torch.empty(shape, dtype=torch.bool, device=dev) for shape, dev in calls[d]]
             if bufs:
                 cap.masks.append((d, bufs))
@@ -263,7 +257,7 @@ class _Captured:
             error = exc
         finally:
             for d in drops:
-                d._static, d._record = None, None
+                d._static = None
             if stats is not None:
                 cap.calls, cap.bytes = stats.calls - c0, stats.bytes_sent - b0
                 stats.calls, stats.bytes_sent = c0, b0  # nothing was sent at capture
