@@ -245,6 +245,23 @@ def test_ranks_that_disagree_get_a_clear_error() -> None:
             assert "CollectiveError" in m and "called" in m, m
 
 
+def slice_grad_error(split: nn.Sequential, ref_linears: list[nn.Linear]) -> float:
+    """The largest relative error of a split model's weight and bias gradients against the matching
+    slices of the single-process model's (a row-parallel layer: its columns and the whole bias). Also
+    used by tests/gpu/test_parallel_nccl.py."""
+    from lowbit.parallel import RowParallelLinear
+
+    errs = []
+    for m, r in zip([m for m in split if hasattr(m, "weight")], ref_linears):
+        if isinstance(m, RowParallelLinear):
+            want, wb = r.weight.grad[:, m.lo : m.lo + m.weight.shape[1]], r.bias.grad
+        else:
+            want, wb = r.weight.grad[m.lo : m.lo + m.weight.shape[0]], r.bias.grad[m.lo : m.lo + m.bias.shape[0]]
+        errs.append(max(float((m.weight.grad - want).norm() / want.norm()),
+                        float((m.bias.grad - wb).norm() / wb.norm())))
+    return max(errs)
+
+
 def _paired(rank: int, world: int) -> dict:
     """The MLP split in column/row pairs against the single-process model and the unpaired split."""
     from lowbit.parallel import RowParallelLinear
@@ -263,16 +280,9 @@ def _paired(rank: int, world: int) -> dict:
             xx = x.detach().clone().requires_grad_(True)
             logits = mp(xx)
             nn.functional.cross_entropy(logits, y).backward()
-            errs = []
-            for m, r in zip([m for m in mp if hasattr(m, "weight")], ref_lin):
-                if isinstance(m, RowParallelLinear):  # its columns, and the whole bias
-                    want, wb = r.weight.grad[:, m.lo : m.lo + m.weight.shape[1]], r.bias.grad
-                else:
-                    want, wb = r.weight.grad[m.lo : m.lo + m.weight.shape[0]], r.bias.grad[m.lo : m.lo + m.bias.shape[0]]
-                errs.append(max(float((m.weight.grad - want).norm() / want.norm()),
-                                float((m.bias.grad - wb).norm() / wb.norm())))
             out[(spec, pair)] = (logits.detach(), float((logits.detach() - ref_out).norm() / ref_out.norm()),
-                                 float((xx.grad - x.grad).norm() / x.grad.norm()), max(errs), comm.stats.bytes_sent,
+                                 float((xx.grad - x.grad).norm() / x.grad.norm()), slice_grad_error(mp, ref_lin),
+                                 comm.stats.bytes_sent,
                                  sum(isinstance(m, RowParallelLinear) for m in mp))
     return out
 
