@@ -89,6 +89,12 @@ def parse_hybrid(cfg: str) -> tuple[int, str, str, bool, float | None, bool] | N
     return s, conv, m.group("spec"), pair, cap, graph
 
 
+def papers_split(h: tuple | None) -> bool:
+    """A parsed hybrid config as Dettmers' model describes it: one sub-batch, unpaired layers, DDP's
+    default buckets, no CUDA graph (his model's inputs are measured for these only)."""
+    return h is not None and h[0] == 1 and not h[3] and h[4] is None and not h[5]
+
+
 def split_configs(text: str) -> list[str]:
     """';'-separated configs; a ',' inside [...] belongs to its options (conv=lowbit:qsgd:bits=8,bucket=512)."""
     return [c.strip() for c in text.split(";") if c.strip()]
@@ -329,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         for c in res["configs"].values():
             c["ratio_vs_ddp"] = c["samples_per_s"] / base if base else None
         hybrids = {c: parse_hybrid(c) for c in configs}
-        specs = sorted({h[2] for h in hybrids.values() if h is not None and h[0] == 1 and not h[3] and h[4] is None and not h[5]})
+        specs = sorted({h[2] for h in hybrids.values() if papers_split(h)})
         if a.phases and specs and ctx.world > 1:
             try:
                 ph = res["dettmers"] = dettmers_phases(ctx, initial, x, y, specs)
@@ -341,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"K T_fc,par {ph['k_t_fc_par_ms']:.2f}, P_conv {ph['p_conv_ms']:.3f}, P_fc "
                         + ", ".join(f"{sp}: {v:.2f}" for sp, v in ph["p_fc_ms"].items()))
                 for c, h in hybrids.items():
-                    if h is not None and h[0] == 1 and not h[3] and h[4] is None and not h[5] and c in res["configs"]:  # (the paper's split)
+                    if papers_split(h) and c in res["configs"]:
                         pred = ph["predicted"][h[2]]["samples_per_s"]
                         meas = res["configs"][c]["samples_per_s"]
                         res["configs"][c]["dettmers_predicted_samples_per_s"] = pred

@@ -12,6 +12,7 @@ import cProfile
 import os
 import pstats
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -22,29 +23,39 @@ from lowbit.comm.gather import all_gather, part_sizes, reduce_scatter
 D8 = "dettmers:type=dynamic,bucket=0"
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--cprofile", default=None)
-    p.add_argument("--reps", type=int, default=100)
-    a = p.parse_args()
+def init_nccl() -> tuple[int, int, torch.device]:
+    """NCCL process group under torchrun; (rank, world size, this rank's GPU)."""
     dist.init_process_group("nccl")
     rank, k = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    dev = torch.device("cuda")
-    b = 64
+    return rank, k, torch.device("cuda")
+
+
+def transfer_cases(rank: int, k: int, dev: torch.device, b: int = 64) -> dict[str, Callable[[object], object]]:
+    """The AlexNet hybrid's transfers (batch ``b`` per rank), each a function of the codec (spec or
+    object), and a raw NCCL all-gather of the 8-bit features' bytes."""
     feats = torch.randn(b, 9216, device=dev).relu()
     wide = torch.randn(k * b, 4096, device=dev)
     logits = torch.randn(k * b, part_sizes(1000, k)[rank], device=dev)
     gfeat = torch.randn(k * b, 9216, device=dev)
     raw_in = torch.empty(b * 9216, dtype=torch.uint8, device=dev)
     raw_out = torch.empty(k * b * 9216, dtype=torch.uint8, device=dev)
-    cases = {
+    return {
         "raw NCCL all_gather of 64x9216 bytes": lambda s: dist.all_gather_into_tensor(raw_out, raw_in),
         "features all_gather (64x9216/rank)": lambda s: all_gather(feats, s, dim=0),
         "row all_reduce (128x4096)": lambda s: all_reduce(wide.clone(), s, algorithm="auto", op="sum", key="row"),
         "logits gather dim -1 (128x500)": lambda s: all_gather(logits, s, dim=-1, sizes=part_sizes(1000, k)),
         "features grad reduce_scatter (128x9216)": lambda s: reduce_scatter(gfeat, s, dim=0, sizes=[b] * k),
     }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--cprofile", default=None)
+    p.add_argument("--reps", type=int, default=100)
+    a = p.parse_args()
+    rank, k, dev = init_nccl()
+    cases = transfer_cases(rank, k, dev)
     prof = cProfile.Profile() if a.cprofile and rank == 0 else None
     rows = []
     for spec in ("fp32", D8):

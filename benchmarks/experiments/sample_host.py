@@ -16,9 +16,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from host_transfers import init_nccl, transfer_cases  # (this directory: the same transfers)
+
 from lowbit.codecs.base import get_codec
-from lowbit.comm.allreduce import all_reduce
-from lowbit.comm.gather import all_gather, part_sizes, reduce_scatter
 
 D8 = "dettmers:type=dynamic,bucket=0"
 
@@ -56,20 +56,12 @@ class Sampler:
 
 def main() -> None:
     sys.setswitchinterval(1e-5)
-    dist.init_process_group("nccl")
-    rank, k = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    dev = torch.device("cuda")
-    b = 64
-    feats = torch.randn(b, 9216, device=dev).relu()
-    wide = torch.randn(k * b, 4096, device=dev)
-    gfeat = torch.randn(k * b, 9216, device=dev)
+    rank, k, dev = init_nccl()
     codec = get_codec(D8)
-    cases = {
-        "all_gather": lambda: all_gather(feats, codec, dim=0),
-        "all_reduce": lambda: all_reduce(wide.clone(), codec, algorithm="auto", op="sum", key="row"),
-        "reduce_scatter": lambda: reduce_scatter(gfeat, codec, dim=0, sizes=[b] * k),
-    }
+    every = transfer_cases(rank, k, dev)
+    cases = {name: (lambda fn=every[full]: fn(codec)) for name, full in (
+        ("all_gather", "features all_gather (64x9216/rank)"), ("all_reduce", "row all_reduce (128x4096)"),
+        ("reduce_scatter", "features grad reduce_scatter (128x9216)"))}
     s = Sampler(threading.get_ident())
     for name, fn in cases.items():
         for _ in range(10):
