@@ -57,7 +57,7 @@ DEFAULT_CONFIGS = ("dp:ddp;dp:lowbit:qsgd:bits=8,bucket=512;dp:lowbit:onebit:buc
                    "hybrid[s=4,conv=lowbit:qsgd:bits=8,bucket=512]:dettmers:type=dynamic,bucket=0;"
                    "hybrid[s=1,pair=1]:fp32;"
                    "hybrid[s=1,pair=1,graph=1,conv=lowbit:qsgd:bits=8,bucket=512]:dettmers:type=dynamic,bucket=0")
-HYBRID = re.compile(r"hybrid(?:\[(?P<opts>[^\]]*)\])?:(?P<spec>.+)")
+HYBRID = re.compile(r"hybrid(?:\[(?P<opts>(?:[^\[\]]|\[[^\[\]]*\])*)\])?:(?P<spec>.+)")  # conv=lowbit[mb=2]:...
 
 
 def parse_hybrid(cfg: str) -> tuple[int, str, str, bool, float | None, bool] | None:
@@ -359,8 +359,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\n| model | " + " | ".join(configs) + " |")
         print("|---|" + "---:|" * len(configs))
         for name, res in results.items():
-            cells = [f"{res['configs'][c]['samples_per_s']:.0f} ({res['configs'][c]['ratio_vs_ddp']:.2f}x)"
-                     if c in res["configs"] and res["configs"][c]["ratio_vs_ddp"] else "—" for c in configs]
+            cells = [("—" if c not in res["configs"] else f"{res['configs'][c]['samples_per_s']:.0f}"
+                      + (f" ({res['configs'][c]['ratio_vs_ddp']:.2f}x)" if res["configs"][c]["ratio_vs_ddp"] else ""))
+                     for c in configs]
             print(f"| {name} | " + " | ".join(cells) + " |")
         if a.out:
             a.out.parent.mkdir(parents=True, exist_ok=True)

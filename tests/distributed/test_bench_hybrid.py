@@ -55,3 +55,16 @@ def test_bench_hybrid_with_dettmers_model_cpu(tmp_path: Path) -> None:
     # --profile: rank 0's trace and table of the one config asked for (the 5th of --configs)
     assert sorted(f.name for f in (tmp_path / "prof").iterdir()) == ["key_averages_small_cnn_4_rank0.txt",
                                                                       "trace_small_cnn_4_rank0.json"]
+
+
+def test_parse_hybrid_takes_a_conv_hook_with_options() -> None:
+    """``conv=`` may hold a lowbit hook with its own ``[...]`` options (the features' message size)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_hybrid as H
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    cfg = f"hybrid[s=2,pair=1,graph=1,cap=1,conv=lowbit[mb=1]:qsgd:bits=8,bucket=512]:{D8}"
+    assert H.parse_hybrid(cfg) == (2, "lowbit[mb=1]:qsgd:bits=8,bucket=512", D8, True, 1.0, True)
+    assert H.parse_hybrid("hybrid:fp32") == (1, "ddp", "fp32", False, None, False)
+    assert H.parse_hybrid("hybrid[s=1]fp32") is None
