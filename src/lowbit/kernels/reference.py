@@ -14,6 +14,11 @@ Counter-based uniforms
     finaliser ``fmix32`` and ``key(seed) = fmix32((seed * 0x85EBCA77 + 0x165667B1) mod 2^32)``.
     Reproducible, independent of thread scheduling, and it never touches torch's global RNG.
 
+Sums (the L2 scale of QSGD, the means of 1bitSGD)
+    :func:`tree_sum`: pairwise summation in a fixed order, float32 additions only, so the same bits on
+    every device and in every backend that replays it (the numba kernels do; Triton's GPU reductions
+    keep their own order, within a few ulps).
+
 Dettmers' 8-bit types
     :func:`dettmers_encode` and :func:`dettmers_decode` are the ``dettmers`` codec's wire format (the
     types, the searches and the departures from the 2015 kernels are described in
@@ -145,6 +150,22 @@ def bucket_absmax(xb: torch.Tensor) -> torch.Tensor:
 F32_MAX = float(torch.finfo(torch.float32).max)
 
 
+def tree_sum(v: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dimension in lowbit's defined order: the row padded with +0 to a power of two
+    ``P``, then neighbours added level by level, ``w[i] = v[2i] + v[2i+1]``, until one value is left:
+    ``((v0 + v1) + (v2 + v3)) + ...``. The tree over an aligned block of a power-of-two length is that
+    block's own tree, so a kernel may sum blocks first and then their sums. An empty row sums to +0."""
+    n = v.shape[-1]
+    if n == 0:
+        return torch.zeros(v.shape[:-1], dtype=v.dtype, device=v.device)
+    p = 1 << (n - 1).bit_length()
+    if p != n:
+        v = torch.nn.functional.pad(v, (0, p - n))
+    while v.shape[-1] > 1:
+        v = v[..., 0::2] + v[..., 1::2]
+    return v[..., 0]
+
+
 def cap_l2(l2: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """A finite bucket (max |x| = ``m`` finite) whose L2 norm overflows float32 gets float32's max as its
     scale: still >= every |x| of the bucket, so |x| / scale <= 1 and QSGD stays unbiased."""
@@ -152,11 +173,16 @@ def cap_l2(l2: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 
 def bucket_l2(xb: torch.Tensor) -> torch.Tensor:
-    """Per-row L2 norm, computed as max * ||x/max|| (no overflow in the sum of squares), capped at
-    float32's max for finite rows (:func:`cap_l2`: up to sqrt(bucket) values near float32's max)."""
+    """Per-row L2 norm, computed as max * sqrt(tree_sum((x/max)^2)) (no overflow in the sum of squares),
+    capped at float32's max for finite rows (:func:`cap_l2`: up to sqrt(bucket) values near float32's
+    max). A row holding NaN or Inf gets the NaN of its square root (``x / m`` is NaN there)."""
     m = bucket_absmax(xb)
     safe = torch.where(m > 0, m, torch.ones_like(m))
-    return cap_l2(m * torch.linalg.vector_norm(xb / safe[:, None], dim=1), m)
+    y = xb / safe[:, None]
+    # IEEE's correctly rounded float32 square root, taken in float64 and rounded (exact for a square root:
+    # 53 >= 2 * 24 + 2 bits); torch's float32 sqrt on CPU is not correctly rounded
+    r = torch.sqrt(tree_sum(y * y).double()).float()
+    return cap_l2(torch.where(torch.isnan(r), r, m * r), m)
 
 
 def cap_to_scale(v: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -221,7 +247,8 @@ def qsgd_decode(payload: torch.Tensor, n: int, bits: int, bucket: int, out: torc
 
 # --------------------------------------------------------------------------------- onebit
 def onebit_stats(xg: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """xg: (groups, m) float32. Returns (positive mask, mean of x >= 0, mean of x < 0) per group.
+    """xg: (groups, m) float32. Returns (positive mask, mean of x >= 0, mean of x < 0) per group (sums by
+    :func:`tree_sum`).
 
     NaN counts as non-negative so it lands in a mean and comes out non-finite.
     """
@@ -236,8 +263,8 @@ def onebit_stats(xg: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Te
     cnt_neg = neg_v.sum(dim=1).clamp_min(1).to(xg.dtype)
     means = []
     for mask, cnt in ((pos_v, cnt_pos), (neg_v, cnt_neg)):
-        total = torch.where(mask, xg, zero).sum(dim=1)
-        scaled = torch.where(mask, xg * ONEBIT_SUM_SCALE, zero).sum(dim=1)
+        total = tree_sum(torch.where(mask, xg, zero))
+        scaled = tree_sum(torch.where(mask, xg * ONEBIT_SUM_SCALE, zero))
         means.append(onebit_mean(total, scaled, cnt))
     return pos, means[0], means[1]
 

@@ -24,24 +24,15 @@ Why the arithmetic is written out the way it is
     order: ``q = (x / safe_scale) * s + s``, ``floor(q + u)`` or ``floor(q + 0.5)``, NaN -> 0, clamp to
     ``[0, 2s]``. ``fastmath=False`` keeps LLVM from contracting ``a * b + c`` into an FMA or reordering.
     The uniforms are the reference's counter hash (murmur3 ``fmix32``) in uint64 arithmetic masked to
-    32 bits. Two scales are float32 reductions whose rounding depends on the summation order, so we
-    replay the order of torch's CPU kernels (verified bit for bit on torch 2.13, x86-64, with the
-    AVX512, AVX2 and DEFAULT kernel dispatch; ``tests/unit/test_kernels_numba.py`` checks it):
+    32 bits. Two scales are float32 sums, whose rounding depends on the order of the additions: the
+    reference defines that order (:func:`lowbit.kernels.reference.tree_sum`: pairwise, neighbours first,
+    over the row padded with +0 to a power of two) and these kernels replay it, a block of 2048 leaves
+    at a time and then the blocks' sums (the same tree), with the first level added as the leaves are
+    made. So the L2 scales and onebit's means are the same bits on every CPU, whatever torch's own
+    kernels do. The L2 scale's square root is the correctly rounded one (taken in float64, as the
+    reference does: torch's float32 sqrt on CPU is not correctly rounded).
 
-    * ``norm=l2``: ``torch.linalg.vector_norm`` of a contiguous row accumulates ``x*x`` into 8 float32
-      lanes (element ``d`` into lane ``d % 8``, multiply then add), folds the lanes left to right, then
-      adds the ``t = len % 8`` leftover squares one by one; in the AVX2/AVX512 builds the compiler
-      turned the last ``t % 4`` of those into fused multiply-adds (the first ``4 * (t // 4)`` stay
-      multiply-then-add), in the DEFAULT build none.
-    * onebit's means: ``Tensor.sum(dim=1)`` is torch's cascade sum: 8-lane vectors, 4 interleaved
-      accumulators, levels of 16, then the lanes folded left to right onto the scalar tail.
-
-    If a future torch changes these kernels, the l2 scales / onebit means may differ from the reference
-    in the last bit (the tests would say so); max-norm QSGD and all decoding do not depend on torch.
-
-Not accelerated (left to the reference): onebit's per-column mode, inputs that are not float32, and
-a single onebit bucket of at least 32768 values (torch then splits the sum across its threads, so the
-reference's own rounding depends on the torch thread count).
+Not accelerated (left to the reference): onebit's per-column mode and inputs that are not float32.
 """
 
 from __future__ import annotations

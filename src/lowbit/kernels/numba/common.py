@@ -34,12 +34,20 @@ _BLOCK = 16384
 #: Codes unpacked/packed through a small buffer at a time (fits L1).
 _SUB = 2048
 
+#: Leaves per block of _tree_sum (a power of two; reference.tree_sum's tree over an aligned block of
+#: this length is the block's own tree).
+_TREE_BLOCK = 2048
+
 _F0 = np.float32(0.0)
 _F1 = np.float32(1.0)
 _HALF = np.float32(0.5)
 _U24 = np.float32(1.0 / (1 << 24))
 _FMAX = np.float32(np.finfo(np.float32).max)
 _NAN = np.float32(np.nan)  # 0x7FC00000, the NaN torch's full_like(nan) writes
+_ONEBIT_SCALE = np.float32(2.0**-32)  # reference.ONEBIT_SUM_SCALE
+#: Leaf kinds of _tree_sum: (x / safe)^2; the non-negative (or NaN) values; the negative ones; the
+#: same two times 2**-32 (reference.onebit_stats' overflow-free sums).
+_SQ, _POS, _NEG, _POS_SCALED, _NEG_SCALED = 0, 1, 2, 3, 4
 _M32 = np.uint64(0xFFFFFFFF)
 _GOLDEN = np.uint64(0x9E3779B1)
 _C1 = np.uint64(0x85EBCA6B)
@@ -50,19 +58,6 @@ _S8 = np.uint64(8)
 
 
 # --------------------------------------------------------------------------------- intrinsics
-@intrinsic
-def _fma32(typingctx, a, b, c):
-    """Single-rounding float32 ``a * b + c`` (LLVM's llvm.fma)."""
-    sig = types.float32(types.float32, types.float32, types.float32)
-
-    def codegen(context, builder, signature, args):
-        f32 = ir.FloatType()
-        fn = builder.module.declare_intrinsic("llvm.fma", [f32], ir.FunctionType(f32, [f32, f32, f32]))
-        return builder.call(fn, args)
-
-    return sig, codegen
-
-
 @intrinsic
 def _bits_to_f32(typingctx, v):
     """Reinterpret the low 32 bits of an integer as a float32."""
@@ -236,6 +231,99 @@ def _unpack(stream, lo, m, bits, buf):
         _unpack_groups(src, m, buf, 6)
     else:
         _unpack_groups(src, m, buf, 7)
+
+
+# --------------------------------------------------------------------------------- sums
+@njit(inline="always", **_JIT)
+def _pow2(n):
+    """The smallest power of two >= n (1 for n <= 1)."""
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+@njit(**_JIT)
+def _tree_reduce(buf, p):
+    """Sum of buf[0:p] (p a power of two) in reference.tree_sum's order; buf is overwritten."""
+    while p > 1:
+        p //= 2
+        for i in range(p):
+            buf[i] = buf[2 * i] + buf[2 * i + 1]
+    return buf[0]
+
+
+@njit(inline="always", **_JIT)
+def _leaf(v, kind, safe):
+    if kind == _SQ:
+        y = v / safe
+        return y * y
+    neg = v < _F0  # NaN counts as non-negative, as in reference.onebit_stats
+    if kind == _POS:
+        return _F0 if neg else v
+    if kind == _NEG:
+        return v if neg else _F0
+    if kind == _POS_SCALED:
+        return _F0 if neg else v * _ONEBIT_SCALE
+    return v * _ONEBIT_SCALE if neg else _F0
+
+
+@njit(**_JIT)
+def _tree_sum(xs, p, kind, safe, buf, sums):
+    """reference.tree_sum of ``p`` leaves (a power of two >= xs.size): leaf k is _leaf(xs[k]) for
+    k < xs.size, +0 after. Blocks of _TREE_BLOCK leaves first, then the blocks' sums (the same tree);
+    a block's first level is added as its leaves are made. Scratch: ``buf`` of
+    max(1, min(p, _TREE_BLOCK) // 2) values, ``sums`` of max(1, p // _TREE_BLOCK)."""
+    n = xs.size
+    if p == 1:
+        return _leaf(xs[0], kind, safe) if n else _F0
+    b = min(p, _TREE_BLOCK)
+    nblk = p // b
+    h = b // 2
+    for j in range(nblk):
+        lo = j * b
+        if lo >= n:  # a block of padding: its tree of +0 is +0
+            sums[j] = _F0
+            continue
+        v = xs[lo : min(n, lo + b)]
+        full = v.size // 2
+        for i in range(full):
+            buf[i] = _leaf(v[2 * i], kind, safe) + _leaf(v[2 * i + 1], kind, safe)
+        if full < h:
+            buf[full] = (_leaf(v[2 * full], kind, safe) if v.size % 2 else _F0) + _F0
+            for i in range(full + 1, h):
+                buf[i] = _F0
+        sums[j] = _tree_reduce(buf, h)
+    return _tree_reduce(sums, nblk)
+
+
+@njit(**_JIT)
+def _sign_sums(xs, p, bp, bn):
+    """(tree_sum of the non-negative or NaN leaves, tree_sum of the negative ones, how many are
+    negative) of ``xs`` over ``p`` leaves, 2 <= p <= _TREE_BLOCK: one pass for both signs (onebit's
+    small buckets). Scratch ``bp``, ``bn``: p // 2 values each."""
+    n = xs.size
+    h = p // 2
+    full = n // 2
+    cn = 0
+    for i in range(full):
+        a = xs[2 * i]
+        b = xs[2 * i + 1]
+        na = a < _F0
+        nb = b < _F0
+        bp[i] = (_F0 if na else a) + (_F0 if nb else b)
+        bn[i] = (a if na else _F0) + (b if nb else _F0)
+        cn += na + nb
+    if full < h:
+        a = xs[2 * full] if n % 2 else _F0
+        na = a < _F0
+        bp[full] = (_F0 if na else a) + _F0
+        bn[full] = (a if na else _F0) + _F0
+        cn += na
+        for i in range(full + 1, h):
+            bp[i] = _F0
+            bn[i] = _F0
+    return _tree_reduce(bp, h), _tree_reduce(bn, h), cn
 
 
 # --------------------------------------------------------------------------------- host side

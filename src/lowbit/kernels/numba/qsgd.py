@@ -1,5 +1,5 @@
 """numba kernels of the ``qsgd`` codec at every width (1-8 and 16 bits): scales (max or L2 norm, the
-latter in the order of torch's CPU ``vector_norm``), quantisation and packing chunk by chunk, and a
+latter summed in reference.tree_sum's order), quantisation and packing chunk by chunk, and a
 decode that sums several payloads while a block of the output is in cache. See
 :mod:`lowbit.kernels.numba` for how the work is split and why the arithmetic reads as it does.
 """
@@ -23,25 +23,25 @@ from lowbit.kernels.numba.common import (
     _JIT,
     _NAN,
     _PJIT,
+    _SQ,
     _SUB,
+    _TREE_BLOCK,
     _bits_to_f32,
     _chunk_buckets,
     _fast_input,
     _fast_output,
-    _fma32,
     _match_torch_threads,
     _np_in,
     _pack,
     _payload_np,
+    _pow2,
     _read_f32,
+    _tree_sum,
     _u8_ptr,
     _uniform,
     _unpack,
 )
 
-_CAPABILITY = torch.backends.cpu.get_cpu_capability()
-#: Whether torch's l2-norm kernel fuses the last ``t % 4`` tail squares (see the module docstring).
-_L2_TAIL_FMA = _CAPABILITY in ("AVX2", "AVX512")
 _ABS_MASK = np.int64(0x7FFFFFFF)
 _INF_BITS = np.int64(0x7F800000)
 
@@ -63,67 +63,22 @@ def _absmax(xi, lo, hi):
 
 
 @njit(**_JIT)
-def _l2(x, lo, hi, bucket, m, tail_fma, sqbuf):
-    """reference.bucket_l2 for the bucket starting at ``lo`` (values up to ``hi``, zeros after):
-    ``m * ||x / safe(m)||`` with torch's vector_norm summation order (module docstring).
-    ``sqbuf``: float32 scratch of _SUB + 8 values."""
+def _l2(x, lo, hi, p, m, buf, sums):
+    """reference.bucket_l2 for the bucket starting at ``lo`` (values up to ``hi``, zeros after, ``p``
+    leaves): ``m * sqrt(tree_sum((x / safe(m))^2))``, capped at float32's max."""
     safe = m if m > _F0 else _F1
-    if bucket == 1:  # torch's norm of a one-value row is |y| (a NaN comes out with its sign cleared)
-        r = abs(x[lo] / safe)
-        return r if r != r else m * r  # (|x| <= float32's max: no cap needed)
-    vend = bucket - bucket % 8  # lanes take positions [0, vend), the scalar tail [vend, bucket)
-    xs = x[lo:hi]
-    L = xs.size
-    nv = min(L, vend)
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = _F0
-    # Squares first, a sub-block at a time (a vectorised loop), then the 8 lane sums in order.
-    # A partial last vector only happens in the zero-padded last bucket: the padding adds +0 (a no-op).
-    for c0 in range(0, nv, _SUB):
-        c1 = min(nv, c0 + _SUB)
-        seg = xs[c0:c1]
-        sq = sqbuf[: c1 - c0 + 8]
-        for k in range(seg.size):
-            y = seg[k] / safe
-            sq[k] = y * y
-        for k in range(seg.size, seg.size + 8):
-            sq[k] = _F0
-        for d in range((seg.size + 7) // 8):
-            a0 = a0 + sq[8 * d]
-            a1 = a1 + sq[8 * d + 1]
-            a2 = a2 + sq[8 * d + 2]
-            a3 = a3 + sq[8 * d + 3]
-            a4 = a4 + sq[8 * d + 4]
-            a5 = a5 + sq[8 * d + 5]
-            a6 = a6 + sq[8 * d + 6]
-            a7 = a7 + sq[8 * d + 7]
-    b = a0 + a1
-    b = b + a2
-    b = b + a3
-    b = b + a4
-    b = b + a5
-    b = b + a6
-    b = b + a7
-    t = bucket - vend
-    nplain = (t // 4) * 4 if tail_fma else t
-    for k in range(max(0, min(t, L - vend))):
-        y = xs[vend + k] / safe
-        if k < nplain:
-            b = b + y * y
-        else:
-            b = _fma32(y, y, b)
-    r = np.sqrt(b)
-    # m is NaN or inf exactly when r is NaN; torch's m * r then returns r's NaN (its payload and sign)
-    if r != r:
+    r = np.float32(np.sqrt(np.float64(_tree_sum(x[lo:hi], p, _SQ, safe, buf, sums))))  # as the reference
+    if r != r:  # a NaN or Inf in the bucket: the square root's NaN, as the reference
         return r
     l2 = m * r
     return _FMAX if l2 > _FMAX else l2  # reference.cap_l2 (m is finite here)
 
 
 @njit(**_JIT)
-def _bucket_scale(x, xi, lo, hi, bucket, use_l2, tail_fma, sqbuf):
+def _bucket_scale(x, xi, lo, hi, p, use_l2, buf, sums):
     m = _absmax(xi, lo, hi)
     if use_l2:
-        return _l2(x, lo, hi, bucket, m, tail_fma, sqbuf)
+        return _l2(x, lo, hi, p, m, buf, sums)
     return m
 
 
@@ -211,7 +166,7 @@ _FUSED, _SCALES, _CODES = 0, 1, 2
 
 
 @njit(**_PJIT)
-def _qsgd_encode_kernel(x, xi, n, bits, bucket, use_l2, tail_fma, s, stochastic, key, scales, stream, kind, per_task):
+def _qsgd_encode_kernel(x, xi, n, bits, bucket, use_l2, s, stochastic, key, scales, stream, kind, per_task):
     """One parallel loop for every encode task kind (fewer parallel regions to compile):
     _FUSED: task = ``per_task`` buckets (a multiple of 8 values): their scales, then their codes;
     _SCALES: task = ``per_task`` buckets' scales only;  _CODES: task = _BLOCK values' codes."""
@@ -222,12 +177,14 @@ def _qsgd_encode_kernel(x, xi, n, bits, bucket, use_l2, tail_fma, s, stochastic,
             lo = c * _BLOCK
             _encode_range(x, n, lo, min(n, lo + _BLOCK), bits, bucket, s, stochastic, key, scales, stream)
         else:
-            sqbuf = np.empty(_SUB + 8, np.float32)
+            p = _pow2(bucket)
+            buf = np.empty(max(1, min(p, _TREE_BLOCK) // 2) if use_l2 else 1, np.float32)
+            sums = np.empty(max(1, p // _TREE_BLOCK) if use_l2 else 1, np.float32)
             b0 = c * per_task
             b1 = min(nb, b0 + per_task)
             for b in range(b0, b1):
                 lo = b * bucket
-                scales[b] = _bucket_scale(x, xi, lo, min(n, lo + bucket), bucket, use_l2, tail_fma, sqbuf)
+                scales[b] = _bucket_scale(x, xi, lo, min(n, lo + bucket), p, use_l2, buf, sums)
             if kind == _FUSED:
                 _encode_range(x, n, b0 * bucket, min(n, b1 * bucket), bits, bucket, s, stochastic, key, scales, stream)
 
@@ -355,7 +312,7 @@ def qsgd_encode(x: torch.Tensor, bits: int, bucket: int, norm: str, stochastic: 
     per_chunk = _chunk_buckets(bucket)
     use_l2 = norm == "l2"
     _match_torch_threads()
-    args = (xa, xa.view(np.int32), n, bits, bucket, use_l2, _L2_TAIL_FMA, s, bool(stochastic), key, scales, stream)
+    args = (xa, xa.view(np.int32), n, bits, bucket, use_l2, s, bool(stochastic), key, scales, stream)
     if -(-nb // per_chunk) >= 2 * numba.get_num_threads():
         _qsgd_encode_kernel(*args, _FUSED, per_chunk)
     else:  # few, large buckets: the scales first (a bucket per task), then the codes in blocks of values

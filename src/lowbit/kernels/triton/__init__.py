@@ -7,8 +7,8 @@ backend function the dispatcher looks up.
 
 Every function has the name, signature and return convention of its counterpart in
 :mod:`lowbit.kernels.reference` (the executable specification of the wire format) and produces the same
-bytes: bit for bit in every mode, with two documented exceptions where the reference itself depends on
-torch's summation order (``norm="l2"`` scales and the onebit means; see below).
+bytes: bit for bit in every mode, with two documented exceptions where Triton sums in its own order
+(``norm="l2"`` scales and the onebit means; see below).
 
 Plan of the encoders (qsgd, onebit, dettmers)
     When the bucket is a power of two between 8 and 8192 ("fused path"), one program owns ``ROWS``
@@ -42,8 +42,8 @@ Bit-exactness
       reciprocal on CUDA; qsgd decode probes which (once per device) and does the same.
     * Stochastic rounding draws ``u(seed, i)`` from the same murmur3-fmix32 counter hash, in uint32.
     * Max-norm scales are exact (max does not depend on order; NaN comes out as the reference's NaN).
-      ``norm="l2"`` scales are a float32 sum of squares in Triton's reduction order, torch's order
-      differs (and differs between torch's own CPU and CUDA kernels), so they agree to a few ulps, and a
+      ``norm="l2"`` scales are a float32 sum of squares in Triton's reduction order; the reference's
+      (``reference.tree_sum``, pairwise) differs, so they agree to a few ulps, and a
       code can differ by one level where that moves a value across a rounding boundary. Onebit means
       likewise (sums of same-signed values, a relative difference below 1e-6); sign bits are exact.
 
