@@ -246,11 +246,23 @@ def _pow2(n):
 @njit(**_JIT)
 def _tree_reduce(buf, p):
     """Sum of buf[0:p] (p a power of two) in reference.tree_sum's order; buf is overwritten."""
-    while p > 1:
+    while p > 8:
         p //= 2
         for i in range(p):
             buf[i] = buf[2 * i] + buf[2 * i + 1]
+    if p == 8:
+        return _tree8(buf[0], buf[1], buf[2], buf[3], buf[4], buf[5], buf[6], buf[7])
+    if p == 4:
+        return (buf[0] + buf[1]) + (buf[2] + buf[3])
+    if p == 2:
+        return buf[0] + buf[1]
     return buf[0]
+
+
+@njit(inline="always", **_JIT)
+def _tree8(a0, a1, a2, a3, a4, a5, a6, a7):
+    """The tree of 8 neighbouring leaves (its first three levels)."""
+    return ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
 
 
 @njit(inline="always", **_JIT)
@@ -268,62 +280,84 @@ def _leaf(v, kind, safe):
     return v * _ONEBIT_SCALE if neg else _F0
 
 
+@njit(inline="always", **_JIT)
+def _leaf_at(v, k, kind, safe):
+    """Leaf k of the values v: _leaf(v[k]), or the +0 of the padding past v's end."""
+    return _leaf(v[k], kind, safe) if k < v.size else _F0
+
+
 @njit(**_JIT)
 def _tree_sum(xs, p, kind, safe, buf, sums):
     """reference.tree_sum of ``p`` leaves (a power of two >= xs.size): leaf k is _leaf(xs[k]) for
     k < xs.size, +0 after. Blocks of _TREE_BLOCK leaves first, then the blocks' sums (the same tree);
-    a block's first level is added as its leaves are made. Scratch: ``buf`` of
-    max(1, min(p, _TREE_BLOCK) // 2) values, ``sums`` of max(1, p // _TREE_BLOCK)."""
+    a block's first three levels are added as its leaves are made. Scratch: ``buf`` of
+    max(1, min(p, _TREE_BLOCK) // 8) values, ``sums`` of max(1, p // _TREE_BLOCK)."""
     n = xs.size
     if p == 1:
-        return _leaf(xs[0], kind, safe) if n else _F0
+        return _leaf_at(xs, 0, kind, safe)
+    if p == 2:
+        return _leaf_at(xs, 0, kind, safe) + _leaf_at(xs, 1, kind, safe)
+    if p == 4:
+        return ((_leaf_at(xs, 0, kind, safe) + _leaf_at(xs, 1, kind, safe))
+                + (_leaf_at(xs, 2, kind, safe) + _leaf_at(xs, 3, kind, safe)))
     b = min(p, _TREE_BLOCK)
     nblk = p // b
-    h = b // 2
+    g = b // 8
     for j in range(nblk):
         lo = j * b
         if lo >= n:  # a block of padding: its tree of +0 is +0
             sums[j] = _F0
             continue
         v = xs[lo : min(n, lo + b)]
-        full = v.size // 2
+        full = v.size // 8
         for i in range(full):
-            buf[i] = _leaf(v[2 * i], kind, safe) + _leaf(v[2 * i + 1], kind, safe)
-        if full < h:
-            buf[full] = (_leaf(v[2 * full], kind, safe) if v.size % 2 else _F0) + _F0
-            for i in range(full + 1, h):
+            k = 8 * i
+            buf[i] = _tree8(_leaf(v[k], kind, safe), _leaf(v[k + 1], kind, safe), _leaf(v[k + 2], kind, safe),
+                            _leaf(v[k + 3], kind, safe), _leaf(v[k + 4], kind, safe), _leaf(v[k + 5], kind, safe),
+                            _leaf(v[k + 6], kind, safe), _leaf(v[k + 7], kind, safe))
+        if full < g:
+            k = 8 * full
+            buf[full] = _tree8(_leaf_at(v, k, kind, safe), _leaf_at(v, k + 1, kind, safe),
+                               _leaf_at(v, k + 2, kind, safe), _leaf_at(v, k + 3, kind, safe),
+                               _leaf_at(v, k + 4, kind, safe), _leaf_at(v, k + 5, kind, safe),
+                               _leaf_at(v, k + 6, kind, safe), _leaf_at(v, k + 7, kind, safe))
+            for i in range(full + 1, g):
                 buf[i] = _F0
-        sums[j] = _tree_reduce(buf, h)
+        sums[j] = _tree_reduce(buf, g)
     return _tree_reduce(sums, nblk)
 
 
 @njit(**_JIT)
 def _sign_sums(xs, p, bp, bn):
     """(tree_sum of the non-negative or NaN leaves, tree_sum of the negative ones, how many are
-    negative) of ``xs`` over ``p`` leaves, 2 <= p <= _TREE_BLOCK: one pass for both signs (onebit's
-    small buckets). Scratch ``bp``, ``bn``: p // 2 values each."""
-    n = xs.size
-    h = p // 2
-    full = n // 2
+    negative) of ``xs`` over ``p`` leaves, 8 <= p <= _TREE_BLOCK: one pass for both signs (onebit's
+    buckets). Scratch ``bp``, ``bn``: p // 8 values each."""
+    g = p // 8
+    full = xs.size // 8
     cn = 0
     for i in range(full):
-        a = xs[2 * i]
-        b = xs[2 * i + 1]
-        na = a < _F0
-        nb = b < _F0
-        bp[i] = (_F0 if na else a) + (_F0 if nb else b)
-        bn[i] = (a if na else _F0) + (b if nb else _F0)
-        cn += na + nb
-    if full < h:
-        a = xs[2 * full] if n % 2 else _F0
-        na = a < _F0
-        bp[full] = (_F0 if na else a) + _F0
-        bn[full] = (a if na else _F0) + _F0
-        cn += na
-        for i in range(full + 1, h):
+        k = 8 * i
+        v0, v1, v2, v3, v4, v5, v6, v7 = xs[k], xs[k + 1], xs[k + 2], xs[k + 3], xs[k + 4], xs[k + 5], xs[k + 6], xs[k + 7]
+        bp[i] = _tree8(_leaf(v0, _POS, _F1), _leaf(v1, _POS, _F1), _leaf(v2, _POS, _F1), _leaf(v3, _POS, _F1),
+                       _leaf(v4, _POS, _F1), _leaf(v5, _POS, _F1), _leaf(v6, _POS, _F1), _leaf(v7, _POS, _F1))
+        bn[i] = _tree8(_leaf(v0, _NEG, _F1), _leaf(v1, _NEG, _F1), _leaf(v2, _NEG, _F1), _leaf(v3, _NEG, _F1),
+                       _leaf(v4, _NEG, _F1), _leaf(v5, _NEG, _F1), _leaf(v6, _NEG, _F1), _leaf(v7, _NEG, _F1))
+    if full < g:
+        k = 8 * full
+        bp[full] = _tree8(_leaf_at(xs, k, _POS, _F1), _leaf_at(xs, k + 1, _POS, _F1), _leaf_at(xs, k + 2, _POS, _F1),
+                          _leaf_at(xs, k + 3, _POS, _F1), _leaf_at(xs, k + 4, _POS, _F1),
+                          _leaf_at(xs, k + 5, _POS, _F1), _leaf_at(xs, k + 6, _POS, _F1),
+                          _leaf_at(xs, k + 7, _POS, _F1))
+        bn[full] = _tree8(_leaf_at(xs, k, _NEG, _F1), _leaf_at(xs, k + 1, _NEG, _F1), _leaf_at(xs, k + 2, _NEG, _F1),
+                          _leaf_at(xs, k + 3, _NEG, _F1), _leaf_at(xs, k + 4, _NEG, _F1),
+                          _leaf_at(xs, k + 5, _NEG, _F1), _leaf_at(xs, k + 6, _NEG, _F1),
+                          _leaf_at(xs, k + 7, _NEG, _F1))
+        for i in range(full + 1, g):
             bp[i] = _F0
             bn[i] = _F0
-    return _tree_reduce(bp, h), _tree_reduce(bn, h), cn
+    for k in range(xs.size):
+        cn += 1 if xs[k] < _F0 else 0
+    return _tree_reduce(bp, g), _tree_reduce(bn, g), cn
 
 
 # --------------------------------------------------------------------------------- host side

@@ -62,9 +62,9 @@ def _onebit_encode(x, n, bucket, scales, stream, per_chunk):
     nb = scales.size // 2
     nchunks = (nb + per_chunk - 1) // per_chunk
     p = _pow2(bucket)
-    small = 2 <= p <= _TREE_BLOCK
+    small = 8 <= p <= _TREE_BLOCK
     for c in prange(nchunks):
-        buf = np.empty(max(1, min(p, _TREE_BLOCK) // 2), np.float32)
+        buf = np.empty(max(1, min(p, _TREE_BLOCK) // 8), np.float32)
         buf2 = np.empty(buf.size, np.float32)
         sums = np.empty(max(1, p // _TREE_BLOCK), np.float32)
         b0 = c * per_chunk

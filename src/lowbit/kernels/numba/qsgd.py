@@ -178,7 +178,7 @@ def _qsgd_encode_kernel(x, xi, n, bits, bucket, use_l2, s, stochastic, key, scal
             _encode_range(x, n, lo, min(n, lo + _BLOCK), bits, bucket, s, stochastic, key, scales, stream)
         else:
             p = _pow2(bucket)
-            buf = np.empty(max(1, min(p, _TREE_BLOCK) // 2) if use_l2 else 1, np.float32)
+            buf = np.empty(max(1, min(p, _TREE_BLOCK) // 8) if use_l2 else 1, np.float32)
             sums = np.empty(max(1, p // _TREE_BLOCK) if use_l2 else 1, np.float32)
             b0 = c * per_task
             b1 = min(nb, b0 + per_task)
