@@ -27,8 +27,8 @@ Why the arithmetic is written out the way it is
     32 bits. Two scales are float32 sums, whose rounding depends on the order of the additions: the
     reference defines that order (:func:`lowbit.kernels.reference.tree_sum`: pairwise, neighbours first,
     over the row padded with +0 to a power of two) and these kernels replay it, a block of 2048 leaves
-    at a time and then the blocks' sums (the same tree), with the first level added as the leaves are
-    made. So the L2 scales and onebit's means are the same bits on every CPU, whatever torch's own
+    at a time and then the blocks' sums (the same tree), with the first three levels added as the
+    leaves are made. So the L2 scales and onebit's means are the same bits on every CPU, whatever torch's own
     kernels do. The L2 scale's square root is the correctly rounded one (taken in float64, as the
     reference does: torch's float32 sqrt on CPU is not correctly rounded).
 
