@@ -1,39 +1,15 @@
-"""Alpha-beta cost of the collectives lowbit uses, on a cluster of nodes.
+"""Alpha-beta cost of the collectives lowbit uses, on a cluster of nodes (docs/perfmodel.md, section 2).
 
-Notation: ``M`` bytes per rank (the payload: encoded size for compressed algorithms), ``K`` ranks,
-``G`` GPUs per node, ``N = ceil(K / G)`` nodes. A link costs ``alpha + n * beta`` per message
-(``alpha`` = latency, ``beta`` = 1 / bandwidth). Every collective is a sequence of *steps*; a step's
-time is set by the slowest link it uses (the *bottleneck*):
-
-* all ranks in one node: the intra-node link;
-* ranks on several nodes: a ring ordered node by node crosses each node boundary once per
-  direction, so its bottleneck is one inter-node link carrying one block per step;
-* an all-to-all on several nodes pushes ``G (K - G) / K * M`` bytes out of every node at once, over the
-  node's ``nics`` inter-node links.
-
-Formulas (bytes are those each rank *sends*; it receives as many):
-
-==================  ===========================================  ================================
-algorithm           time                                          bytes sent per rank
-==================  ===========================================  ================================
-ring allreduce      ``2 (K-1) (alpha + M/K beta)``                 ``2 (K-1)/K M``
-allgather (ring)    ``(K-1) (alpha + M beta)``                     ``(K-1) M``  (receives K-1 payloads)
-scatter_gather      all_to_all + ring allgather of ``M/K`` chunks   ``2 (K-1)/K M``
-hierarchical        intra reduce-scatter + inter allreduce of       ``2 (G-1)/G M + 2 (N-1)/N M/G``
-                    ``M/G`` (G rings share the node's NICs) +       (lowbit's: fp32 ``F`` inside,
-                    intra allgather                                  ``2 (G-1)/G F`` + the flat
-                                                                     compressed exchange of ``M/G``)
-==================  ===========================================  ================================
-
-The all_to_all is pairwise exchange: ``(K-1) alpha + max(intra bytes * beta_intra, node-out bytes *
-beta_inter / nics)``. ``scatter_gather`` is the seed's MPI reduce-and-broadcast and what
-``lowbit.all_reduce(..., algorithm="scatter_gather")`` does: encode K chunks, all_to_all, decode and
-sum the own chunk, re-encode, all_gather.
+``M`` bytes per rank (the payload: the encoded size for compressed algorithms), ``K`` ranks, ``G`` GPUs per
+node, ``N = ceil(K / G)`` nodes; a link costs ``alpha + n * beta`` per message (``beta`` = 1 / bandwidth).
+A step's time is set by its slowest link: on one node the intra-node link; on several, a ring ordered node
+by node crosses each node boundary once per direction (one inter-node link carrying one block per step),
+and an all-to-all pushes ``G (K - G) / K * M`` bytes out of every node over the node's ``nics`` links.
+Bytes are those each rank *sends* (it receives as many).
 
 The algorithms are those of lowbit's registry (:func:`lowbit.comm.allreduce.register_algorithm`) that carry
-a ``cost``: this module attaches the built-ins' (the formulas above, and the values each encodes and
-decodes: :func:`lowbit.perfmodel.model.codec_work`), and a plugin brings its own. :func:`collective`
-asks the registry.
+a ``cost``: this module attaches the built-ins' (and the values each encodes and decodes:
+:func:`lowbit.perfmodel.model.codec_work`); a plugin brings its own. :func:`collective` asks the registry.
 """
 
 from __future__ import annotations
@@ -48,6 +24,12 @@ __all__ = ["CommCost", "Topology", "ring_allreduce", "ring_allgather", "all_to_a
            "allgather", "hierarchical", "collective", "modeled_algorithms"]
 
 
+def positive_int(value: object, what: str) -> None:
+    """ValueError ``"{what} must be a positive integer"`` unless ``value`` is an int >= 1 (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be a positive integer, got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Topology:
     """Ranks, how they sit on nodes, and the links between them."""
@@ -59,11 +41,8 @@ class Topology:
     nics_per_node: int = 1
 
     def __post_init__(self) -> None:
-        if isinstance(self.world, bool) or not isinstance(self.world, int) or self.world < 1:
-            raise ValueError(f"number of GPUs must be a positive integer, got {self.world!r}")
-        if (isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int)
-                or self.gpus_per_node < 1):
-            raise ValueError(f"gpus per node must be a positive integer, got {self.gpus_per_node!r}")
+        positive_int(self.world, "number of GPUs")
+        positive_int(self.gpus_per_node, "gpus per node")
         if not isinstance(self.nics_per_node, int) or self.nics_per_node < 1:
             raise ValueError(f"nics per node must be a positive integer, got {self.nics_per_node!r}")
         if self.nodes > 1 and self.inter is None:
@@ -216,14 +195,8 @@ set_cost("hierarchical", hierarchical, _work_hierarchical)
 def modeled_algorithms(quantised: bool | None = None, multi_node: bool | None = None) -> tuple[str, ...]:
     """The registered algorithms that carry a cost (what the speed model knows), in registration order;
     ``quantised`` / ``multi_node`` (when not None) keep those whose registry flag is that."""
-    out = []
-    for name in algorithms():
-        p = get_algorithm(name)
-        if p.cost is None or (quantised is not None and p.quantised != quantised) or (
-                multi_node is not None and p.multi_node != multi_node):
-            continue
-        out.append(name)
-    return tuple(out)
+    return tuple(name for name in algorithms() if (p := get_algorithm(name)).cost is not None
+                 and quantised in (None, p.quantised) and multi_node in (None, p.multi_node))
 
 
 def model_of(algorithm: str) -> AlgorithmPlugin:

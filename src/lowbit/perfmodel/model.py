@@ -1,53 +1,23 @@
-"""Step time of synchronous data-parallel training with (compressed) gradient exchange.
+"""Step time of synchronous data-parallel training with (compressed) gradient exchange (docs/perfmodel.md,
+section 3).
 
-Inputs: the network as layers in forward order, each with its parameter count and its forward +
-backward time for the per-GPU batch (measured, or FLOPs / device rate); the cluster (GPUs, GPUs per
-node, intra- and inter-node :class:`~lowbit.perfmodel.links.Link`); the algorithm; the codec's bits
-per value; encode/decode throughput; and whether communication overlaps the backward pass.
-
-The timeline of one step (two resources: the GPU's compute stream and one communication stream)::
+Inputs: the layers in forward order (parameters; forward + backward seconds for the per-GPU batch), the
+cluster (GPUs, GPUs per node, intra- and inter-node :class:`~lowbit.perfmodel.links.Link`), the algorithm,
+the codec's bits per value, encode/decode throughput, and whether communication overlaps the backward.
+One step on two resources, the GPU's compute stream and one communication stream::
 
     compute:  | forward | bwd L_n | enc B1 | bwd L_n-1 ... | enc Bm | ...decode B1..Bm... |
     comm:                          | xfer B1 |    ...      | xfer Bm |
 
-1. Forward takes ``(1 - f) * sum(c_i)`` and backward ``f * c_i`` per layer (``f = 2/3``: the backward
-   computes gradients for inputs and weights, each about one forward).
-2. Gradients are grouped into buckets in backward order (as DDP does, ``bucket_bytes`` of fp32 each;
-   0 = one bucket per layer). A bucket is ready when the backward of its last layer ends.
-3. A ready bucket is encoded on the compute stream (delaying the rest of the backward), then sent on
-   the comm stream as soon as the previous transfer is done: communication of layer i's gradients
-   overlaps the backward of the layers before it. Without overlap, transfers start after the backward.
-4. Decoding runs on the compute stream after the backward, bucket by bucket as transfers finish.
-
-Per bucket of ``n`` values, with ``K`` ranks and ``G`` GPUs per node (values encoded / decoded):
-
-==================  ================  =================  ===================================
-algorithm           encode            decode             payload per rank
-==================  ================  =================  ===================================
-allreduce           n (cast)          n (cast)           ``n * bits / 8`` through a ring
-scatter_gather      ``n (1 + 1/K)``   ``2 n``            all_to_all + allgather of chunks
-allgather           ``n``             ``K n``            every rank decodes every payload
-hierarchical        ``n/G`` (N=2)     ``N n/G`` (N=2)    fp32 inside nodes, ``n/G`` coded
-                    ``n/G (1+1/N)``   ``2 n/G``          between them (scatter_gather, N>2)
-==================  ================  =================  ===================================
-
-Another algorithm of lowbit's registry brings its own (``work`` and ``cost`` of its
-:class:`lowbit.comm.allreduce.AlgorithmPlugin`). fp32 (32 bits per value) is never encoded. Encode/decode seconds = ``4 * values / throughput``
-(throughput in bytes of float32 per second). The step time is the end of the last decode (or the
-last transfer, or the backward, whichever is later). From it::
-
-    samples/s            = K * batch / step
-    scaling efficiency   = samples/s / (K * batch / compute) = compute / step
-    speedup over 32-bit  = step(fp32 allreduce, same cluster) / step
-
-Mixed precision (a :class:`lowbit.Policy` with codecs per layer type): ``predict(...,
-layer_codecs=[...])`` gives every layer its own :class:`LayerCodec`; inside a bucket the layers of one
-codec travel together (as ``lowbit.ddp``'s hook does: one collective per codec group, one after the
-other on the comm stream), each group encoded and decoded on its own.
-
-Calibration plugs in through the links: :func:`lowbit.perfmodel.calibrate.fit_link` returns a
-:class:`Link` fitted to measured collective timings, which :class:`Cluster` takes as ``intra``/``inter``;
-:class:`LayerCodec` carries measured encode/decode rates and per-call costs.
+Forward takes ``(1 - f) * sum(c_i)``, backward ``f * c_i`` per layer (``f = 2/3``: gradients for inputs and
+for weights, each about one forward). Gradients travel in DDP's buckets, in backward order; a bucket is
+encoded on the compute stream once its last layer's backward ends, then sent as soon as the comm stream is
+free (so it overlaps the backward of the layers before it); decoding runs after the backward, bucket by
+bucket. Values encoded / decoded per bucket are the algorithm's ``work`` (:func:`codec_work`), seconds =
+``4 * values / throughput`` (bytes of float32 per second); fp32 is never encoded. The step ends at the last
+decode, transfer or backward. ``layer_codecs`` (a mixed-precision policy) gives every layer its own
+:class:`LayerCodec`: inside a bucket the layers of one codec travel together, one collective per codec
+group, as ``lowbit.ddp``'s hook sends them.
 """
 
 from __future__ import annotations
@@ -58,7 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from lowbit.codecs.base import get_codec
-from lowbit.perfmodel.collectives import Topology, collective, model_of
+from lowbit.perfmodel.collectives import Topology, collective, model_of, positive_int
 from lowbit.perfmodel.links import Link, parse_link
 from lowbit.perfmodel.networks import Network, get_network
 
@@ -74,16 +44,12 @@ def bits_per_value(codec: object, numel: int = 1 << 20) -> float:
     """Bits on the wire per value: a number as is, else the codec's own count for a tensor of ``numel``
     values (scales and packing included; :meth:`lowbit.codecs.base.Codec.bits_per_value`) of a spec
     string (parsed by :func:`lowbit.get_codec`) or a codec."""
-    if isinstance(codec, bool):
+    if isinstance(codec, bool) or not isinstance(codec, (int, float, str)) and not hasattr(codec, "bits_per_value"):
         raise ValueError(f"bits per value must be a number or a codec spec, got {codec!r}")
     if isinstance(codec, (int, float)):
         bits = float(codec)
-    elif isinstance(codec, str):
-        bits = float(get_codec(codec).bits_per_value(numel))  # a ValueError names an unknown codec
-    elif hasattr(codec, "bits_per_value"):
-        bits = float(codec.bits_per_value(numel))
-    else:
-        raise ValueError(f"bits per value must be a number or a codec spec, got {codec!r}")
+    else:  # a spec string (a ValueError names an unknown codec) or a codec
+        bits = float((get_codec(codec) if isinstance(codec, str) else codec).bits_per_value(numel))
     if not (math.isfinite(bits) and bits > 0):
         raise ValueError(f"bits per value must be a finite number > 0, got {bits!r}")
     return bits
@@ -149,17 +115,11 @@ class Cluster:
     nics_per_node: int = 1
 
     def __post_init__(self) -> None:
-        if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 1:
-            raise ValueError(f"number of GPUs must be a positive integer, got {self.gpus!r}")
-        gpn = self.gpus_per_node
-        if isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1:
-            raise ValueError(f"GPUs per node must be a positive integer, got {self.gpus_per_node!r}")
+        positive_int(self.gpus, "number of GPUs")
+        positive_int(self.gpus_per_node, "GPUs per node")
         object.__setattr__(self, "intra", parse_link(self.intra))
         if self.inter is not None:
             object.__setattr__(self, "inter", parse_link(self.inter))
-
-    def with_gpus(self, gpus: int) -> Cluster:
-        return dataclasses.replace(self, gpus=gpus)
 
     def topology(self) -> Topology:
         assert isinstance(self.intra, Link)
@@ -288,10 +248,9 @@ def simulate_step(
     transfers: list[tuple[float, float]] = []              # (start-ready time, duration) per bucket
     decode_times: list[float] = []
     for b in buckets:
-        for i in b.layers:
-            t += backward_fraction * layers[i].compute_s
         groups: dict[LayerCodec, int] = {}  # values per codec group, in the order the groups appear
         for i in b.layers:
+            t += backward_fraction * layers[i].compute_s
             groups[layer_codecs[i]] = groups.get(layer_codecs[i], 0) + layers[i].params
         enc = dec = duration = 0.0
         for lc, numel in groups.items():
@@ -313,15 +272,10 @@ def simulate_step(
         comm_busy += duration
     if not buckets:
         t = compute
-    backward_end = t
-    ends = []
-    for ready, duration in transfers:
-        start = max(ready if overlap else backward_end, comm_free)
-        comm_free = start + duration
-        ends.append(comm_free)
-    d = backward_end
-    for end, dec in zip(ends, decode_times):
-        d = max(d, end) + dec
+    backward_end = d = t
+    for (ready, duration), dec in zip(transfers, decode_times):  # transfers in order; each decode after its own
+        comm_free = max(ready if overlap else backward_end, comm_free) + duration
+        d = max(d, comm_free) + dec
     step = max(d, comm_free, backward_end)
     decode_total = sum(decode_times)
     exposed = max(0.0, step - compute - encode_total - decode_total)
@@ -387,8 +341,7 @@ def predict(
     layer) replaces ``codec``/``algorithm``/rates for a mixed-precision policy; ``bits_per_value`` is then
     the parameter-weighted mean and ``codec`` is reported as ``"policy"`` unless given as a string.
     """
-    if isinstance(batch_per_gpu, bool) or not isinstance(batch_per_gpu, int) or batch_per_gpu < 1:
-        raise ValueError(f"batch per GPU must be a positive integer, got {batch_per_gpu!r}")
+    positive_int(batch_per_gpu, "batch per GPU")
     layer_list = layers_from_dict(layers) if isinstance(layers, Mapping) else list(layers)
     if layer_codecs is not None:
         if len(layer_codecs) != len(layer_list):
