@@ -1,31 +1,19 @@
-"""Calibrate the speed model from measurements: links, codec costs and compute.
+"""Calibrate the speed model from measurements: links, codec costs and compute (docs/perfmodel.md, section 5).
 
-Three kinds of inputs, three kinds of parameters:
+* **Links** per backend and transport, from ``lowbit bench allreduce --json``: the native fp32 allreduce rows
+  under the ring-allreduce cost ``t = 2(K-1) alpha + 2(K-1)/K * size * beta`` (:func:`fit_link`), and every
+  other algorithm's rows under its own cost formula: its *effective* link (on gloo an all_to_all is not an
+  allreduce, which a single link would hide).
+* **Codec costs** per codec and algorithm, from the split encode/decode times of the compressed bench rows:
+  ``t_encode = c0 + c1 * 4 * values encoded per call`` (:func:`lowbit.perfmodel.model.codec_work`), likewise
+  decoding; ``c0`` is a fixed cost per call (dispatch, kernel launches), ``1/c1`` the throughput.
+* **Compute** from study results: per network / data / batch / device, at one worker (fp32 runs), at K
+  workers, and the factor between them; the per-step overhead is :func:`lowbit.perfmodel.fit.fit_overhead`.
 
-1. **Links** (latency ``alpha``, bandwidth ``1/beta``) per backend and transport, from ``lowbit bench
-   allreduce --json``: the native fp32 allreduce rows give the link under the ring-allreduce cost
-   ``t = 2(K-1) alpha + 2(K-1)/K * size * beta`` (:func:`fit_link`); the rows of every other algorithm
-   (``scatter_gather``, ``allgather``) give that algorithm's *effective* link under its own cost formula,
-   from their communication time and payload bytes. On gloo an all_to_all is not an allreduce, and a
-   single link would hide that.
-2. **Codec costs** per codec and algorithm, from the split encode/decode times of the compressed
-   bench rows: ``t_encode = c0 + c1 * bytes`` with ``bytes`` = 4 x the values the algorithm encodes per
-   call (:func:`lowbit.perfmodel.model.codec_work`: ``n (1 + 1/K)`` for scatter_gather), likewise for
-   decoding. ``c0`` is a fixed cost per call (dispatch, kernel launches), ``1/c1`` the throughput.
-3. **Compute** from study results (``lowbit study``'s ``results.jsonl``): per network / data set / batch
-   / device, the world-size-1 fp32 runs give the compute time of one step (there is no communication);
-   multi-worker runs measure compute too (step minus exposed communication), which gives the compute at
-   K workers (processes sharing a CPU slow each other down; DDP's own work) and the factor over one
-   worker; and the median of (measured - modelled) step time over the calibration runs is a per-step
-   overhead per backend and world size (the DDP hook's hand-offs and copies, which the model does not
-   see otherwise).
-
-When no bench file is given, links and codec costs can also be fitted *in situ* from the study's own
-per-epoch communicate / encode / decode times (same formulas, least squares over runs).
-
-All fits are least squares with non-negative coefficients. A :class:`Calibration` holds the result,
-remembers which bench files and study runs it came from (so validation can tell whether it would be
-predicting its own training data), and saves to / loads from JSON.
+Without a bench file, links and codec costs can be fitted *in situ* from the study's own per-epoch
+communicate / encode / decode times (:func:`fit_comm_in_situ`). All fits are least squares with non-negative
+coefficients. A :class:`Calibration` holds the result and where it came from (so validation can tell whether
+it would be predicting its own training data), and saves to / loads from JSON.
 """
 
 from __future__ import annotations
@@ -52,7 +40,7 @@ from lowbit.perfmodel.model import Layer, bits_per_value, codec_work, make_bucke
 from lowbit.perfmodel.networks import get_network
 
 __all__ = ["fit_link", "design_row", "sums_on_wire", "canonical_spec", "LinkFit", "CodecCost", "RunRecord",
-           "Calibration", "load_bench", "run_record", "transport_key", "ComputeKey", "SettingKey", "ScaleKey",
+           "Calibration", "load_bench", "run_record", "transport_key", "ScaleKey",
            "OverheadKey", "fit_bench", "fit_study", "fit_comm_in_situ", "run_groups", "run_buckets",
            "run_layers", "network_profile", "ddp_buckets", "pure_compute_s"]
 
@@ -320,36 +308,6 @@ def fit_bench(bench: dict[str, Any]) -> tuple[str, dict[str, LinkFit], dict[str,
 
 
 # ------------------------------------------------------------------------------------------ study runs
-# ------------------------------------------------------------------------------------------ keys
-@dataclasses.dataclass(frozen=True)
-class ComputeKey:
-    """What sets one worker's compute: network, data, batch, device. Its text (``str``) keys
-    :attr:`Calibration.compute` in JSON."""
-
-    network: str
-    dataset: str
-    batch: int
-    device: str
-
-    def __str__(self) -> str:
-        return f"{self.network}|{self.dataset}|{self.batch}|{self.device}"
-
-
-@dataclasses.dataclass(frozen=True)
-class SettingKey:
-    """What sets the compute of a step at ``world`` workers (:attr:`Calibration.compute_at_world`)."""
-
-    network: str
-    dataset: str
-    batch: int
-    backend: str
-    device: str
-    world: int
-
-    def __str__(self) -> str:
-        return f"{self.network}|{self.dataset}|{self.batch}|{self.backend}|{self.device}|{self.world}"
-
-
 @dataclasses.dataclass(frozen=True)
 class ScaleKey:
     """Backend, device, workers and emulated nodes: the scale a factor or an overhead belongs to
@@ -437,12 +395,14 @@ class RunRecord:
     # The run's keys into the Calibration's tables (their text, as JSON holds it):
     @property
     def setting_key(self) -> str:
-        """Network, data, batch, backend, device and workers: what sets the compute of a step."""
-        return str(SettingKey(self.network, self.dataset, self.batch, self.backend, self.device, self.world))
+        """Network, data, batch, backend, device and workers: what sets the compute of a step
+        (:attr:`Calibration.compute_at_world`)."""
+        return f"{self.network}|{self.dataset}|{self.batch}|{self.backend}|{self.device}|{self.world}"
 
     @property
     def compute_key(self) -> str:
-        return str(ComputeKey(self.network, self.dataset, self.batch, self.device))
+        """Network, data, batch and device: what sets one worker's compute (:attr:`Calibration.compute`)."""
+        return f"{self.network}|{self.dataset}|{self.batch}|{self.device}"
 
     @property
     def scale(self) -> ScaleKey:
@@ -759,10 +719,9 @@ def _fill(into: dict[str, Any], other: dict[str, Any], depth: int) -> None:
 
 
 def _mean_cost(costs: list[CodecCost], source: str) -> CodecCost:
-    n = len(costs)
-    return CodecCost(sum(c.encode_call_s for c in costs) / n, sum(c.encode_s_per_byte for c in costs) / n,
-                     sum(c.decode_call_s for c in costs) / n, sum(c.decode_s_per_byte for c in costs) / n,
-                     sum(c.points for c in costs), source)
+    means = (sum(getattr(c, f) for c in costs) / len(costs)
+             for f in ("encode_call_s", "encode_s_per_byte", "decode_call_s", "decode_s_per_byte"))
+    return CodecCost(*means, sum(c.points for c in costs), source)
 
 
 def config_id(run: RunRecord) -> str:
@@ -816,7 +775,7 @@ def fit_comm_in_situ(runs: Iterable[RunRecord]) -> Calibration:
     for transport, all_rs in by_backend.items():
         # the links: from one-node runs (runs as emulated nodes are modelled with the links they measured)
         rs = [r for r in all_rs if r.nodes == 1]
-        algos = sorted({a for r in rs for _, a, _ in run_groups(r)}) if rs else []
+        algos = sorted({a for r in rs for _, a, _ in run_groups(r)})
         if algos:
             col = {a: i for i, a in enumerate(algos)}
             rows, ys = [], []
@@ -831,13 +790,12 @@ def fit_comm_in_situ(runs: Iterable[RunRecord]) -> Calibration:
             a_mat, y_vec = np.array(rows), np.array(ys)
             keep = y_vec > 0
             coef = _nnls(*_relative(a_mat[keep], y_vec[keep])) if keep.any() else np.zeros(a_mat.shape[1])
-            fitted = a_mat @ coef
+            rel = _rms_rel(a_mat @ coef, ys)
             for a in algos:
                 alpha, beta = float(coef[2 * col[a]]), float(coef[2 * col[a] + 1])
                 if alpha == 0 and beta == 0:
                     continue
                 n_pts = sum(1 for r in rs if any(g[1] == a for g in run_groups(r)))
-                rel = _rms_rel(fitted, ys)
                 cal.links.setdefault(transport, {})[a] = LinkFit(
                     alpha, 1.0 / beta if beta > 0 else _HUGE_BW, a, n_pts, rel,
                     f"in situ: {transport} study runs' communicate time per step ({len(rs)} runs, joint fit)")
@@ -848,14 +806,10 @@ def fit_comm_in_situ(runs: Iterable[RunRecord]) -> Calibration:
         for (algo, codec), crs in by_codec.items():
             calls, work = [], []
             for r in crs:  # a run's values encoded and decoded per step, over its collectives of this codec
-                sizes = [n for spec, _, n in run_groups(r) if spec == codec]
-                calls.append(len(sizes))
-                ev = dv = 0.0
-                for n in sizes:
-                    e, d = codec_work(algo, n, r.world, r.world // max(1, r.nodes), 16.0)
-                    ev += e
-                    dv += d
-                work.append((ev, dv))
+                ws = [codec_work(algo, n, r.world, r.world // max(1, r.nodes), 16.0)
+                      for spec, _, n in run_groups(r) if spec == codec]
+                calls.append(len(ws))
+                work.append((sum((e for e, _ in ws), 0.0), sum((d for _, d in ws), 0.0)))
             cal.codecs.setdefault(transport, {}).setdefault(algo, {})[codec] = _codec_cost(
                 work, [r.encode_s for r in crs], [r.decode_s for r in crs],
                 f"in situ: {len(crs)} {transport} study runs' encode/decode time", calls)
