@@ -1,29 +1,15 @@
-"""How far off is the speed model on runs we measured? (``lowbit predict --validate RESULTS``)
+"""How far off is the speed model on runs we measured? (``lowbit predict --validate RESULTS``; docs/perfmodel.md,
+section 8)
 
-For every finished run of a study results file the model predicts the time of one training step and
-sets it against the measured one (timed epochs, averaged over ranks)::
+For every finished run of a study results file the model predicts one training step
+(:func:`lowbit.perfmodel.fit.model_step`: the run's layer profile and codecs on the overlap timeline, plus the
+per-step overhead at that backend and K) and sets it against the measured one (timed epochs, mean over ranks).
 
-    predicted step = the timeline of lowbit.perfmodel.model.simulate_step for that run:
-                       layers = the network's profile (lowbit.perfmodel.networks, when it is one of the
-                                seed's networks at the run's size; else one layer), with the run's
-                                compute at K workers spread over them by FLOPs;
-                       each layer's parameters split into the part the run's codec compresses and an fp32
-                                part (biases, small tensors), so a DDP bucket (25 MiB) sends one
-                                collective per codec, as lowbit.ddp's hook does, overlapping the rest of
-                                the backward; links per algorithm; encode/decode = per-call cost +
-                                bytes / rate
-                   + the per-step overhead at that backend and K (median of measured - modelled step
-                     over the calibration runs: the hook's hand-offs and copies, DDP's own work)
-
-**Honesty.** A model fitted on the very run it predicts is not validated. Parameters come from, in
-order of precedence: a saved calibration (``--calibration``), whose study-derived parts are used only
-for runs they were not fitted on; a bench file (``--bench``: links and codec costs, never fitted on the
-study); and the study results themselves, *refitted for every prediction without the predicted run's
-configuration* (leave-one-config-out: every seed of the same network / data / batch / backend /
-workers / codec / algorithm is held out; world-size-1 runs, whose compute can only come from the same
-configuration, are held out one run at a time: leave-one-run-out). So the compute at K workers of a
-held-out codec comes from the other codecs' runs in the same setting, its encode/decode costs from the
-same codec on other networks and data sets, and so on. The output says which source served each run.
+**Honesty.** A model fitted on the very run it predicts is not validated. Parameters come from, in order of
+precedence: a saved calibration, whose study-derived parts serve only runs they were not fitted on; bench
+files (never fitted on the study); and the study results themselves, *refitted for every prediction without
+the predicted run's configuration* (leave-one-config-out: all its seeds; 1-worker runs, whose compute can
+only come from their own configuration, leave-one-run-out). The output says which source served each run.
 """
 
 from __future__ import annotations
@@ -115,10 +101,6 @@ class ValidationReport:
     calibration_note: str
     machine: str
 
-    def errors(self, multi_only: bool = False, single_only: bool = False) -> list[float]:
-        return [abs(p.error) for p in self.predictions
-                if not (multi_only and p.run.world == 1) and not (single_only and p.run.world > 1)]
-
     def summary(self) -> dict[str, Any]:
         def stats(errs: list[float]) -> dict[str, Any]:
             if not errs:
@@ -128,39 +110,35 @@ class ValidationReport:
                     "within_15pct": sum(e <= 0.15 for e in errs) / len(errs),
                     "max_abs_error": max(errs)}
         signed = [p.error for p in self.predictions]
-        # Context: how much do the runs of one configuration scatter between seeds, and how far is the
-        # model from each configuration's mean over seeds?
+        # (|error|, multi-worker) per run; per configuration, the model against the mean over its seeds; and
+        # for context, how far each run is from the mean of the other seeds of its configuration
+        runs = [(abs(p.error), p.run.world > 1) for p in self.predictions]
         by_config: dict[str, list[RunPrediction]] = {}
         for p in self.predictions:
             by_config.setdefault(config_id(p.run), []).append(p)
-        oracle, oracle_multi, cfg_err, cfg_err_multi = [], [], [], []
+        cfg, oracle = [], []
         for ps in by_config.values():
             meas = statistics.fmean(p.run.step_s for p in ps)
-            pred = statistics.fmean(p.step_s for p in ps)
-            e = abs(pred - meas) / meas
-            cfg_err.append(e)
-            if ps[0].run.world > 1:
-                cfg_err_multi.append(e)
-            if len(ps) > 1:
-                for p in ps:
-                    others = statistics.fmean(q.run.step_s for q in ps if q is not p)
-                    o = abs(others - p.run.step_s) / p.run.step_s
-                    oracle.append(o)
-                    if p.run.world > 1:
-                        oracle_multi.append(o)
+            cfg.append((abs(statistics.fmean(p.step_s for p in ps) - meas) / meas, ps[0].run.world > 1))
+            for p in ps if len(ps) > 1 else ():
+                others = statistics.fmean(q.run.step_s for q in ps if q is not p)
+                oracle.append((abs(others - p.run.step_s) / p.run.step_s, p.run.world > 1))
+
+        def only(pairs: list[tuple[float, bool]], multi: bool | None = None) -> list[float]:
+            return [e for e, m in pairs if multi in (None, m)]
         by_codec: dict[str, list[float]] = {}
         for p in self.predictions:
             if p.run.world > 1:
                 by_codec.setdefault(short_codec(p.run.codec), []).append(abs(p.error))
         return {
-            "all": stats(self.errors()),
-            "multi_worker": stats(self.errors(multi_only=True)),
-            "single_worker": stats(self.errors(single_only=True)),
+            "all": stats(only(runs)),
+            "multi_worker": stats(only(runs, True)),
+            "single_worker": stats(only(runs, False)),
             "median_signed_error": statistics.median(signed) if signed else math.nan,
-            "config_mean": stats(cfg_err),
-            "config_mean_multi_worker": stats(cfg_err_multi),
-            "seed_scatter": stats(oracle),
-            "seed_scatter_multi_worker": stats(oracle_multi),
+            "config_mean": stats(only(cfg)),
+            "config_mean_multi_worker": stats(only(cfg, True)),
+            "seed_scatter": stats(only(oracle)),
+            "seed_scatter_multi_worker": stats(only(oracle, True)),
             "median_abs_error_by_codec_multi_worker": {k: statistics.median(v) for k, v in sorted(by_codec.items())},
             "target_median_abs_error": TARGET_MEDIAN_ABS_ERROR,
         }
@@ -261,8 +239,7 @@ def validate(
     if calibration is not None:
         method += (f"; the saved calibration's study-derived parts served {used_given} runs they were not "
                    f"fitted on, and were replaced by held-out refits for {refit} runs they were fitted on")
-    notes = []
-    notes += fixed.link_codec_lines(short_codec)
+    notes = fixed.link_codec_lines(short_codec)
     if need_in_situ:
         notes.append(f"links and codec costs for {', '.join(sorted(need_in_situ))}: in situ from the held-out "
                      "study runs' communicate/encode/decode times (no bench file for this backend)")
