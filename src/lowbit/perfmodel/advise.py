@@ -1,35 +1,16 @@
 """``lowbit advise``: which codec for which layers, on this cluster, at this accuracy tolerance?
+(docs/perfmodel.md, section 9)
 
-    lowbit advise --network vgg19 --gpus 64 --gpus-per-node 8 --intra nvlink --inter 100gbit \\
-                  [--tolerance 0.5] [--evidence RESULTS] [--calibration CAL.json] [--json]
-
-Plan:
-
-1. **Layer groups** by module type, from the network's profile (:mod:`networks`): ``Conv2d``
-   (convolutions, with their batch norms), ``Linear`` (fully connected), ``LSTM``.
-2. **Accuracy: which codecs may each group take?** Candidates: fp16, QSGD 8/4/2-bit (buckets 512, 512,
-   128, the seed's), 1bitSGD* (bucket 64, error feedback), Dettmers' dynamic 8-bit (error feedback).
-
-   * With study evidence *on this network* (``--evidence``: ``lowbit study`` results): a codec is
-     admissible if, in every (data set, workers) cell, its final test accuracy minus fp32's at the same
-     seed, averaged over seeds, is >= -tolerance points. The runs compressed every layer with one codec,
-     so this speaks for all groups at once.
-   * Without: the seed's published findings (``SEED_FINDINGS``, cited in the output), and only while
-     the study results on *other* networks with that layer type do not clearly contradict them (a cell
-     whose mean is below -tolerance by more than one standard deviation). The seed found convolutions
-     more sensitive than fully connected layers (Grubic et al. 2018, Sec. 1 and 5.1), so Conv2d layers
-     then get at least one rung more bits than Linear layers (ladder: 1bit < 2bit < 4bit < 8bit < fp16 <
-     fp32).
-3. **Speed**: every admissible assignment (group -> codec) is run through the step-time model
-   (:func:`lowbit.perfmodel.model.predict` with per-layer codecs) on the given cluster; the speedup is
-   over fp32 with the native allreduce on the same cluster. The fastest wins, but an assignment with
-   more bits is preferred when it is within 3% of the fastest (accuracy first when speed is a wash).
-4. **fp32 is the answer** when no assignment is predicted at least 1.05x faster than fp32: fast links
-   and compute-bound networks, the seed's NCCL finding ("on systems where NCCL is available, the fastest
-   approach may be simply to run full precision with NCCL", Sec. 5.2).
-
-The result is a :class:`lowbit.Policy`, printed as Python to paste into ``lowbit.ddp.register(model,
-policy=...)``, or as JSON (``--json``) that ``lowbit.Policy(**d["policy"])`` accepts.
+Layers are grouped by module type (``Conv2d`` with their batch norms, ``Linear``, ``LSTM``). A candidate codec
+is admissible for a group on the accuracy evidence: study runs on this network (in every (data set, workers)
+cell, its final test accuracy minus fp32's at the same seed, averaged over seeds, >= -tolerance points; the
+runs compressed every layer, so this speaks for all groups), or without them the seeds' published findings
+(``SEED_FINDINGS``) unless the study clearly contradicts them on other networks with that layer type; then
+Conv2d layers get at least one rung more bits than Linear ones (``CONV_FINDING``). Every admissible
+assignment runs through the step-time model with per-layer codecs (:func:`lowbit.perfmodel.model.predict`);
+the fastest wins, one with more bits when within 3% of it, and fp32 when none is predicted at least 1.05x
+faster (``NCCL_FINDING``). The result is a :class:`lowbit.Policy`, printed as Python to paste into
+``lowbit.ddp.register(model, policy=...)`` or as JSON (``--json``) that ``lowbit.Policy(**d["policy"])`` accepts.
 """
 
 from __future__ import annotations
@@ -269,12 +250,11 @@ def judge(cand: Candidate, group: str, network: str, cells: dict[str, list[Cell]
     """Is ``cand`` admissible for ``group`` of ``network`` at tolerance ``tol`` (module doc, step 2)?"""
     mine = [c for c in cells.get(cand.name, []) if _norm(c.network) == _norm(network)]
     if mine:
-        ok = all(c.matches(tol) for c in mine)
         fails = [c for c in mine if not c.matches(tol)]
         detail = (f"on {mine[0].network}: matched fp32 within {tol:g} points in all {len(mine)} study cells"
-                  if ok else f"on {mine[0].network}: missed fp32 by more than {tol:g} points in {len(fails)} of "
+                  if not fails else f"on {mine[0].network}: missed fp32 by more than {tol:g} points in {len(fails)} of "
                   f"{len(mine)} study cells")
-        return Verdict(ok, "study", detail)
+        return Verdict(not fails, "study", detail)
     bounds, _ = SEED_FINDINGS[cand.name]
     bound = bounds.get(group)
     if bound is None:
@@ -332,13 +312,8 @@ def predict_assignment(net: Network, assignment: dict[str, str], setup: SpeedSet
     layers = layers_for_network(net, setup.batch, setup.device_tflops)
     if setup.compute_factor != 1.0:
         layers = [dataclasses.replace(layer, compute_s=layer.compute_s * setup.compute_factor) for layer in layers]
-    cache: dict[str, LayerCodec] = {}
-    codecs = []
-    for name, _, _ in net.layers():
-        spec = assignment[layer_group(name)]
-        if spec not in cache:
-            cache[spec] = _layer_codec(spec, setup)
-        codecs.append(cache[spec])
+    by_spec = {spec: _layer_codec(spec, setup) for spec in set(assignment.values())}
+    codecs = [by_spec[assignment[layer_group(name)]] for name, _, _ in net.layers()]
     fp32 = _layer_codec("fp32", setup)
     pred = predict(layers, setup.cluster, batch_per_gpu=setup.batch, network=net.name, layer_codecs=codecs)
     base = predict(layers, setup.cluster, batch_per_gpu=setup.batch, network=net.name,
@@ -494,13 +469,9 @@ def _auto_algorithms(setup: "SpeedSetup") -> tuple[str, ...]:
 
 def policy_code(policy: dict[str, Any], fp32: bool = False, algorithm: str = "scatter_gather") -> str:
     """Python to paste: ``policy = lowbit.Policy(...)`` and the register call."""
-    lines = ["import lowbit", "", "policy = lowbit.Policy("]
-    lines.append(f"    default={policy['default']!r},")
+    lines = ["import lowbit", "", "policy = lowbit.Policy(", f"    default={policy['default']!r},"]
     if policy["by_type"]:
-        lines.append("    by_type={")
-        for t, spec in policy["by_type"].items():
-            lines.append(f"        {t!r}: {spec!r},")
-        lines.append("    },")
+        lines += ["    by_type={", *(f"        {t!r}: {spec!r}," for t, spec in policy["by_type"].items()), "    },"]
     lines.append(")")
     if fp32:
         lines.append("# fp32 everywhere: plain DDP is the same thing; registering lowbit changes nothing but adds "
@@ -534,11 +505,10 @@ def format_advice(a: Advice) -> str:
         lines.append("RECOMMENDATION: " + ", ".join(f"{g} -> {short_codec(spec)}" for g, spec in a.assignment.items())
                      + f"   predicted {p.speedup_vs_fp32:.2f}x over fp32 "
                      f"(step {p.step_s * 1e3:.1f} ms vs {p.fp32_step_s * 1e3:.1f} ms; {p.samples_per_s:,.0f} samples/s)")
-    lines += ["", policy_code(a.policy_dict(), a.fp32_is_best, p.algorithm), ""]
-    lines.append("fastest admissible assignments (predicted speedup over fp32):")
-    for o in a.options[:6]:
-        lines.append("  " + ", ".join(f"{g} {v}" for g, v in o["assignment"].items())
-                     + f" ({o['algorithm']}): {o['speedup_vs_fp32']:.2f}x")
+    lines += ["", policy_code(a.policy_dict(), a.fp32_is_best, p.algorithm), "",
+              "fastest admissible assignments (predicted speedup over fp32):"]
+    lines += ["  " + ", ".join(f"{g} {v}" for g, v in o["assignment"].items())
+              + f" ({o['algorithm']}): {o['speedup_vs_fp32']:.2f}x" for o in a.options[:6]]
     lines += ["", f"accuracy (tolerance {a.tolerance:g} points; evidence: {a.evidence_source or 'none'}):"]
     if not a.direct_evidence:
         lines.append(f"  No study results for {a.network} in the evidence: the accuracy side rests on the seeds' "
@@ -548,11 +518,8 @@ def format_advice(a: Advice) -> str:
         by = a.verdicts.get(cand.name, {})
         parts = [f"{g}: {'yes' if v.admissible else 'no'} ({v.basis})" for g, v in by.items()]
         lines.append(f"  {cand.label:<16} " + "; ".join(parts))
-        reasons = sorted({v.detail for v in by.values()})
-        for r in reasons:
-            lines.append(f"      {r}")
-        for cell in a.cells.get(cand.name, []):
-            lines.append(f"      {cell.describe(a.tolerance)}")
+        lines += [f"      {r}" for r in sorted({v.detail for v in by.values()})]
+        lines += [f"      {cell.describe(a.tolerance)}" for cell in a.cells.get(cand.name, [])]
     if not a.direct_evidence:
         lines += ["", "seed findings used:"] + [f"  {k}: {v[1]}" for k, v in SEED_FINDINGS.items()]
     for n in a.notes:
@@ -562,6 +529,3 @@ def format_advice(a: Advice) -> str:
 
 def _gbps(bps: float | None) -> str:
     return "free" if bps is None else f"{bps / 1e9:g} GB/s"
-
-
-# ------------------------------------------------------------------------------------------ command
