@@ -1,45 +1,27 @@
-"""Dettmers' predictive speedup models (ICLR 2016, Appendix 5), from his published inputs.
+"""Dettmers' predictive speedup models (ICLR 2016, Appendix 5), from his published inputs (docs/perfmodel.md,
+section 4, sets every number beside the paper's).
 
 **Single node, 4 GPUs** (AlexNet; data-parallel conv layers, model-parallel fc layers in K sub-batches)::
 
     speedup = K * T_total / ((T_total - T_fc) + P_conv + K * T_fc,par + P_fc)
 
-* ``T_total`` = 104.1 ms (NervanaGPU, GTX Titan X) or 177 ms (cuda-convnet2 kernels).
-* ``T_fc`` = 6.5 ms and ``T_fc,par`` = 3.34 ms are the sums of his Table 4 (fprop + bprop + update of
-  the three fc layers, without / with the output split over 4 GPUs); both are summed here.
-* ``P_conv`` = 0.05 ms, the sync of the first conv layer's gradients (Table 3), which nothing hides.
-* ``P_fc`` = sum of ``max(0, sync - overlapping matmul)`` over the six overlapped transfers, plus
-  5 transfers of the conv-3 activations that nothing overlaps. Sync times are Table 3's (32-bit vs
-  8-bit): conv-3 activations 0.9 / 0.4 ms, fc 9216->3072 and 3072->3072 1.1 / 0.5 ms, fc 3072->1000
-  0.4 / 0.25 ms.
+``T_total`` = 104.1 ms (NervanaGPU) or 177 ms (cuda-convnet2); ``T_fc`` = 6.5 ms and ``T_fc,par`` = 3.34 ms
+summed from his Table 4; ``P_conv`` = 0.05 ms, the first conv layer's sync, which nothing hides; ``P_fc =
+sum(max(0, sync - overlapping matmul)) + 5 x sync(conv-3 activations)`` with Table 3's sync times. The
+32-bit terms sum to 7.01 ms where the paper prints 6.81 (an arithmetic slip, ``p_fc_as_printed=True``);
+both round to its 3.53x.
 
-  32-bit: (0.9-0.9) + (1.1-0.3) + (1.1-0.15) + (0.4-0.3) + (1.1-0.9) + (1.1-0.64) + 5 x 0.9, which
-  sums to **7.01 ms**; the paper prints 6.81 ms (an arithmetic slip). The paper's 3.53x uses 6.81:
-  416.4 / 117.82 = 3.534. The correct sum gives 416.4 / 118.02 = 3.528, so **both round to 3.53**.
-  8-bit: only (0.5-0.3) + (0.5-0.15) stay positive, plus 5 x 0.4 = 2.55 ms -> 3.67x.
-  With T_total = 177 ms: 3.71x (32-bit, either P_fc) and 3.80x (8-bit); Krizhevsky measured 3.66x.
-
-**Cluster, 32 nodes x 3 GPUs = 96 GPUs** (global batch 12288, FDR InfiniBand). Model parallelism in
-the fc layers is dropped (latency-bound); the conv-3 activations are sent to the fc layers in
-sub-batches of size b, and each transfer hides under the 1.3 ms fc matmul of the previous one::
+**Cluster, 32 nodes x 3 GPUs = 96 GPUs** (global batch 12288, FDR InfiniBand; the conv-3 activations go to
+the fc layers in sub-batches of b, each transfer hidden under the 1.3 ms fc matmul of the previous one)::
 
     forward(b)  = (12288 / b) * T_fc                                   (his Table 6 "forward time")
     exposed(b)  = 31 * max(0, t_sync(b) - 1.3 ms), or t_sync(b) when fully hidden
     total(b)    = forward(b) + exposed(b)                              (his Table 6 "total time")
     speedup(b)  = 96 * T_total / ((T_total - T_fc) + total(b))         (his Table 7)
 
-with ``t_sync(b)`` from his Table 6 (32-bit / 8-bit ms): 128: 2.1 / 0.35, 256: 4.2 / 0.55,
-512: 7.15 / 1.13, 1024: 17.4 / 2.25, 2048: 25.5 / 3.26, 12288: 250(?) / 31.
-
-``source="formula"`` evaluates total(b) exactly; ``source="table6"`` takes total(b) as Dettmers
-printed it in Table 6 (he rounded it, e.g. 157.13 -> 157 and 107.45 -> 108, and for b = 12288 at
-32-bit used 31 x 250 = 7750 without subtracting the overlap or adding the forward time). Table 7 was
-computed from those printed totals: the ``table6`` chain reproduces all 24 printed entries at their
-printed precision; the exact formula gives 4 of them one unit off in the last digit (8-bit: 39.2 vs
-39.3 at b = 512, 48.7 vs 48.6 at b = 1024, 9.8 vs 9.7 at b = 12288; convnet2 8-bit b = 2048: 62.9 vs
-62.8), and 61.1 where the paper prints "61x"; the two agree within 0.3% (0.43% for the b = 12288
-32-bit row, whose printed total is marked "(?)"). The headline numbers (23.0x
-for 32-bit at b = 512, 50.6x for 8-bit at b = 2048) come out of both.
+``source="formula"`` evaluates total(b) exactly; ``source="table6"`` takes it as Dettmers printed it (rounded,
+and 31 x 250 for b = 12288 at 32-bit), which reproduces all 24 entries of his Table 7 at their printed
+precision; the two agree within 0.3% (0.43% for the "(?)" row).
 """
 
 from __future__ import annotations
