@@ -1,47 +1,23 @@
-"""The seed study's networks as parameter counts and FLOPs, so the model runs without building them.
+"""The seed study's networks as parameter counts and FLOPs, so the model runs without building them
+(docs/perfmodel.md, section 6).
 
-Each :class:`Network` carries the *published* totals (parameters; forward multiply-accumulates per
-sample) and a per-layer *profile* in forward order; the published totals only rescale the profile.
+Each :class:`Network` carries the *published* totals (parameters; forward multiply-accumulates per sample),
+which only rescale its per-layer *profile* in forward order. Profiles are walked from torch modules built on
+the meta device (:func:`module_profile`; cached): lowbit.models' network of the same name for VGG19,
+ResNet-50/152 and the MNIST MLP; where the model has always used another variant, that variant is written
+here so the predictions do not move: torchvision's AlexNet (61.1M parameters, 0.714 GMACs; lowbit.models
+builds CNTK's), He et al.'s ResNet-110 with parameter-free shortcuts (lowbit.models': 1x1 projections), and
+Caffe's cifar10_quick. BN-Inception and the LSTM keep a uniform split (12 and 4 groups; an assumption stated
+in ``notes``): walking lowbit.models' modules (``MODEL_SOURCES`` has them) would move BN-Inception's advice
+by up to ~15%.
 
-Profiles come from torch modules built on the meta device (no memory, no arithmetic) and walked in one
-forward pass of a meta sample (:func:`module_profile`: forward hooks on every module holding parameters
-record its parameters and, from its type and the shapes of the call, its forward MACs; cached: 0.01-0.3 s
-a network, after a one-off ~2 s in a process's first walk, where torch's Python meta kernels import
-torch._dynamo). The module is lowbit.models'
-network of the same name for VGG19, ResNet-50, ResNet-152 and the MNIST MLP. Where the profile the
-model has always used is of another variant than lowbit.models builds, the variant is written here as
-a module and walked the same way, so the predictions do not move:
-
-* alexnet: torchvision's AlexNet (64-192-384-256-256 maps, 224x224; 61.1M parameters, 0.714 GMACs);
-  lowbit.models builds CNTK's (96-192-384-384-256 maps with LRN, 227x227; 62.0M, 0.986 GMACs);
-* resnet110: He et al.'s parameter-free shortcuts (1,727,962 parameters); lowbit.models builds CNTK's
-  1x1-convolution projection shortcuts in the first block of stages 2 and 3 (1,730,714);
-* cifar10_quick: Caffe's network, which lowbit.models does not build.
-
-BN-Inception and the LSTM keep a uniform split (12 and 4 equal groups; assumption, stated in ``notes``).
-``network_profile("bn_inception")`` and ``network_profile("lstm")`` walk lowbit.models' modules (as do
-"alexnet_cntk" and "resnet110_projection"); the speed model does not use them yet, since that moves
-its predictions (by up to ~15% for BN-Inception's advice).
-
-FLOPs convention: 1 MAC = 2 FLOPs, and forward + backward = 3 x forward (the backward pass computes
-gradients with respect to inputs and to weights, each about one forward), so::
-
-    fwd+bwd FLOPs per sample = 6 * forward MACs per sample
-
-Sources of the published totals:
-
-* Parameters of AlexNet (62M), VGG19 (143M), ResNet-50 (25M), ResNet-152 (60M), BN-Inception (11M),
-  LSTM (13M): Grubic et al. (EDBT 2018), Figure 3 (CNTK's implementations). ResNet-110: He et al. 2016
-  ("Deep Residual Learning", Table 6: 1.7M; the seed's Figure 3 prints 1M).
-* Forward MACs: AlexNet 0.72 G (the commonly quoted count for Krizhevsky et al. 2012; torchvision's
-  single-tower variant computes to 0.71 G); VGG19 19.6 G, ResNet-50 3.8 G and ResNet-152 11.3 G (He
-  et al. 2016, Table 1 and Sec. 3.3, "FLOPs" there are multiply-adds); ResNet-110 0.253 G (Li et al.
-  2017, "Pruning Filters for Efficient ConvNets", Table 1: 2.53e8); BN-Inception ~2.0 G (widely quoted
-  model-zoo figure, not from Ioffe & Szegedy 2015, which gives no count: approximate); LSTM: 13M
-  parameters x 100 frames per sample (assumption: one MAC per weight per frame, 100-frame utterance
-  segments; the seed does not give the sequence length).
-* MNIST MLP 784-1024-1024-10 (Dettmers 2016, Sec. 4) and the small CNN (Caffe's ``cifar10_quick``:
-  conv5x5-32, pool, conv5x5-32, pool, conv5x5-64, pool, fc64, fc10): the profile's own totals.
+FLOPs: 1 MAC = 2 FLOPs and forward + backward = 3 x forward, so fwd+bwd FLOPs per sample = 6 x forward MACs.
+Published totals: parameters from Grubic et al. (EDBT 2018), Figure 3 (CNTK's implementations), except
+ResNet-110 (He et al. 2016, Table 6: 1.7M; the seed prints 1M); forward MACs: AlexNet 0.72 G (the count
+commonly quoted for Krizhevsky et al. 2012), VGG19 19.6 G, ResNet-50 3.8 G and ResNet-152 11.3 G (He et al.
+2016, Table 1), ResNet-110 0.253 G (Li et al. 2017, Table 1), BN-Inception ~2.0 G (a model-zoo figure:
+approximate), LSTM 13M parameters x 100 frames per sample (assumed: the seed gives no sequence length). The
+MLP 784-1024-1024-10 (Dettmers 2016) and cifar10_quick use their profiles' own totals.
 """
 
 from __future__ import annotations
@@ -99,12 +75,8 @@ class Network:
         """``(name, params, fwd+bwd FLOPs per sample)`` per layer, scaled to the published totals."""
         p_total = sum(lp.params for lp in self.profile)
         m_total = sum(lp.macs for lp in self.profile)
-        out = []
-        for lp in self.profile:
-            params = round(lp.params * self.params / p_total) if p_total else 0
-            flops = FWD_BWD_FLOPS_PER_MAC * self.fwd_gmacs * 1e9 * (lp.macs / m_total if m_total else 0.0)
-            out.append((lp.name, params, flops))
-        return out
+        return [(lp.name, round(lp.params * self.params / p_total) if p_total else 0,
+                 self.fwd_bwd_gflops * 1e9 * (lp.macs / m_total if m_total else 0.0)) for lp in self.profile]
 
 
 # ------------------------------------------------------------------------ profiles from torch modules
