@@ -1,32 +1,17 @@
-"""The seed study's projection (Grubic et al. 2018, Sec. 6 and Figure 16 right).
+"""The seed study's projection (Grubic et al. 2018, Sec. 6 and Figure 16 right; docs/perfmodel.md, section 7).
 
-The seed asks "in what model-size-to-GFLOPS regime would the scalability impact of quantization be
-significant?": it grows AlexNet's model size artificially (8 GPUs, NCCL, EC2) and plots the speedup of
-8-bit over 32-bit against the ratio between communication and computation, in **MB/GFLOPS**, noting
-that the speedup "will always be upper bounded by the difference in bandwidth usage, which is 4x".
+The seed grows AlexNet's model size artificially (8 GPUs, NCCL) and plots the speedup of 8-bit over 32-bit
+against the ratio between communication and computation in MB/GFLOPS, "upper bounded by the difference in
+bandwidth usage, which is 4x". It does not say per what; here the ratio is per GPU and per step::
 
-The seed does not say per what the ratio is taken. Here it is per GPU and per step, the amounts
-between two gradient exchanges::
+    r        = (4 * params / 1e6 MB of fp32 gradients) / (GFLOPs one GPU computes per step)   [per sample: r * batch]
+    t_c      = G / R;   M_32 = r * G * 1e6 bytes
+    T(b)     = t_c + t_enc(b) + max(0, C(M_32 * b / 32) - h * t_c);   speedup = T(32) / T(b) <= 32 / b
 
-    ratio r = (MB of 32-bit gradients, 4 * params / 1e6) / (GFLOPs one GPU computes per step)
-
-(per sample, the denominator is one sample's forward + backward GFLOPs: ``r_sample = r * batch``).
-
-For a ratio ``r``, a per-step compute of ``G`` GFLOP at ``R`` GFLOP/s and a collective ``C`` on a link::
-
-    t_c      = G / R
-    M_32     = r * G * 1e6                                   bytes of fp32 gradients
-    T(b)     = t_c + t_enc(b) + max(0, C(M_32 * b / 32) - h * t_c)
-    speedup  = T(32) / T(b)  <=  32 / b
-
-where ``h`` is the fraction of the compute that can hide communication (0: none, as in CNTK's
-exchange after the backward). The bound holds because ``C(M b/32) >= (b/32) C(M)`` for every
-alpha-beta collective (latency does not shrink), which makes ``(32/b) T(b) >= T(32)`` for ``h <= 1``.
-
-The default setting is the seed's: AlexNet on 8 K80 GPUs of an EC2 p2.8xlarge with NCCL, global
-batch 256 (32 per GPU). The device rate comes from the seed's 1-GPU AlexNet throughput (240.8
-samples/s, Figures 10/11) and the link from its 8-GPU 32-bit NCCL throughput (1138.3 samples/s,
-Figure 11), i.e. the setting is calibrated so the model reproduces those two measurements.
+for ``G`` GFLOP per step at ``R`` GFLOP/s, a collective ``C`` on a link, and ``h`` the fraction of compute that
+hides communication. The bound holds because latency does not shrink with ``b``: ``C(M b/32) >= (b/32) C(M)``,
+so ``(32/b) T(b) >= T(32)`` for ``h <= 1``. :func:`seed_setting` is the seed's AlexNet on 8 K80s, calibrated
+to reproduce its 1-GPU and 8-GPU 32-bit NCCL throughputs.
 """
 
 from __future__ import annotations
