@@ -47,6 +47,8 @@ __all__ = ["fit_link", "design_row", "sums_on_wire", "canonical_spec", "LinkFit"
 _UNIT = Link(latency_s=1.0, bandwidth_Bps=1.0, name="unit")
 SCHEMA = 1
 _HUGE_BW = 1e15  # bytes/s standing for "no measurable per-byte cost" (JSON has no infinity)
+#: The tables of a :class:`Calibration` fitted on study runs, key -> entry (besides the links and codec costs).
+STUDY_TABLES = ("compute", "compute_at_world", "world_factor", "step_overhead_s")
 
 
 # ------------------------------------------------------------------------------------------ codec facts
@@ -617,19 +619,9 @@ class Calibration:
                 return dataclasses.asdict(d)
             return {k: fits(v) for k, v in d.items()}
 
-        return {
-            "schema": SCHEMA,
-            "kind": "lowbit.perfmodel calibration",
-            "links": fits(self.links),
-            "codecs": fits(self.codecs),
-            "compute": self.compute,
-            "compute_at_world": self.compute_at_world,
-            "world_factor": self.world_factor,
-            "step_overhead_s": self.step_overhead_s,
-            "run_keys": sorted(self.run_keys),
-            "config_keys": sorted(self.config_keys),
-            "sources": self.sources,
-        }
+        return {"schema": SCHEMA, "kind": "lowbit.perfmodel calibration", "links": fits(self.links),
+                "codecs": fits(self.codecs), **{name: getattr(self, name) for name in STUDY_TABLES},
+                "run_keys": sorted(self.run_keys), "config_keys": sorted(self.config_keys), "sources": self.sources}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Calibration:
@@ -642,10 +634,7 @@ class Calibration:
                       for t, by in d.get("codecs", {}).items()}
         except TypeError as exc:
             raise ValueError(f"calibration JSON has a malformed link or codec entry: {exc}") from None
-        return cls(links=links, codecs=codecs, compute=dict(d.get("compute", {})),
-                   compute_at_world=dict(d.get("compute_at_world", {})),
-                   world_factor=dict(d.get("world_factor", {})),
-                   step_overhead_s=dict(d.get("step_overhead_s", {})),
+        return cls(links=links, codecs=codecs, **{name: dict(d.get(name, {})) for name in STUDY_TABLES},
                    run_keys=list(d.get("run_keys", [])), config_keys=list(d.get("config_keys", [])),
                    sources=dict(d.get("sources", {})))
 
@@ -672,7 +661,7 @@ class Calibration:
         out = copy.deepcopy(self)
         _fill(out.links, other.links, 2)
         _fill(out.codecs, other.codecs, 3)
-        for name in ("compute", "compute_at_world", "world_factor", "step_overhead_s"):
+        for name in STUDY_TABLES:
             _fill(getattr(out, name), getattr(other, name), 1)
         out.run_keys = sorted(set(self.run_keys) | set(other.run_keys))
         out.config_keys = sorted(set(self.config_keys) | set(other.config_keys))

@@ -1,14 +1,6 @@
-"""The model applied to recorded runs, and the calibration that needs it.
-
-* :func:`model_step`: a study run's modelled step (its network's layer profile, DDP's buckets, the
-  calibrated links and codec costs, overlap on the backward), without the step overhead;
-* :func:`fit_overhead`: that overhead, the median of measured minus modelled steps per setting;
-* :func:`calibrate`: a :class:`~lowbit.perfmodel.calibrate.Calibration` from bench files and study runs,
-  the overhead included.
-
-:mod:`lowbit.perfmodel.calibrate` fits the parts (links, codec costs, compute); :mod:`.validate`
-predicts held-out runs with these functions. Study results are read by :mod:`lowbit.study.store`.
-"""
+"""The model applied to recorded study runs (:func:`model_step`), the per-step overhead it leaves
+(:func:`fit_overhead`), and :func:`calibrate`, which needs both. :mod:`lowbit.perfmodel.calibrate` fits the
+parts (links, codec costs, compute); :mod:`lowbit.perfmodel.validate` predicts held-out runs with these."""
 
 from __future__ import annotations
 

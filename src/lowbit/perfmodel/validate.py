@@ -20,7 +20,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from lowbit.perfmodel.calibrate import Calibration, RunRecord, config_id, fit_comm_in_situ, fit_study
+from lowbit.perfmodel.calibrate import STUDY_TABLES, Calibration, RunRecord, config_id, fit_comm_in_situ, fit_study
 from lowbit.perfmodel.fit import fit_overhead, model_step, short_codec
 
 __all__ = ["RunPrediction", "ValidationReport", "predict_run", "validate", "format_validation",
@@ -154,8 +154,7 @@ class ValidationReport:
 def _split(cal: Calibration) -> tuple[Calibration, Calibration]:
     """(bench-derived part, study-derived part) of a calibration."""
     bench = Calibration(sources=dict(cal.sources))
-    study = Calibration(compute=dict(cal.compute), compute_at_world=dict(cal.compute_at_world),
-                        world_factor=dict(cal.world_factor), step_overhead_s=dict(cal.step_overhead_s),
+    study = Calibration(**{name: dict(getattr(cal, name)) for name in STUDY_TABLES},
                         run_keys=list(cal.run_keys), config_keys=list(cal.config_keys))
     for t, by in cal.links.items():
         for a, f in by.items():
