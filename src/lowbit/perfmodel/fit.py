@@ -36,7 +36,6 @@ def short_codec(spec: str) -> str:
     return name
 
 
-
 def _compute_for(run: RunRecord, cal: Calibration) -> tuple[float | None, str]:
     one = cal.compute.get(run.compute_key)
     if run.world == 1:
@@ -124,7 +123,6 @@ def model_step(run: RunRecord, cal: Calibration) -> tuple[float, Breakdown, str,
     if notes:
         comm_src += " (" + "; ".join(sorted(notes)) + ")"
     return step, br, compute_src, comm_src
-
 
 
 def fit_overhead(runs: Sequence[RunRecord], cal: Calibration) -> dict[str, dict[str, Any]]:
