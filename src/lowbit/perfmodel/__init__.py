@@ -5,13 +5,9 @@
                            device_tflops=100, codec="qsgd:bits=4,bucket=512")
     pred.step_s, pred.samples_per_s, pred.scaling_efficiency, pred.speedup_vs_fp32, pred.breakdown
 
-Modules: ``links`` (alpha-beta links and presets), ``collectives`` (time and bytes of each algorithm),
-``model`` (step-time timeline with overlap, per-layer codecs), ``calibrate`` (links, codec costs and
-compute fitted from ``lowbit bench`` and study runs), ``fit`` (the model applied to a recorded run, the
-step overhead, and ``calibrate()`` from bench files and runs; study results are read by
-:func:`lowbit.study.store.load_run_records`), ``validate`` (the model against measured runs, held out), ``advise`` (a recommended ``lowbit.Policy``), ``dettmers`` (Dettmers' 4-GPU and 96-GPU
-models), ``projection`` (the seed's Figure 16 projection), ``networks`` (the seed's networks as
-parameters and FLOPs). The commands (``lowbit predict``, ``lowbit advise``) are :mod:`lowbit.cli.predict`.
+Modules: ``links``, ``collectives``, ``model`` (the step timeline), ``networks``, ``calibrate`` and ``fit``
+(parameters from measurements), ``validate``, ``advise``, ``dettmers`` and ``projection`` (the papers' models).
+The commands (``lowbit predict``, ``lowbit advise``) are :mod:`lowbit.cli.predict`.
 """
 
 from __future__ import annotations
