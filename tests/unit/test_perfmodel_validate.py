@@ -234,6 +234,28 @@ def _round_trip(a: adv.Advice) -> None:
     assert "lowbit.ddp.register(ddp_model, policy=policy" in d["python"]
 
 
+def test_advice_default_codec_does_not_depend_on_the_hash_seed():
+    """Two codecs on one rung of the ladder (qsgd8 and dettmers): the policy's default is chosen in spec
+    order, the same in every process (it was a max over a set: string hashing decided the tie)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import dataclasses\n"
+            "from lowbit.perfmodel import advise as adv\n"
+            "from lowbit.perfmodel.model import Cluster\n"
+            "a = adv.advise('resnet50', adv.SpeedSetup(Cluster(8, 8, 'nvlink'), 64, 100.0, 'auto', 200e9, 200e9),"
+            " evidence=[])\n"
+            "a = dataclasses.replace(a, assignment={'Conv2d': adv.CANDIDATES[2].canonical,"
+            " 'Linear': adv.CANDIDATES[1].canonical})\n"
+            "print(a.policy_dict()['default'])\n")
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": str(seed), "PYTHONPATH": src}).stdout.strip()
+            for seed in (0, 4)}  # (these two hash seeds order the set differently)
+    assert outs == {min(adv.CANDIDATES[1].canonical, adv.CANDIDATES[2].canonical)}, outs
+
+
 def test_advise_fp32_for_a_compute_bound_network_on_nvlink():
     a = adv.advise("resnet50", _setup(8, 8, "nvlink"), evidence=[])
     assert a.fp32_is_best

@@ -348,10 +348,10 @@ class Advice:
     notes: list[str]
 
     def policy_dict(self) -> dict[str, Any]:
-        specs = set(self.assignment.values())
+        specs = sorted(set(self.assignment.values()))
         if len(specs) == 1:
-            return {"default": next(iter(specs)), "by_type": {}, "by_name": {}}
-        default = max(specs, key=lambda s: _rung(s))
+            return {"default": specs[0], "by_type": {}, "by_name": {}}
+        default = max(specs, key=_rung)  # the most bits; of a tie (qsgd8, dettmers), the first in spec order
         by_type = {t: spec for g, spec in sorted(self.assignment.items()) for t in GROUP_TYPES[g]}
         return {"default": default, "by_type": by_type, "by_name": {}}
 
