@@ -350,3 +350,17 @@ def test_calibrate_takes_runs_not_paths(tmp_path: Path) -> None:
         calibrate([], [str(tmp_path)])
     with pytest.raises(ValueError, match="given as runs"):
         calibrate([], {str(tmp_path): str(tmp_path)})
+
+
+def test_validation_skips_codec_auto_runs(capsys):
+    """A study with lowbit.ddp's codec="auto" (chosen per tensor while training; its rows hold no codec
+    the model can price) validates its other runs instead of failing on "unknown codec 'auto'"."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "study_cpu_auto_100mbit"
+    rows = [json.loads(line) for line in (path / "results.jsonl").read_text().splitlines()]
+    runs = [r for r in rows if r["kind"] == "run"]
+    assert {r["config"]["codec"] for r in runs} >= {"auto", "fp32"}
+    records = load_runs(path / "results.jsonl")
+    assert records and all(r.codec != "auto" for r in records)
+    assert len(records) == sum(r["config"]["codec"] != "auto" for r in runs)
+    assert lowbit_main(["predict", "--validate", str(path)]) == 0
+    assert "codec" in capsys.readouterr().out

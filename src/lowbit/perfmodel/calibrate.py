@@ -429,7 +429,7 @@ class RunRecord:
 
 def run_record(row: dict[str, Any]) -> RunRecord | None:
     """A study result row (a finished run's ``run`` row) as the model reads it; None for runs it does
-    not describe (model / hybrid parallelism, the simulated NCCL, no timed steps). The study's reader
+    not describe (model / hybrid parallelism, the simulated NCCL, ``codec="auto"``, no timed steps). The study's reader
     (:func:`lowbit.study.store.load_run_records`) applies it to a results file."""
     c, s = row.get("config") or {}, row.get("summary") or {}
     epochs = row.get("epochs") or []
@@ -446,6 +446,8 @@ def run_record(row: dict[str, Any]) -> RunRecord | None:
         return None  # model / hybrid parallelism and the simulated NCCL are not what this model describes
     world = int(c.get("world_size", 1))
     codec = str(c.get("codec", "fp32"))
+    if codec == "auto":
+        return None  # lowbit.ddp's codec="auto" chooses per tensor while training; the row holds no codec
     algo = "allreduce" if sums_on_wire(codec) else str(c.get("algorithm") or "scatter_gather")
     if algo == "none":
         algo = "scatter_gather"
