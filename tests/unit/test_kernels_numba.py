@@ -209,6 +209,36 @@ def test_onebit_nonfinite_and_single_large_bucket() -> None:
         assert torch.equal(nk.onebit_encode_buckets(x, bucket), ref.onebit_encode_buckets(x, bucket)), bucket
 
 
+def _mixed_nans(n: int, bucket: int) -> torch.Tensor:
+    """Every third bucket holds NaNs of several bit patterns (torch's 0x7FC00000, x86's 0xFFC00000 from
+    0/0 or inf - inf, payloads 1 and 3), in an order that turns from bucket to bucket."""
+    x = _data(n, seed=bucket)
+    bits = x.view(torch.int32)
+    patterns = (0x7FC00000, -0x00400000, 0x7FC00001, 0x7FC00003)  # -0x400000: 0xFFC00000
+    for k in range(n):
+        b, j = divmod(k, bucket)
+        if b % 3 == 0 and j < 4:
+            bits[k] = patterns[(j + b) % 4]
+    return x
+
+
+def test_nan_scales_are_the_canonical_nan() -> None:
+    """A bucket's L2 scale or onebit mean over NaNs of different bit patterns is the canonical NaN
+    0x7FC00000 in both backends (a sum's NaN depends on the operand order compilers choose)."""
+    for bucket in (2, 8, 9, 64, 100, 2049):
+        x = _mixed_nans(20 * bucket + 3, bucket)
+        nb = -(-x.numel() // bucket)
+        for bits in (2, 8):
+            want, got = ref.qsgd_encode(x, bits, bucket, "l2", True, 1), nk.qsgd_encode(x, bits, bucket, "l2", True, 1)
+            _assert_payload_equal(got, want, f"l2 bucket={bucket} bits={bits}")
+            scales = want[: 4 * nb].view(torch.int32)
+            assert set(scales[torch.isnan(want[: 4 * nb].view(torch.float32))].tolist()) == {0x7FC00000}
+        want, got = ref.onebit_encode_buckets(x, bucket), nk.onebit_encode_buckets(x, bucket)
+        _assert_payload_equal(got, want, f"onebit bucket={bucket}")
+        means = want[: 8 * nb]
+        assert set(means.view(torch.int32)[torch.isnan(means.view(torch.float32))].tolist()) == {0x7FC00000}
+
+
 def test_results_do_not_depend_on_thread_counts() -> None:
     """The parallel paths with all threads (every chunk and block boundary, bit widths that straddle
     bytes), and the reference with 1 and 2 torch threads."""

@@ -16,6 +16,7 @@ from lowbit.kernels.numba.common import (
     _F1,
     _FMAX,
     _JIT,
+    _NAN,
     _NEG,
     _NEG_SCALED,
     _PJIT,
@@ -44,11 +45,13 @@ def _onebit_mean(xs, p, kind, total, count, buf, sums):
     tree_sum, ``count``: how many): total / count, unless that sum of finite values overflowed; then
     the same sum of the values times 2**-32, divided, scaled back, capped."""
     cnt = np.float32(max(count, 1))
+    if total != total:
+        return _NAN  # the canonical NaN, as the reference
     if abs(total) != np.inf:
         return total / cnt
     scaled = _tree_sum(xs, p, _POS_SCALED if kind == _POS else _NEG_SCALED, _F1, buf, sums)
     if abs(scaled) == np.inf or scaled != scaled:
-        return total / cnt  # an Inf among the values: the mean stays non-finite
+        return total / cnt  # an Inf among the values: the mean stays non-finite (inf / cnt: inf)
     alt = (scaled / cnt) * _ONEBIT_UNSCALE
     if alt > _FMAX:
         return _FMAX

@@ -68,8 +68,8 @@ def _l2(x, lo, hi, p, m, buf, sums):
     leaves): ``m * sqrt(tree_sum((x / safe(m))^2))``, capped at float32's max."""
     safe = m if m > _F0 else _F1
     r = np.float32(np.sqrt(np.float64(_tree_sum(x[lo:hi], p, _SQ, safe, buf, sums))))  # as the reference
-    if r != r:  # a NaN or Inf in the bucket: the square root's NaN, as the reference
-        return r
+    if r != r:  # a NaN or Inf in the bucket: the canonical NaN, as the reference
+        return _NAN
     l2 = m * r
     return _FMAX if l2 > _FMAX else l2  # reference.cap_l2 (m is finite here)
 

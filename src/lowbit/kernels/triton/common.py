@@ -84,6 +84,14 @@ def _absmax_bits(x, axis: tl.constexpr):
 
 
 @triton.jit
+def _canon_nan(v):
+    """v with every NaN made the canonical 0x7FC00000 (the reference's NaN: which NaN a sum of NaNs
+    carries depends on the order of each addition's operands)."""
+    b = v.to(tl.int32, bitcast=True)
+    return tl.where(v != v, 0x7FC00000, b).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _row_absmax(x):
     """x: (R, C) float32 -> (R,) max |x|, NaN if the row holds a NaN (reference.bucket_absmax)."""
     return _absmax_bits(x, 1).to(tl.float32, bitcast=True)

@@ -18,6 +18,7 @@ from lowbit.kernels.triton.common import (
     F32_MAX,
     _LAUNCH,
     _aligned,
+    _canon_nan,
     _fused,
     _i64,
     _ld,
@@ -68,8 +69,8 @@ def _onebit_encode_body(x_ptr, scale_ptr, code_ptr, n, nb, pid, nbytes,
             xs = x * ONEBIT_SUM_SCALE
             mean_pos = _onebit_mean(sum_pos, tl.sum(tl.where(pos, xs, 0.0), axis=1), cnt_pos, mean_pos)
             mean_neg = _onebit_mean(sum_neg, tl.sum(tl.where(neg, xs, 0.0), axis=1), cnt_neg, mean_neg)
-        _st(scale_ptr + 2 * rows, mean_pos, rows < nb, MASKED)
-        _st(scale_ptr + 2 * rows + 1, mean_neg, rows < nb, MASKED)
+        _st(scale_ptr + 2 * rows, _canon_nan(mean_pos), rows < nb, MASKED)
+        _st(scale_ptr + 2 * rows + 1, _canon_nan(mean_neg), rows < nb, MASKED)
     _pack_store(pos.to(tl.uint32), code_ptr, pid * BLOCK, nbytes, n, BLOCK, 1, MASKED)
 
 

@@ -20,6 +20,7 @@ from lowbit.kernels.triton.common import (
     _LAUNCH,
     _aligned,
     _bucket_scales_general,
+    _canon_nan,
     _div_tile,
     _fused,
     _i64,
@@ -83,7 +84,7 @@ def _qsgd_encode_body(x_ptr, pay_ptr, code_ptr, n, nb, bucket, nbytes, key, pid,
             y = _div_tile(x, scale, ROWS, BUCKET, False, 0.0)
             l2 = scale * tl.sqrt_rn(_tile_sums(y * y, ROWS, BUCKET))
             # reference.cap_l2: a finite bucket's norm past float32's max is capped there
-            scale = tl.where((l2 == float("inf")) & (scale < float("inf")), F32_MAX, l2)
+            scale = _canon_nan(tl.where((l2 == float("inf")) & (scale < float("inf")), F32_MAX, l2))
         _store_scales(scale_ptr, scale, pid, nb, ROWS, MASKED)
         codes = _quantize(_div_tile(x, scale, ROWS, BUCKET, True, -1.0), offs, key, S, STOCH, True)
     else:  # (BLOCK,) elements of any buckets: scales precomputed, gathered
