@@ -352,7 +352,7 @@ def test_calibrate_takes_runs_not_paths(tmp_path: Path) -> None:
         calibrate([], {str(tmp_path): str(tmp_path)})
 
 
-def test_validation_skips_codec_auto_runs(capsys):
+def test_validation_skips_codec_auto_runs(capsys, tmp_path):
     """A study with lowbit.ddp's codec="auto" (chosen per tensor while training; its rows hold no codec
     the model can price) validates its other runs instead of failing on "unknown codec 'auto'"."""
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "study_cpu_auto_100mbit"
@@ -363,4 +363,10 @@ def test_validation_skips_codec_auto_runs(capsys):
     assert records and all(r.codec != "auto" for r in records)
     assert len(records) == sum(r["config"]["codec"] != "auto" for r in runs)
     assert lowbit_main(["predict", "--validate", str(path)]) == 0
-    assert "codec" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "median signed error: no runs" in out and "nan%" not in out  # nothing was predictable here
+    # a file of auto runs only: an error that says why, not "no finished runs"
+    only = tmp_path / "results.jsonl"
+    only.write_text("".join(json.dumps(r) + "\n" for r in rows if r["kind"] != "run" or r["config"]["codec"] == "auto"))
+    with pytest.raises(ValueError, match="none of them one the speed model describes"):
+        load_runs(only)

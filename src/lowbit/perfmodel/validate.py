@@ -289,7 +289,8 @@ def format_validation(rep: ValidationReport) -> str:
     lines += ["", "summary (relative error of the step time = of samples/s^-1):",
               line("all runs", s["all"]), line("multi-worker runs", s["multi_worker"]),
               line("1-worker runs", s["single_worker"]),
-              f"  median signed error {100 * s['median_signed_error']:+.1f}% (positive = model too slow)"]
+              (f"  median signed error {100 * s['median_signed_error']:+.1f}% (positive = model too slow)"
+               if s["all"].get("runs") else "  median signed error: no runs")]
     if s["median_abs_error_by_codec_multi_worker"]:
         lines.append("  median |error| by codec (multi-worker): " + ", ".join(
             f"{k} {100 * v:.0f}%" for k, v in s["median_abs_error_by_codec_multi_worker"].items()))
@@ -302,5 +303,5 @@ def format_validation(rep: ValidationReport) -> str:
     med = s["multi_worker"].get("median_abs_error", s["all"].get("median_abs_error", math.nan))
     verdict = "met" if med <= TARGET_MEDIAN_ABS_ERROR else "NOT met"
     lines.append(f"  target median |error| <= {100 * TARGET_MEDIAN_ABS_ERROR:.0f}% (multi-worker runs): "
-                 f"{100 * med:.2f}%, {verdict}")
+                 + (f"{100 * med:.2f}%, {verdict}" if s["all"].get("runs") else "no runs predicted"))
     return "\n".join(lines)

@@ -183,6 +183,10 @@ def load_run_records(path: str | os.PathLike[str]) -> list[RunRecord]:
     the file is missing or holds none."""
     rows, notes = read_runs(path)
     runs = [r for r in (run_record(row) for row in rows) if r is not None]
-    if not runs:
+    if not rows:
         raise ValueError(f"study results {notes['path']!r} hold no finished runs")
+    if not runs:
+        raise ValueError(f"study results {notes['path']!r} hold {len(rows)} finished run(s), none of them one the "
+                         "speed model describes (data-parallel, timed steps, a fixed codec: not codec='auto', "
+                         "model or hybrid parallelism, or the simulated NCCL)")
     return runs
