@@ -137,6 +137,12 @@ def to_buckets(x: torch.Tensor, bucket: int) -> torch.Tensor:
     return x.view(nb, bucket)
 
 
+def canonical_nan(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with every NaN made the canonical 0x7FC00000 (``full_like(nan)``): which NaN a sum or max of
+    NaNs carries depends on the operand order each compiler picks, so scales never pass one on."""
+    return torch.where(torch.isnan(t), torch.full_like(t, float("nan")), t)
+
+
 def bucket_absmax(xb: torch.Tensor) -> torch.Tensor:
     """Per-row max |x|; NaN propagates (a NaN anywhere in a bucket makes its scale NaN)."""
     a = xb.abs()
@@ -175,15 +181,14 @@ def cap_l2(l2: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 def bucket_l2(xb: torch.Tensor) -> torch.Tensor:
     """Per-row L2 norm, computed as max * sqrt(tree_sum((x/max)^2)) (no overflow in the sum of squares),
     capped at float32's max for finite rows (:func:`cap_l2`: up to sqrt(bucket) values near float32's
-    max). A row holding NaN or Inf gets the canonical NaN 0x7FC00000 (which NaN a sum of NaNs carries
-    depends on the order of each addition's operands, which compilers choose)."""
+    max). A row holding NaN or Inf gets the canonical NaN (:func:`canonical_nan`)."""
     m = bucket_absmax(xb)
     safe = torch.where(m > 0, m, torch.ones_like(m))
     y = xb / safe[:, None]
     # IEEE's correctly rounded float32 square root, taken in float64 and rounded (exact for a square root:
     # 53 >= 2 * 24 + 2 bits); torch's float32 sqrt on CPU is not correctly rounded
     r = torch.sqrt(tree_sum(y * y).double()).float()
-    return cap_l2(torch.where(torch.isnan(r), torch.full_like(r, float("nan")), m * r), m)
+    return cap_l2(canonical_nan(m * r), m)  # (r is NaN exactly when m * r is: m is NaN or Inf only then)
 
 
 def cap_to_scale(v: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -279,11 +284,11 @@ def onebit_mean(total: torch.Tensor, scaled: torch.Tensor, cnt: torch.Tensor) ->
     """``total / cnt``; where the float32 sum overflowed although every value was finite (``scaled``, the
     sum of the values times 2**-32, is finite), ``(scaled / cnt) * 2**32`` instead, capped at float32's
     max (the mean of finite float32 values is at most their largest). An Inf or NaN input still gives a
-    non-finite mean; a NaN mean is the canonical 0x7FC00000 (as :func:`bucket_l2`'s)."""
+    non-finite mean; a NaN mean is the canonical one (:func:`canonical_nan`)."""
     alt = (scaled / cnt) * (1.0 / ONEBIT_SUM_SCALE)
     alt = torch.where(torch.isinf(alt), torch.copysign(torch.full_like(alt, F32_MAX), alt), alt)
     mean = torch.where(torch.isinf(total) & torch.isfinite(scaled), alt, total / cnt)
-    return torch.where(torch.isnan(mean), torch.full_like(mean, float("nan")), mean)  # the canonical NaN
+    return canonical_nan(mean)
 
 
 def onebit_encode_buckets(x: torch.Tensor, bucket: int) -> torch.Tensor:

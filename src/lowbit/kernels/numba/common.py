@@ -286,6 +286,28 @@ def _leaf_at(v, k, kind, safe):
     return _leaf(v[k], kind, safe) if k < v.size else _F0
 
 
+@njit(inline="always", **_JIT)
+def _tree8_at(v, k, kind, safe):
+    """_tree8 of the leaves k..k+7 of v, all inside v."""
+    return _tree8(_leaf(v[k], kind, safe), _leaf(v[k + 1], kind, safe), _leaf(v[k + 2], kind, safe),
+                  _leaf(v[k + 3], kind, safe), _leaf(v[k + 4], kind, safe), _leaf(v[k + 5], kind, safe),
+                  _leaf(v[k + 6], kind, safe), _leaf(v[k + 7], kind, safe))
+
+
+@njit(inline="always", **_JIT)
+def _tree8_tail(v, k, kind, safe):
+    """_tree8 of the leaves k..k+7 of v where v ends among them (the +0 of the padding after)."""
+    return _tree8(_leaf_at(v, k, kind, safe), _leaf_at(v, k + 1, kind, safe), _leaf_at(v, k + 2, kind, safe),
+                  _leaf_at(v, k + 3, kind, safe), _leaf_at(v, k + 4, kind, safe), _leaf_at(v, k + 5, kind, safe),
+                  _leaf_at(v, k + 6, kind, safe), _leaf_at(v, k + 7, kind, safe))
+
+
+@njit(inline="always", **_JIT)
+def _tree_scratch(p):
+    """(buf, sums): the scratch _tree_sum needs for ``p`` leaves (buf also fits _sign_sums' p // 8)."""
+    return np.empty(max(1, min(p, _TREE_BLOCK) // 8), np.float32), np.empty(max(1, p // _TREE_BLOCK), np.float32)
+
+
 @njit(**_JIT)
 def _tree_sum(xs, p, kind, safe, buf, sums):
     """reference.tree_sum of ``p`` leaves (a power of two >= xs.size): leaf k is _leaf(xs[k]) for
@@ -311,16 +333,9 @@ def _tree_sum(xs, p, kind, safe, buf, sums):
         v = xs[lo : min(n, lo + b)]
         full = v.size // 8
         for i in range(full):
-            k = 8 * i
-            buf[i] = _tree8(_leaf(v[k], kind, safe), _leaf(v[k + 1], kind, safe), _leaf(v[k + 2], kind, safe),
-                            _leaf(v[k + 3], kind, safe), _leaf(v[k + 4], kind, safe), _leaf(v[k + 5], kind, safe),
-                            _leaf(v[k + 6], kind, safe), _leaf(v[k + 7], kind, safe))
+            buf[i] = _tree8_at(v, 8 * i, kind, safe)
         if full < g:
-            k = 8 * full
-            buf[full] = _tree8(_leaf_at(v, k, kind, safe), _leaf_at(v, k + 1, kind, safe),
-                               _leaf_at(v, k + 2, kind, safe), _leaf_at(v, k + 3, kind, safe),
-                               _leaf_at(v, k + 4, kind, safe), _leaf_at(v, k + 5, kind, safe),
-                               _leaf_at(v, k + 6, kind, safe), _leaf_at(v, k + 7, kind, safe))
+            buf[full] = _tree8_tail(v, 8 * full, kind, safe)
             for i in range(full + 1, g):
                 buf[i] = _F0
         sums[j] = _tree_reduce(buf, g)
@@ -336,22 +351,11 @@ def _sign_sums(xs, p, bp, bn):
     full = xs.size // 8
     cn = 0
     for i in range(full):
-        k = 8 * i
-        v0, v1, v2, v3, v4, v5, v6, v7 = xs[k], xs[k + 1], xs[k + 2], xs[k + 3], xs[k + 4], xs[k + 5], xs[k + 6], xs[k + 7]
-        bp[i] = _tree8(_leaf(v0, _POS, _F1), _leaf(v1, _POS, _F1), _leaf(v2, _POS, _F1), _leaf(v3, _POS, _F1),
-                       _leaf(v4, _POS, _F1), _leaf(v5, _POS, _F1), _leaf(v6, _POS, _F1), _leaf(v7, _POS, _F1))
-        bn[i] = _tree8(_leaf(v0, _NEG, _F1), _leaf(v1, _NEG, _F1), _leaf(v2, _NEG, _F1), _leaf(v3, _NEG, _F1),
-                       _leaf(v4, _NEG, _F1), _leaf(v5, _NEG, _F1), _leaf(v6, _NEG, _F1), _leaf(v7, _NEG, _F1))
+        bp[i] = _tree8_at(xs, 8 * i, _POS, _F1)
+        bn[i] = _tree8_at(xs, 8 * i, _NEG, _F1)
     if full < g:
-        k = 8 * full
-        bp[full] = _tree8(_leaf_at(xs, k, _POS, _F1), _leaf_at(xs, k + 1, _POS, _F1), _leaf_at(xs, k + 2, _POS, _F1),
-                          _leaf_at(xs, k + 3, _POS, _F1), _leaf_at(xs, k + 4, _POS, _F1),
-                          _leaf_at(xs, k + 5, _POS, _F1), _leaf_at(xs, k + 6, _POS, _F1),
-                          _leaf_at(xs, k + 7, _POS, _F1))
-        bn[full] = _tree8(_leaf_at(xs, k, _NEG, _F1), _leaf_at(xs, k + 1, _NEG, _F1), _leaf_at(xs, k + 2, _NEG, _F1),
-                          _leaf_at(xs, k + 3, _NEG, _F1), _leaf_at(xs, k + 4, _NEG, _F1),
-                          _leaf_at(xs, k + 5, _NEG, _F1), _leaf_at(xs, k + 6, _NEG, _F1),
-                          _leaf_at(xs, k + 7, _NEG, _F1))
+        bp[full] = _tree8_tail(xs, 8 * full, _POS, _F1)
+        bn[full] = _tree8_tail(xs, 8 * full, _NEG, _F1)
         for i in range(full + 1, g):
             bp[i] = _F0
             bn[i] = _F0

@@ -32,6 +32,7 @@ from lowbit.kernels.numba.common import (
     _pow2,
     _read_f32,
     _sign_sums,
+    _tree_scratch,
     _tree_sum,
 )
 
@@ -67,9 +68,8 @@ def _onebit_encode(x, n, bucket, scales, stream, per_chunk):
     p = _pow2(bucket)
     small = 8 <= p <= _TREE_BLOCK
     for c in prange(nchunks):
-        buf = np.empty(max(1, min(p, _TREE_BLOCK) // 8), np.float32)
-        buf2 = np.empty(buf.size, np.float32)
-        sums = np.empty(max(1, p // _TREE_BLOCK), np.float32)
+        buf, sums = _tree_scratch(p)
+        buf2 = np.empty_like(buf)
         b0 = c * per_chunk
         b1 = min(nb, b0 + per_chunk)
         for b in range(b0, b1):

@@ -25,7 +25,6 @@ from lowbit.kernels.numba.common import (
     _PJIT,
     _SQ,
     _SUB,
-    _TREE_BLOCK,
     _bits_to_f32,
     _chunk_buckets,
     _fast_input,
@@ -36,6 +35,7 @@ from lowbit.kernels.numba.common import (
     _payload_np,
     _pow2,
     _read_f32,
+    _tree_scratch,
     _tree_sum,
     _u8_ptr,
     _uniform,
@@ -178,8 +178,7 @@ def _qsgd_encode_kernel(x, xi, n, bits, bucket, use_l2, s, stochastic, key, scal
             _encode_range(x, n, lo, min(n, lo + _BLOCK), bits, bucket, s, stochastic, key, scales, stream)
         else:
             p = _pow2(bucket)
-            buf = np.empty(max(1, min(p, _TREE_BLOCK) // 8) if use_l2 else 1, np.float32)
-            sums = np.empty(max(1, p // _TREE_BLOCK) if use_l2 else 1, np.float32)
+            buf, sums = _tree_scratch(p if use_l2 else 1)
             b0 = c * per_task
             b1 = min(nb, b0 + per_task)
             for b in range(b0, b1):
