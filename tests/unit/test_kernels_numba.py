@@ -214,11 +214,11 @@ def _mixed_nans(n: int, bucket: int) -> torch.Tensor:
     0/0 or inf - inf, payloads 1 and 3), in an order that turns from bucket to bucket."""
     x = _data(n, seed=bucket)
     bits = x.view(torch.int32)
-    patterns = (0x7FC00000, -0x00400000, 0x7FC00001, 0x7FC00003)  # -0x400000: 0xFFC00000
-    for k in range(n):
-        b, j = divmod(k, bucket)
-        if b % 3 == 0 and j < 4:
-            bits[k] = patterns[(j + b) % 4]
+    patterns = torch.tensor([0x7FC00000, -0x00400000, 0x7FC00001, 0x7FC00003], dtype=torch.int32)  # -0x400000: 0xFFC00000
+    k = torch.arange(n)
+    b, j = k // bucket, k % bucket
+    at = (b % 3 == 0) & (j < 4)
+    bits[at] = patterns[((j + b) % 4)[at]]
     return x
 
 

@@ -307,7 +307,7 @@ def _check_args(tensor: torch.Tensor, codec: Codec, algorithm: str) -> None:
 def _keep(t: torch.Tensor) -> None:
     """Tell the caching allocator that ``t`` (allocated on another stream) is used on the current one.
     (Not while a CUDA graph is captured: the callbacks then run on the capturing stream itself.)"""
-    if t.is_cuda and not torch.cuda.is_current_stream_capturing():
+    if t.is_cuda and not C.capturing():
         t.record_stream(torch.cuda.current_stream(t.device))
 
 
