@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import functools
 import gc
 import json
 import math
@@ -303,7 +304,7 @@ def run_config(ctx: Ctx, initial: nn.Module, feed: dict[str, Any], x: torch.Tens
                 "finalists_predicted_step_ms": {lab: pred * 1e3 for lab, _, pred in d.finalists},
                 "costs": auto.measured["costs"] if auto.measured else None, "table": d.table()}
         if profile_dir is not None:
-            profile(ctx, ddp, opt, x, y, bf16, profile_dir, tag)
+            profile(ctx, functools.partial(train_step, ddp, opt, x, y, bf16), profile_dir, tag)
         return row
     finally:
         del model, ddp, opt, state
@@ -312,16 +313,16 @@ def run_config(ctx: Ctx, initial: nn.Module, feed: dict[str, Any], x: torch.Tens
             torch.cuda.empty_cache()
 
 
-def profile(ctx: Ctx, ddp: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
-            bf16: bool, out: Path, tag: str, steps: int = 5) -> None:
-    """Every rank runs ``steps`` more steps (DDP needs them all); rank 0 records them."""
+def profile(ctx: Ctx, step: Any, out: Path, tag: str, steps: int = 5, cpu_table: bool = False) -> None:
+    """Every rank runs ``step()`` ``steps`` more times (the collectives need them all); rank 0 records
+    them: a chrome trace and a key_averages table by device time (``cpu_table``: and one by host time)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     ctx.barrier()
     if ctx.rank != 0:
         for _ in range(steps):
-            train_step(ddp, opt, x, y, bf16)
+            step()
         ctx.sync()
         return
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
@@ -329,12 +330,16 @@ def profile(ctx: Ctx, ddp: nn.Module, opt: torch.optim.Optimizer, x: torch.Tenso
         warnings.filterwarnings("ignore", message=".*Profiler clears events")  # one cycle, no schedule
         with torch_profile(activities=acts) as prof:
             for _ in range(steps):
-                train_step(ddp, opt, x, y, bf16)
+                step()
             ctx.sync()
     out.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(out / f"trace_{tag}_rank0.json"))
     sort = "cuda_time_total" if ctx.cuda else "cpu_time_total"
-    (out / f"key_averages_{tag}_rank0.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=50))
+    avg = prof.key_averages()
+    text = avg.table(sort_by=sort, row_limit=50)
+    if cpu_table:
+        text += "\n\n" + avg.table(sort_by="cpu_time_total", row_limit=50)
+    (out / f"key_averages_{tag}_rank0.txt").write_text(text)
     ctx.log(f"  profile of {tag}: {out}/trace_{tag}_rank0.json, key_averages_{tag}_rank0.txt")
 
 

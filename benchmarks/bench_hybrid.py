@@ -168,7 +168,7 @@ def run(ctx: B.Ctx, initial: nn.Module, feed: dict[str, Any], x: torch.Tensor, y
         elapsed = time.perf_counter() - t0
         b1, a1 = (B.bytes_sent(state) or 0), (comm.stats.bytes_sent if comm else 0)
         if profile_tag is not None and ctx.args.profile is not None:
-            profile(ctx, step, ctx.args.profile, profile_tag)
+            B.profile(ctx, step, ctx.args.profile, profile_tag, cpu_table=True)
         return {"elapsed_s": elapsed, "loss": B._finite(float(loss.detach())),
                 # lowbit's counters: the gradients' hook (not plain DDP's or fp16's) plus the activations
                 "bytes_sent_per_step": (b1 - b0 + a1 - a0) / a.steps,
@@ -178,31 +178,6 @@ def run(ctx: B.Ctx, initial: nn.Module, feed: dict[str, Any], x: torch.Tensor, y
         gc.collect()
         if ctx.cuda:
             torch.cuda.empty_cache()
-
-
-def profile(ctx: B.Ctx, step: Any, out: Path, tag: str, steps: int = 5) -> None:
-    """Every rank runs ``steps`` more steps (the collectives need them all); rank 0 records them."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    ctx.barrier()
-    if ctx.rank != 0:
-        for _ in range(steps):
-            step()
-        ctx.sync()
-        return
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
-    with torch_profile(activities=acts) as prof:
-        for _ in range(steps):
-            step()
-        ctx.sync()
-    out.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(out / f"trace_{tag}_rank0.json"))
-    sort = "cuda_time_total" if ctx.cuda else "cpu_time_total"
-    avg = prof.key_averages()
-    (out / f"key_averages_{tag}_rank0.txt").write_text(
-        avg.table(sort_by=sort, row_limit=40) + "\n\n" + avg.table(sort_by="cpu_time_total", row_limit=40))
-    ctx.log(f"  profile of {tag}: {out}/trace_{tag}_rank0.json, key_averages_{tag}_rank0.txt")
 
 
 def _median_time(ctx: B.Ctx, fn: Any, reps: int = 10, collective: bool = False) -> float:
