@@ -121,3 +121,57 @@ def test_cifar10_wrong_layout_names_it(tmp_path: Path) -> None:
         pickle.dump({b"data": np.zeros((2, 100), np.uint8), b"labels": [0, 1]}, f)
     with pytest.raises(ValueError, match="3072"):
         load_dataset("cifar10", data_dir=folder)
+
+
+class _Payload:
+    """Unpickling this runs a shell command: what a crafted batch file would carry."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # noqa: ANN204
+        import os
+        return os.system, (f"touch {self.marker}",)
+
+
+def _python2_style(obj: object) -> bytes:
+    """Protocol 2 as CIFAR-10's own files (written by Python 2 with numpy 1.x) name numpy's reconstructor."""
+    return pickle.dumps(obj, protocol=2).replace(b"numpy._core.multiarray", b"numpy.core.multiarray")
+
+
+def test_cifar10_reads_batches_in_the_original_format(tmp_path: Path) -> None:
+    folder = tmp_path / "c"
+    ys, test = write_cifar(folder)
+    batch = {b"batch_label": b"training batch 2 of 5", b"labels": ys[40:80],
+             b"data": np.random.default_rng(3).integers(0, 256, (40, 3072), dtype=np.uint8),
+             b"filenames": [b"a_%d.png" % i for i in range(40)]}
+    raw = _python2_style(batch)
+    assert b"numpy.core.multiarray\n_reconstruct" in raw
+    (folder / "data_batch_2").write_bytes(raw)
+    d = load_dataset("cifar10", data_dir=folder)
+    assert d.y_train.tolist() == ys
+
+
+@pytest.mark.parametrize("where", ["top", "inside"])
+def test_cifar10_refuses_a_batch_that_would_run_code(tmp_path: Path, where: str) -> None:
+    folder = tmp_path / "c"
+    write_cifar(folder)
+    marker = tmp_path / "ran"
+    evil = _Payload(marker)
+    obj = evil if where == "top" else {b"labels": [0], b"data": np.zeros((1, 3072), np.uint8), b"x": evil}
+    (folder / "data_batch_4").write_bytes(pickle.dumps(obj, protocol=2))
+    with pytest.raises(ValueError, match=r"data_batch_4.*refused.*(posix|os|nt)\.system"):
+        load_dataset("cifar10", data_dir=folder)
+    assert not marker.exists()
+
+
+def test_cifar10_refuses_object_arrays_and_other_globals(tmp_path: Path) -> None:
+    folder = tmp_path / "c"
+    write_cifar(folder)
+    (folder / "test_batch").write_bytes(pickle.dumps(
+        {b"labels": [0], b"data": np.array([[1] * 3072], dtype=object)}, protocol=2))
+    with pytest.raises(ValueError, match="test_batch.*refused.*dtype holding Python objects"):
+        load_dataset("cifar10", data_dir=folder)
+    (folder / "test_batch").write_bytes(pickle.dumps({b"labels": [0], b"data": eval}, protocol=2))
+    with pytest.raises(ValueError, match=r"test_batch.*refused.*(__builtin__|builtins)\.eval"):
+        load_dataset("cifar10", data_dir=folder)

@@ -17,6 +17,13 @@ to [0, 1] and standardised with the training split's mean and standard deviation
 CIFAR-10: per channel), as the seeds' recipes do. The official train / test split is kept; ``seed`` is
 unused (accepted for the common loader signature). A missing file or a file of the wrong format is a
 ``ValueError`` that names the layout expected. ``max_train`` / ``max_test`` keep the first N samples.
+
+CIFAR-10's batches are pickles, and ``pickle.load`` runs whatever code a crafted file names. They are
+read with a restricted unpickler that builds only what those files hold: dicts, lists, ints, bytes and
+str, and numpy arrays of plain (non-object) dtypes (``numpy.core.multiarray._reconstruct`` or numpy 2's
+``numpy._core`` spelling, ``numpy.ndarray``, ``numpy.dtype``, and ``_codecs.encode`` to latin-1, which
+protocol-2 pickles written by Python 3 use for bytes). Any other global is refused with a
+``ValueError`` naming it, before anything is called.
 """
 
 from __future__ import annotations
@@ -125,10 +132,55 @@ def load_mnist(seed: int = 0, data_dir: str | os.PathLike[str] | None = None, ma
     )
 
 
+class _RefusedGlobal(pickle.UnpicklingError):
+    pass
+
+
+def _latin1_bytes(text: str, encoding: str = "latin1", errors: str = "strict") -> bytes:
+    # What a protocol-2 pickle written by Python 3 stores for a bytes object: _codecs.encode(text, "latin1").
+    if encoding not in ("latin1", "latin-1") or not isinstance(text, str):
+        raise _RefusedGlobal(f"_codecs.encode with encoding {encoding!r} (only latin1 builds bytes)")
+    return text.encode("latin1", errors)
+
+
+def _plain_dtype(*args: Any) -> np.dtype:
+    dt = np.dtype(*args)
+    if dt.hasobject:
+        raise _RefusedGlobal(f"a numpy dtype holding Python objects ({dt})")
+    return dt
+
+
+def _reconstruct(subtype: Any, shape: Any, dtype: Any) -> np.ndarray:
+    if subtype is not np.ndarray:
+        raise _RefusedGlobal(f"an array of type {subtype!r}")
+    return np.ndarray.__new__(np.ndarray, shape, _plain_dtype(dtype))
+
+
+class _CifarUnpickler(pickle.Unpickler):
+    """Builds only what a CIFAR-10 python batch holds; any other global is refused, never imported."""
+
+    _ALLOWED: dict[tuple[str, str], Any] = {
+        ("numpy.core.multiarray", "_reconstruct"): _reconstruct,
+        ("numpy._core.multiarray", "_reconstruct"): _reconstruct,
+        ("numpy", "ndarray"): np.ndarray,
+        ("numpy", "dtype"): _plain_dtype,
+        ("_codecs", "encode"): _latin1_bytes,
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return self._ALLOWED[(module, name)]
+        except KeyError:
+            raise _RefusedGlobal(f"{module}.{name}") from None
+
+
 def _cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     try:
         with open(path, "rb") as f:
-            d = pickle.load(f, encoding="bytes")
+            d = _CifarUnpickler(f, encoding="bytes").load()
+    except _RefusedGlobal as exc:
+        raise ValueError(f"{path}: refused: the pickle asks for {exc}, which a CIFAR-10 python batch never "
+                         "holds (only dicts, lists, bytes/str and numpy arrays are built)") from None
     except Exception as exc:  # noqa: BLE001 — any unreadable file is a layout error
         raise ValueError(f"{path}: not a CIFAR-10 python batch ({type(exc).__name__}: {exc})") from None
     if not isinstance(d, dict):
