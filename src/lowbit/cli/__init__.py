@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
+from typing import Any
 
 # (module, what it provides) — imported lazily so `lowbit --help` stays fast.
 _COMMAND_MODULES = [
@@ -38,6 +40,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line_warnings(command: str) -> Any:
+    """lowbit's own warnings (a category defined in lowbit) as one line on stderr, as errors are."""
+    show = warnings.showwarning
+
+    def showwarning(message: Any, category: type[Warning], filename: str, lineno: int, file: Any = None,
+                    line: str | None = None) -> None:
+        if category.__module__.startswith("lowbit"):
+            print(f"lowbit {command}: warning: {message}", file=sys.stderr)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    return showwarning
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser()
@@ -49,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        with warnings.catch_warnings():
+            warnings.showwarning = _one_line_warnings(args.command)
+            return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130

@@ -81,6 +81,9 @@ def register(subparsers: Any) -> None:
                    help="for --validate: leave out every seed of the predicted run's configuration (config, "
                    "default) or only the run itself (run)")
     g.add_argument("--transport", default=None, help="with --calibration: which calibrated transport")
+    g.add_argument("--strict", action="store_true",
+                   help="for --validate: lines of results.jsonl that are not readable rows are an error (default: "
+                        "skipped with one warning naming them)")
     add_cluster_arguments(p)
     p.add_argument("--codec", default="qsgd:bits=8,bucket=512",
                    help="codec spec (default qsgd:bits=8,bucket=512)")
@@ -187,10 +190,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
 
 def validate_path(results: str, *, calibration_path: str | None = None, bench_paths: list[str] | tuple[str, ...] = (),
-                  holdout: str = "config") -> ValidationReport:
+                  holdout: str = "config", strict: bool = False) -> ValidationReport:
     """:func:`lowbit.perfmodel.validate.validate` on a results directory / ``.jsonl``, with an optional
-    saved calibration and bench files."""
-    runs = load_run_records(results)
+    saved calibration and bench files (``strict``: refuse results holding lines that are not readable rows)."""
+    runs = load_run_records(results, strict=strict)
     cal = Calibration.load(calibration_path) if calibration_path else None
     bench = calibrate(list(bench_paths)) if bench_paths else None
     return validate(runs, calibration=cal, bench=bench, holdout=holdout,
@@ -200,7 +203,7 @@ def validate_path(results: str, *, calibration_path: str | None = None, bench_pa
 def run_validate(args: argparse.Namespace) -> int:
 
     rep = validate_path(args.validate, calibration_path=args.calibration, bench_paths=args.bench or [],
-                        holdout=args.holdout)
+                        holdout=args.holdout, strict=args.strict)
     print(json.dumps(rep.to_dict(), indent=1, default=str) if args.json else format_validation(rep))
     return 0
 

@@ -29,6 +29,9 @@ from lowbit.study.store import resolve_results_path
 
 __all__ = ["register"]
 
+_STRICT_HELP = ("lines of results.jsonl that are not readable rows (garbage, a torn write, wrong types) are an "
+                "error; by default they are skipped with one warning naming them")
+
 
 def _csv_or_list(values: list[str] | None) -> list[str] | None:
     return values if values else None
@@ -113,7 +116,7 @@ def _study(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
 
-    index = write_report(args.results, args.out, args.price_per_gpu_hour)
+    index = write_report(args.results, args.out, args.price_per_gpu_hour, strict=args.strict)
     print(f"report: {index} (tables: runs.csv, epochs.csv beside it)")
     return 0
 
@@ -125,7 +128,7 @@ def _export(args: argparse.Namespace) -> int:
     if args.tensorboard:
 
         require("tensorboard", "tensorboard", "--tensorboard")
-    runs, _ = load_runs(resolve_results_path(args.results))
+    runs, _ = load_runs(resolve_results_path(args.results), strict=args.strict)
     if not runs:
         raise ValueError(f"no finished runs in {resolve_results_path(args.results)}")
     if args.csv:
@@ -193,6 +196,7 @@ def register(sub: Any) -> None:
     r.add_argument("--out", metavar="DIR", help="report directory (default: report/ beside the results)")
     r.add_argument("--price-per-gpu-hour", type=float, default=DEFAULT_PRICE_PER_GPU_HOUR, metavar="USD",
                    help="price of a worker-hour for the price/accuracy plot (default: %(default)s)")
+    r.add_argument("--strict", action="store_true", help=_STRICT_HELP)
     r.set_defaults(func=_report)
 
     e = sub.add_parser("export", help="export study results as CSV and/or TensorBoard logs",
@@ -202,4 +206,5 @@ def register(sub: Any) -> None:
     e.add_argument("results", metavar="RESULTS", help="results directory or .jsonl file")
     e.add_argument("--csv", metavar="DIR", help="write runs.csv and epochs.csv into DIR")
     e.add_argument("--tensorboard", metavar="DIR", help="write TensorBoard logs into DIR (tensorboard extra)")
+    e.add_argument("--strict", action="store_true", help=_STRICT_HELP)
     e.set_defaults(func=_export)

@@ -48,10 +48,10 @@ _NOT_SETTING = set(_VARIANT) | {"seed", "batch_preset"}
 
 
 # ------------------------------------------------------------------------------------ loading
-def load_runs(results: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def load_runs(results: str | os.PathLike[str], *, strict: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The finished runs of :func:`lowbit.study.store.read_runs` as the report reads them (flattened:
     config fields at top level, plus summary/epochs/labels/env) and its notes."""
-    rows, notes = read_runs(results)
+    rows, notes = read_runs(results, strict=strict)
     runs = []
     for row in rows:
         cfg = dict(row["config"])
@@ -264,6 +264,8 @@ def _figure(n_panels: int, width: float = 4.6, height: float = 3.4, max_cols: in
 
 
 def _save(fig: Any, out: Path, name: str) -> str:
+    for text in fig.findobj(lambda a: hasattr(a, "set_parse_math")):
+        text.set_parse_math(False)  # names from results are drawn as written: a '$' is not mathtext
     fig.tight_layout()
     fig.savefig(out / name)
     return name
@@ -636,14 +638,17 @@ def write_report(
     results: str | os.PathLike[str],
     out: str | os.PathLike[str] | None = None,
     price_per_gpu_hour: float = DEFAULT_PRICE_PER_GPU_HOUR,
+    *,
+    strict: bool = False,
 ) -> Path:
     """Write ``index.html``, its PNGs and the tables ``runs.csv`` / ``epochs.csv`` into ``out`` (default:
     ``report/`` beside the results file).
 
-    Returns the HTML file's path. Raises ``ValueError`` when there are no finished runs.
+    Returns the HTML file's path. Raises ``ValueError`` when there are no finished runs, when ``out`` is
+    not a folder, or (``strict``) when the results hold lines that are not readable rows.
     """
     path = resolve_results_path(results)
-    runs, notes = load_runs(path)
+    runs, notes = load_runs(path, strict=strict)
     if not runs:
         raise ValueError(f"no finished runs in {path}")
     if price_per_gpu_hour <= 0:
