@@ -20,10 +20,10 @@ def __getattr__(name: str):  # lazy: collectives and DDP pull in torch.distribut
         from lowbit.comm.allreduce import all_reduce
 
         return all_reduce
-    if name == "ddp":
+    if name in ("ddp", "fsdp"):
         import importlib
 
-        return importlib.import_module("lowbit.ddp")
+        return importlib.import_module(f"lowbit.{name}")
     if name == "Policy":
         from lowbit.policy import Policy
 

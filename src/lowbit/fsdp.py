@@ -1,0 +1,626 @@
+"""FSDP2 with low-bit gradient reduce-scatter and parameter all-gather.
+
+    for block in model.blocks:
+        fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    fully_shard(model)
+    state = lowbit.fsdp.register(model, codec="qsgd:bits=8", param_codec="qsgd:bits=8,rounding=nearest")
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) moves about three times a model's bytes a step: the
+parameters are all-gathered before the forward and again before the backward, and the gradients are
+reduce-scattered after it. :func:`register` plugs lowbit into both through FSDP2's public extension
+points, ``FSDPModule.set_custom_reduce_scatter`` and ``set_custom_all_gather`` (torch >= 2.9); nothing
+of FSDP is patched.
+
+Communication plan of one FSDP module (a parameter group; K ranks; FSDP hands us a flat buffer whose
+row r (of S values) holds, for every parameter of the group, the padded chunk that rank r owns):
+
+``reduce_scatter`` (gradients, ``codec``)
+    Phase 1: for every other rank i, encode row i (worker error feedback when asked) and send it to
+             rank i (one ``all_to_all_single`` of packed bytes). My own row never crosses the wire and
+             stays exact.
+    Phase 2: decode the K-1 rows I received, sum them in rank order in float32, add my own row, apply
+             FSDP's reduction (SUM, AVG or PREMUL_SUM's factor, also in float32) and write my shard in
+             FSDP's reduce dtype. Bytes sent per rank: (K-1) payloads of S values.
+
+``all_gather`` (parameters, ``param_codec``)
+    Encode my shard once, all-gather the payloads, every rank decodes all K of them in rank order into
+    the unsharded buffer (my own shard too), so the unsharded parameters are bit-identical on every
+    rank while the sharded (master) parameters keep full precision. The encoding of a shard is
+    deterministic (a fixed seed per module and rank): the backward's re-gather sees the same weights as
+    the forward did. Bytes sent per rank: (K-1) payloads of S values.
+
+Several nodes (``node_size`` ranks per node, or torchrun's ``LOCAL_WORLD_SIZE``, K = N nodes x L):
+only what crosses nodes is compressed. The reduce-scatter first sums each node's rows natively
+(a reduce-scatter inside the node, in the reduce dtype), then runs phase 1-2 among the N ranks of the
+same local index; the all-gather runs compressed among those N ranks first, then natively inside the
+node. HSDP (replicate x shard): shard with ``fully_shard`` on the inner (node) mesh and pass
+``replicate_group=``; lowbit all-reduces the reduced shards across it (compressed, bit-identical on
+every replica) through FSDP's ``set_all_reduce_hook``.
+
+Policy: parameters that the policy keeps in fp32 (by default the seed's rule: 1-D tensors and tensors
+below 10,000 values, such as norms and biases) ride exactly in the same message (float32 for
+gradients, the parameter dtype for parameters); every other parameter of a group takes the group's
+codec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lowbit.codecs.base import Codec, get_codec
+from lowbit.comm import collectives as C
+from lowbit.comm.allreduce import CommStats, all_reduce
+from lowbit.comm.hierarchical import node_size_for, topology
+from lowbit.ddp import ConfigMismatchError
+from lowbit.feedback import ErrorFeedback
+from lowbit.policy import Policy
+
+__all__ = ["FSDPState", "LowbitReduceScatter", "LowbitAllGather", "register", "MIN_TORCH"]
+
+log = logging.getLogger("lowbit.fsdp")
+
+#: The first torch release whose FSDP2 has ``set_custom_reduce_scatter`` / ``set_custom_all_gather``.
+MIN_TORCH = "2.9"
+
+ALIGN = 16  # message slots and packed code streams start on 16-byte boundaries (vector loads)
+
+
+def _up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _fsdp_api() -> tuple[type, Any]:
+    """FSDP2's module class and fully_shard, with a clear error on a torch without the extension points."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+    except ImportError as e:  # pragma: no cover - torch < 2.6
+        raise RuntimeError(f"lowbit.fsdp needs FSDP2 (torch >= {MIN_TORCH}); this torch is {torch.__version__}") from e
+    if not (hasattr(FSDPModule, "set_custom_reduce_scatter") and hasattr(FSDPModule, "set_custom_all_gather")):
+        raise RuntimeError(f"lowbit.fsdp needs FSDPModule.set_custom_reduce_scatter / set_custom_all_gather "
+                           f"(torch >= {MIN_TORCH}); this torch is {torch.__version__}")
+    return FSDPModule, fully_shard
+
+
+# ------------------------------------------------------------------------------------------ layout
+@dataclasses.dataclass(frozen=True)
+class _Class:
+    """One codec's share of a row: the column ranges (start, length) of its parameters, in row order."""
+
+    codec: Codec
+    ranges: tuple[tuple[int, int], ...]
+    numel: int
+
+    @property
+    def whole(self) -> bool:
+        return len(self.ranges) == 1
+
+    def take(self, row: torch.Tensor) -> torch.Tensor:
+        """This class's columns of ``row`` ((S,) any dtype) as one (numel,) tensor (a view when contiguous)."""
+        if self.whole:
+            a, n = self.ranges[0]
+            return row[a : a + n]
+        return torch.cat([row[a : a + n] for a, n in self.ranges])
+
+    def put(self, row: torch.Tensor, values: torch.Tensor) -> None:
+        """Write ``values`` ((numel,)) into this class's columns of ``row`` (cast to row's dtype)."""
+        at = 0
+        for a, n in self.ranges:
+            row[a : a + n].copy_(values[at : at + n])
+            at += n
+
+    def slot(self) -> tuple[int, int]:
+        """(lead, size): zero bytes before the payload that put its code stream on a 16-byte boundary,
+        and the slot's size (a multiple of 16)."""
+        shape = self.codec.flat_shape(self.numel)
+        lead = -self.codec.head_bytes(self.numel, shape) % ALIGN
+        return lead, _up(lead + self.codec.nbytes(self.numel, shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """How a row of S values splits into codec classes; ``message`` bytes carry one row."""
+
+    classes: tuple[_Class, ...]
+    numel: int
+
+    @property
+    def message(self) -> int:
+        return sum(c.slot()[1] for c in self.classes)
+
+
+_EXACT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _exact_codec(dtype: torch.dtype) -> Codec:
+    """The codec that carries values of ``dtype`` exactly (its own bytes)."""
+    return get_codec(_EXACT.get(dtype, "fp32"))
+
+
+def _row_layout(sizes: Sequence[int], codecs: Sequence[Codec | None], numel: int, fallback: Codec,
+                exact: Codec) -> tuple[_Layout, bool]:
+    """The classes of a row made of parameter chunks of ``sizes`` values with ``codecs`` (None: sent
+    exactly, in ``exact``); when the sizes do not add up to ``numel`` (FSDP left some parameters out of
+    this call: frozen or unused), the whole row takes ``fallback`` (second value False)."""
+    if sum(sizes) != numel or not sizes:
+        return _Layout((_Class(fallback, ((0, numel),), numel),), numel), numel == 0
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    by_spec: dict[str, Codec] = {}
+    at = 0
+    for n, maybe in zip(sizes, codecs):
+        codec = exact if maybe is None else maybe
+        rs = ranges.setdefault(codec.spec, [])
+        by_spec[codec.spec] = codec
+        if rs and rs[-1][0] + rs[-1][1] == at:
+            rs[-1] = (rs[-1][0], rs[-1][1] + n)  # neighbours of one codec merge into one range
+        elif n:
+            rs.append((at, n))
+        at += n
+    classes = tuple(_Class(by_spec[s], tuple(r), sum(n for _, n in r)) for s, r in ranges.items() if r)
+    return _Layout(classes, numel), True
+
+
+def _frame(parts: list[tuple[int, torch.Tensor, int]], device: torch.device) -> torch.Tensor:
+    """One contiguous message from (lead, payload, slot size) parts, zero padded."""
+    pieces = []
+    for lead, payload, size in parts:
+        if lead:
+            pieces.append(torch.zeros(lead, dtype=torch.uint8, device=device))
+        pieces.append(payload)
+        tail = size - lead - payload.numel()
+        if tail:
+            pieces.append(torch.zeros(tail, dtype=torch.uint8, device=device))
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
+def _seed(*parts: int) -> int:
+    h = 0
+    for p in parts:
+        h = (h * 1_000_003 + p * 7_919 + 104_729) & 0x7FFFFFFF
+    return h
+
+
+def _op_scale(op: object, k: int) -> float:
+    """The factor FSDP's reduce op applies to the sum: SUM 1, AVG 1/K, PREMUL_SUM its factor."""
+    if op is None:
+        return 1.0
+    factor = getattr(op, "factor", None)
+    if factor is not None:  # ReduceOp.PREMUL_SUM(f) (set_gradient_divide_factor)
+        return float(factor)
+    if op == dist.ReduceOp.SUM:
+        return 1.0
+    if op == dist.ReduceOp.AVG:
+        return 1.0 / k
+    raise ValueError(f"lowbit.fsdp: unsupported reduce op {op!r} (SUM, AVG and PREMUL_SUM are)")
+
+
+# ------------------------------------------------------------------------------------------ state
+class FSDPState:
+    """What :func:`register` returns: the configuration, statistics and error-feedback residuals.
+
+    ``stats`` (:class:`lowbit.comm.CommStats`) counts calls and the bytes this rank put on the wire
+    (``bytes_inter``: of those, what crossed nodes); ``grad_stats`` and ``param_stats`` split them by
+    direction. ``state_dict()`` / ``load_state_dict()`` carry the residuals (per rank) through checkpoints.
+    """
+
+    def __init__(self, codec: Codec, param_codec: Codec | None, error_feedback: bool, policy: Policy | None,
+                 node_size: int | None, replicate_group: dist.ProcessGroup | None, rank: int, world_size: int,
+                 device: torch.device) -> None:
+        self.codec = codec
+        self.param_codec = param_codec
+        self.error_feedback = error_feedback
+        self.policy = policy
+        self.node_size = node_size
+        self.replicate_group = replicate_group
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.grad_stats = CommStats()
+        self.param_stats = CommStats()
+        self.feedback = ErrorFeedback(codec) if error_feedback else None
+        self.modules: list[str] = []
+        self.iter = 0  # reduce-scatter calls (keys the gradient codec's rounding noise)
+
+    @property
+    def stats(self) -> CommStats:
+        g, p = self.grad_stats, self.param_stats
+        return CommStats(calls=g.calls + p.calls, bytes_sent=g.bytes_sent + p.bytes_sent,
+                         bytes_inter=g.bytes_inter + p.bytes_inter)
+
+    def config(self) -> dict[str, Any]:
+        return {"codec": self.codec.spec, "param_codec": None if self.param_codec is None else self.param_codec.spec,
+                "error_feedback": self.error_feedback, "policy": None if self.policy is None else self.policy.fingerprint(),
+                "node_size": self.node_size, "replicate": self.replicate_group is not None, "modules": self.modules}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"config": self.config(), "rank": self.rank, "world_size": self.world_size, "iter": self.iter,
+                "feedback": None if self.feedback is None else self.feedback.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict):
+            raise ValueError(f"lowbit.fsdp checkpoint must be a dict (from state_dict()), got {type(state).__name__}")
+        for key in ("config", "rank", "world_size", "iter", "feedback"):
+            if key not in state:
+                raise ValueError(f"lowbit.fsdp checkpoint has no {key!r} entry (not made by FSDPState.state_dict())")
+        if state["config"] != self.config():
+            raise ValueError(f"lowbit.fsdp checkpoint was saved with {state['config']}, but this state is {self.config()}")
+        if (state["rank"], state["world_size"]) != (self.rank, self.world_size):
+            raise ValueError(f"lowbit.fsdp checkpoint belongs to rank {state['rank']} of {state['world_size']}, "
+                             f"not rank {self.rank} of {self.world_size} (residuals differ between ranks)")
+        it = state["iter"]
+        if isinstance(it, bool) or not isinstance(it, int) or not 0 <= it < 2**62:
+            raise ValueError(f"lowbit.fsdp checkpoint: iter must be a non-negative int below 2**62, got {it!r}")
+        if (state["feedback"] is None) != (self.feedback is None):
+            raise ValueError("lowbit.fsdp checkpoint and this state disagree on error feedback")
+        if self.feedback is not None:
+            self.feedback.load_state_dict(state["feedback"], device=self.device)
+        self.iter = it
+
+
+# ------------------------------------------------------------------------------------------ the two comms
+class _Comm:
+    """What both custom collectives share: FSDP's allocate(), the group's layout and its topology."""
+
+    def __init__(self, state: FSDPState, name: str, index: int, sizes: list[int], codecs: list[Codec | None],
+                 fallback: Codec, node_size: int | None) -> None:
+        self.state, self.name, self.index = state, name, index
+        self.sizes, self.codecs, self.fallback = sizes, codecs, fallback
+        self.node_size = node_size
+        self._layouts: dict[tuple[int, torch.dtype], _Layout] = {}
+        self._warned = False
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def layout(self, numel: int, dtype: torch.dtype) -> _Layout:
+        """The row's classes for a call of ``numel`` values a rank in ``dtype`` (exact parameters ride in
+        ``dtype``'s own bytes)."""
+        lay = self._layouts.get((numel, dtype))
+        if lay is None:
+            lay, exact = _row_layout(self.sizes, self.codecs, numel, self.fallback, _exact_codec(dtype))
+            if not exact and not self._warned:
+                self._warned = True
+                log.info("lowbit.fsdp: %s: this call carries %d values a rank, not the %d of its parameters "
+                         "(frozen or unused ones left out); the whole row takes %s", self.name, numel,
+                         sum(self.sizes), self.fallback.spec)
+            self._layouts[(numel, dtype)] = lay
+        return lay
+
+    def split(self, group: dist.ProcessGroup) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup, int, int]:
+        """(intra-node group or None, the compressed exchange's group, nodes N, ranks per node L)."""
+        k = group.size()
+        if self.node_size is None or self.node_size >= k:
+            return None, group, k, 1
+        topo = topology(group, self.node_size)
+        return topo.intra, topo.cross, topo.nodes, topo.node_size
+
+
+class LowbitReduceScatter(_Comm):
+    """FSDP2's ``ReduceScatter`` for one FSDP module: gradients cross the wire in the state's codec."""
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: object = None, async_op: bool = False) -> None:
+        st = self.state
+        k = group.size()
+        s = output_tensor.numel()
+        if input_tensor.numel() != k * s:
+            raise ValueError(f"lowbit.fsdp: reduce-scatter input has {input_tensor.numel()} values, expected {k} x {s}")
+        scale = _op_scale(op, k)
+        intra, cross, nodes, local = self.split(group)
+        x = input_tensor.view(k, s)
+        if intra is not None:
+            # Sum each node's rows natively (in the reduce dtype); row n of the result is node n's sum
+            # of the chunk that my local index owns on node n.
+            blocks = x.view(nodes, local, s).transpose(0, 1).contiguous()  # (L, N, S): block l -> local rank l
+            x = torch.empty(nodes, s, dtype=input_tensor.dtype, device=input_tensor.device)
+            work = C.reduce_scatter_async(x.view(-1), blocks.view(-1), intra)
+            C.wait(work, "reduce_scatter_tensor", intra)
+            st.grad_stats.bytes_sent += (local - 1) * nodes * s * input_tensor.element_size()
+            del blocks
+        st.iter += 1
+        reduced = self._exchange(x, cross, s)
+        if scale != 1.0:
+            reduced.mul_(scale)
+        output_tensor.copy_(reduced)
+
+    def _exchange(self, x: torch.Tensor, group: dist.ProcessGroup, s: int) -> torch.Tensor:
+        """Phases 1-2 over ``group``: ``x`` (N, S) holds my row for each of its N ranks; returns the sum of
+        everybody's row for me, (S,) float32."""
+        st = self.state
+        rank, n = group.rank(), group.size()
+        dev = x.device
+        lay = self.layout(s, x.dtype)
+        out = torch.empty(s, dtype=torch.float32, device=dev)
+        st.grad_stats.calls += 1
+        if n == 1:
+            out.copy_(x[0])
+            return out
+        msg = lay.message
+        parts: list[tuple[int, torch.Tensor, int]] = []
+        for i in range(n):
+            if i == rank:
+                continue
+            for ci, cls in enumerate(lay.classes):
+                lead, size = cls.slot()
+                vals = cls.take(x[i])
+                seed = _seed(st.iter, self.index, st.rank, i, ci)
+                if st.feedback is not None and not cls.codec.sums_on_wire:
+                    res = st.feedback.residual((self.name, ci, s), n * cls.numel, dev).view(n, cls.numel)
+                    comp = vals.float() + res[i]
+                    payload = cls.codec.encode(comp, seed=seed)
+                    sent = cls.codec.decode(payload, cls.numel, shape=cls.codec.flat_shape(cls.numel))
+                    # a non-finite row must not poison the residual: keep its previous value
+                    torch.where(torch.isfinite(comp).all(), comp - sent, res[i], out=res[i])
+                else:
+                    payload = cls.codec.encode(vals, seed=seed)
+                parts.append((lead, payload, size))
+        send = _frame(parts, dev)
+        recv = torch.empty((n - 1) * msg, dtype=torch.uint8, device=dev)
+        splits = [0 if i == rank else msg for i in range(n)]
+        work = C.all_to_all_async(recv, send, splits, splits, group)
+        C.wait(work, "all_to_all_single", group)
+        sent_bytes = (n - 1) * msg
+        st.grad_stats.bytes_sent += sent_bytes
+        if self.node_size is not None and self.node_size < st.world_size:
+            st.grad_stats.bytes_inter += sent_bytes
+        at = 0
+        for cls in lay.classes:
+            lead, size = cls.slot()
+            nb = cls.codec.nbytes(cls.numel, cls.codec.flat_shape(cls.numel))
+            payloads = [recv[j * msg + at + lead : j * msg + at + lead + nb] for j in range(n - 1)]
+            acc = torch.empty(cls.numel, dtype=torch.float32, device=dev)
+            cls.codec.decode_sum(payloads, cls.numel, out=acc, shape=cls.codec.flat_shape(cls.numel))
+            # my own row joins in rank order: the rows of ranks below me were summed first
+            acc.add_(cls.take(x[rank]).float())
+            cls.put(out, acc)
+            at += size
+        del send
+        return out
+
+
+class LowbitAllGather(_Comm):
+    """FSDP2's ``AllGather`` for one FSDP module: parameter shards cross the wire in ``param_codec``."""
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> None:
+        st = self.state
+        k = group.size()
+        s = input_tensor.numel()
+        dev = input_tensor.device
+        if not input_tensor.is_floating_point():
+            # mixed parameter dtypes: FSDP gathers raw bytes, which no codec can read; send them as they are
+            if not self._warned:
+                self._warned = True
+                log.warning("lowbit.fsdp: %s gathers parameters of mixed dtypes as bytes; sent uncompressed", self.name)
+            work = dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=True)
+            C.wait(work, "all_gather_into_tensor", group)
+            st.param_stats.bytes_sent += (k - 1) * s * input_tensor.element_size()
+            return
+        intra, cross, nodes, local = self.split(group)
+        st.param_stats.calls += 1
+        if intra is None:
+            self._gather(input_tensor, output_tensor.view(k, s), cross)
+            return
+        # Compressed among the ranks of my local index (one a node), then natively inside the node.
+        rows = torch.empty(nodes, s, dtype=input_tensor.dtype, device=dev)
+        self._gather(input_tensor, rows, cross)
+        gathered = torch.empty(local * nodes * s, dtype=input_tensor.dtype, device=dev)
+        work = dist.all_gather_into_tensor(gathered, rows.view(-1), group=intra, async_op=True)
+        C.wait(work, "all_gather_into_tensor", intra)
+        st.param_stats.bytes_sent += (local - 1) * nodes * s * input_tensor.element_size()
+        # (L, N, S) -> (N, L, S): global rank n * L + l
+        output_tensor.view(nodes, local, s).copy_(gathered.view(local, nodes, s).transpose(0, 1))
+
+    def _gather(self, shard: torch.Tensor, rows: torch.Tensor, group: dist.ProcessGroup) -> None:
+        """Encode ``shard`` ((S,)), all-gather over ``group`` and decode every rank's into ``rows`` (N, S)."""
+        st = self.state
+        rank, n = group.rank(), group.size()
+        s = shard.numel()
+        dev = shard.device
+        lay = self.layout(s, shard.dtype)
+        parts = []
+        for ci, cls in enumerate(lay.classes):
+            lead, size = cls.slot()
+            # a fixed seed per module and rank: the backward's re-gather decodes the same weights
+            payload = cls.codec.encode(cls.take(shard), seed=_seed(self.index, st.rank, ci))
+            parts.append((lead, payload, size))
+        send = _frame(parts, dev)
+        msg = send.numel()
+        recv = torch.empty(n * msg, dtype=torch.uint8, device=dev)
+        work = C.all_gather_async(recv, send, group)
+        C.wait(work, "all_gather_into_tensor", group)
+        sent_bytes = (n - 1) * msg
+        st.param_stats.bytes_sent += sent_bytes
+        if self.node_size is not None and self.node_size < st.world_size:
+            st.param_stats.bytes_inter += sent_bytes
+        at = 0
+        for cls in lay.classes:
+            lead, size = cls.slot()
+            shape = cls.codec.flat_shape(cls.numel)
+            nb = cls.codec.nbytes(cls.numel, shape)
+            tmp = torch.empty(cls.numel, dtype=torch.float32, device=dev)
+            for j in range(n):
+                cls.codec.decode(recv[j * msg + at + lead : j * msg + at + lead + nb], cls.numel, out=tmp, shape=shape)
+                cls.put(rows[j], tmp)
+            at += size
+        del send
+
+
+# ------------------------------------------------------------------------------------------ register
+def _managed_params(module: nn.Module, fsdp_cls: type) -> list[tuple[str, nn.Parameter]]:
+    """The parameters FSDP2 puts in ``module``'s group, in its order: modules in post-order, not
+    entering other ``fully_shard`` modules, each module's own parameters, shared ones once. (FSDP2's
+    ``_get_managed_modules`` / ``_get_managed_states``; tests/distributed/test_fsdp.py checks this order
+    against FSDP's own list, so a change in torch fails a test instead of silently mislabelling.)"""
+    seen_mod: set[int] = set()
+    order: list[tuple[str, nn.Module]] = []
+
+    def dfs(prefix: str, m: nn.Module) -> None:
+        seen_mod.add(id(m))
+        for name, child in m.named_children():
+            if id(child) in seen_mod or isinstance(child, fsdp_cls):
+                continue
+            dfs(f"{prefix}{name}.", child)
+        order.append((prefix, m))
+
+    dfs("", module)
+    out, seen = [], set()
+    for prefix, m in order:
+        for name, p in m.named_parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append((prefix + name, p))
+    return out
+
+
+def _padded_chunk(p: torch.Tensor, k: int) -> int:
+    """Values of one rank's padded chunk of ``p`` (sharded on dim 0 over k ranks)."""
+    shape = tuple(p.shape)
+    if not shape:
+        return 1
+    return -(-shape[0] // k) * math.prod(shape[1:])
+
+
+def _check_codec(spec: Codec | str, what: str) -> Codec:
+    if not isinstance(spec, (str, Codec)):
+        raise ValueError(f"lowbit.fsdp.register: {what} must be a codec spec such as 'qsgd:bits=8' or a Codec, got {spec!r}")
+    codec = get_codec(spec) if isinstance(spec, str) else spec
+    if codec.per_tensor:
+        raise ValueError(f"lowbit.fsdp.register: {what} {codec.spec} keeps one scale per tensor or column, but FSDP "
+                         "sends chunks of flattened parameters; use a bucketed codec (e.g. onebit:bucket=512, "
+                         "dettmers with bucket=)")
+    return codec
+
+
+def register(
+    model: nn.Module,
+    *,
+    codec: Codec | str = "qsgd:bits=8",
+    param_codec: Codec | str | None = None,
+    error_feedback: bool = False,
+    node_size: int | None = None,
+    policy: Policy | str | None = None,
+    replicate_group: dist.ProcessGroup | None = None,
+) -> FSDPState:
+    """Make every ``fully_shard`` module of ``model`` reduce-scatter gradients in ``codec`` and (with
+    ``param_codec``) all-gather parameters in ``param_codec``. Call it on every rank, after
+    ``fully_shard`` and before the first forward.
+
+    ``codec``: any lowbit codec (QSGD 1-8/16 bits, ``onebit:bucket=N``, Dettmers with buckets, ``fp16`` /
+    ``bf16`` on the wire with float32 sums, ``fp32``). ``param_codec``: ``None`` keeps FSDP's own
+    all-gather; a deterministic codec (``qsgd:bits=8,rounding=nearest``) is recommended for weights:
+    stochastic rounding adds noise to every forward without anything to average it out.
+    ``error_feedback``: residuals of the gradient codec's error, kept per rank on the *unsharded*
+    gradient (4 bytes per parameter value of the whole model on every rank; ``state_dict()`` saves them).
+    ``node_size``: ranks per node (default ``$LOWBIT_NODE_SIZE`` or torchrun's ``LOCAL_WORLD_SIZE`` when
+    they split the group into several nodes): compress only between nodes. ``policy``: a
+    :class:`lowbit.Policy` (or a spec) deciding per parameter; parameters it keeps in fp32 ride exactly
+    (default: the seed's rule, 1-D tensors and tensors below 10,000 values). ``replicate_group``: HSDP,
+    the group across which the shards are replicated (their reduced gradients are all-reduced across
+    it in ``codec``, and the parameters are broadcast from its first rank now).
+
+    Ranks that disagree on any of this get the same :class:`lowbit.ddp.ConfigMismatchError`.
+    """
+    FSDPModule, _ = _fsdp_api()
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"lowbit.fsdp.register expects an nn.Module, got {type(model).__name__}")
+    modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if not modules:
+        raise ValueError("lowbit.fsdp.register: the model has no fully_shard module; call "
+                         "torch.distributed.fsdp.fully_shard(...) on its blocks and on the model first")
+    if not isinstance(error_feedback, bool):
+        raise ValueError(f"lowbit.fsdp.register: error_feedback must be True or False, got {error_feedback!r}")
+    grad_codec = _check_codec(codec, "codec")
+    p_codec = None if param_codec is None else _check_codec(param_codec, "param_codec")
+    if error_feedback and grad_codec.sums_on_wire:
+        raise ValueError(f"lowbit.fsdp.register: {grad_codec.spec} is lossless up to a cast; it takes no error feedback")
+    pol = None if policy is None else Policy.coerce(policy)
+    rule = pol if pol is not None else Policy(default=grad_codec.spec)
+
+    params = [p for _, m in modules for p in m.parameters()]
+    mesh = getattr(params[0], "device_mesh", None) if params else None
+    if mesh is None:
+        raise ValueError("lowbit.fsdp.register: the model's parameters are not DTensors; call fully_shard first")
+    if mesh.ndim != 1:
+        raise ValueError("lowbit.fsdp.register: this model was sharded on a 2-D (HSDP) mesh, whose replicate "
+                         "all-reduce FSDP2 runs itself with no extension point; shard on the inner (shard) "
+                         "mesh with fully_shard and pass replicate_group= (the outer dimension's group) instead")
+    group = mesh.get_group()
+    rank, k = group.rank(), group.size()
+    if node_size is not None or replicate_group is None:
+        try:
+            ns = node_size_for(group, node_size)
+        except ValueError:
+            if node_size is not None:
+                raise
+            ns = k  # nothing says where node boundaries are: one node
+    else:
+        ns = k
+    ns_eff = ns if ns < k else None
+    local0 = params[0].to_local() if hasattr(params[0], "to_local") else params[0]
+    state = FSDPState(grad_codec, p_codec, error_feedback, pol, ns_eff, replicate_group, rank, k, local0.device)
+
+    resolved = rule.resolve(model)
+    for index, (name, m) in enumerate(modules):
+        owned = _managed_params(m, FSDPModule)
+        sizes = [_padded_chunk(p, k) for _, p in owned]
+        prefix = f"{name}." if name else ""
+        grad_codecs: list[Codec | None] = []
+        param_codecs: list[Codec | None] = []
+        for pname, _ in owned:
+            c = resolved.get(prefix + pname, grad_codec)
+            exact = c.sums_on_wire and c.spec == "fp32"  # the policy keeps it in full precision
+            grad_codecs.append(None if exact else (grad_codec if pol is None else c))
+            param_codecs.append(None if exact else p_codec)
+        label = name or "<root>"
+        state.modules.append(f"{label}:{sum(sizes)}")
+        m.set_custom_reduce_scatter(LowbitReduceScatter(state, label, index, sizes, grad_codecs, grad_codec, ns_eff))
+        if p_codec is not None:
+            m.set_custom_all_gather(LowbitAllGather(state, label, index, sizes, param_codecs, p_codec, ns_eff))
+    if replicate_group is not None:
+        _replicate(model, modules, state, replicate_group)
+    _check_same_config(state, group if replicate_group is None else None)
+    return state
+
+
+def _replicate(model: nn.Module, modules: list[tuple[str, nn.Module]], state: FSDPState,
+               replicate_group: dist.ProcessGroup) -> None:
+    """HSDP: every replica starts from the first replica's shards, and each module's reduced gradient
+    shard is all-reduced (mean) across the replicas in the gradient codec (scatter_gather, bit-identical
+    on every replica) by FSDP's post-reduce-scatter hook."""
+    src = dist.get_global_rank(replicate_group, 0)
+    with torch.no_grad():
+        for p in model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            dist.broadcast(local, src=src, group=replicate_group)
+    feedback = state.feedback  # one home for the residuals (keys of their own), saved with the rest
+
+    for index, (name, m) in enumerate(modules):
+        key = name or "<root>"
+
+        def hook(grad: torch.Tensor, key: str = key) -> None:
+            before = CommStats()
+            all_reduce(grad, state.codec, group=replicate_group, algorithm="scatter_gather", op="mean",
+                       feedback=feedback, key=("replicate", key), seed=state.iter, stats=before)
+            state.grad_stats.bytes_sent += before.bytes_sent
+            state.grad_stats.bytes_inter += before.bytes_sent
+            state.grad_stats.calls += before.calls
+
+        m.set_all_reduce_hook(hook)
+
+
+def _check_same_config(state: FSDPState, group: dist.ProcessGroup | None) -> None:
+    """Every rank compares its configuration; all raise the same error on a mismatch (no hang)."""
+    mine = zlib.crc32(repr(sorted(state.config().items())).encode())
+    everyone = C.all_gather_object((mine, state.config()), group)
+    if len({e[0] for e in everyone}) > 1:  # type: ignore[index]
+        lines = [f"  rank {r}: {cfg}" for r, (_, cfg) in enumerate(everyone)]  # type: ignore[misc]
+        raise ConfigMismatchError("lowbit.fsdp: ranks registered different settings:\n" + "\n".join(lines))
+
+
