@@ -415,3 +415,24 @@ def test_decode_sum_divide_by_matches_sum_then_div(backend: str, monkeypatch: py
         for bad in (0, -2, 1.5, True):
             with pytest.raises(ValueError, match="divide_by"):
                 codec.decode_sum(ps, n, divide_by=bad)
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+def test_qsgd_infinities_keep_their_sign(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """+Inf decodes as +Inf and -Inf as -Inf (max norm: the bucket's scale is Inf), at every width,
+    both grids and both roundings, alone or beside finite values; an L2 bucket holding Inf has a NaN
+    scale and decodes to NaN, never to a finite value. (+Inf decoded as -Inf before.)"""
+    monkeypatch.setenv("LOWBIT_KERNELS", backend)
+    for bits in (1, 2, 3, 4, 8, 16):
+        for extra in ("", ",levels=full", ",rounding=nearest"):
+            codec = lowbit.get_codec(f"qsgd:bits={bits},bucket=64{extra}")
+            x = torch.randn(4100, generator=torch.Generator().manual_seed(bits))
+            x[3], x[700], x[64:128] = float("inf"), -float("inf"), float("inf")  # bucket 1: all +Inf
+            y = codec.decode(codec.encode(x, seed=3), x.numel())
+            assert y[3].item() == float("inf") and y[700].item() == -float("inf"), (codec.spec, y[3], y[700])
+            assert (y[64:128] == float("inf")).all(), codec.spec
+            assert torch.isfinite(y[128:640]).all()  # buckets without an Inf are untouched
+    l2 = lowbit.get_codec("qsgd:bits=8,bucket=64,norm=l2")
+    x = torch.randn(4100)
+    x[3] = float("inf")
+    assert torch.isnan(l2.decode(l2.encode(x), x.numel())[:64]).all()

@@ -186,7 +186,7 @@ def test_qsgd_nan_bucket_has_nan_scale_and_zero_codes() -> None:
     assert torch.isnan(scales[0]) and scales[1].item() == _INF and scales[2].item() == 1.0
     codes = p[4 * 16 :]
     assert codes[100].item() == 0 and codes[0].item() == 254  # NaN -> 0; a NaN scale divides by 1
-    assert codes[600].item() == 0 and codes[601].item() == 127  # inf/inf = NaN -> 0; 1/inf = 0 -> s
+    assert codes[600].item() == 254 and codes[601].item() == 127  # +inf -> 2s (keeps its sign); 1/inf = 0 -> s
 
 
 # --------------------------------------------------------------------------------- onebit

@@ -393,3 +393,16 @@ def test_onebit_decode_sum_bit_identical_in_order(monkeypatch: pytest.MonkeyPatc
     want = codec.decode_sum(ps, 3000, divide_by=3)
     monkeypatch.setenv("LOWBIT_KERNELS", "triton")
     assert _same(codec.decode_sum(ps, 3000, divide_by=3), want)
+
+
+def test_qsgd_infinities_keep_their_sign() -> None:
+    """±Inf decode as ±Inf, as in the reference (+Inf decoded as -Inf before), fused and general paths."""
+    for bits in (1, 2, 4, 8, 16):
+        for bucket in (64, 100):
+            x = _x(3000, bits)
+            x[1600:1700] = float("inf")  # whole buckets of +Inf (bucket 25 of 64, 16 of 100)
+            p = tk.qsgd_encode(x, bits, bucket, "max", True, 5)
+            assert torch.equal(p, ref.qsgd_encode(x.cpu(), bits, bucket, "max", True, 5).to(DEV)), (bits, bucket)
+            y = tk.qsgd_decode(p, 3000, bits, bucket, torch.empty(3000, device=DEV))
+            assert y[300].item() == float("inf") and y[520].item() == -float("inf"), (bits, bucket)
+            assert (y[1600:1664] == float("inf")).all()

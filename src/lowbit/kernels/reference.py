@@ -203,6 +203,13 @@ def cap_to_scale(v: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------- qsgd
+def inf_sign(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """``r = x / scale`` with ±1 where ``x`` is ±Inf: an infinite value gets the top or bottom code, so it
+    decodes as an infinity of its own sign (its bucket's max-norm scale is Inf; ``Inf / Inf`` would be
+    NaN, which takes code 0, the bottom level, and +Inf came back as -Inf)."""
+    return torch.where(torch.isinf(x), torch.sign(x), r)
+
+
 def qsgd_levels(bits: int, full: bool = False) -> float:
     """Half the number of quantisation steps ``s``: codes 0..2s map to scale*(code-s)/s.
 
@@ -226,7 +233,7 @@ def qsgd_encode(
     scale = bucket_absmax(xb) if norm == "max" else bucket_l2(xb)  # (nb,)
     s = qsgd_levels(bits, full)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = (xb / safe[:, None]) * s + s  # in [0, 2s]
+    q = inf_sign(xb, xb / safe[:, None]) * s + s  # in [0, 2s]
     if stochastic:
         u = uniform(seed, 0, xb.numel(), x.device).view_as(q)
         q = torch.floor(q + u)

@@ -44,6 +44,16 @@ from lowbit.kernels.numba.common import (
 
 _ABS_MASK = np.int64(0x7FFFFFFF)
 _INF_BITS = np.int64(0x7F800000)
+_PINF = np.float32(np.inf)
+_FM1 = np.float32(-1.0)
+
+
+@njit(**_JIT)
+def _ratio(v, safe):
+    """v / safe, ±1 where v is ±Inf: reference.inf_sign (an infinity keeps its sign)."""
+    r = v / safe
+    r = _F1 if v == _PINF else r
+    return _FM1 if v == -_PINF else r
 
 
 @njit(**_JIT)
@@ -92,14 +102,14 @@ def _codes_segment(x, lo, hi, scale, s, two_s, stochastic, key, dst, d0):
     ds = dst[d0 : d0 + hi - lo]
     if stochastic:
         for k in range(xs.size):
-            q = (xs[k] / safe) * s + s
+            q = _ratio(xs[k], safe) * s + s
             f = np.floor(q + _uniform(key, lo + k))
             f = f if f > _F0 else _F0  # NaN -> 0 (nan_to_num), -inf -> 0
             f = f if f < two_s else two_s
             ds[k] = f
     else:
         for k in range(xs.size):
-            q = (xs[k] / safe) * s + s
+            q = _ratio(xs[k], safe) * s + s
             f = np.floor(q + _HALF)
             f = f if f > _F0 else _F0
             f = f if f < two_s else two_s
@@ -113,7 +123,7 @@ def _codes_segment16(x, lo, hi, scale, s, two_s, stochastic, key, stream):
     xs = x[lo:hi]
     ds = stream[2 * lo : 2 * hi]
     for k in range(xs.size):
-        q = (xs[k] / safe) * s + s
+        q = _ratio(xs[k], safe) * s + s
         if stochastic:
             f = np.floor(q + _uniform(key, lo + k))
         else:
