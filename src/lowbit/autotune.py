@@ -93,6 +93,7 @@ class AutoTuner:
         self.measure_steps = measure_steps
         self.remeasure_every = remeasure_every
         self.faster_than_fp32 = faster_than_fp32
+        self._said_fp32 = False  # the warning that auto keeps fp32 everywhere, given once
         self.warmup_steps = 2  # steps after start_iter not measured: DDP's first steps run slow (cuDNN
         #                        autotuning, NCCL's socket connections, allocator growth); measured from
         #                        the first step on, auto's fp32 step was 7-17 % above the steady one
@@ -279,7 +280,16 @@ class AutoTuner:
         self.decision, self.decided_iter, self.phase = decision, step, "done"
         self._release(keep_forward=bool(self.remeasure_every))
         apply(state, decision.assignment)
-        if rank == 0:
+        if rank == 0 and decision.fp32_is_best and not getattr(self, "_said_fp32", False):  # (older pickles)
+            # the one outcome where auto compresses nothing: said once, as a warning, with the reason
+            self._said_fp32 = True
+            log.warning("lowbit.ddp codec='auto' at step %d (%d ranks) keeps fp32 everywhere, so gradients are not "
+                        "compressed: no allowed codec (%s) was %s to make the step at least %.0f %% faster than "
+                        "fp32 (%.2f ms measured); DDP's fp32 allreduce runs\n%s", step, world, ", ".join(self.allow),
+                        "measured" if "measured" in decision.chosen else "predicted",
+                        (self.faster_than_fp32 - 1) * 100, decision.measured_s.get("fp32", decision.fp32_step_s) * 1e3,
+                        decision.table())
+        elif rank == 0:
             log.info("lowbit.ddp codec='auto' at step %d (%d ranks):\n%s", step, world, decision.table())
         self._maybe_install(state, step)
 

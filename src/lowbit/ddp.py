@@ -74,6 +74,7 @@ import logging
 import os
 import queue
 import threading
+import warnings
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -755,6 +756,24 @@ def make_state(
     return state
 
 
+LAUNCH_HINT = ("start several processes: torchrun --nproc-per-node 2 script.py, or accelerate launch --multi_gpu "
+               "--num_processes 2 script.py (docs/ddp.md, 'Launching several processes')")
+_SAID: set = set()  # the no-op warnings this process has given (each once)
+
+
+def warn_uncompressed(reason: str, group: Optional[dist.ProcessGroup] = None) -> None:
+    """Warn (``RuntimeWarning``), once per process and on rank 0 of ``group`` only, that gradients are not
+    compressed and why. ``register`` and the integrations call it where they install nothing: training
+    then runs uncompressed, and the user who asked for compression must hear it."""
+    if reason in _SAID:
+        return
+    _SAID.add(reason)
+    initialised = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank(group) if initialised else int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        warnings.warn(f"lowbit: gradients are not compressed: {reason}", RuntimeWarning, stacklevel=3)
+
+
 def register(
     ddp_model: nn.Module,
     codec: Union[str, Codec, None] = None,
@@ -797,20 +816,25 @@ def register(
                        node_size, allow, error_budget, measure_steps, remeasure_every, hook_thread)
     state.first_bucket_bytes, state.bucket_bytes = ddp_bucket_caps(ddp_model)
     _check_same_config(state, group)
+    size = C.world(group)[1]
+    if size == 1:
+        warn_uncompressed(f"the process group has 1 rank, so no gradient is exchanged (the hook is installed "
+                          f"but sends nothing); {LAUNCH_HINT}", group)
+    one_node = (f"algorithm='hierarchical' with all {size} ranks in one node (node_size={state.node_size}): "
+                "nothing crosses nodes, so DDP's own fp32 allreduce stays and no hook is installed")
     if state.auto is not None:
         # codec="auto": DDP's own allreduce runs while the first steps are measured; lowbit's hook is
         # registered only once the decision compresses something.
         if one_node_native and state.one_node:
             state.auto.detach()  # nothing crosses nodes: DDP's allreduce stays, as for any codec
+            warn_uncompressed(one_node, group)
         else:
             state.auto.attach(module, state, install=lambda: ddp_model.register_comm_hook(state, hook))
         return state
     if one_node_native and state.one_node:
         # hierarchical inside one node compresses nothing: leave DDP's own C++ allreduce in place, which no
         # Python hook can match (state.stats then counts nothing).
-        log.info("lowbit.ddp: algorithm='hierarchical' with all %d ranks in one node (node_size=%s): nothing "
-                 "crosses nodes, so DDP's own fp32 allreduce stays and no hook is installed",
-                 C.world(group)[1], state.node_size)
+        warn_uncompressed(one_node, group)
         return state
     ddp_model.register_comm_hook(state, hook)
     return state

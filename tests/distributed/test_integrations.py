@@ -105,3 +105,57 @@ def test_accelerate_recipe_compresses() -> None:
         assert r["n"] == 2 and r["calls"] > 0 and r["bytes"] > 0
     for a, b in zip(r0["params"], r1["params"]):
         assert torch.equal(a, b)
+
+
+def _lowbit_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught
+            if issubclass(w.category, RuntimeWarning) and str(w.message).startswith("lowbit:")]
+
+
+def test_accelerate_with_one_process_says_nothing_is_compressed(monkeypatch) -> None:
+    """`accelerate launch --cpu --num_processes 2` runs one process: register returns None, and says so
+    once, with what to launch instead (issue 33)."""
+    pytest.importorskip("accelerate")
+    import warnings
+
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    import lowbit.ddp
+    from lowbit.integrations.accelerate import register
+
+    monkeypatch.setattr(lowbit.ddp, "_SAID", set(), raising=False)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")  # what that launch sets in its one process
+    try:
+        acc = Accelerator()
+        model = acc.prepare(nn.Linear(4, 2))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert register(acc, model, codec="qsgd:bits=8,bucket=512") is None
+            assert register(acc, model, codec="qsgd:bits=8,bucket=512") is None
+    finally:
+        AcceleratorState._reset_state(True)
+    said = _lowbit_warnings(caught)
+    assert len(said) == 1, said
+    assert "1 process" in said[0] and "--multi_gpu --num_processes" in said[0], said[0]
+
+
+def test_lightning_without_ddp_says_nothing_is_compressed_once(monkeypatch) -> None:
+    import warnings
+
+    import lowbit.ddp
+    from lowbit.integrations.lightning import LowbitCallback
+
+    monkeypatch.setattr(lowbit.ddp, "_SAID", set(), raising=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):  # two fits (a tuner and a trainer, say): said once
+            cb = LowbitCallback(codec="qsgd:bits=8,bucket=512")
+            pl.Trainer(accelerator="cpu", devices=1, max_steps=1, callbacks=[cb], logger=False,
+                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(_Net())
+            assert cb.state is None
+    said = _lowbit_warnings(caught)
+    assert len(said) == 1, said
+    assert "SingleDeviceStrategy" in said[0] and "strategy='ddp'" in said[0], said[0]

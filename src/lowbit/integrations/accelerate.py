@@ -9,7 +9,10 @@
 
 Accelerate's ``DistributedDataParallelKwargs(comm_hook=...)`` takes only its own enum of hooks and ignores
 a callable; the prepared model is a plain ``DistributedDataParallel`` whenever several processes run, so
-lowbit registers on it directly. With one process there is nothing to compress: ``None`` is returned.
+lowbit registers on it directly. With one process there is nothing to compress: ``None`` is returned,
+with a warning (rank 0, once) that says so. Note that ``accelerate launch --cpu --num_processes N`` starts
+*one* process (without ``--mpirun_hostfile``); ``accelerate launch --multi_gpu --num_processes N`` starts N,
+on CPU too when the script builds ``Accelerator(cpu=True)`` (docs/ddp.md, "Launching several processes").
 """
 
 from __future__ import annotations
@@ -28,6 +31,11 @@ def register(accelerator: Any, model: Any, **kwargs: Any) -> lowbit.ddp.LowbitSt
     """Install lowbit's comm hook on ``model`` as returned by ``accelerator.prepare``; returns the state
     (``None`` when the run is not distributed). Keyword arguments go to :func:`lowbit.ddp.register`."""
     if accelerator.num_processes <= 1:
+        lowbit.ddp.warn_uncompressed(
+            f"Accelerate runs 1 process ({accelerator.distributed_type}), so the model is not a "
+            "DistributedDataParallel and nothing is exchanged. `accelerate launch --cpu --num_processes N` "
+            "starts one process; on CPU use `accelerate launch --multi_gpu --num_processes N` with "
+            "Accelerator(cpu=True), or torchrun --nproc-per-node N (docs/ddp.md, 'Launching several processes')")
         return None
     if not hasattr(model, "register_comm_hook"):
         raise ValueError("lowbit.integrations.accelerate.register expects the model returned by "

@@ -41,9 +41,10 @@ class LowbitCallback(pl.Callback):
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         model = trainer.strategy.model
         if not hasattr(model, "register_comm_hook"):
-            warnings.warn("lowbit: the strategy's model is not a DistributedDataParallel (single process, or a "
-                          f"strategy other than DDP: {type(trainer.strategy).__name__}); gradients are not compressed",
-                          RuntimeWarning, stacklevel=2)
+            lowbit.ddp.warn_uncompressed(
+                f"the Lightning strategy {type(trainer.strategy).__name__} ({trainer.world_size} process(es)) did "
+                "not wrap the model in DistributedDataParallel: use strategy='ddp' with devices=2 or more "
+                "(Lightning starts the processes), or run the script under torchrun --nproc-per-node N")
             return
         if self.state is None:
             self.state = lowbit.ddp.register(model, **self.kwargs)
