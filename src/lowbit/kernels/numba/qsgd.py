@@ -94,22 +94,35 @@ def _bucket_scale(x, xi, lo, hi, p, use_l2, buf, sums):
 
 # --------------------------------------------------------------------------------- qsgd encode
 @njit(**_JIT)
+def _slow_code(v, safe, s, two_s, stochastic, key, i):
+    """One code as reference.qsgd_encode makes it, for a bucket whose scale is Inf or NaN (the only
+    buckets that can hold an Inf): an infinity takes the top or bottom code (reference.inf_sign)."""
+    q = _ratio(v, safe) * s + s
+    f = np.floor(q + (_uniform(key, i) if stochastic else _HALF))
+    f = f if f > _F0 else _F0
+    return f if f < two_s else two_s
+
+
+@njit(**_JIT)
 def _codes_segment(x, lo, hi, scale, s, two_s, stochastic, key, dst, d0):
     """Codes of x[lo:hi] (one bucket's scale) into dst[d0 : d0 + hi - lo], as reference.qsgd_encode."""
     safe = scale if scale > _F0 else _F1
     # zero-based views: numba then knows the indices are non-negative and the loops vectorise
     xs = x[lo:hi]
     ds = dst[d0 : d0 + hi - lo]
-    if stochastic:
+    if not scale < _PINF:  # Inf or NaN: kept out of the vectorised loops below (no x there is infinite)
         for k in range(xs.size):
-            q = _ratio(xs[k], safe) * s + s
+            ds[k] = _slow_code(xs[k], safe, s, two_s, stochastic, key, lo + k)
+    elif stochastic:
+        for k in range(xs.size):
+            q = (xs[k] / safe) * s + s
             f = np.floor(q + _uniform(key, lo + k))
             f = f if f > _F0 else _F0  # NaN -> 0 (nan_to_num), -inf -> 0
             f = f if f < two_s else two_s
             ds[k] = f
     else:
         for k in range(xs.size):
-            q = _ratio(xs[k], safe) * s + s
+            q = (xs[k] / safe) * s + s
             f = np.floor(q + _HALF)
             f = f if f > _F0 else _F0
             f = f if f < two_s else two_s
@@ -122,14 +135,18 @@ def _codes_segment16(x, lo, hi, scale, s, two_s, stochastic, key, stream):
     safe = scale if scale > _F0 else _F1
     xs = x[lo:hi]
     ds = stream[2 * lo : 2 * hi]
+    finite = scale < _PINF  # else the bucket may hold an Inf (_slow_code)
     for k in range(xs.size):
-        q = _ratio(xs[k], safe) * s + s
-        if stochastic:
-            f = np.floor(q + _uniform(key, lo + k))
+        if finite:
+            q = (xs[k] / safe) * s + s
+            if stochastic:
+                f = np.floor(q + _uniform(key, lo + k))
+            else:
+                f = np.floor(q + _HALF)
+            f = f if f > _F0 else _F0
+            f = f if f < two_s else two_s
         else:
-            f = np.floor(q + _HALF)
-        f = f if f > _F0 else _F0
-        f = f if f < two_s else two_s
+            f = _slow_code(xs[k], safe, s, two_s, stochastic, key, lo + k)
         c = np.uint32(f)
         ds[2 * k] = c & np.uint32(0xFF)
         ds[2 * k + 1] = c >> np.uint32(8)
