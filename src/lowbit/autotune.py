@@ -25,12 +25,12 @@ How (on the job's own first steps, nothing extra for the user to run):
    the measured fp32 step.
 
 The decision is logged once (rank 0, ``logging.INFO``, a table: tensor, numel, codec, predicted saving,
-the finalists predicted and measured; a ``WARNING`` with the reason when it keeps fp32 everywhere), kept on ``state.auto.decision``, saved in ``state.state_dict()`` (a
-resumed run uses it without measuring again) and, with ``remeasure_every=N``, probed and tried again
-every N steps, fp32 and the current plan among the finalists, in case the link changed (the backward
-timeline and the errors are kept); a tensor whose codec changes then starts with an empty
-error-feedback residual. A hook registered by a framework (:func:`lowbit.ddp.make_state`) reduces in
-fp32 until the decision.
+the finalists predicted and measured; a ``WARNING`` with the reason when it keeps fp32 everywhere), kept
+on ``state.auto.decision``, saved in ``state.state_dict()`` (a resumed run uses it without measuring
+again) and, with ``remeasure_every=N``, probed and tried again every N steps, fp32 and the current plan
+among the finalists, in case the link changed (the backward timeline and the errors are kept); a tensor
+whose codec changes then starts with an empty error-feedback residual. A hook registered by a framework
+(:func:`lowbit.ddp.make_state`) reduces in fp32 until the decision.
 """
 
 from __future__ import annotations

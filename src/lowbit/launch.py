@@ -4,8 +4,13 @@
 with an initialised process group (gloo on CPU, NCCL on GPU) and returns the list of every rank's
 return value (None for a rank that exited without returning). Each rank
 writes its traceback to a file, so the real cause of a failure is shown instead of "connection closed by
-peer". Under torchrun (RANK / WORLD_SIZE / MASTER_ADDR set) use :func:`init_from_env` instead: the
-worker code is the same.
+peer". Under torchrun (RANK / WORLD_SIZE / MASTER_ADDR set) use ``with process_group_from_env() as
+(rank, world):`` (or :func:`init_from_env` and :func:`shutdown`) instead: the worker code is the same.
+
+Teardown: every process ends with :func:`shutdown`, which frees what the run left (a DDP reducer, a
+lowbit state) while the group still exists, waits for every rank, then destroys the group. Without it a
+2-rank gloo run under torchrun sometimes aborts at exit with "terminate called without an active
+exception" (plain torch too; docs/ddp.md, "Launching several processes").
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ import os
 import pickle
 import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -40,6 +46,40 @@ def init_from_env(backend: str | None = None, timeout: timedelta = DEFAULT_TIMEO
     return dist.get_rank(), dist.get_world_size()
 
 
+def shutdown(clean: bool = True) -> None:
+    """Destroy the default process group (if any) so that the process exits cleanly. ``clean`` (the run
+    finished normally): first collect garbage, so that objects holding the group (a DDP reducer, lowbit's
+    state) die while it exists (destroyed after it, they can abort the process with "terminate called
+    without an active exception"), then wait for every rank (a barrier), so that no rank tears its
+    connections down while a peer still uses them. After a failure only the group is destroyed: a barrier
+    would wait for peers that may be gone."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        if clean:
+            gc.collect()
+            try:
+                dist.barrier()
+            except Exception:  # noqa: BLE001 — a peer already gone (fault-injection tests) is fine here
+                pass
+    finally:
+        dist.destroy_process_group()
+
+
+@contextmanager
+def process_group_from_env(backend: str | None = None,
+                           timeout: timedelta = DEFAULT_TIMEOUT) -> Iterator[tuple[int, int]]:
+    """``with process_group_from_env() as (rank, world): ...`` under torchrun: :func:`init_from_env` on the
+    way in, :func:`shutdown` on the way out (a clean one when the body finished)."""
+    rank, world = init_from_env(backend, timeout)
+    ok = False
+    try:
+        yield rank, world
+        ok = True
+    finally:
+        shutdown(clean=ok)
+
+
 def emulate_node(rank: int, node_size: int) -> None:
     """Make this process a member of emulated node ``rank // node_size``: NCCL sees a host of its own per
     node (``NCCL_HOSTID``; with ``NCCL_IB_DISABLE=1`` the nodes then talk over sockets, inside a node over
@@ -62,21 +102,15 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, errdir: st
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
+        ok = False
         try:
             result = fn(rank, world_size, *args)
             with open(os.path.join(errdir, f"result.{rank}"), "wb") as f:
                 pickle.dump(result, f)
             del result
-            # Objects of fn (a DDP reducer, say) must die while the group still exists: destroying
-            # them after the group can abort the process ("terminate called without an active
-            # exception"). Collect them, then let every rank get here before the group goes.
-            gc.collect()
-            try:
-                dist.barrier()
-            except Exception:  # noqa: BLE001 — a peer already gone (fault-injection tests) is fine here
-                pass
+            ok = True
         finally:
-            dist.destroy_process_group()
+            shutdown(clean=ok)
     except BaseException:
         Path(errdir, f"error.{rank}").write_text(traceback.format_exc())
         raise

@@ -46,7 +46,7 @@ import torch
 from lowbit.codecs.base import parse_codec_list
 from lowbit.comm.allreduce import SIMULATED, algorithm_choices
 from lowbit.env import NCCL_ENV, git_commit, loadavg, under_torchrun
-from lowbit.launch import init_from_env, spawn
+from lowbit.launch import process_group_from_env, spawn
 from lowbit.comm.measure import _SUFFIX, BenchConfig, size_label, worker
 
 __all__ = ["BenchConfig", "parse_sizes", "parse_codecs", "parse_algorithms", "register", "run", "format_table"]
@@ -208,13 +208,10 @@ def run(args: argparse.Namespace) -> int:
         world_size = int(os.environ["WORLD_SIZE"])
         if args.world_size is not None and args.world_size != world_size:
             raise ValueError(f"--world-size {args.world_size} disagrees with torchrun's WORLD_SIZE={world_size}")
-        import torch.distributed as dist
-
-        rank, world_size = init_from_env(cfg.backend, timeout=datetime.timedelta(seconds=args.timeout))
-        try:
+        # ends with a clean teardown of the process group (lowbit.launch.shutdown)
+        timeout = datetime.timedelta(seconds=args.timeout)
+        with process_group_from_env(cfg.backend, timeout=timeout) as (rank, world_size):
             result = worker(rank, world_size, cfg)
-        finally:
-            dist.destroy_process_group()
         if rank != 0:
             return 0
         launcher = "torchrun"
