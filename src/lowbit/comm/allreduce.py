@@ -293,9 +293,24 @@ def normalize_op(op: object) -> str:
     raise ValueError(f"op must be torch.distributed.ReduceOp.SUM or .AVG (or 'sum' / 'mean'), got {op!r}")
 
 
+def _overlaps(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory (an expanded view: a stride 0; ``as_strided``):
+    its dimensions, by stride, must each step past everything the smaller ones span."""
+    span = 0
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
+        if stride <= span:
+            return True
+        span += (size - 1) * stride
+    return False
+
+
 def _check_args(tensor: torch.Tensor, codec: Codec, algorithm: str) -> None:
     if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
         raise ValueError(f"all_reduce expects a floating-point tensor, got {getattr(tensor, 'dtype', type(tensor))}")
+    if _overlaps(tensor):
+        raise ValueError(f"all_reduce: the tensor (shape {tuple(tensor.shape)}, strides {tensor.stride()}) has elements "
+                         "that overlap in memory (an expanded or as_strided view), so it cannot hold one result per "
+                         "element; reduce tensor.clone() (or the tensor it was expanded from) instead")
     plugin = None if algorithm == AUTO else get_algorithm(algorithm)
     if plugin is not None and not plugin.quantised and not codec.sums_on_wire:
         raise ValueError(
@@ -757,6 +772,10 @@ def all_reduce(
     ``simulated`` is Grubic et al.'s simulation of low-precision NCCL for benchmarks: a native fp32
     allreduce of a buffer of the codec's wire size, **leaving the tensor unreduced** (speed only).
     ``feedback`` (an :class:`~lowbit.ErrorFeedback` of the same codec) adds error feedback under ``key``.
+    A float32 contiguous ``tensor`` is reduced in place; any other dtype or layout (a strided view) is
+    copied into a contiguous float32 buffer and the result copied back into its elements, never
+    touching memory outside them. A tensor whose elements overlap in memory (an expanded view) is
+    refused with a ValueError before anything is sent.
     ``seed`` keys the stochastic rounding (pass the step number). ``stats`` accumulates calls and bytes
     sent (and phase times when its ``timing`` is on). With ``async_op=True`` returns a handle whose
     ``wait()`` makes ``tensor`` hold the result.
@@ -780,7 +799,10 @@ def all_reduce(
 
     src = tensor.detach()
     direct = src.dtype == torch.float32 and src.is_contiguous()
-    x = src.reshape(-1) if direct else src.reshape(-1).to(torch.float32)
+    if direct:
+        x = src.view(-1)  # (n,) float32: reduced in place
+    else:  # another dtype or a strided view: copied in here, the result copied back (``back``)
+        x = torch.empty(src.shape, dtype=torch.float32, device=src.device).copy_(src).view(-1)
     residual = feedback.residual(key, x.numel(), x.device) if feedback is not None else None
     fut = start(x, codec, group, algorithm, op, residual, seed, stats, node_size=node_size,
                 shape=tuple(tensor.shape) if codec.per_tensor else None)

@@ -1,0 +1,71 @@
+"""lowbit.all_reduce on any tensor and any call: strided views, overlapping views, ranks that call
+differently, huge finite values (issue 32, items 1, 2 and 6; gloo, CPU)."""
+
+from __future__ import annotations
+
+import torch
+
+import lowbit
+from lowbit.launch import spawn
+
+QUANTISED = [("qsgd:bits=8,bucket=64", "scatter_gather"), ("qsgd:bits=8,bucket=64", "allgather"),
+             ("onebit:bucket=64", "scatter_gather")]
+
+
+def _strided_cases(rank: int) -> dict[str, torch.Tensor]:
+    """Views whose memory is not one dense run (each a fresh base per call)."""
+    g = torch.Generator().manual_seed(rank)
+    return {
+        "every other": torch.randn(200, generator=g)[::2],
+        "transposed": torch.randn(10, 30, generator=g).t(),
+        "column": torch.randn(30, 7, generator=g)[:, 3],
+        "fp16 strided": torch.randn(200, generator=g).half()[1::2],
+        "reversed-ish 3d": torch.randn(4, 5, 6, generator=g).permute(2, 0, 1)[:, 1:, ::2],
+    }
+
+
+def _body_strided(rank: int, world: int) -> dict:
+    out: dict = {}
+    for spec, algorithm in [("fp32", "allreduce"), ("fp32", "scatter_gather")] + QUANTISED:
+        for name, view in _strided_cases(rank).items():
+            base = view._base if view._base is not None else view
+            before = base.clone()
+            dense = view.clone()  # the same values, contiguous: the answer to match
+            lowbit.all_reduce(dense, spec, algorithm=algorithm, seed=3)
+            lowbit.all_reduce(view, spec, algorithm=algorithm, seed=3)
+            outside = torch.ones_like(base, dtype=torch.bool)
+            outside.as_strided(view.shape, view.stride(), view.storage_offset() - base.storage_offset()).fill_(False)
+            out[(spec, algorithm, name)] = (
+                torch.equal(view, dense),                       # the right answer, as for a contiguous copy
+                torch.equal(base[outside], before[outside]),   # nothing outside the view touched
+                view.clone(),
+            )
+    refused = []
+    for make in (lambda: torch.ones(1).expand(50), lambda: torch.ones(3, 1).expand(3, 4),
+                 lambda: torch.ones(10).as_strided((5, 3), (1, 1))):
+        try:
+            lowbit.all_reduce(make(), "fp32", algorithm="allreduce")
+            refused.append("accepted")
+        except ValueError as exc:
+            refused.append(str(exc))
+    out["refused"] = refused
+    t = torch.full((8,), float(rank))
+    lowbit.all_reduce(t, "fp32", algorithm="allreduce")  # still in step
+    out["in step"] = t.tolist()
+    return out
+
+
+def test_strided_tensors_get_the_right_answer_and_overlapping_ones_are_refused() -> None:
+    r0, r1 = spawn(_body_strided, 2, backend="gloo", timeout_s=60)
+    for key in r0:
+        if key in ("refused", "in step"):
+            continue
+        for r in (r0, r1):
+            same, untouched, _ = r[key]
+            assert same, key
+            assert untouched, key
+        assert torch.equal(r0[key][2], r1[key][2]), key  # the same result on every rank
+    for msg in r0["refused"]:
+        assert "overlap" in msg and "clone()" in msg, msg
+    assert r0["refused"] == r1["refused"]
+    assert r0["in step"] == [1.0] * 8
