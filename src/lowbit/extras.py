@@ -13,6 +13,10 @@ from types import ModuleType
 
 __all__ = ["MissingExtra", "require"]
 
+#: Import names whose package on PyPI is called otherwise (``pip install sklearn`` is a deprecated
+#: placeholder that fails on purpose).
+_DISTRIBUTION = {"sklearn": "scikit-learn", "PIL": "pillow", "yaml": "pyyaml"}
+
 
 class MissingExtra(ValueError, ImportError):
     """An optional dependency is not installed; the message names the extra that brings it."""
@@ -24,5 +28,6 @@ def require(module: str, extra: str, what: str) -> ModuleType:
         return importlib.import_module(module)
     except ImportError as exc:
         top = module.split(".")[0]
-        raise MissingExtra(f"{what} needs the '{top}' package, which is not installed: pip install "
-                           f"'lowbit[{extra}]' (or pip install {top})") from exc
+        dist = _DISTRIBUTION.get(top, top)
+        raise MissingExtra(f"{what} needs the '{top}' module, which is not installed: pip install "
+                           f"'lowbit[{extra}]' (or pip install {dist})") from exc

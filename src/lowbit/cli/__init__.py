@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import warnings
 from typing import Any
+
+from lowbit.kernels.dispatch import check_environment as check_kernel_environment
 
 # (module, what it provides) — imported lazily so `lowbit --help` stays fast.
 _COMMAND_MODULES = [
@@ -55,6 +58,24 @@ def _one_line_warnings(command: str) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one ``lowbit`` command; its exit code. Errors the user can fix are one line on stderr."""
+    try:
+        try:
+            code = _main(argv)
+        except SystemExit:  # argparse's --help and usage errors: their output still has to get out
+            sys.stdout.flush()
+            raise
+        sys.stdout.flush()  # here, where a closed pipe can still be handled
+        return code
+    except BrokenPipeError:
+        # `lowbit ... | head`: the reader left. The Python docs' recipe: point stdout at devnull so the
+        # interpreter's own flush at exit does not raise again, and exit quietly.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: list[str] | None) -> int:
     try:
         parser = build_parser()
     except ValueError as exc:  # a $LOWBIT_PLUGINS module that does not import (the parsers list the algorithms)
@@ -65,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        check_kernel_environment()  # $LOWBIT_KERNELS: before any work, not at the first kernel call
         with warnings.catch_warnings():
             warnings.showwarning = _one_line_warnings(args.command)
             return int(args.func(args) or 0)
@@ -73,6 +95,12 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except ValueError as exc:
         print(f"lowbit {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        raise
+    except OSError as exc:  # a path that cannot be read or written: name it, no traceback
+        where = f" {exc.filename!r}" if exc.filename else ""
+        print(f"lowbit {args.command}: error:{where} {exc.strerror or exc}", file=sys.stderr)
         return 2
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from lowbit.codecs.base import get_codec
+from lowbit.codecs.base import parse_codec_list
 from lowbit.codecs.report import DEFAULT_SPECS, format_table, measure
 
 def _check(args: argparse.Namespace) -> None:
@@ -19,8 +19,7 @@ def _check(args: argparse.Namespace) -> None:
         v = getattr(args, name)
         if v < lo:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {lo}, got {v}")
-    for spec in args.codec or []:
-        get_codec(spec)
+    specs(args)
     if args.json:
         path = Path(args.json)
         existed = path.exists()
@@ -33,10 +32,14 @@ def _check(args: argparse.Namespace) -> None:
             raise ValueError(f"--json {args.json}: cannot write there ({exc.strerror or exc})") from None
 
 
+def specs(args: argparse.Namespace) -> list[str]:
+    """The codecs to measure: ``--codec`` values in the codec-list syntax of every command, else the default set."""
+    return parse_codec_list(args.codec, what="--codec") if args.codec else list(DEFAULT_SPECS)
+
+
 def run(args: argparse.Namespace) -> int:
     _check(args)
-    specs = args.codec or DEFAULT_SPECS
-    rows = measure(specs, args.samples, args.bench_numel, args.reps, progress=not args.quiet)
+    rows = measure(specs(args), args.samples, args.bench_numel, args.reps, progress=not args.quiet)
     meta = {
         "machine": platform.node(),
         "platform": platform.platform(),
@@ -58,7 +61,9 @@ def run(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("codecs", help="table of every codec: bits on the wire, error, throughput")
-    p.add_argument("--codec", action="append", help="codec spec to measure (repeatable; default: a standard set)")
+    p.add_argument("--codec", action="append", metavar="SPEC",
+                   help="codec specs to measure (repeatable), separated by ';' or ',' (a 'key=value' item "
+                        "continues the spec before it), as for every lowbit command; default: a standard set")
     p.add_argument("--samples", type=int, default=25_000_000,
                    help="samples per distribution (default 25M: fewer leave Table 2's N(0,1) column ~0.1 points off)")
     p.add_argument("--bench-numel", type=int, default=1 << 22, help="elements for the throughput runs")

@@ -22,7 +22,7 @@ from lowbit.comm.allreduce import algorithms
 from lowbit.env import launched_rank_and_size, under_torchrun
 from lowbit.extras import require
 from lowbit.study.config import PRESETS, load_config
-from lowbit.study.export import export_tensorboard, write_csv
+from lowbit.study.export import export_tensorboard, output_folder, write_csv
 from lowbit.study.report import DEFAULT_PRICE_PER_GPU_HOUR, load_runs, write_report
 from lowbit.study.runner import StudyInterrupted, plan_study, run_study
 from lowbit.study.store import resolve_results_path
@@ -81,6 +81,9 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _study(args: argparse.Namespace) -> int:
+    for flag in ("out", "report_out", "tensorboard"):  # before any worker starts
+        if getattr(args, flag):
+            output_folder(getattr(args, flag), "--" + flag.replace("_", "-"))
 
     cfg = load_config(args.config, args.preset, _overrides(args))
     if args.dry_run:
@@ -116,6 +119,8 @@ def _study(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
 
+    if args.out:
+        output_folder(args.out, "--out")
     index = write_report(args.results, args.out, args.price_per_gpu_hour, strict=args.strict)
     print(f"report: {index} (tables: runs.csv, epochs.csv beside it)")
     return 0
@@ -125,8 +130,10 @@ def _export(args: argparse.Namespace) -> int:
 
     if not args.csv and not args.tensorboard:
         raise ValueError("nothing to export to: give --csv DIR and/or --tensorboard DIR")
+    if args.csv:
+        output_folder(args.csv, "--csv")
     if args.tensorboard:
-
+        output_folder(args.tensorboard, "--tensorboard")
         require("tensorboard", "tensorboard", "--tensorboard")
     runs, _ = load_runs(resolve_results_path(args.results), strict=args.strict)
     if not runs:
@@ -155,7 +162,7 @@ def register(sub: Any) -> None:
     p.add_argument("--out", default="study-results/", metavar="DIR", help="results directory (default: %(default)s)")
     p.add_argument("--networks", nargs="+", metavar="NET")
     p.add_argument("--datasets", nargs="+", metavar="DATA")
-    p.add_argument("--codecs", nargs="+", metavar="SPEC",
+    p.add_argument("--codecs", action="extend", nargs="+", metavar="SPEC",
                    help="codec specs separated by spaces, ';' or ',' as for every lowbit command, "
                    "e.g. fp32 qsgd:bits=4,bucket=512 onebit:bucket=64")
     p.add_argument("--algorithms", nargs="+", metavar="ALG", help=" | ".join(algorithms()))

@@ -5,8 +5,10 @@
 * CPU tensors: the numba kernels (:mod:`lowbit.kernels.numba`) when numba is installed and the tensor
   is large enough to repay the call overhead; otherwise the torch reference.
 
-``LOWBIT_KERNELS=reference|numba|triton`` forces a backend (tests use it to compare backends). Every
-backend produces the same wire format as :mod:`lowbit.kernels.reference`, the executable specification.
+``LOWBIT_KERNELS=reference|numba|triton`` forces a backend (tests use it to compare backends); any
+other value is a ValueError naming these, and ``triton`` for a CPU tensor needs ``TRITON_INTERPRET=1``
+(Triton's interpreter; without it Triton has no device to run on). Every backend produces the same wire
+format as :mod:`lowbit.kernels.reference`, the executable specification.
 """
 
 from __future__ import annotations
@@ -27,6 +29,16 @@ NUMBA_MIN_NUMEL = 4096
 #: The compiled backends: packages of one module per codec family, imported on first use.
 _TRITON = "lowbit.kernels.triton"
 _NUMBA = "lowbit.kernels.numba"
+#: The values of ``$LOWBIT_KERNELS`` ("" or unset: choose per tensor).
+KERNEL_CHOICES = ("reference", "numba", "triton")
+
+
+def _forced() -> str:
+    forced = os.environ.get("LOWBIT_KERNELS", "").strip().lower()
+    if forced and forced not in KERNEL_CHOICES:
+        raise ValueError(f"LOWBIT_KERNELS={os.environ['LOWBIT_KERNELS']!r} is not a kernel backend; use one of "
+                         f"{', '.join(KERNEL_CHOICES)} (or leave it unset to choose per tensor)")
+    return forced
 
 
 @functools.lru_cache(maxsize=None)
@@ -44,11 +56,28 @@ def _load(modname: str) -> ModuleType | None:
         return None
 
 
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip() not in ("", "0")
+
+
+def check_environment() -> None:
+    """``$LOWBIT_KERNELS`` checked before any work (the CLI calls this first): ValueError for a value that
+    is not a backend, or for ``triton`` where no CUDA device is and Triton's interpreter is off."""
+    if _forced() == "triton" and not torch.cuda.is_available() and not _interpreted():
+        raise ValueError("LOWBIT_KERNELS=triton needs a CUDA device, and this machine has none; set "
+                         "TRITON_INTERPRET=1 to run Triton's kernels in its interpreter on CPU, or use "
+                         "LOWBIT_KERNELS=numba or reference")
+
+
 def backend_for(x: torch.Tensor, op: str) -> Any:
     """The module that implements ``op`` for tensor ``x`` (the reference module if no faster one does)."""
-    forced = os.environ.get("LOWBIT_KERNELS", "").strip().lower()
+    forced = _forced()
     if forced == "reference":
         return ref
+    if forced == "triton" and not x.is_cuda and not _interpreted():
+        raise ValueError(f"LOWBIT_KERNELS=triton: Triton's kernels run on CUDA tensors, this one is on "
+                         f"{x.device.type}; set TRITON_INTERPRET=1 to run them in Triton's interpreter, or use "
+                         "LOWBIT_KERNELS=numba or reference")
     if x.is_cuda or forced == "triton":
         mod = _load(_TRITON) if (x.is_cuda or forced == "triton") else None
         if mod is not None and hasattr(mod, op):

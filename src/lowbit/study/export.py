@@ -25,7 +25,7 @@ from typing import Any
 
 from lowbit.extras import require
 
-__all__ = ["write_csv", "TensorBoardLog", "export_tensorboard", "RUN_FIELDS", "EPOCH_SCALARS"]
+__all__ = ["write_csv", "TensorBoardLog", "export_tensorboard", "output_folder", "RUN_FIELDS", "EPOCH_SCALARS"]
 
 #: The configuration columns that lead both CSV files (then every other config field, sorted).
 RUN_FIELDS = ("key", "study", "network", "dataset", "codec", "label", "algorithm", "error_feedback", "world_size",
@@ -38,6 +38,18 @@ EPOCH_SCALARS = {
     "exposed_comm_s": "time/exposed_comm_s", "encode_s": "time/encode_s", "comm_s": "time/comm_s",
     "decode_s": "time/decode_s", "bytes_per_step_per_rank": "comm/bytes_per_step_per_rank", "lr": "lr",
 }
+
+
+def output_folder(path: str | os.PathLike[str], what: str) -> Path:
+    """``path`` as a folder to write into: ValueError naming ``what`` (e.g. ``--out``) when something that
+    is not a folder is there. Checked before any work, so a wrong path costs nothing."""
+    p = Path(path).expanduser()
+    for q in (p, *p.parents):
+        if q.exists():
+            if not q.is_dir():
+                raise ValueError(f"{what} {str(path)!r}: not a folder ({'a file is there' if q == p else f'{q} is a file'})")
+            break
+    return p
 
 
 def _scalar(v: Any) -> bool:
@@ -69,7 +81,7 @@ def _write(path: Path, header: list[str], rows: list[dict[str, Any]]) -> None:
 def write_csv(runs: list[dict[str, Any]], out_dir: str | os.PathLike[str]) -> tuple[Path, Path]:
     """``runs.csv`` and ``epochs.csv`` of ``runs`` (rows of :func:`~lowbit.study.report.load_runs`) into
     ``out_dir``; returns their paths."""
-    out = Path(out_dir)
+    out = output_folder(out_dir, "CSV folder")
     out.mkdir(parents=True, exist_ok=True)
     cfg_cols = _config_columns(runs)
     summary_cols = sorted({k for r in runs for k, v in r["summary"].items() if _scalar(v)})
@@ -112,7 +124,7 @@ class TensorBoardLog:
         from torch.utils.tensorboard import SummaryWriter
 
         self._Writer = SummaryWriter
-        self.logdir = Path(logdir)
+        self.logdir = output_folder(logdir, "TensorBoard folder")
         self._writers: dict[str, Any] = {}
 
     def _writer(self, key: str, config: dict[str, Any] | None) -> Any:

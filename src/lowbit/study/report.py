@@ -34,7 +34,7 @@ from lowbit.extras import require
 from lowbit.perfmodel.projection import projection_curve, speedup_bound
 from lowbit.study import seed_data
 from lowbit.study.config import codec_label, policy_label
-from lowbit.study.export import write_csv
+from lowbit.study.export import output_folder, write_csv
 from lowbit.study.store import read_runs, resolve_results_path
 
 __all__ = ["write_report", "load_runs", "accuracy_matches", "MATCH_POINTS", "DEFAULT_PRICE_PER_GPU_HOUR"]
@@ -648,12 +648,12 @@ def write_report(
     not a folder, or (``strict``) when the results hold lines that are not readable rows.
     """
     path = resolve_results_path(results)
+    outdir = output_folder(out if out is not None else path.parent / "report", "report folder (--out)")
     runs, notes = load_runs(path, strict=strict)
     if not runs:
         raise ValueError(f"no finished runs in {path}")
     if price_per_gpu_hour <= 0:
         raise ValueError(f"--price-per-gpu-hour must be > 0, got {price_per_gpu_hour}")
-    outdir = Path(out) if out is not None else path.parent / "report"
     outdir.mkdir(parents=True, exist_ok=True)
     for old in outdir.glob("fig*.png"):
         old.unlink()
