@@ -530,10 +530,6 @@ def register(
     FSDPModule, _ = _fsdp_api()
     if not isinstance(model, nn.Module):
         raise ValueError(f"lowbit.fsdp.register expects an nn.Module, got {type(model).__name__}")
-    modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
-    if not modules:
-        raise ValueError("lowbit.fsdp.register: the model has no fully_shard module; call "
-                         "torch.distributed.fsdp.fully_shard(...) on its blocks and on the model first")
     if not isinstance(error_feedback, bool):
         raise ValueError(f"lowbit.fsdp.register: error_feedback must be True or False, got {error_feedback!r}")
     grad_codec = _check_codec(codec, "codec")
@@ -541,8 +537,14 @@ def register(
     if error_feedback and grad_codec.sums_on_wire:
         raise ValueError(f"lowbit.fsdp.register: {grad_codec.spec} is lossless up to a cast; it takes no error feedback")
     pol = None if policy is None else Policy.coerce(policy)
-    rule = pol if pol is not None else Policy(default=grad_codec.spec)
+    modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if not modules:
+        raise ValueError("lowbit.fsdp.register: the model has no fully_shard module; call "
+                         "torch.distributed.fsdp.fully_shard(...) on its blocks and on the model first")
+    rule = pol if pol is not None else Policy()  # the seed's size rule decides what stays exact
 
+    for _, m in modules:
+        m.reshard()  # after a forward the root keeps its parameters unsharded: back to DTensors
     params = [p for _, m in modules for p in m.parameters()]
     mesh = getattr(params[0], "device_mesh", None) if params else None
     if mesh is None:
