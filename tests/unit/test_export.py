@@ -89,3 +89,28 @@ def test_tensorboard_missing_names_the_extra(monkeypatch: pytest.MonkeyPatch, tm
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if not installed
     with pytest.raises(MissingExtra, match=r"lowbit\[tensorboard\]"):
         TensorBoardLog(tmp_path)
+
+
+def test_csv_cells_that_a_spreadsheet_would_run_are_escaped(tmp_path: Path) -> None:
+    """OWASP's CSV-injection rule: a text cell starting with = + - @ tab or CR gets a leading ' so a
+    spreadsheet shows it as text; numbers (negative ones too) stay numbers."""
+    runs, _ = load_runs(REAL)
+    run = json.loads(json.dumps(runs[0]))
+    hostile = {"network": "=HYPERLINK(\"http://x\",\"y\")", "dataset": "+cmd|' /C calc'!A0", "codec": "-2+3",
+               "label": "@SUM(A1:A9)", "algorithm": "\tallreduce", "backend": "\r=1"}
+    run.update(hostile)
+    run["summary"] = {**run["summary"], "final_test_acc": -0.25, "=evil": 1.0}
+    run["labels"] = {**run["labels"], "data": "=1+1"}
+    run["epoch_rows"] = [{**e, "train_loss": -1.5, "=field": "=2"} for e in run["epoch_rows"]]
+    runs_csv, epochs_csv = write_csv([run], tmp_path)
+    text = runs_csv.read_text()
+    row = _read(runs_csv)[0]
+    for field, value in hostile.items():
+        assert row[field] == "'" + value, (field, row[field])
+    assert row["labels.data"] == "'=1+1"
+    assert float(row["final_test_acc"]) == -0.25  # a negative number is a number, not text
+    assert "'=evil" in row and ",=" not in text and ",\"=" not in text
+    epochs = _read(epochs_csv)
+    assert float(epochs[0]["train_loss"]) == -1.5 and epochs[0]["'=field"] == "'=2"
+    assert epochs[0]["network"] == "'" + hostile["network"]
+    assert row["seed"] == str(runs[0]["seed"]) and row["world_size"] == str(runs[0]["world_size"])

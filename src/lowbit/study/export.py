@@ -56,10 +56,26 @@ def _scalar(v: Any) -> bool:
     return v is None or isinstance(v, (str, bool, int, float))
 
 
+#: What a spreadsheet reads as the start of a formula (OWASP, CSV injection): = + - @ tab CR.
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+_PLAIN_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
+def _text(v: str) -> str:
+    """A text cell as a spreadsheet should show it: names from results starting like a formula get a
+    leading ``'`` (OWASP's rule), so ``=HYPERLINK(...)`` is text, not a formula. A plain number written
+    as text (``-0.5``) runs nothing and is left alone."""
+    if v.startswith(_FORMULA_START) and not _PLAIN_NUMBER.fullmatch(v):
+        return "'" + v
+    return v
+
+
 def _cell(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return ""  # as the JSON store keeps it (null): empty in a spreadsheet, NaN for pandas
-    return "" if v is None else v
+    if isinstance(v, str):
+        return _text(v)
+    return "" if v is None else v  # numbers (negative ones too) stay numbers
 
 
 def _config_columns(runs: list[dict[str, Any]]) -> list[str]:
@@ -72,7 +88,7 @@ def _write(path: Path, header: list[str], rows: list[dict[str, Any]]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=header, extrasaction="ignore")
-        w.writeheader()
+        csv.writer(f).writerow([_text(k) for k in header])  # column names come from results too
         for row in rows:
             w.writerow({k: _cell(row.get(k)) for k in header})
     os.replace(tmp, path)  # never a half-written CSV where a complete one stood
