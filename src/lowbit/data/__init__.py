@@ -14,6 +14,7 @@ name      what                                                    sample     cla
 digits    scikit-learn's bundled 8x8 digits, split by ``seed``    (1, 8, 8)  10
 mnist1d   MNIST-1D, generated locally by the ``mnist1d`` package  (1, 40)    10
 text      char-level LM over Python's stdlib docstrings           (seq_len,) ~100
+pysource  byte-level LM over Python's stdlib source (tens of MB)  (seq_len,) 256
 synthetic random inputs of any model's shape, flagged synthetic   model's    model's
 mnist     MNIST from its idx files on disk (``data_dir=``)        (1, 28, 28) 10
 cifar10   CIFAR-10 from its python batches on disk (``data_dir=``) (3, 32, 32) 10
@@ -36,6 +37,7 @@ from lowbit.data.digits import load_digits
 from lowbit.data.mnist1d import load_mnist1d
 from lowbit.data.imagenet import load_imagenet
 from lowbit.data.ondisk import load_cifar10, load_mnist
+from lowbit.data.pysource import load_pysource
 from lowbit.data.sharding import ShardedLoader, ShardedSampler, shard_indices
 from lowbit.data.speech import load_an4
 from lowbit.data.synthetic import load_synthetic
@@ -54,6 +56,7 @@ _LOADERS: dict[str, Callable[..., Dataset]] = {
     "digits": load_digits,
     "mnist1d": load_mnist1d,
     "text": load_text,
+    "pysource": load_pysource,
     "synthetic": load_synthetic,
     "mnist": load_mnist,
     "cifar10": load_cifar10,
