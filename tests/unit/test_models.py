@@ -28,7 +28,8 @@ def _meta_model(name: str, **kwargs) -> nn.Module:
 
 
 def test_registry_names_and_unknown_name():
-    assert set(available_models()) == set(SEED_TABLE_M) | {"mlp", "small_cnn", "gpt2_small"}
+    assert set(available_models()) == set(SEED_TABLE_M) | {"mlp", "small_cnn", "gpt2_small", "gpt_350m", "gpt_760m",
+                                                          "gpt_1_3b"}
     with pytest.raises(ValueError, match="unknown model 'resnet18'.*alexnet.*vgg19"):
         build_model("resnet18")
     with pytest.raises(ValueError, match="known models"):
@@ -191,6 +192,17 @@ def test_gpt2_small_shape_and_count():
     assert (len(model.blocks), model.blocks[0].attn.n_heads, model.pos_emb.num_embeddings) == (12, 12, 1024)
     with pytest.raises(ValueError, match="exceeds the context"):
         _meta_model("gpt2_small", in_shape=(2048,))
+
+
+@pytest.mark.parametrize("name,shape", [("gpt_350m", (24, 16, 1024)), ("gpt_760m", (36, 20, 1280)),
+                                        ("gpt_1_3b", (24, 16, 2048))])
+def test_larger_decoders_count(name, shape):
+    model = _meta_model(name)
+    L, H, d = shape
+    v, t = 50257, 1024
+    per_block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d)
+    assert num_parameters(model) == model_info(name).params == 2 * v * d + t * d + L * per_block + 2 * d
+    assert (len(model.blocks), model.blocks[0].attn.n_heads) == (L, H)
 
 
 def _tiny_gpt(**kw) -> nn.Module:

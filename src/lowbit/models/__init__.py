@@ -23,7 +23,13 @@ lstm         16x363 frames, 132 13M   13,637,764 (CNTK's LSTMP c1024 p512 x3: 13
 mlp          784, 10            —     1,863,690 (Dettmers' 784-1024-1024-10)
 small_cnn    1x8x8, 10          —     25,866
 gpt2_small   256 tokens, 50257  —     163,037,184 (GPT-2 small 124,439,808 + untied head)
+gpt_350m     1024 tokens, 50257 —     406,286,336 (GPT-2 medium shape: 24 x 1024, 16 heads)
+gpt_760m     1024 tokens, 50257 —     838,359,040 (GPT-2 large shape: 36 x 1280, 20 heads)
+gpt_1_3b     1024 tokens, 50257 —     1,416,552,448 (GPT-3 XL shape: 24 x 2048, 16 heads)
 ============ ================== ===== ====================================================
+
+The three larger decoders are for sharded (FSDP2) runs; with a byte vocabulary (``num_classes=256``)
+they hold 303,884,288, 710,356,480 and 1,211,748,352 parameters.
 
 The seed prints whole millions rounded down; ``ModelInfo.seed_params_m`` keeps its number as printed.
 """
@@ -87,6 +93,15 @@ def _build_lstm(num_classes: int, in_shape: tuple[int, ...], **kw: Any) -> nn.Mo
     if len(in_shape) != 2:
         raise ValueError(f"lstm wants in_shape (T, features) or (T,) tokens; got {in_shape}")
     return LSTMP(num_classes=num_classes, input_dim=in_shape[1], **kw)
+
+
+def _gpt_size(n_layers: int, n_heads: int, d_model: int) -> Callable[..., nn.Module]:
+    def build(num_classes: int, in_shape: tuple[int, ...], **kw: Any) -> nn.Module:
+        for key, value in (("n_layers", n_layers), ("n_heads", n_heads), ("d_model", d_model)):
+            kw.setdefault(key, value)
+        return _build_gpt(num_classes, in_shape, **kw)
+
+    return build
 
 
 def _build_gpt(num_classes: int, in_shape: tuple[int, ...], **kw: Any) -> nn.Module:
@@ -160,6 +175,24 @@ _REGISTRY: dict[str, tuple[Callable[..., nn.Module], ModelInfo]] = {
                   "12 layers, 12 heads, d_model 768, context 1024, pre-LayerNorm, GELU MLP 4x, "
                   "learned positions; untied lm head (no bias): 124,439,808 + 38,597,376; "
                   "(N, T) int64 tokens -> (N, T, 50257) logits"),
+    ),
+    "gpt_350m": (
+        _gpt_size(24, 16, 1024),
+        ModelInfo("gpt_350m", "Decoder, GPT-2 medium shape, untied head", (1024,), 50257, "sequence",
+                  406_286_336, None, "Radford et al. 2019 (GPT-2 medium shape); lowbit",
+                  "24 layers, 16 heads, d_model 1024; as gpt2_small otherwise"),
+    ),
+    "gpt_760m": (
+        _gpt_size(36, 20, 1280),
+        ModelInfo("gpt_760m", "Decoder, GPT-2 large shape, untied head", (1024,), 50257, "sequence",
+                  838_359_040, None, "Radford et al. 2019 (GPT-2 large shape); lowbit",
+                  "36 layers, 20 heads, d_model 1280; as gpt2_small otherwise"),
+    ),
+    "gpt_1_3b": (
+        _gpt_size(24, 16, 2048),
+        ModelInfo("gpt_1_3b", "Decoder, GPT-3 XL shape, untied head", (1024,), 50257, "sequence",
+                  1_416_552_448, None, "Brown et al. 2020 (GPT-3 XL shape); lowbit",
+                  "24 layers, 16 heads, d_model 2048; as gpt2_small otherwise"),
     ),
 }
 
