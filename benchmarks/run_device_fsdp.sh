@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Device recipe for issue 28 (lowbit.fsdp): FSDP2 throughput beside its bf16 baselines, and convergence.
+#   MODE="nvlink sockets" bash benchmarks/run_device_fsdp.sh      (2 GPUs)
+#   MODE=nodes bash benchmarks/run_device_fsdp.sh                 (4 GPUs as 2 emulated nodes of 2)
+#   MODE=train bash benchmarks/run_device_fsdp.sh                 (2 GPUs over NVLink: 1,500 steps on pysource)
+# MODEL (default gpt_350m), CONFIGS, STEPS, WARMUP, ROUNDS, BATCH, TRAIN_STEPS override the defaults.
+set -uo pipefail
+export PYTHONPATH=src
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '_' | tr -cd 'A-Za-z0-9_')
+MODEL=${MODEL:-gpt_350m}; STEPS=${STEPS:-8}; WARMUP=${WARMUP:-3}; ROUNDS=${ROUNDS:-1}; BATCH=${BATCH:-8}
+common=(--model "$MODEL" --steps "$STEPS" --warmup "$WARMUP" --rounds "$ROUNDS" --batch "$BATCH" --commit "${COMMIT:-}")
+quiet() { grep -v "^W1\|Warning\|warn\|^\*\*\*\|OMP_NUM" ; }
+for mode in ${MODE:-nvlink sockets}; do
+  case $mode in
+    nvlink)
+      torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --link nvlink "${common[@]}" \
+        --configs "${CONFIGS:-fsdp,fsdp_bf16,bf16,q8,q8_p8,q4_p8}" --out "$OUT/fsdp_2x${card}_nvlink_${MODEL}.json" 2>&1 | quiet ;;
+    sockets)
+      NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py \
+        --link sockets "${common[@]}" --configs "${CONFIGS:-fsdp,fsdp_bf16,bf16,q8_p8,q4_p8,q4ef_p8}" \
+        --out "$OUT/fsdp_2x${card}_sockets_${MODEL}.json" 2>&1 | quiet ;;
+    nodes)
+      LOWBIT_NODE_SIZE=2 torchrun --nproc-per-node 4 --no-python benchmarks/emulated_node.sh benchmarks/bench_fsdp.py \
+        --link 2nodes --node-size 2 "${common[@]}" --configs "${CONFIGS:-fsdp,fsdp_bf16,q8_p8,h_q8,h_q8_p8,h_q4_p8}" \
+        --out "$OUT/fsdp_4x${card}_2nodes_${MODEL}.json" 2>&1 | quiet ;;
+    train)
+      torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --link nvlink --model "$MODEL" --batch "$BATCH" \
+        --train "${TRAIN_STEPS:-1500}" --eval-every "${EVAL_EVERY:-250}" --commit "${COMMIT:-}" \
+        --configs "${CONFIGS:-fsdp,q8_p8,q4_p8,q4ef_p8}" --out "$OUT/fsdp_train_2x${card}_${MODEL}.json" 2>&1 | quiet ;;
+    *) echo "unknown MODE $mode"; exit 2 ;;
+  esac
+done
