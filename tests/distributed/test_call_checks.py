@@ -69,3 +69,37 @@ def test_strided_tensors_get_the_right_answer_and_overlapping_ones_are_refused()
         assert "overlap" in msg and "clone()" in msg, msg
     assert r0["refused"] == r1["refused"]
     assert r0["in step"] == [1.0] * 8
+
+
+HUGE_CODECS = [("qsgd:bits=8,bucket=64", "scatter_gather"), ("qsgd:bits=8,bucket=64", "allgather"),
+               ("qsgd:bits=2,bucket=64,norm=l2", "scatter_gather"), ("onebit:bucket=64", "scatter_gather"),
+               ("dettmers:type=dynamic", "allgather"), ("topk:ratio=0.5", "allgather"),
+               ("onebit:bucket=0", "allgather")]
+
+
+def _body_huge_mean(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    pair = dist.new_group([0, 1])
+    out: dict = {}
+    big = 3.0e38  # above float32's max (3.4e38) / 2: the sum of two overflows, their mean does not
+    for spec, algorithm in HUGE_CODECS:
+        for name, group, k in (("pair", pair, 2), ("three", None, 3)):
+            if rank >= k:
+                continue
+            x = torch.full((40, 10), big) * (1 - 0.01 * torch.arange(400.0).view(40, 10) / 400)
+            x[::7] *= -1
+            lowbit.all_reduce(x, spec, group=group, algorithm=algorithm, op="mean", seed=1)
+            out[(spec, algorithm, name)] = x
+    return out
+
+
+def test_the_mean_of_huge_finite_values_is_finite() -> None:
+    """Finite in, finite out: the quantised algorithms summed before dividing, so a mean of values
+    above float32's max / K came back as ±Inf (fp32's native allreduce divides first)."""
+    res = spawn(_body_huge_mean, 3, backend="gloo", timeout_s=60)
+    for key, y in res[0].items():
+        assert torch.isfinite(y).all(), (key, y.view(-1)[:4])
+        assert y.abs().max() < 3.41e38 and (y.view(-1)[::7].abs() > 1e38).any(), key  # still huge
+        others = [r[key] for r in res[1:] if key in r]
+        assert all(torch.equal(y, o) for o in others), key

@@ -436,3 +436,26 @@ def test_qsgd_infinities_keep_their_sign(backend: str, monkeypatch: pytest.Monke
     x = torch.randn(4100)
     x[3] = float("inf")
     assert torch.isnan(l2.decode(l2.encode(x), x.numel())[:64]).all()
+
+
+@pytest.mark.parametrize("spec", ["qsgd:bits=4,bucket=64", "qsgd:bits=1,bucket=7,norm=l2", "onebit:bucket=64",
+                                  "onebit:bucket=0", "dettmers:type=dynamic", "dettmers:type=linear,bucket=100",
+                                  "topk:ratio=0.1", "dettmers:type=static"])
+def test_scale_payload_scales_every_decoded_value_exactly(spec: str) -> None:
+    """What a collective's mean relies on (issue 32 item 6): a payload whose scale fields are multiplied
+    by a power of two decodes to exactly that multiple of its values (at any byte offset)."""
+    codec = lowbit.get_codec(spec)
+    x = torch.randn(50, 30, generator=torch.Generator().manual_seed(1)) * 1e30
+    shape = (50, 30) if codec.needs_shape else None
+    payload = codec.encode(x, seed=2)
+    want = codec.decode(payload, x.numel(), shape=shape)
+    for factor, offset in ((0.5, 0), (0.25, 1), (0.125, 3)):
+        buf = torch.zeros(payload.numel() + offset, dtype=torch.uint8)
+        p = buf[offset:]
+        p.copy_(payload)
+        scaled = codec.scale_payload_(p, x.numel(), factor, shape)
+        got = codec.decode(p, x.numel(), shape=shape)
+        if codec.scale_fields(x.numel(), shape) is None:
+            assert not scaled and torch.equal(p, payload)
+        else:
+            assert scaled and torch.equal(got, want * factor), (spec, factor, offset)

@@ -16,11 +16,14 @@ draws from a counter-based hash keyed by ``(seed, element index)``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
+import logging
 import numbers
 import os
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -33,6 +36,7 @@ __all__ = [
     "parse_spec",
     "parse_codec_list",
     "load_plugins",
+    "defer_plugins",
 ]
 
 _REGISTRY: dict[str, type[Codec]] = {}
@@ -114,6 +118,30 @@ class Codec:
         """Bytes of the payload before its packed code stream (the scales). Collectives place payloads
         so that the code stream starts 16-byte aligned: the kernels then move it in 16-byte vectors."""
         return 0
+
+    def scale_fields(self, numel: int, shape: Sequence[int] | None = None) -> tuple[int, int] | None:
+        """The byte range ``[lo, hi)`` of the payload's float32 fields that every decoded value is
+        proportional to (a bucket's scale, a group's means, top-k's values): multiplying them by a power
+        of two multiplies every decoded value by it, exactly (outside float32's subnormal range). None:
+        the codec has no such fields. A collective's mean uses it to add the K decoded payloads
+        already divided by 2^ceil(log2 K), so that the sum cannot overflow (:meth:`scale_payload_`)."""
+        return None
+
+    def scale_payload_(self, payload: torch.Tensor, numel: int, factor: float,
+                       shape: Sequence[int] | None = None) -> bool:
+        """Multiply ``payload``'s :meth:`scale_fields` by ``factor`` (a power of two) in place, so that it
+        decodes to ``factor`` times its values; False (payload untouched) if the codec has none."""
+        span = self.scale_fields(numel, shape)
+        if span is None:
+            return False
+        lo, hi = span
+        if hi > lo:
+            fields = payload[lo:hi]
+            if fields.storage_offset() % 4 == 0:
+                fields.view(torch.float32).mul_(factor)
+            else:  # a receive buffer's slice may start at any byte
+                fields.copy_(fields.clone().view(torch.float32).mul_(factor).view(torch.uint8))
+        return True
 
     def encode(self, x: torch.Tensor, seed: int = 0) -> torch.Tensor:
         raise NotImplementedError
@@ -314,21 +342,47 @@ _PLUGINS_LOADED: set[str] = set()
 
 def load_plugins() -> None:
     """Import lowbit's codecs and the modules named in ``$LOWBIT_PLUGINS`` (each once): what registers
-    itself on import (codecs, algorithms) is then known. ValueError when a named module does not import."""
-    _ensure_loaded()
+    itself on import (codecs, algorithms) is then known. ValueError when a named module does not import.
 
-
-def _ensure_loaded() -> None:
+    Called where a codec or an algorithm is resolved (``get_codec``, ``available_codecs``,
+    ``lowbit.comm.allreduce.algorithms``), never by merely importing lowbit; inside :func:`defer_plugins`
+    (the CLI while it builds its parsers, so ``lowbit --help`` runs no plugin) only the built-ins load.
+    Plugins run code: the first import of each is said once per process, one line on stderr (and an INFO
+    record of the ``lowbit`` logger) naming the module and its file."""
     # The codec modules register themselves on import.
     from lowbit.codecs import dettmers, floats, onebit, qsgd, topk  # noqa: F401
 
+    if _DEFERRED:
+        return
+    new = []
     for mod in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
         if mod not in _PLUGINS_LOADED:
             try:
-                importlib.import_module(mod)
+                module = importlib.import_module(mod)
             except ImportError as exc:
                 raise ValueError(f"${PLUGINS_ENV}: cannot import plugin {mod!r}: {exc}") from exc
             _PLUGINS_LOADED.add(mod)
+            new.append(f"{mod} ({getattr(module, '__file__', None) or 'built-in'})")
+    if new:
+        line = f"lowbit: imported plugin module{'s' if len(new) > 1 else ''} from ${PLUGINS_ENV}: {', '.join(new)}"
+        logging.getLogger("lowbit").info(line)
+        print(line, file=sys.stderr)
+
+
+_ensure_loaded = load_plugins
+_DEFERRED = False
+
+
+@contextlib.contextmanager
+def defer_plugins() -> Iterator[None]:
+    """Within: :func:`load_plugins` loads the built-in codecs only (``$LOWBIT_PLUGINS`` waits for the
+    first resolution outside)."""
+    global _DEFERRED
+    before, _DEFERRED = _DEFERRED, True
+    try:
+        yield
+    finally:
+        _DEFERRED = before
 
 
 # --------------------------------------------------------------------------------- validation

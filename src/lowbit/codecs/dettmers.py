@@ -89,6 +89,11 @@ class Dettmers(Codec):
     def nbytes(self, numel: int, shape: Sequence[int] | None = None) -> int:
         return 4 * self._nscales(numel) + numel
 
+    def scale_fields(self, numel: int, shape: Sequence[int] | None = None) -> tuple[int, int] | None:
+        # normalised types: table value * scale; static / mantissa have no scale (and values of at most
+        # their table's largest, which cannot overflow a sum)
+        return (0, 4 * self._nscales(numel)) if self.normalised else None
+
     # ----------------------------------------------------------------------------- encode
     def encode(self, x: torch.Tensor, seed: int = 0) -> torch.Tensor:
         flat = self._flat_input(x)

@@ -76,6 +76,9 @@ class OneBit(Codec):
     def nbytes(self, numel: int, shape: Sequence[int] | None = None) -> int:
         return 8 * self._groups(numel, shape) + (numel + 7) // 8
 
+    def scale_fields(self, numel: int, shape: Sequence[int] | None = None) -> tuple[int, int]:
+        return 0, 8 * self._groups(numel, shape)  # a decoded value is one of its group's two means
+
     def encode(self, x: torch.Tensor, seed: int = 0) -> torch.Tensor:
         flat = self._flat_input(x)
         return dispatch.onebit_encode_buckets(flat, self._width(flat.numel(), tuple(x.shape)))

@@ -67,6 +67,9 @@ class QSGD(Codec):
     def nbytes(self, numel: int, shape: Sequence[int] | None = None) -> int:
         return 4 * ceil_div(numel, self.bucket) + (numel * self.bits + 7) // 8
 
+    def scale_fields(self, numel: int, shape: Sequence[int] | None = None) -> tuple[int, int]:
+        return 0, 4 * ceil_div(numel, self.bucket)  # a decoded value is (code - s) * scale / s
+
     def encode(self, x: torch.Tensor, seed: int = 0) -> torch.Tensor:
         flat = self._flat_input(x)
         return dispatch.qsgd_encode(flat, self.bits, self.bucket, self.norm, self.stochastic, int(seed),

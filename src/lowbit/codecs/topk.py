@@ -44,6 +44,9 @@ class TopK(Codec):
     def nbytes(self, numel: int, shape: Sequence[int] | None = None) -> int:
         return 8 * self.k(numel)
 
+    def scale_fields(self, numel: int, shape: Sequence[int] | None = None) -> tuple[int, int]:
+        return 4 * self.k(numel), 8 * self.k(numel)  # the values themselves
+
     def encode(self, x: torch.Tensor, seed: int = 0) -> torch.Tensor:
         flat = self._flat_input(x)
         k = self.k(flat.numel())

@@ -458,6 +458,31 @@ def _native(x, codec, group, op, k, stats, out, post) -> torch.futures.Future:
     return C.then(work, finish, "all_reduce", group)
 
 
+def _pow2_inverse(k: int) -> float:
+    """2^-ceil(log2 k): K values of at most float32's max, each times this, sum to at most its max."""
+    return 2.0 ** -(k - 1).bit_length()
+
+
+def _mean_scaling(codec: Codec, payloads: list[torch.Tensor], n: int, shape: tuple[int, ...] | None,
+                  divide_by: int) -> tuple[float, float]:
+    """Finite in, finite out for a mean of K values: summing first, as a fused decode-and-sum does, turns
+    values above float32's max / K into ±Inf. So the received payloads' scales are multiplied by
+    ``pre = 2^-ceil(log2 K)`` (in place: they then decode to ``pre`` times their values, exactly), the sum
+    is taken, then divided by ``K * pre`` (<= 1; none for K a power of two). Scaling by a power of two
+    commutes with float32 rounding, so the result has the same bits as ``sum / K`` wherever that did not
+    overflow (outside the subnormal range). Returns ``(pre, divisor)``: ``(1, divide_by)`` when there is
+    nothing to divide or the codec has no scales (:meth:`Codec.scale_fields`); then the caller divides
+    as before."""
+    if divide_by == 1 or n == 0:
+        return 1.0, divide_by
+    pre = _pow2_inverse(divide_by)
+    if codec.scale_fields(n, shape) is None:
+        return 1.0, divide_by
+    for p in payloads:
+        codec.scale_payload_(p, n, pre, shape)
+    return pre, divide_by * pre
+
+
 def _encode_with_feedback(codec: Codec, comp: torch.Tensor, residual: torch.Tensor | None, seed: int,
                           shape: tuple[int, ...] | None = None) -> torch.Tensor:
     """Encode ``comp`` (flat; viewed as ``shape`` for per-tensor codecs); with error feedback leave
@@ -592,15 +617,18 @@ def _allgather(x, comp, n, exact, codec, group, op, rank, k, residual, seed, sta
         with _Timer(stats, "t_decode", dev):
             _keep(recv)
             _keep(out)
+            payloads = [recv[i * s + lead : i * s + lead + p] for i in range(k)]
+            pre, div = _mean_scaling(codec, payloads, n, shape, divide_by)
             if n:
-                codec.decode_sum([recv[i * s + lead : i * s + lead + p] for i in range(k)], n, out=out[:n],
-                                 shape=shape, divide_by=divide_by)
+                codec.decode_sum(payloads, n, out=out[:n], shape=shape, divide_by=divide_by if pre == 1 else 1)
+                if pre != 1 and div != 1:
+                    out[:n].div_(div)
             if exact:
                 vals = recv.view(k, s)[:, psize : psize + 4 * exact].view(torch.float32)  # (k, exact), rank order
                 tail = out[n:]
-                torch.sum(vals, dim=0, out=tail)
-                if divide_by != 1:
-                    tail.div_(divide_by)
+                torch.sum(vals if divide_by == 1 else vals.mul_(_pow2_inverse(k)), dim=0, out=tail)
+                if divide_by != 1 and divide_by * _pow2_inverse(k) != 1:
+                    tail.div_(divide_by * _pow2_inverse(k))
             _POOL.give(recv)
         return out if post is None else post()
 
@@ -657,13 +685,15 @@ def _scatter_gather(comp, codec, group, op, rank, k, residual, seed, stats, out,
             own_chunk = comp[starts[rank] : starts[rank] + mine]
             reduced = _POOL.take(mine, torch.float32, dev)
             if k > 1 and mine:
-                codec.decode_sum([recv[j * my_slot + my_lead : j * my_slot + my_lead + nb] for j in range(k - 1)],
-                                 mine, out=reduced, shape=codec.flat_shape(mine))
-                reduced.add_(own_chunk)
+                payloads = [recv[j * my_slot + my_lead : j * my_slot + my_lead + nb] for j in range(k - 1)]
+                pre, div = _mean_scaling(codec, payloads, mine, codec.flat_shape(mine), k if op == "mean" else 1)
+                codec.decode_sum(payloads, mine, out=reduced, shape=codec.flat_shape(mine))
+                reduced.add_(own_chunk, alpha=pre)  # (pre * own is exact: a power of two)
             else:
                 reduced.copy_(own_chunk)
-            if op == "mean" and k > 1:
-                reduced.div_(k)
+                div = 1
+            if div != 1:
+                reduced.div_(div)
         with _Timer(stats, "t_encode", dev):
             own = codec.encode(reduced, seed=_seed(seed, rank, rank, 1))
             if residual is not None and mine:
