@@ -14,6 +14,7 @@ import sys
 import warnings
 from typing import Any
 
+from lowbit.codecs.base import defer_plugins
 from lowbit.kernels.dispatch import check_environment as check_kernel_environment
 
 # (module, what it provides) — imported lazily so `lowbit --help` stays fast.
@@ -32,14 +33,15 @@ def build_parser() -> argparse.ArgumentParser:
         "codecs, collectives, benchmarks, studies and a speed model.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for modname in _COMMAND_MODULES:
-        try:
-            mod = importlib.import_module(modname)
-        except ModuleNotFoundError as exc:
-            if exc.name and exc.name.startswith("lowbit"):
-                continue  # subcommand not built yet
-            raise
-        mod.register(sub)
+    with defer_plugins():  # $LOWBIT_PLUGINS runs code: not for --help, only where codecs or algorithms resolve
+        for modname in _COMMAND_MODULES:
+            try:
+                mod = importlib.import_module(modname)
+            except ModuleNotFoundError as exc:
+                if exc.name and exc.name.startswith("lowbit"):
+                    continue  # subcommand not built yet
+                raise
+            mod.register(sub)
     return parser
 
 

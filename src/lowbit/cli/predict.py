@@ -39,6 +39,21 @@ __all__ = ["register", "run_predict", "format_prediction", "format_sweep", "form
            "run_calibrate", "run_validate"]
 
 
+def _one_of(known: Any) -> Any:
+    """An argparse type checking a name against ``known()`` when the command line is parsed, not when
+    the parser is built: ``$LOWBIT_PLUGINS`` (which can add algorithms) is imported then, not for --help."""
+    def check(value: str) -> str:
+        try:
+            names = known()
+        except ValueError as exc:  # a $LOWBIT_PLUGINS module that does not import
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        if value not in names:
+            raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from {', '.join(names)})")
+        return value
+    check.__name__ = "algorithm"
+    return check
+
+
 def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     """The cluster options shared by ``lowbit predict`` and ``lowbit advise``."""
     p.add_argument("--gpus", type=int, default=8, help="number of GPUs / workers (default 8)")
@@ -88,8 +103,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--codec", default="qsgd:bits=8,bucket=512",
                    help="codec spec (default qsgd:bits=8,bucket=512)")
     p.add_argument("--bits", type=float, default=None, help="bits per value; overrides what --codec implies")
-    p.add_argument("--algorithm", default="auto", choices=("auto",) + modeled_algorithms(),
-                   help="auto: allreduce for 16/32-bit floats, scatter_gather below")
+    p.add_argument("--algorithm", default="auto", type=_one_of(lambda: ("auto",) + modeled_algorithms()),
+                   metavar="ALG", help=f"{' | '.join(('auto',) + modeled_algorithms())} (and those of "
+                   "$LOWBIT_PLUGINS); auto: allreduce for 16/32-bit floats, scatter_gather below")
     p.add_argument("--batch", type=int, default=64, help="samples per GPU per step (default 64)")
     p.add_argument("--device-tflops", type=float, default=None,
                    help="sustained TFLOP/s of one GPU on this network (default 100, or the calibrated device rate)")
@@ -403,9 +419,11 @@ def add_advise_arguments(p: argparse.ArgumentParser) -> None:
                    help="calibration JSON (lowbit predict --calibrate ... --save-calibration): measured links, "
                    "codec costs, device rate and overheads")
     p.add_argument("--transport", default=None, help="which calibrated transport (default: the only/first one)")
-    p.add_argument("--algorithm", default="auto", choices=("auto",) + lowbit_algorithms() + multi_node_algorithms(),
-                   help="collective for the quantised codecs; auto (default) takes the fastest of scatter_gather, "
-                   "allgather and (on several nodes) hierarchical for each assignment")
+    known = lambda: ("auto",) + lowbit_algorithms() + multi_node_algorithms()  # noqa: E731
+    p.add_argument("--algorithm", default="auto", type=_one_of(known), metavar="ALG",
+                   help=f"{' | '.join(known())} (and those of $LOWBIT_PLUGINS): collective for the quantised "
+                   "codecs; auto (default) takes the fastest of scatter_gather, allgather and (on several nodes) "
+                   "hierarchical for each assignment")
     p.add_argument("--batch", type=int, default=64, help="samples per GPU per step (default 64)")
     p.add_argument("--device-tflops", type=float, default=None,
                    help="sustained TFLOP/s of one GPU (default 100, or the calibrated device rate)")

@@ -16,11 +16,14 @@ draws from a counter-based hash keyed by ``(seed, element index)``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
+import logging
 import numbers
 import os
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -33,6 +36,7 @@ __all__ = [
     "parse_spec",
     "parse_codec_list",
     "load_plugins",
+    "defer_plugins",
 ]
 
 _REGISTRY: dict[str, type[Codec]] = {}
@@ -338,21 +342,47 @@ _PLUGINS_LOADED: set[str] = set()
 
 def load_plugins() -> None:
     """Import lowbit's codecs and the modules named in ``$LOWBIT_PLUGINS`` (each once): what registers
-    itself on import (codecs, algorithms) is then known. ValueError when a named module does not import."""
-    _ensure_loaded()
+    itself on import (codecs, algorithms) is then known. ValueError when a named module does not import.
 
-
-def _ensure_loaded() -> None:
+    Called where a codec or an algorithm is resolved (``get_codec``, ``available_codecs``,
+    ``lowbit.comm.allreduce.algorithms``), never by merely importing lowbit; inside :func:`defer_plugins`
+    (the CLI while it builds its parsers, so ``lowbit --help`` runs no plugin) only the built-ins load.
+    Plugins run code: the first import of each is said once per process, one line on stderr (and an INFO
+    record of the ``lowbit`` logger) naming the module and its file."""
     # The codec modules register themselves on import.
     from lowbit.codecs import dettmers, floats, onebit, qsgd, topk  # noqa: F401
 
+    if _DEFERRED:
+        return
+    new = []
     for mod in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
         if mod not in _PLUGINS_LOADED:
             try:
-                importlib.import_module(mod)
+                module = importlib.import_module(mod)
             except ImportError as exc:
                 raise ValueError(f"${PLUGINS_ENV}: cannot import plugin {mod!r}: {exc}") from exc
             _PLUGINS_LOADED.add(mod)
+            new.append(f"{mod} ({getattr(module, '__file__', None) or 'built-in'})")
+    if new:
+        line = f"lowbit: imported plugin module{'s' if len(new) > 1 else ''} from ${PLUGINS_ENV}: {', '.join(new)}"
+        logging.getLogger("lowbit").info(line)
+        print(line, file=sys.stderr)
+
+
+_ensure_loaded = load_plugins
+_DEFERRED = False
+
+
+@contextlib.contextmanager
+def defer_plugins() -> Iterator[None]:
+    """Within: :func:`load_plugins` loads the built-in codecs only (``$LOWBIT_PLUGINS`` waits for the
+    first resolution outside)."""
+    global _DEFERRED
+    before, _DEFERRED = _DEFERRED, True
+    try:
+        yield
+    finally:
+        _DEFERRED = before
 
 
 # --------------------------------------------------------------------------------- validation
