@@ -17,10 +17,11 @@ import argparse
 import sys
 from typing import Any
 
-from lowbit.codecs.base import parse_codec_list
+from lowbit.codecs.base import get_codec, parse_codec_list
 from lowbit.comm.allreduce import algorithms
 from lowbit.env import launched_rank_and_size, under_torchrun
 from lowbit.extras import require
+from lowbit.kernels.dispatch import warm_up
 from lowbit.study.config import PRESETS, load_config
 from lowbit.study.export import export_tensorboard, output_folder, write_csv
 from lowbit.study.report import DEFAULT_PRICE_PER_GPU_HOUR, load_runs, write_report
@@ -80,6 +81,16 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _warm_up(cfg: Any, out: str) -> None:
+    """Compile (or load from numba's cache) the CPU kernels of every codec still to run, here, before any
+    worker or process group exists: a cold compile inside the first collective can outlast its timeout."""
+    runs, finished, _ = plan_study(cfg, out)
+    todo = [r for r in runs if r.key() not in finished and r.device == "cpu" and r.world_size > 1]
+    for spec in dict.fromkeys(r.codec for r in todo):
+        if spec != "auto":
+            warm_up(get_codec(spec), "cpu")
+
+
 def _study(args: argparse.Namespace) -> int:
     for flag in ("out", "report_out", "tensorboard"):  # before any worker starts
         if getattr(args, flag):
@@ -94,6 +105,7 @@ def _study(args: argparse.Namespace) -> int:
             mark = "done" if r.key() in finished else "todo"
             print(f"  {mark}  {r.key()}  {r.describe()}")
         return 0
+    _warm_up(cfg, args.out)
     try:
         result = run_study(cfg, args.out, launcher=args.launcher, progress=not args.no_progress,
                            tensorboard=args.tensorboard)

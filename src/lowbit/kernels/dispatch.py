@@ -126,6 +126,33 @@ def qsgd_decode_sum(payloads: list[torch.Tensor], n: int, bits: int, bucket: int
     return mod.qsgd_decode_sum(payloads, n, bits, bucket, out, divide_by=divide_by, full=full)
 
 
+#: Values of a warm-up tensor: enough that the compiled kernels, not the reference, are chosen.
+_WARM_NUMEL = 2 * NUMBA_MIN_NUMEL
+_WARMED: set[str] = set()
+
+
+def warm_up(codec: Any, device: str | torch.device = "cpu") -> None:
+    """Compile, or load from numba's on-disk cache, every kernel ``codec`` (a :class:`lowbit.Codec`) runs
+    on ``device``: one encode, decode and decode-and-sum of a small tensor; once per codec and device in a
+    process.
+
+    A kernel compiles on its first call in a process that finds no cache: tens of seconds for 1bitSGD or
+    QSGD on a loaded machine. Inside a collective that happens between two exchanges, so a rank that
+    compiles faster waits for the other, and a short process-group timeout can expire. Call this before
+    the first collective (``lowbit study`` does, for its codecs, before it starts any worker; numba's
+    cache then serves the workers): docs/kernels.md, "First use"."""
+    key = f"{codec.spec}@{torch.device(device)}"
+    if key in _WARMED:
+        return
+    n = _WARM_NUMEL
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(device)  # (n,) float32
+    shape = codec.flat_shape(n)
+    payload = codec.encode(x, seed=0)
+    codec.decode(payload, n, shape=shape)
+    codec.decode_sum([payload, payload], n, shape=shape, divide_by=2)
+    _WARMED.add(key)
+
+
 def compiled_backend(x: torch.Tensor, op: str) -> Any | None:
     """The compiled module (Triton on CUDA, numba on CPU) with ``op`` for ``x``; None: use the codec's
     own torch path."""
