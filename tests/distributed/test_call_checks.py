@@ -103,3 +103,34 @@ def test_the_mean_of_huge_finite_values_is_finite() -> None:
         assert y.abs().max() < 3.41e38 and (y.view(-1)[::7].abs() > 1e38).any(), key  # still huge
         others = [r[key] for r in res[1:] if key in r]
         assert all(torch.equal(y, o) for o in others), key
+
+
+def _body_crosswise(rank: int, world: int) -> list[str]:
+    """Each pair first called alike by both ranks (so each combination has been seen), then crosswise."""
+    a, b = "qsgd:bits=8,bucket=64", "qsgd:bits=8,bucket=64,rounding=nearest"  # the same payload size
+    c = "qsgd:bits=4,bucket=64"                                              # a smaller one
+    x = torch.ones(1000) * (rank + 1)
+    for spec in (a, b, c):
+        lowbit.all_reduce(x.clone(), spec)
+    msgs = []
+    for mine, theirs in ((a, b), (a, c), (a, "qsgd:bits=2,bucket=64")):  # the last: one known call, one new
+        try:
+            lowbit.all_reduce(x.clone(), mine if rank == 0 else theirs)
+            msgs.append("no error")
+        except lowbit.comm.CollectiveError as exc:
+            msgs.append(str(exc))
+    t = torch.full((8,), float(rank))
+    lowbit.all_reduce(t, "fp32", algorithm="allreduce")  # the ranks are still in step
+    msgs.append(str(t.tolist()))
+    return msgs
+
+
+def test_every_call_is_checked_not_only_the_first_of_a_combination() -> None:
+    """Issue 32 item 2: the check ran once per combination, so known calls made crosswise gave silently
+    different results (equal sizes), an abort (different sizes) or a timeout (one call new)."""
+    m0, m1 = spawn(_body_crosswise, 2, backend="gloo", timeout_s=20)
+    assert m0 == m1
+    assert "rounding=stochastic" in m0[0] and "rounding=nearest" in m0[0] and "rank 1:" in m0[0], m0[0]
+    assert "bits=8" in m0[1] and "bits=4" in m0[1], m0[1]
+    assert "bits=2" in m0[2] and "timeout" not in m0[2], m0[2]
+    assert m0[3] == str([1.0] * 8)

@@ -750,11 +750,12 @@ def _scatter_gather(comp, codec, group, op, rank, k, residual, seed, stats, out,
     return C.then(work2, finish, "all_gather_into_tensor", group)
 
 
-def _agree(group: dist.ProcessGroup | None, key: Hashable, fingerprint: tuple) -> None:
-    """Ranks must call all_reduce alike: (key, codec, algorithm, op, numel, feedback), exchanged once per
-    combination (:func:`lowbit.comm.collectives.agree`)."""
-    C.agree(group, "all_reduce", (repr(key), *fingerprint),
-            lambda t: f"key {t[0]}, codec {t[1]}, algorithm {t[2]}, op {t[3]}, numel {t[4]}, feedback {t[5]}")
+def _agree(group: dist.ProcessGroup | None, key: Hashable, fingerprint: tuple, device: torch.device) -> None:
+    """Ranks must call all_reduce alike: (key, codec, algorithm, op, numel, feedback), checked on every
+    call by a 64-bit fingerprint exchanged before the data (:func:`lowbit.comm.collectives.check_call`)."""
+    C.check_call(group, "all_reduce", (repr(key), *fingerprint),
+                 lambda t: f"key {t[0]}, codec {t[1]}, algorithm {t[2]}, op {t[3]}, numel {t[4]}, feedback {t[5]}",
+                 device)
 
 
 class Handle:
@@ -825,7 +826,7 @@ def all_reduce(
     if plugin is not None and plugin.prepare is not None and not codec.sums_on_wire:
         node_size = plugin.prepare(group, node_size)
     _agree(group, key, (codec.spec, algorithm if plugin is None or plugin.start is None else f"{algorithm}/{node_size}", op,
-                        tensor.numel(), feedback is not None))
+                        tensor.numel(), feedback is not None), tensor.device)
 
     src = tensor.detach()
     direct = src.dtype == torch.float32 and src.is_contiguous()

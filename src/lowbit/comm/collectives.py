@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import queue
 import threading
 import time
@@ -22,7 +24,7 @@ import torch.distributed as dist
 
 __all__ = ["CollectiveError", "Deferred", "capturing", "world", "all_to_all_async", "all_gather_async",
            "all_reduce_async", "reduce_scatter_async", "then", "join", "wait", "done", "all_gather_object",
-           "emulate_link"]
+           "emulate_link", "check_call", "CHECK_CALLS"]
 
 
 class CollectiveError(RuntimeError):
@@ -319,3 +321,67 @@ def agree(group: dist.ProcessGroup | None, what: str, fingerprint: tuple,
         lines = "\n".join(f"  rank {r}: {describe(t)}" for r, t in enumerate(theirs))  # type: ignore[arg-type]
         raise CollectiveError(f"lowbit: the ranks called {what} differently:\n{lines}")
     _AGREED.add(slot)
+
+
+# ------------------------------------------------------------------------------------ per-call check
+#: Whether every call's fingerprint is checked (:func:`check_call`). ``LOWBIT_CHECK_CALLS=0`` turns the
+#: check off, for measuring what it costs only (benchmarks/bench_agreement.py): ranks that then call
+#: differently may hang, abort or get silently different results.
+CHECK_CALLS = os.environ.get("LOWBIT_CHECK_CALLS", "1").strip() != "0"
+
+# group -> (event, pinned flag, fields) of the last CUDA call, checked at the group's next call
+_PENDING: dict[int, tuple[object, torch.Tensor, tuple]] = {}
+
+
+def _fingerprint(fields: tuple) -> int:
+    """A signed 64-bit hash of ``fields`` (their repr: strings and numbers), the same in every process."""
+    return int.from_bytes(hashlib.blake2b(repr(fields).encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def _mismatch(group: dist.ProcessGroup | None, what: str, fields: tuple,
+              describe: Callable[[tuple], str]) -> CollectiveError:
+    """Every rank has seen the same fingerprints differ: they all gather each other's call and raise the
+    same error, one line per rank."""
+    theirs = all_gather_object(fields, group)
+    lines = "\n".join(f"  rank {r}: {describe(t)}" for r, t in enumerate(theirs))  # type: ignore[arg-type]
+    return CollectiveError(f"lowbit: the ranks called {what} differently:\n{lines}")
+
+
+def check_call(group: dist.ProcessGroup | None, what: str, fields: tuple, describe: Callable[[tuple], str],
+               device: torch.device) -> None:
+    """Ranks must make every call of ``what`` alike (``fields``: codec, algorithm, op, numel, ...). Each
+    call, the ranks all-gather one 64-bit fingerprint of their ``fields`` before any data moves.
+
+    CPU: the host compares them now; on a mismatch every rank raises the same :class:`CollectiveError`
+    listing each rank's call (``describe``), before the payloads, whose sizes may differ, are sent.
+    CUDA: the comparison runs on the device (no host synchronisation) into a pinned flag, which the
+    group's *next* call reads (after waiting for that small all-gather, not for the data) and reports
+    the same way, naming the earlier call; so ranks that disagree get the error one call late (and a
+    payload size that differs may make NCCL fail or hang first)."""
+    _, k = world(group)
+    if k == 1 or not CHECK_CALLS:
+        return
+    gid = id(group) if group is not None else 0
+    fp = _fingerprint(fields)
+    if device.type == "cuda":
+        pending = _PENDING.pop(gid, None)
+        if pending is not None:
+            event, flag, prev = pending
+            event.synchronize()  # type: ignore[attr-defined]
+            if bool(flag.item()):
+                raise _mismatch(group, what, prev, describe)
+        mine = torch.full((1,), fp, dtype=torch.int64, device=device)
+        theirs = torch.empty(k, dtype=torch.int64, device=device)
+        work = all_gather_async(theirs, mine, group)
+        work.wait()  # type: ignore[union-attr]  # NCCL: the current stream waits, not the host
+        flag = torch.empty(1, dtype=torch.bool, pin_memory=True)
+        flag.copy_((theirs != mine).any().view(1), non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        _PENDING[gid] = (event, flag, fields)
+        return
+    mine = torch.full((1,), fp, dtype=torch.int64)
+    theirs = torch.empty(k, dtype=torch.int64)
+    wait(all_gather_async(theirs, mine, group), "all_gather_into_tensor", group)
+    if bool((theirs != fp).any()):
+        raise _mismatch(group, what, fields, describe)
