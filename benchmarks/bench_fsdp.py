@@ -24,6 +24,8 @@ and, on 4 GPUs, two emulated nodes of two (``benchmarks/emulated_node.sh``; ``--
 from __future__ import annotations
 
 import argparse
+import gc
+import gzip
 import json
 import math
 import os
@@ -77,6 +79,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--eval-every", type=int, default=250)
     ap.add_argument("--eval-batches", type=int, default=8)
+    ap.add_argument("--profile", default="", help="configurations to profile after timing (torch.profiler, rank 0): "
+                    "a table and a gzipped trace beside --out")
     ap.add_argument("--commit", default=os.environ.get("LOWBIT_COMMIT", ""))
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -95,8 +99,12 @@ def build(args: argparse.Namespace, config: str, vocab: int, device: torch.devic
                             in_shape=(args.seq,), **kw)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
                               reduce_dtype=reduce_dtype)
+    # as torchtitan shards a decoder: the token embedding, every block and the head on their own, the
+    # rest (positions, final norm) in the root, so the two vocabulary-sized matrices overlap with compute
+    fully_shard(model.tok_emb, mp_policy=mp)
     for block in model.blocks:
         fully_shard(block, mp_policy=mp)
+    fully_shard(model.head, mp_policy=mp, reshard_after_forward=False)
     fully_shard(model, mp_policy=mp)
     state = None
     if codec is not None:
@@ -105,6 +113,16 @@ def build(args: argparse.Namespace, config: str, vocab: int, device: torch.devic
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
                             foreach=True)
     return model, opt, state
+
+
+def free(device: torch.device) -> None:
+    """Start a configuration from an empty GPU: FSDP's modules hold reference cycles, so the previous
+    model is only freed by the collector (else its memory counts in this one's peak)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def sync(device: torch.device) -> None:
@@ -128,9 +146,7 @@ def throughput(args, rank, world, device, write) -> None:
     g = torch.Generator(device="cpu").manual_seed(1234 + rank)
     for rnd in range(args.rounds):
         for name in names:
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats(device)
+            free(device)
             model, opt, state = build(args, name, vocab, device)
             batches = [torch.randint(0, vocab, (args.batch, args.seq + 1), generator=g).to(device)
                        for _ in range(2)]
@@ -159,7 +175,32 @@ def throughput(args, rank, world, device, write) -> None:
                    "param_bytes_per_step": (after[1] - before[1]) / args.steps,
                    "inter_bytes_per_step": (after[2] - before[2]) / args.steps}
             write(row)
+            if name in args.profile.split(",") and rnd == 0:
+                profile(args, name, rank, device, model, opt, batches)
             del model, opt, state, batches
+
+
+def profile(args, name, rank, device, model, opt, batches) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    with torch_profile(activities=acts) as prof:
+        for i in range(3):
+            b = batches[i % 2]
+            step(model, opt, b[:, :-1], b[:, 1:])
+        sync(device)
+    if rank == 0:
+        base = Path(args.out).with_suffix("")
+        key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        text = prof.key_averages().table(sort_by=key, row_limit=45, max_name_column_width=60)
+        text += "\n" + prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60)
+        Path(f"{base}_profile_{name}.txt").write_text(text)
+        tmp = f"/tmp/trace_{name}.json"
+        prof.export_chrome_trace(tmp)
+        with open(tmp, "rb") as f, gzip.open(f"{base}_trace_{name}.json.gz", "wb") as g:
+            g.write(f.read())
 
 
 def evaluate(model, xs, ys) -> float:
@@ -188,9 +229,7 @@ def train(args, rank, world, device, write) -> None:
         return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (i - warm) / max(1, args.train - warm))))
 
     for name in args.configs.split(","):
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
+        free(device)
         model, opt, state = build(args, name, 256, device)
         g = torch.Generator().manual_seed(99)  # the same order of windows for every configuration
         order = torch.randperm(len(data.x_train), generator=g)

@@ -324,19 +324,23 @@ class LowbitReduceScatter(_Comm):
             st.grad_stats.bytes_sent += (local - 1) * nodes * s * input_tensor.element_size()
             del blocks
         st.iter += 1
-        reduced = self._exchange(x, cross, s)
+        direct = output_tensor.dtype == torch.float32 and output_tensor.is_contiguous()
+        reduced = self._exchange(x, cross, s, output_tensor.view(-1) if direct else None)
         if scale != 1.0:
             reduced.mul_(scale)
-        output_tensor.copy_(reduced)
+        if not direct:
+            output_tensor.copy_(reduced)
 
-    def _exchange(self, x: torch.Tensor, group: dist.ProcessGroup, s: int) -> torch.Tensor:
+    def _exchange(self, x: torch.Tensor, group: dist.ProcessGroup, s: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
         """Phases 1-2 over ``group``: ``x`` (N, S) holds my row for each of its N ranks; returns the sum of
-        everybody's row for me, (S,) float32."""
+        everybody's row for me, (S,) float32 (in ``out`` when given)."""
         st = self.state
         rank, n = group.rank(), group.size()
         dev = x.device
         lay = self.layout(s, x.dtype)
-        out = torch.empty(s, dtype=torch.float32, device=dev)
+        if out is None:
+            out = torch.empty(s, dtype=torch.float32, device=dev)
         st.grad_stats.calls += 1
         if n == 1:
             out.copy_(x[0])
@@ -374,11 +378,13 @@ class LowbitReduceScatter(_Comm):
             lead, size = cls.slot()
             nb = cls.codec.nbytes(cls.numel, cls.codec.flat_shape(cls.numel))
             payloads = [recv[j * msg + at + lead : j * msg + at + lead + nb] for j in range(n - 1)]
-            acc = torch.empty(cls.numel, dtype=torch.float32, device=dev)
+            a, _ = cls.ranges[0]
+            acc = out[a : a + cls.numel] if cls.whole else torch.empty(cls.numel, dtype=torch.float32, device=dev)
             cls.codec.decode_sum(payloads, cls.numel, out=acc, shape=cls.codec.flat_shape(cls.numel))
-            # my own row joins in rank order: the rows of ranks below me were summed first
-            acc.add_(cls.take(x[rank]).float())
-            cls.put(out, acc)
+            # my own row joins after the others' sum (it never crossed the wire)
+            acc.add_(cls.take(x[rank]))
+            if not cls.whole:
+                cls.put(out, acc)
             at += size
         del send
         return out
