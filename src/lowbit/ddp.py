@@ -679,18 +679,31 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_HOOK_THREAD._reset)
 
 
-def _check_same_config(state: LowbitState, group: Optional[dist.ProcessGroup]) -> None:
-    """Every rank compares its configuration; all raise the same error on a mismatch (no hang)."""
-    mine = state.fingerprint()
-    configs = C.all_gather_object((mine, state.config()), group)
+def _wants_thread_group(state: LowbitState, module: nn.Module) -> bool:
+    """Whether make_state creates the hook thread's own process group (a collective ``new_group``)."""
+    cuda = any(p.is_cuda for p in module.parameters())
+    return state.hook_thread is True or (state.hook_thread == "auto" and cuda)
+
+
+def _check_same_config(state: LowbitState, group: Optional[dist.ProcessGroup], thread_group: bool = False) -> None:
+    """Every rank compares everything that shapes the messages: the configuration (:meth:`LowbitState.config`),
+    DDP's bucket caps (message groups close where DDP's buckets end) and whether the hook thread gets a
+    process group of its own (a collective ``new_group``); all raise the same error on a mismatch (no hang,
+    no gloo abort)."""
+    extra = {"bucket_bytes": state.bucket_bytes, "first_bucket_bytes": state.first_bucket_bytes,
+             "hook_thread_group": thread_group}
+    mine = hashlib.sha256(json.dumps([state.config(), extra], sort_keys=True).encode()).hexdigest()[:16]
+    configs = C.all_gather_object((mine, state.config(), extra), group)
     prints = [c[0] for c in configs]  # type: ignore[index]
     if len(set(prints)) > 1:
         lines = []
-        for r, (fp, cfg) in enumerate(configs):  # type: ignore[misc]
+        for r, (fp, cfg, ext) in enumerate(configs):  # type: ignore[misc]
             plan = cfg["plan"]
             codecs = sorted(set(plan.values()))
             lines.append(f"  rank {r}: fingerprint {fp}, algorithm {cfg['algorithm']}, "
-                         f"error_feedback {cfg['error_feedback']}, codecs {codecs}, {len(plan)} parameters")
+                         f"error_feedback {cfg['error_feedback']}, message_mb {cfg['message_mb']}, codecs {codecs}, "
+                         f"{len(plan)} parameters, bucket caps {ext['first_bucket_bytes']:.0f}/{ext['bucket_bytes']:.0f} "
+                         f"bytes, hook thread group {ext['hook_thread_group']}")
         raise ConfigMismatchError("lowbit: ranks registered different compression settings:\n" + "\n".join(lines))
 
 
@@ -710,6 +723,7 @@ def make_state(
     measure_steps: int = 3,
     remeasure_every: int = 0,
     hook_thread: Union[bool, str] = "auto",
+    _thread_group: bool = True,
 ) -> LowbitState:
     """Build the hook's state for ``module`` (the model *inside* DDP) without registering it.
 
@@ -748,12 +762,16 @@ def make_state(
     if tuner is not None:
         state.auto = tuner
         tuner.attach(module, state)  # the hook, registered by a framework, reduces in fp32 until the decision
-    cuda = any(p.is_cuda for p in module.parameters())
-    if (hook_thread is True or (hook_thread == "auto" and cuda)) and dist.is_available() and dist.is_initialized():
-        base = process_group if process_group is not None else dist.group.WORLD
+    if _thread_group:
+        _make_thread_group(state, module)
+    return state
+
+
+def _make_thread_group(state: LowbitState, module: nn.Module) -> None:
+    if _wants_thread_group(state, module) and dist.is_available() and dist.is_initialized():
+        base = state.process_group if state.process_group is not None else dist.group.WORLD
         state._thread_group = dist.new_group(ranks=dist.get_process_group_ranks(base), backend=dist.get_backend(base),
                                              use_local_synchronization=True)
-    return state
 
 
 LAUNCH_HINT = ("start several processes: torchrun --nproc-per-node 2 script.py, or accelerate launch --multi_gpu "
@@ -813,9 +831,10 @@ def register(
         raise ValueError("lowbit.ddp.register expects a torch.nn.parallel.DistributedDataParallel model")
     group = process_group if process_group is not None else getattr(ddp_model, "process_group", None)
     state = make_state(module, codec, algorithm, policy, error_feedback, start_iter, seed, group, message_mb,
-                       node_size, allow, error_budget, measure_steps, remeasure_every, hook_thread)
+                       node_size, allow, error_budget, measure_steps, remeasure_every, hook_thread, _thread_group=False)
     state.first_bucket_bytes, state.bucket_bytes = ddp_bucket_caps(ddp_model)
-    _check_same_config(state, group)
+    _check_same_config(state, group, _wants_thread_group(state, module))
+    _make_thread_group(state, module)  # after the check: a rank that made it alone would wait in new_group
     size = C.world(group)[1]
     if size == 1:
         warn_uncompressed(f"the process group has 1 rank, so no gradient is exchanged (the hook is installed "

@@ -1,0 +1,40 @@
+"""DDP: configurations that differ across ranks, errors DDP would disguise, checkpoints that do not fit
+(issue 32 items 3, 4 and 11; gloo, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import lowbit
+from lowbit.launch import spawn
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+
+
+def _body_config(rank: int, world: int) -> list[str]:
+    msgs = []
+    cases = [
+        lambda: lowbit.ddp.register(DDP(_net(), bucket_cap_mb=25 if rank == 0 else 0.001), codec="qsgd:bits=8"),
+        lambda: lowbit.ddp.register(DDP(_net()), codec="qsgd:bits=8", hook_thread=rank == 0),
+    ]
+    for case in cases:
+        try:
+            case()
+            msgs.append("no error")
+        except lowbit.ddp.ConfigMismatchError as exc:
+            msgs.append(str(exc))
+    return msgs
+
+
+def test_bucket_cap_and_hook_thread_that_differ_are_a_config_mismatch_on_every_rank() -> None:
+    """bucket_cap_mb crashed a rank in gloo ("Received data size doesn't match"); hook_thread hung register."""
+    m0, m1 = spawn(_body_config, 2, backend="gloo", timeout_s=15)
+    assert m0 == m1
+    assert "bucket caps" in m0[0] and "rank 1:" in m0[0], m0[0]
+    assert "hook thread group True" in m0[1] and "hook thread group False" in m0[1], m0[1]
