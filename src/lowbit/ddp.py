@@ -205,6 +205,7 @@ class _Group:
             try:
                 f.value()
             except Exception as exc:  # noqa: BLE001 — the buckets waiting for this message fail with it
+                _remember(state, exc)
                 if not done.done():  # type: ignore[union-attr]
                     done.set_exception(exc)  # type: ignore[union-attr]
 
@@ -379,6 +380,7 @@ class LowbitState:
         # SyncBatchNorm, torch.distributed.nn, DDP itself) cannot interleave with lowbit's differently on
         # different ranks. Not pickled (a restored state falls back to process_group).
         self._thread_group: Optional[dist.ProcessGroup] = None
+        self.error: Optional[BaseException] = None  # the first failed collective's error (check())
 
     # ------------------------------------------------------------------------------ helpers
     @property
@@ -430,6 +432,16 @@ class LowbitState:
         if lay is None:
             lay = self._layouts[key] = _Layout(self, bucket, flat)
         return lay
+
+    def check(self) -> None:
+        """Raise the first error of a lowbit collective of this state with its own type (a
+        :class:`lowbit.comm.CollectiveError`), if one failed: DDP re-raises it from ``backward()`` as a
+        ``RuntimeError`` whose message holds it, so ``except CollectiveError`` around ``backward()`` does not
+        catch it there; call this in the ``except RuntimeError`` handler (or let the next step's hook raise
+        it)."""
+        error = getattr(self, "error", None)
+        if error is not None:
+            raise error
 
     # ------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> Dict[str, Any]:
@@ -505,6 +517,7 @@ class LowbitState:
         d["_world"] = None
         d["_native"] = False
         d["_thread_group"] = None
+        d["error"] = None
         return d
 
 
@@ -513,8 +526,25 @@ def _bucket_capturing(bucket: dist.GradBucket) -> bool:
     return bucket.buffer().is_cuda and C.capturing()
 
 
+def _remember(state: LowbitState, exc: BaseException) -> None:
+    """Keep the first error of a lowbit collective: DDP re-raises a failed future's error as a
+    RuntimeError ("Unable to cast ... CollectiveError"), so lowbit raises the original at the next hook
+    call and from :meth:`LowbitState.check` (docs/ddp.md, "Errors")."""
+    if getattr(state, "error", None) is None:
+        while isinstance(exc, RuntimeError) and not isinstance(exc, C.CollectiveError) and "lowbit:" in str(exc) \
+                and exc.__cause__ is not None:
+            exc = exc.__cause__
+        if not isinstance(exc, C.CollectiveError) and "lowbit:" in str(exc):
+            msg = str(exc)
+            exc = C.CollectiveError(msg[msg.index("lowbit:"):].strip())
+        state.error = exc
+
+
 def hook(state: LowbitState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: low-precision mean of the bucket's gradients across the group."""
+    error = getattr(state, "error", None)
+    if error is not None:  # an earlier collective failed: raised with its own type (DDP disguised it)
+        raise error
     if _bucket_capturing(bucket):
         raise RuntimeError("lowbit's DDP hook cannot run inside a CUDA graph capture (it returns futures "
                            "that DDP chains; capture the model without lowbit.ddp, or run DDP eagerly)")
@@ -651,6 +681,7 @@ class _HookThread:
             else:
                 inner = _issue(state, lay, buf, group, step_seed, last)
         except BaseException as exc:  # noqa: BLE001 — DDP's wait on the bucket raises it
+            _remember(state, exc)
             out.set_exception(exc)
             # and so does its wait on any bucket with gradients in a message this failure left unsent
             for g in (state._group_of or {}).values():

@@ -38,3 +38,30 @@ def test_bucket_cap_and_hook_thread_that_differ_are_a_config_mismatch_on_every_r
     assert m0 == m1
     assert "bucket caps" in m0[0] and "rank 1:" in m0[0], m0[0]
     assert "hook thread group True" in m0[1] and "hook thread group False" in m0[1], m0[1]
+
+
+def test_a_collective_error_in_ddp_is_raised_with_its_own_type(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """DDP turns a failed hook future into RuntimeError("Unable to cast ... CollectiveError"): lowbit keeps
+    the original and raises it from state.check() and at the next step's hook (issue 32 item 4)."""
+    import torch.distributed as dist
+
+    from lowbit.comm import allreduce as A
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = DDP(_net())
+        state = lowbit.ddp.register(model, codec="qsgd:bits=8", start_iter=0)
+
+        def broken(t: torch.Tensor) -> None:
+            raise lowbit.comm.CollectiveError("lowbit: all_gather_into_tensor failed on rank 0 of 1 (planted)")
+
+        monkeypatch.setattr(A, "_keep", broken)
+        with pytest.raises(RuntimeError) as first:
+            model(torch.randn(4, 16)).sum().backward()
+        assert not isinstance(first.value, lowbit.comm.CollectiveError)  # DDP's disguise, as documented
+        with pytest.raises(lowbit.comm.CollectiveError, match="planted"):
+            state.check()
+        with pytest.raises(lowbit.comm.CollectiveError, match="planted"):
+            model(torch.randn(4, 16)).sum().backward()
+    finally:
+        dist.destroy_process_group()
