@@ -473,16 +473,30 @@ class LowbitState:
         it = state["iter"]
         if isinstance(it, bool) or not isinstance(it, int) or it < 0:
             raise ValueError(f"lowbit checkpoint: 'iter' must be a non-negative int, got {it!r}")
-        if "world_size" in state:
-            rank, size = self._world if self._world is not None else C.world(self.process_group)
-            if (state["rank"], state["world_size"]) != (rank, size):
-                raise ValueError(
-                    f"lowbit checkpoint was saved by rank {state['rank']} of {state['world_size']}, this is rank "
-                    f"{rank} of {size}: error-feedback residuals belong to one rank of one world size; save "
-                    "state_dict() on every rank and load each rank's own (or start a new lowbit state)")
+        if it >= 2**53:  # the rounding seed (seed * 1_000_003 + iter * 1_009) must stay a 64-bit integer
+            raise ValueError(f"lowbit checkpoint: 'iter' {it} is not a plausible step count (must be < 2**53)")
+        missing = [k for k in ("rank", "world_size") if k not in state]
+        if missing:
+            raise ValueError(f"lowbit checkpoint has no {' or '.join(repr(k) for k in missing)}: residuals belong to "
+                             "one rank of one world size, and a checkpoint that does not say whose they are cannot "
+                             "be checked (save LowbitState.state_dict() as it is)")
+        rank, size = self._world if self._world is not None else C.world(self.process_group)
+        if (state["rank"], state["world_size"]) != (rank, size):
+            raise ValueError(
+                f"lowbit checkpoint was saved by rank {state['rank']} of {state['world_size']}, this is rank "
+                f"{rank} of {size}: error-feedback residuals belong to one rank of one world size; save "
+                "state_dict() on every rank and load each rank's own (or start a new lowbit state)")
         residuals = state["residuals"]
         if not isinstance(residuals, dict):
             raise ValueError(f"lowbit checkpoint: 'residuals' must be a dict, got {type(residuals).__name__}")
+        if it > self.start_iter:  # compressed steps have run: every error-feedback parameter has its residual
+            want = sorted(n for n, c in self.plan.items() if self.uses_feedback(c) and n in set(self.params.values()))
+            lost = [n for n in want if n not in residuals]
+            if lost and self.auto is None:
+                raise ValueError(f"lowbit checkpoint at iter {it} has no error-feedback residuals for {lost[:5]}"
+                                 + (f" and {len(lost) - 5} more" if len(lost) > 5 else "")
+                                 + ": resuming without them would not continue the run (save state_dict() after "
+                                 "the steps, on every rank)")
         unknown = sorted(set(residuals) - set(self.plan))
         if unknown:
             raise ValueError(f"lowbit checkpoint holds residuals of parameters this model does not have: {unknown[:5]}"

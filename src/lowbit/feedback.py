@@ -94,6 +94,8 @@ class ErrorFeedback:
                 f"error-feedback checkpoint was saved for codec {state.get('codec')!r}, "
                 f"but this state uses {self.codec.spec!r}"
             )
+        if "residuals" not in state:
+            raise ValueError("error-feedback checkpoint has no 'residuals' (save ErrorFeedback.state_dict() as it is)")
         residuals = state.get("residuals")
         if not isinstance(residuals, dict):
             raise ValueError(f"error-feedback checkpoint: 'residuals' must be a dict, got {type(residuals).__name__}")

@@ -65,3 +65,31 @@ def test_a_collective_error_in_ddp_is_raised_with_its_own_type(monkeypatch: pyte
             model(torch.randn(4, 16)).sum().backward()
     finally:
         dist.destroy_process_group()
+
+
+def test_checkpoints_without_their_rank_residuals_or_a_plausible_iter_are_refused() -> None:
+    """Issue 32 item 11: each of these loaded silently before."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = DDP(_net())
+        state = lowbit.ddp.register(model, codec="onebit:bucket=64", start_iter=0)
+        for _ in range(3):
+            model(torch.randn(8, 16)).sum().backward()
+        good = state.state_dict()
+        assert good["residuals"]
+        bad = {
+            "no rank": ({k: v for k, v in good.items() if k != "rank"}, "'rank'"),
+            "no world_size": ({k: v for k, v in good.items() if k != "world_size"}, "'world_size'"),
+            "no residuals": ({**good, "residuals": {}}, "no error-feedback residuals"),
+            "iter 2**70": ({**good, "iter": 2**70}, "2\\*\\*53"),
+        }
+        for what, (sd, match) in bad.items():
+            with pytest.raises(ValueError, match=match):
+                state.load_state_dict(sd)
+        state.load_state_dict(good)  # the real one still loads
+        fresh = lowbit.ddp.make_state(_net(), codec="onebit:bucket=64")  # before any compressed step: no residuals
+        fresh.load_state_dict(fresh.state_dict())
+    finally:
+        dist.destroy_process_group()
