@@ -101,7 +101,7 @@ def build(args: argparse.Namespace, config: str, vocab: int, device: torch.devic
                               reduce_dtype=reduce_dtype)
     # as torchtitan shards a decoder: the token embedding, every block and the head on their own, the
     # rest (positions, final norm) in the root, so the two vocabulary-sized matrices overlap with compute
-    fully_shard(model.tok_emb, mp_policy=mp)
+    fully_shard(model.tok_emb, mp_policy=mp, reshard_after_forward=False)  # its backward needs no weight
     for block in model.blocks:
         fully_shard(block, mp_policy=mp)
     fully_shard(model.head, mp_policy=mp, reshard_after_forward=False)

@@ -59,7 +59,7 @@ from torch import nn
 from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
 from lowbit.comm.allreduce import CommStats, all_reduce
-from lowbit.comm.hierarchical import node_size_for, topology
+from lowbit.comm.hierarchical import node_size_for
 from lowbit.ddp import ConfigMismatchError
 from lowbit.feedback import ErrorFeedback
 from lowbit.policy import Policy
@@ -268,10 +268,10 @@ class _Comm:
     """What both custom collectives share: FSDP's allocate(), the group's layout and its topology."""
 
     def __init__(self, state: FSDPState, name: str, index: int, sizes: list[int], codecs: list[Codec | None],
-                 fallback: Codec, node_size: int | None) -> None:
+                 fallback: Codec, groups: _Groups | None) -> None:
         self.state, self.name, self.index = state, name, index
         self.sizes, self.codecs, self.fallback = sizes, codecs, fallback
-        self.node_size = node_size
+        self.groups = groups
         self._layouts: dict[tuple[int, torch.dtype], _Layout] = {}
         self._warned = False
 
@@ -293,12 +293,40 @@ class _Comm:
         return lay
 
     def split(self, group: dist.ProcessGroup) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup, int, int]:
-        """(intra-node group or None, the compressed exchange's group, nodes N, ranks per node L)."""
-        k = group.size()
-        if self.node_size is None or self.node_size >= k:
-            return None, group, k, 1
-        topo = topology(group, self.node_size)
-        return topo.intra, topo.cross, topo.nodes, topo.node_size
+        """(intra-node group or None, the compressed exchange's group, nodes N, ranks per node L): this
+        direction's own communicators (:func:`_make_groups`), or FSDP's group when it has none."""
+        if self.groups is None:
+            return None, group, group.size(), 1
+        g = self.groups
+        return g.intra, g.cross, g.nodes, g.local
+
+
+@dataclasses.dataclass(frozen=True)
+class _Groups:
+    """The communicators of one direction (gradients or parameters): ``cross`` carries the compressed
+    exchange (among the ranks of one local index, one a node; all ranks with one node), ``intra`` the
+    native one inside a node (None with one node)."""
+
+    intra: dist.ProcessGroup | None
+    cross: dist.ProcessGroup
+    nodes: int
+    local: int
+
+
+def _make_groups(group: dist.ProcessGroup, node_size: int | None) -> _Groups:
+    """New communicators over ``group``'s ranks. The gradients get their own, apart from FSDP's: one NCCL
+    communicator runs one collective at a time, and the backward's parameter all-gathers would queue
+    behind the gradients' exchange (and the other way round) instead of sharing the link, as FSDP's own
+    reduce-scatter and all-gather do on their two streams. Every rank calls this in the same order."""
+    ranks = dist.get_process_group_ranks(group)
+    k, rank = len(ranks), group.rank()
+    if node_size is None or node_size >= k:
+        return _Groups(None, dist.new_group(ranks, use_local_synchronization=True), k, 1)
+    nodes = k // node_size
+    node, local = divmod(rank, node_size)
+    intra = dist.new_group(ranks[node * node_size : (node + 1) * node_size], use_local_synchronization=True)
+    cross = dist.new_group([ranks[j * node_size + local] for j in range(nodes)], use_local_synchronization=True)
+    return _Groups(intra, cross, nodes, node_size)
 
 
 class LowbitReduceScatter(_Comm):
@@ -371,7 +399,7 @@ class LowbitReduceScatter(_Comm):
         C.wait(work, "all_to_all_single", group)
         sent_bytes = (n - 1) * msg
         st.grad_stats.bytes_sent += sent_bytes
-        if self.node_size is not None and self.node_size < st.world_size:
+        if self.groups is not None and self.groups.intra is not None:
             st.grad_stats.bytes_inter += sent_bytes
         at = 0
         for cls in lay.classes:
@@ -443,7 +471,7 @@ class LowbitAllGather(_Comm):
         C.wait(work, "all_gather_into_tensor", group)
         sent_bytes = (n - 1) * msg
         st.param_stats.bytes_sent += sent_bytes
-        if self.node_size is not None and self.node_size < st.world_size:
+        if self.groups is not None and self.groups.intra is not None:
             st.param_stats.bytes_inter += sent_bytes
         at = 0
         for cls in lay.classes:
@@ -500,7 +528,7 @@ def _check_codec(spec: Codec | str, what: str) -> Codec:
     if codec.per_tensor:
         raise ValueError(f"lowbit.fsdp.register: {what} {codec.spec} keeps one scale per tensor or column, but FSDP "
                          "sends chunks of flattened parameters; use a bucketed codec (e.g. onebit:bucket=512, "
-                         "dettmers with bucket=)")
+                         "dettmers:bucket=4096)")
     return codec
 
 
@@ -575,6 +603,7 @@ def register(
     state = FSDPState(grad_codec, p_codec, error_feedback, pol, ns_eff, replicate_group, rank, k, local0.device)
 
     resolved = rule.resolve(model)
+    plans = []
     for index, (name, m) in enumerate(modules):
         owned = _managed_params(m, FSDPModule)
         sizes = [_padded_chunk(p, k) for _, p in owned]
@@ -588,12 +617,17 @@ def register(
             param_codecs.append(None if exact else p_codec)
         label = name or "<root>"
         state.modules.append(f"{label}:{sum(sizes)}")
-        m.set_custom_reduce_scatter(LowbitReduceScatter(state, label, index, sizes, grad_codecs, grad_codec, ns_eff))
+        plans.append((index, label, m, sizes, grad_codecs, param_codecs))
+    # agree before anything collective is set up: ranks that differ (a node size, a codec) would hang there
+    _check_same_config(state, group if replicate_group is None else None)
+    grad_groups = _make_groups(group, ns_eff)
+    param_groups = _make_groups(group, ns_eff) if p_codec is not None and ns_eff is not None else None
+    for index, label, m, sizes, grad_codecs, param_codecs in plans:
+        m.set_custom_reduce_scatter(LowbitReduceScatter(state, label, index, sizes, grad_codecs, grad_codec, grad_groups))
         if p_codec is not None:
-            m.set_custom_all_gather(LowbitAllGather(state, label, index, sizes, param_codecs, p_codec, ns_eff))
+            m.set_custom_all_gather(LowbitAllGather(state, label, index, sizes, param_codecs, p_codec, param_groups))
     if replicate_group is not None:
         _replicate(model, modules, state, replicate_group)
-    _check_same_config(state, group if replicate_group is None else None)
     return state
 
 

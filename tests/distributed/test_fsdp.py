@@ -264,7 +264,7 @@ def test_register_refuses_bad_input() -> None:
     with pytest.raises(ValueError, match="unknown codec"):
         lf.register(nn.Linear(4, 4), codec="qsgd8")
     with pytest.raises(ValueError, match="bucketed codec"):
-        lf.register(nn.Linear(4, 4), codec="onebit")
+        lf.register(nn.Linear(4, 4), codec="onebit:bucket=0")
     with pytest.raises(ValueError, match="no error feedback"):
         lf.register(nn.Linear(4, 4), codec="bf16", error_feedback=True)
 
