@@ -98,10 +98,9 @@ def test_export_tensorboard_to_an_existing_file_is_one_line(tmp_path: Path,
     _one_line(capsys.readouterr().err, "--tensorboard", "not a folder")
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["predict", "--dettmers"]])
-def test_a_closed_pipe_is_not_a_traceback(argv: list[str]) -> None:
+def test_a_closed_pipe_is_not_a_traceback() -> None:
     """`lowbit ... | head`: the reader goes away before lowbit writes (the Python docs' SIGPIPE recipe)."""
-    proc = subprocess.Popen([sys.executable, "-m", "lowbit", *argv], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "lowbit", "predict", "--dettmers"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, cwd=ROOT)
     proc.stdout.close()  # before Python has even started: every write of lowbit's meets a closed pipe
     err = proc.stderr.read().decode()
