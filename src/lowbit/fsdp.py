@@ -46,6 +46,7 @@ codec.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import zlib
@@ -91,52 +92,6 @@ def _fsdp_api() -> tuple[type, Any]:
 
 
 # ------------------------------------------------------------------------------------------ layout
-@dataclasses.dataclass(frozen=True)
-class _Class:
-    """One codec's share of a row: the column ranges (start, length) of its parameters, in row order."""
-
-    codec: Codec
-    ranges: tuple[tuple[int, int], ...]
-    numel: int
-
-    @property
-    def whole(self) -> bool:
-        return len(self.ranges) == 1
-
-    def take(self, row: torch.Tensor) -> torch.Tensor:
-        """This class's columns of ``row`` ((S,) any dtype) as one (numel,) tensor (a view when contiguous)."""
-        if self.whole:
-            a, n = self.ranges[0]
-            return row[a : a + n]
-        return torch.cat([row[a : a + n] for a, n in self.ranges])
-
-    def put(self, row: torch.Tensor, values: torch.Tensor) -> None:
-        """Write ``values`` ((numel,)) into this class's columns of ``row`` (cast to row's dtype)."""
-        at = 0
-        for a, n in self.ranges:
-            row[a : a + n].copy_(values[at : at + n])
-            at += n
-
-    def slot(self) -> tuple[int, int]:
-        """(lead, size): zero bytes before the payload that put its code stream on a 16-byte boundary,
-        and the slot's size (a multiple of 16)."""
-        shape = self.codec.flat_shape(self.numel)
-        lead = -self.codec.head_bytes(self.numel, shape) % ALIGN
-        return lead, _up(lead + self.codec.nbytes(self.numel, shape))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-    """How a row of S values splits into codec classes; ``message`` bytes carry one row."""
-
-    classes: tuple[_Class, ...]
-    numel: int
-
-    @property
-    def message(self) -> int:
-        return sum(c.slot()[1] for c in self.classes)
-
-
 _EXACT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -145,40 +100,91 @@ def _exact_codec(dtype: torch.dtype) -> Codec:
     return get_codec(_EXACT.get(dtype, "fp32"))
 
 
-def _row_layout(sizes: Sequence[int], codecs: Sequence[Codec | None], numel: int, fallback: Codec,
-                exact: Codec) -> tuple[_Layout, bool]:
-    """The classes of a row made of parameter chunks of ``sizes`` values with ``codecs`` (None: sent
-    exactly, in ``exact``); when the sizes do not add up to ``numel`` (FSDP left some parameters out of
-    this call: frozen or unused), the whole row takes ``fallback`` (second value False)."""
+def _slot(codec: Codec, numel: int) -> tuple[int, int]:
+    """(lead, size) of a payload's slot in a message: ``lead`` zero bytes put its code stream on a 16-byte
+    boundary; ``size`` (a multiple of 16) holds lead, payload and tail padding."""
+    shape = codec.flat_shape(numel)
+    lead = -codec.head_bytes(numel, shape) % ALIGN
+    return lead, _up(lead + codec.nbytes(numel, shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """One row of S values in a message: the whole row in ``codec`` (one contiguous encode, one decode
+    straight into place), then the values at ``exact`` (the parameters the policy keeps in full
+    precision: norms, biases; a few thousand of millions) once more in ``exact_codec``, which overwrite
+    their lossy copies after decoding. Costs E extra values on the wire and saves a gather and scatter
+    of the whole row per call."""
+
+    codec: Codec
+    numel: int
+    exact: tuple[tuple[int, int], ...]  # (start, length) column ranges
+    exact_codec: Codec
+
+    @property
+    def exact_numel(self) -> int:
+        return sum(n for _, n in self.exact)
+
+    @property
+    def message(self) -> int:
+        size = _slot(self.codec, self.numel)[1]
+        return size + (_slot(self.exact_codec, self.exact_numel)[1] if self.exact else 0)
+
+    def index(self, device: torch.device) -> torch.Tensor:
+        """The exact columns as one index ((E,) int64 on ``device``; E is small)."""
+        return _index(self.exact, device)
+
+
+@functools.lru_cache(maxsize=256)
+def _index(ranges: tuple[tuple[int, int], ...], device: torch.device) -> torch.Tensor:
+    return torch.cat([torch.arange(a, a + n) for a, n in ranges]).to(device)
+
+
+def _row_layout(sizes: Sequence[int], exact: Sequence[bool], numel: int, codec: Codec,
+                exact_codec: Codec) -> tuple[_Layout, bool]:
+    """The layout of a row made of parameter chunks of ``sizes`` values, those flagged ``exact`` patched
+    exactly; when the sizes do not add up to ``numel`` (FSDP left some parameters out of this call:
+    frozen or unused), the whole row in ``codec`` and nothing exact (second value False)."""
     if sum(sizes) != numel or not sizes:
-        return _Layout((_Class(fallback, ((0, numel),), numel),), numel), numel == 0
-    ranges: dict[str, list[tuple[int, int]]] = {}
-    by_spec: dict[str, Codec] = {}
+        return _Layout(codec, numel, (), exact_codec), numel == 0
+    if codec.spec in ("fp32", exact_codec.spec):  # the codec itself is exact for this dtype
+        return _Layout(codec, numel, (), exact_codec), True
+    ranges: list[tuple[int, int]] = []
     at = 0
-    for n, maybe in zip(sizes, codecs):
-        codec = exact if maybe is None else maybe
-        rs = ranges.setdefault(codec.spec, [])
-        by_spec[codec.spec] = codec
-        if rs and rs[-1][0] + rs[-1][1] == at:
-            rs[-1] = (rs[-1][0], rs[-1][1] + n)  # neighbours of one codec merge into one range
-        elif n:
-            rs.append((at, n))
+    for n, ex in zip(sizes, exact):
+        if ex and n:
+            if ranges and ranges[-1][0] + ranges[-1][1] == at:
+                ranges[-1] = (ranges[-1][0], ranges[-1][1] + n)  # neighbours merge into one range
+            else:
+                ranges.append((at, n))
         at += n
-    classes = tuple(_Class(by_spec[s], tuple(r), sum(n for _, n in r)) for s, r in ranges.items() if r)
-    return _Layout(classes, numel), True
+    if ranges == [(0, numel)]:  # everything exact: the exact codec carries the row itself
+        return _Layout(exact_codec, numel, (), exact_codec), True
+    return _Layout(codec, numel, tuple(ranges), exact_codec), True
 
 
 def _frame(parts: list[tuple[int, torch.Tensor, int]], device: torch.device) -> torch.Tensor:
-    """One contiguous message from (lead, payload, slot size) parts, zero padded."""
+    """One contiguous message from (lead, payload, slot size) parts, zero padded: one copy kernel."""
     pieces = []
     for lead, payload, size in parts:
         if lead:
-            pieces.append(torch.zeros(lead, dtype=torch.uint8, device=device))
+            pieces.append(_zeros(lead, device))
         pieces.append(payload)
         tail = size - lead - payload.numel()
         if tail:
-            pieces.append(torch.zeros(tail, dtype=torch.uint8, device=device))
+            pieces.append(_zeros(tail, device))
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
+_ZEROS: dict[torch.device, torch.Tensor] = {}
+
+
+def _zeros(n: int, device: torch.device) -> torch.Tensor:
+    """``n`` zero bytes: a view of one buffer per device (pads are at most 2 x 16 bytes)."""
+    z = _ZEROS.get(device)
+    if z is None or z.numel() < n:
+        z = _ZEROS[device] = torch.zeros(max(64, n), dtype=torch.uint8, device=device)
+    return z[:n]
 
 
 def _seed(*parts: int) -> int:
@@ -267,10 +273,10 @@ class FSDPState:
 class _Comm:
     """What both custom collectives share: FSDP's allocate(), the group's layout and its topology."""
 
-    def __init__(self, state: FSDPState, name: str, index: int, sizes: list[int], codecs: list[Codec | None],
-                 fallback: Codec, groups: _Groups | None) -> None:
+    def __init__(self, state: FSDPState, name: str, index: int, sizes: list[int], exact: list[bool],
+                 codec: Codec, groups: _Groups | None) -> None:
         self.state, self.name, self.index = state, name, index
-        self.sizes, self.codecs, self.fallback = sizes, codecs, fallback
+        self.sizes, self.exact, self.codec = sizes, exact, codec
         self.groups = groups
         self._layouts: dict[tuple[int, torch.dtype], _Layout] = {}
         self._warned = False
@@ -279,16 +285,16 @@ class _Comm:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def layout(self, numel: int, dtype: torch.dtype) -> _Layout:
-        """The row's classes for a call of ``numel`` values a rank in ``dtype`` (exact parameters ride in
+        """The row's layout for a call of ``numel`` values a rank in ``dtype`` (exact parameters ride in
         ``dtype``'s own bytes)."""
         lay = self._layouts.get((numel, dtype))
         if lay is None:
-            lay, exact = _row_layout(self.sizes, self.codecs, numel, self.fallback, _exact_codec(dtype))
+            lay, exact = _row_layout(self.sizes, self.exact, numel, self.codec, _exact_codec(dtype))
             if not exact and not self._warned:
                 self._warned = True
                 log.info("lowbit.fsdp: %s: this call carries %d values a rank, not the %d of its parameters "
                          "(frozen or unused ones left out); the whole row takes %s", self.name, numel,
-                         sum(self.sizes), self.fallback.spec)
+                         sum(self.sizes), self.codec.spec)
             self._layouts[(numel, dtype)] = lay
         return lay
 
@@ -374,24 +380,32 @@ class LowbitReduceScatter(_Comm):
             out.copy_(x[0])
             return out
         msg = lay.message
+        codec, ecodec, e = lay.codec, lay.exact_codec, lay.exact_numel
+        lead, size = _slot(codec, s)
+        elead, esize = _slot(ecodec, e) if e else (0, 0)
+        idx = lay.index(dev) if e else None
+        ex = x[:, idx] if e else None  # (N, E): the exact values of every row, one gather
+        ef = st.feedback is not None and not codec.sums_on_wire
+        res = st.feedback.residual((self.name, s), n * s, dev).view(n, s) if ef else None
         parts: list[tuple[int, torch.Tensor, int]] = []
         for i in range(n):
             if i == rank:
                 continue
-            for ci, cls in enumerate(lay.classes):
-                lead, size = cls.slot()
-                vals = cls.take(x[i])
-                seed = _seed(st.iter, self.index, st.rank, i, ci)
-                if st.feedback is not None and not cls.codec.sums_on_wire:
-                    res = st.feedback.residual((self.name, ci, s), n * cls.numel, dev).view(n, cls.numel)
-                    comp = vals.float() + res[i]
-                    payload = cls.codec.encode(comp, seed=seed)
-                    sent = cls.codec.decode(payload, cls.numel, shape=cls.codec.flat_shape(cls.numel))
-                    # a non-finite row must not poison the residual: keep its previous value
-                    torch.where(torch.isfinite(comp).all(), comp - sent, res[i], out=res[i])
-                else:
-                    payload = cls.codec.encode(vals, seed=seed)
-                parts.append((lead, payload, size))
+            seed = _seed(st.iter, self.index, st.rank, i)
+            if res is not None:
+                comp = x[i].float() + res[i]
+                payload = codec.encode(comp, seed=seed)
+                sent = codec.decode(payload, s, shape=codec.flat_shape(s))
+                new = comp - sent
+                if idx is not None:
+                    new.index_fill_(0, idx, 0.0)  # the exact copy delivers these values whole
+                # a non-finite row must not poison the residual: keep its previous value
+                torch.where(torch.isfinite(comp).all(), new, res[i], out=res[i])
+            else:
+                payload = codec.encode(x[i], seed=seed)
+            parts.append((lead, payload, size))
+            if e:
+                parts.append((elead, ecodec.encode(ex[i]), esize))
         send = _frame(parts, dev)
         recv = torch.empty((n - 1) * msg, dtype=torch.uint8, device=dev)
         splits = [0 if i == rank else msg for i in range(n)]
@@ -401,19 +415,15 @@ class LowbitReduceScatter(_Comm):
         st.grad_stats.bytes_sent += sent_bytes
         if self.groups is not None and self.groups.intra is not None:
             st.grad_stats.bytes_inter += sent_bytes
-        at = 0
-        for cls in lay.classes:
-            lead, size = cls.slot()
-            nb = cls.codec.nbytes(cls.numel, cls.codec.flat_shape(cls.numel))
-            payloads = [recv[j * msg + at + lead : j * msg + at + lead + nb] for j in range(n - 1)]
-            a, _ = cls.ranges[0]
-            acc = out[a : a + cls.numel] if cls.whole else torch.empty(cls.numel, dtype=torch.float32, device=dev)
-            cls.codec.decode_sum(payloads, cls.numel, out=acc, shape=cls.codec.flat_shape(cls.numel))
-            # my own row joins after the others' sum (it never crossed the wire)
-            acc.add_(cls.take(x[rank]))
-            if not cls.whole:
-                cls.put(out, acc)
-            at += size
+        nb = codec.nbytes(s, codec.flat_shape(s))
+        codec.decode_sum([recv[j * msg + lead : j * msg + lead + nb] for j in range(n - 1)], s, out=out,
+                         shape=codec.flat_shape(s))
+        out.add_(x[rank])  # my own row joins after the others' sum (it never crossed the wire)
+        if e:
+            enb = ecodec.nbytes(e)
+            acc = ecodec.decode_sum([recv[j * msg + size + elead : j * msg + size + elead + enb] for j in range(n - 1)], e)
+            acc.add_(ex[rank])
+            out.index_copy_(0, idx, acc)
         del send
         return out
 
@@ -458,12 +468,14 @@ class LowbitAllGather(_Comm):
         s = shard.numel()
         dev = shard.device
         lay = self.layout(s, shard.dtype)
-        parts = []
-        for ci, cls in enumerate(lay.classes):
-            lead, size = cls.slot()
-            # a fixed seed per module and rank: the backward's re-gather decodes the same weights
-            payload = cls.codec.encode(cls.take(shard), seed=_seed(self.index, st.rank, ci))
-            parts.append((lead, payload, size))
+        codec, ecodec, e = lay.codec, lay.exact_codec, lay.exact_numel
+        lead, size = _slot(codec, s)
+        elead, esize = _slot(ecodec, e) if e else (0, 0)
+        idx = lay.index(dev) if e else None
+        # a fixed seed per module and rank: the backward's re-gather decodes the same weights
+        parts = [(lead, codec.encode(shard, seed=_seed(self.index, st.rank)), size)]
+        if e:
+            parts.append((elead, ecodec.encode(shard[idx]), esize))
         send = _frame(parts, dev)
         msg = send.numel()
         recv = torch.empty(n * msg, dtype=torch.uint8, device=dev)
@@ -473,16 +485,18 @@ class LowbitAllGather(_Comm):
         st.param_stats.bytes_sent += sent_bytes
         if self.groups is not None and self.groups.intra is not None:
             st.param_stats.bytes_inter += sent_bytes
-        at = 0
-        for cls in lay.classes:
-            lead, size = cls.slot()
-            shape = cls.codec.flat_shape(cls.numel)
-            nb = cls.codec.nbytes(cls.numel, shape)
-            tmp = torch.empty(cls.numel, dtype=torch.float32, device=dev)
-            for j in range(n):
-                cls.codec.decode(recv[j * msg + at + lead : j * msg + at + lead + nb], cls.numel, out=tmp, shape=shape)
-                cls.put(rows[j], tmp)
-            at += size
+        shape = codec.flat_shape(s)
+        nb = codec.nbytes(s, shape)
+        direct = rows.dtype == torch.float32 and rows.is_contiguous()
+        tmp = None if direct else torch.empty(s, dtype=torch.float32, device=dev)
+        for j in range(n):  # rank order, my own shard too: every rank decodes the same codes
+            codec.decode(recv[j * msg + lead : j * msg + lead + nb], s, out=rows[j] if direct else tmp, shape=shape)
+            if not direct:
+                rows[j].copy_(tmp)
+        if e:
+            enb = ecodec.nbytes(e)
+            vals = recv.view(n, msg)[:, size + elead : size + elead + enb].contiguous().view(shard.dtype)  # (N, E)
+            rows[:, idx] = vals
         del send
 
 
@@ -608,24 +622,26 @@ def register(
         owned = _managed_params(m, FSDPModule)
         sizes = [_padded_chunk(p, k) for _, p in owned]
         prefix = f"{name}." if name else ""
-        grad_codecs: list[Codec | None] = []
-        param_codecs: list[Codec | None] = []
+        exact = []
         for pname, _ in owned:
             c = resolved.get(prefix + pname, grad_codec)
-            exact = c.sums_on_wire and c.spec == "fp32"  # the policy keeps it in full precision
-            grad_codecs.append(None if exact else (grad_codec if pol is None else c))
-            param_codecs.append(None if exact else p_codec)
+            exact.append(c.spec == "fp32")  # the policy keeps it in full precision
+            if not exact[-1] and pol is not None and c.spec != grad_codec.spec:
+                raise ValueError(f"lowbit.fsdp.register: the policy gives {prefix + pname} {c.spec}, but an FSDP "
+                                 f"module's rows cross in one codec ({grad_codec.spec}) with the parameters the "
+                                 "policy keeps in fp32 patched exactly; give the parameter's module its own "
+                                 "fully_shard and register it apart, or keep it fp32")
         label = name or "<root>"
         state.modules.append(f"{label}:{sum(sizes)}")
-        plans.append((index, label, m, sizes, grad_codecs, param_codecs))
+        plans.append((index, label, m, sizes, exact))
     # agree before anything collective is set up: ranks that differ (a node size, a codec) would hang there
     _check_same_config(state, group if replicate_group is None else None)
     grad_groups = _make_groups(group, ns_eff)
     param_groups = _make_groups(group, ns_eff) if p_codec is not None and ns_eff is not None else None
-    for index, label, m, sizes, grad_codecs, param_codecs in plans:
-        m.set_custom_reduce_scatter(LowbitReduceScatter(state, label, index, sizes, grad_codecs, grad_codec, grad_groups))
+    for index, label, m, sizes, exact in plans:
+        m.set_custom_reduce_scatter(LowbitReduceScatter(state, label, index, sizes, exact, grad_codec, grad_groups))
         if p_codec is not None:
-            m.set_custom_all_gather(LowbitAllGather(state, label, index, sizes, param_codecs, p_codec, param_groups))
+            m.set_custom_all_gather(LowbitAllGather(state, label, index, sizes, exact, p_codec, param_groups))
     if replicate_group is not None:
         _replicate(model, modules, state, replicate_group)
     return state

@@ -271,14 +271,14 @@ def test_register_refuses_bad_input() -> None:
 
 def test_row_layout_merges_neighbours_and_falls_back() -> None:
     q8, fp32 = lowbit.get_codec("qsgd:bits=8"), lowbit.get_codec("fp32")
-    lay, ok = lf._row_layout([10, 3, 20, 5, 4], [q8, None, q8, None, None], 42, q8, fp32)
-    assert ok
-    assert [(c.codec.spec, c.ranges) for c in lay.classes] == [(q8.spec, ((0, 10), (13, 20))), ("fp32", ((10, 3), (33, 9)))]
-    row = torch.arange(42.0)
-    for c in lay.classes:
-        back = torch.zeros(42)
-        c.put(back, c.take(row))
-        idx = torch.cat([torch.arange(a, a + n) for a, n in c.ranges])
-        assert torch.equal(back[idx], row[idx])
-    lay, ok = lf._row_layout([10, 3], [q8, None], 12, q8, fp32)  # FSDP left a parameter out
-    assert not ok and lay.classes[0].codec == q8 and lay.classes[0].ranges == ((0, 12),)
+    lay, ok = lf._row_layout([10, 3, 20, 5, 4], [False, True, False, True, True], 42, q8, fp32)
+    assert ok and lay.codec == q8 and lay.numel == 42
+    assert lay.exact == ((10, 3), (33, 9)) and lay.exact_numel == 12
+    assert lay.index(torch.device("cpu")).tolist() == [10, 11, 12] + list(range(33, 42))
+    assert lay.message == lf._slot(q8, 42)[1] + lf._slot(fp32, 12)[1]
+    lay, ok = lf._row_layout([10, 3], [False, True], 12, q8, fp32)  # FSDP left a parameter out
+    assert not ok and lay.codec == q8 and lay.exact == ()
+    lay, ok = lf._row_layout([10, 3], [True, True], 13, q8, fp32)  # all exact: the exact codec carries the row
+    assert ok and lay.codec == fp32 and lay.exact == ()
+    lay, ok = lf._row_layout([10, 3], [False, True], 13, fp32, fp32)  # an exact codec needs no patch
+    assert ok and lay.exact == ()
