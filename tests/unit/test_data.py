@@ -31,7 +31,7 @@ def no_network(monkeypatch):
 
 
 def test_registry():
-    assert available_datasets() == ["an4", "cifar10", "digits", "imagenet", "mnist", "mnist1d", "synthetic", "text"]
+    assert available_datasets() == ["an4", "cifar10", "digits", "imagenet", "mnist", "mnist1d", "pysource", "synthetic", "text"]
     with pytest.raises(ValueError, match="unknown data set 'imagenet21k'.*cifar10.*digits.*mnist1d"):
         load_dataset("imagenet21k")
 
