@@ -72,7 +72,8 @@ def _body_two_ranks(rank: int, world: int) -> dict:
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         g = torch.Generator().manual_seed(rank)
         for _ in range(auto.auto.last_decision_step(auto.start_iter) + 1):
-            loss = nn.functional.cross_entropy(model(torch.randn(8, 16, generator=g)), torch.randint(0, 4, (8,), generator=g))
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+            loss = nn.functional.cross_entropy(model(x), y)
             opt.zero_grad()
             loss.backward()
             opt.step()
