@@ -186,7 +186,8 @@ class CommStats:
     """Accumulated cost of compressed collectives: calls, bytes this rank put on the wire, and (only when
     ``timing`` is on) seconds in encode / communicate / decode.
 
-    Bytes are counted from the buffers actually handed to torch.distributed; ``bytes_inter`` is the part
+    Bytes are counted from the payload buffers actually handed to torch.distributed (not the 8-byte
+    fingerprint of :func:`all_reduce`'s per-call check); ``bytes_inter`` is the part
     the hierarchical algorithm sent between nodes. Timing is opt-in: on CUDA
     it synchronises the device around each phase (a profiling mode that serialises the pipeline); on
     CPU it reads the clock only (``t_comm`` is then the time from issuing a collective to its data
