@@ -3,6 +3,8 @@
 #   MODE="nvlink sockets" bash benchmarks/run_device_fsdp.sh      (2 GPUs)
 #   MODE=nodes bash benchmarks/run_device_fsdp.sh                 (4 GPUs as 2 emulated nodes of 2)
 #   MODE=train bash benchmarks/run_device_fsdp.sh                 (2 GPUs over NVLink: 1,500 steps on pysource)
+#   MODE=trainpair bash benchmarks/run_device_fsdp.sh             (4 GPUs: two such runs side by side, GPUs 0-1
+#                                                                  and 2-3, PAIR="fsdp q8_p8": half the wall time)
 # MODEL (default gpt_350m), CONFIGS, STEPS, WARMUP, ROUNDS, BATCH, TRAIN_STEPS override the defaults.
 set -uo pipefail
 export PYTHONPATH=src
@@ -29,6 +31,17 @@ for mode in ${MODE:-nvlink sockets}; do
       torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --link nvlink --model "$MODEL" --batch "$BATCH" \
         --train "${TRAIN_STEPS:-1500}" --eval-every "${EVAL_EVERY:-250}" --commit "${COMMIT:-}" \
         --configs "${CONFIGS:-fsdp,q8_p8,q4_p8,q4ef_p8}" --out "$OUT/fsdp_train_2x${card}_${MODEL}.json" 2>&1 | quiet ;;
+    trainpair)
+      set -- ${PAIR:-fsdp q8_p8}
+      for i in 0 1; do
+        cfg=${1}; shift
+        CUDA_VISIBLE_DEVICES=$((2 * i)),$((2 * i + 1)) torchrun --nproc-per-node 2 --master-port $((29510 + i)) \
+          benchmarks/bench_fsdp.py --link nvlink --model "$MODEL" --batch "$BATCH" --train "${TRAIN_STEPS:-1500}" \
+          --eval-every "${EVAL_EVERY:-250}" --commit "${COMMIT:-}" --configs "$cfg" \
+          --out "$OUT/fsdp_train_2x${card}_${MODEL}_${cfg}.json" > "$OUT/train_${cfg}.log" 2>&1 &
+      done
+      wait
+      for f in "$OUT"/train_*.log; do grep -v "^W1\|Warning\|warn\|^\*\*\*\|OMP_NUM\|return func" "$f" | tail -8; done ;;
     *) echo "unknown MODE $mode"; exit 2 ;;
   esac
 done

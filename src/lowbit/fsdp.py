@@ -390,6 +390,9 @@ class LowbitReduceScatter(_Comm):
         parts: list[tuple[int, torch.Tensor, int]] = []
         for i in range(n):
             if i == rank:
+                # my own slot stays at home (all_to_all copies it locally): equal splits take NCCL's
+                # plain all-to-all, whose host cost is a third of the one with split lists
+                parts.append((0, _zeros(msg, dev), msg))
                 continue
             seed = _seed(st.iter, self.index, st.rank, i)
             if res is not None:
@@ -407,21 +410,21 @@ class LowbitReduceScatter(_Comm):
             if e:
                 parts.append((elead, ecodec.encode(ex[i]), esize))
         send = _frame(parts, dev)
-        recv = torch.empty((n - 1) * msg, dtype=torch.uint8, device=dev)
-        splits = [0 if i == rank else msg for i in range(n)]
-        work = C.all_to_all_async(recv, send, splits, splits, group)
+        recv = torch.empty(n * msg, dtype=torch.uint8, device=dev)
+        work = C.all_to_all_async(recv, send, [], [], group)
         C.wait(work, "all_to_all_single", group)
         sent_bytes = (n - 1) * msg
         st.grad_stats.bytes_sent += sent_bytes
         if self.groups is not None and self.groups.intra is not None:
             st.grad_stats.bytes_inter += sent_bytes
         nb = codec.nbytes(s, codec.flat_shape(s))
-        codec.decode_sum([recv[j * msg + lead : j * msg + lead + nb] for j in range(n - 1)], s, out=out,
+        others = [j for j in range(n) if j != rank]
+        codec.decode_sum([recv[j * msg + lead : j * msg + lead + nb] for j in others], s, out=out,
                          shape=codec.flat_shape(s))
         out.add_(x[rank])  # my own row joins after the others' sum (it never crossed the wire)
         if e:
             enb = ecodec.nbytes(e)
-            acc = ecodec.decode_sum([recv[j * msg + size + elead : j * msg + size + elead + enb] for j in range(n - 1)], e)
+            acc = ecodec.decode_sum([recv[j * msg + size + elead : j * msg + size + elead + enb] for j in others], e)
             acc.add_(ex[rank])
             out.index_copy_(0, idx, acc)
         del send
