@@ -109,7 +109,9 @@ def build(args: argparse.Namespace, config: str, vocab: int, device: torch.devic
     state = None
     if codec is not None:
         state = lowbit.fsdp.register(model, codec=codec, param_codec=pcodec, error_feedback=ef,
-                                     node_size=args.node_size if hier else None)
+                                     # flat configurations say "one node": else register would take
+                                     # $LOWBIT_NODE_SIZE / LOCAL_WORLD_SIZE and run hierarchically too
+                                     node_size=args.node_size if hier else dist.get_world_size())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
                             foreach=True)
     return model, opt, state
