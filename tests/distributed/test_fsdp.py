@@ -282,3 +282,22 @@ def test_row_layout_merges_neighbours_and_falls_back() -> None:
     assert ok and lay.codec == fp32 and lay.exact == ()
     lay, ok = lf._row_layout([10, 3], [False, True], 13, fp32, fp32)  # an exact codec needs no patch
     assert ok and lay.exact == ()
+
+
+def _body_compile(rank: int, world: int) -> dict:
+    out = {}
+    for mode in ("plain", "lowbit"):
+        m = Net()
+        for b in m.blocks:
+            b.compile()  # torch.compile per block, as torchtitan does
+        _shard(m)
+        if mode == "lowbit":
+            lf.register(m, codec="fp32", param_codec="fp32")
+        out[mode] = _train(m, rank, 3)
+    return out
+
+
+@pytest.mark.slow
+def test_fsdp_with_torch_compile() -> None:
+    for r in spawn(_body_compile, 2, backend="gloo", timeout_s=600):
+        assert r["lowbit"] == r["plain"]  # fp32 on the wire: the same losses as plain FSDP2, compiled blocks
