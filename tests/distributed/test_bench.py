@@ -28,17 +28,31 @@ def test_bench_allreduce_smoke(tmp_path, capsys):
     assert "synthetic" in meta["tensors"]
     assert meta["skipped"] == [{"codec": "qsgd:bits=8", "algorithm": "allreduce",
                                 "reason": "allreduce sums on the wire: fp32/fp16/bf16 only"}]
-    # fp32/allreduce (the baseline, first), fp32/scatter_gather, qsgd8/scatter_gather
+    # torch's own allreduce (the baseline of the ratios, first), lowbit's fp32 allreduce as a row of its
+    # own, then the grid
     assert [(r["codec"], r["algorithm"]) for r in rows] == [
-        ("fp32", "allreduce"), ("fp32", "scatter_gather"), ("qsgd:bits=8", "scatter_gather")]
-    assert rows[0]["baseline"] and rows[0]["ratio_vs_fp32_allreduce"] == 1.0
+        ("fp32", "torch.distributed.all_reduce"), ("fp32", "allreduce"), ("fp32", "scatter_gather"),
+        ("qsgd:bits=8", "scatter_gather")]
+    torch_row, lowbit_fp32 = rows[0], rows[1]
+    assert torch_row["torch"] and torch_row["baseline"] and not any(r["torch"] or r["baseline"] for r in rows[1:])
+    assert torch_row["ratio_vs_torch_allreduce"] == 1.0 and lowbit_fp32["ratio_vs_fp32_allreduce"] == 1.0
+    assert torch_row["rel_error"] < 1e-6  # its sum over 2 is the mean lowbit's fp32 path computes
     for r in rows:
+        assert r["ratio_vs_torch_allreduce"] == torch_row["time_s"] / r["time_s"]
+        assert r["ratio_vs_fp32_allreduce"] == lowbit_fp32["time_s"] / r["time_s"]
+        assert r["raw_dist_all_reduce_s"] == torch_row["time_s"]  # the old field, kept for old readers
         assert r["numel"] == 4096 and r["size"] == "4K" and r["fp32_bytes"] == 4 * 4096
-        assert r["bytes_sent_per_rank"] == bytes_sent_per_rank(get_codec(r["codec"]), 4096, 2, r["algorithm"])
+        algo = "allreduce" if r["torch"] else r["algorithm"]  # torch's ring moves what lowbit's fp32 path does
+        assert r["bytes_sent_per_rank"] == bytes_sent_per_rank(get_codec(r["codec"]), 4096, 2, algo)
         assert r["time_s"] > 0 and r["ratio_vs_fp32_allreduce"] > 0 and r["algbw_GBps"] > 0
         assert r["time_s"] == max(p["time_s"] for p in r["per_rank"]) and len(r["per_rank"]) == 2
         assert min(r["t_encode_s"], r["t_comm_s"], r["t_decode_s"]) >= 0 and r["t_comm_s"] > 0
-    assert rows[2]["bytes_sent_per_rank"] < rows[1]["bytes_sent_per_rank"]  # 8 bits + scales < 32 bits
+    assert rows[3]["bytes_sent_per_rank"] < rows[2]["bytes_sent_per_rank"]  # 8 bits + scales < 32 bits
+    # The table's ratio column is against torch's allreduce, and both fp32 paths have rows of their own.
+    table = out[out.index("size  "):].splitlines()
+    assert "vs torch AR" in table[0]
+    assert [line.split()[2:4] for line in table[2:4]] == [["torch", "allreduce"], ["lowbit", "allreduce"]]
+    assert table[2].split()[5] == "1.00x"
 
 
 @pytest.mark.parametrize("argv, needle", [

@@ -13,15 +13,20 @@ from typing import Any
 import torch
 
 from lowbit.codecs.base import get_codec
-from lowbit.comm.allreduce import CommStats, all_reduce
+from lowbit.comm.allreduce import CommStats, all_reduce, bytes_sent_per_rank
 from lowbit.comm.collectives import all_gather_object
 from lowbit.env import device_name
 from lowbit.feedback import ErrorFeedback
 from lowbit.kernels.dispatch import backend_for
 
-__all__ = ["BenchConfig", "worker", "BASELINE", "size_label"]
+__all__ = ["BenchConfig", "worker", "BASELINE", "LOWBIT_FP32", "TORCH_ALGORITHM", "size_label"]
 
-BASELINE = ("fp32", "allreduce")
+#: lowbit's own fp32 path (``lowbit.all_reduce(t, "fp32", algorithm="allreduce")``): a row of its own.
+LOWBIT_FP32 = ("fp32", "allreduce")
+#: Old name of :data:`LOWBIT_FP32` (it was the ratios' baseline before torch's own allreduce became it).
+BASELINE = LOWBIT_FP32
+#: The ``algorithm`` of the row of ``torch.distributed.all_reduce`` itself, the baseline of the ratios.
+TORCH_ALGORITHM = "torch.distributed.all_reduce"
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
@@ -56,15 +61,16 @@ class BenchConfig:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
 
     def combos(self) -> tuple[list[tuple[str, str]], list[dict[str, str]]]:
-        """(codec, algorithm) pairs to time per size, the fp32 allreduce baseline first; and the skipped."""
-        pairs, skipped = [BASELINE], []
+        """(codec, algorithm) pairs of lowbit to time per size, its fp32 allreduce first; and the skipped.
+        (torch's own allreduce, the baseline of the ratios, is timed besides them.)"""
+        pairs, skipped = [LOWBIT_FP32], []
         for spec in self.codecs:
             codec = get_codec(spec)
             for algo in self.algorithms:
                 if algo == "allreduce" and not codec.sums_on_wire:
                     skipped.append({"codec": spec, "algorithm": algo,
                                     "reason": "allreduce sums on the wire: fp32/fp16/bf16 only"})
-                elif (codec.spec, algo) != (get_codec(BASELINE[0]).spec, BASELINE[1]):
+                elif (codec.spec, algo) != (get_codec(LOWBIT_FP32[0]).spec, LOWBIT_FP32[1]):
                     pairs.append((spec, algo))
         return pairs, skipped
 
@@ -135,6 +141,7 @@ def _measure_size(n: int, rank: int, cfg: BenchConfig, pairs: list[tuple[str, st
     times: dict[tuple[str, str], list[float]] = {c: [] for c in cases}
     stats: dict[tuple[str, str], list[CommStats]] = {c: [] for c in cases}
     rel_err: dict[tuple[str, str], float] = {}
+    raw_sum = None  # torch's allreduce sums: its result over k is the mean the others compute
     for i in range(cfg.warmup):
         for c in cases:
             _timed_call(t, x0, c, feedback[c], 10_000 + i, None, device)
@@ -147,8 +154,12 @@ def _measure_size(n: int, rank: int, cfg: BenchConfig, pairs: list[tuple[str, st
             times[c].append(_timed_call(t, x0, c, feedback[c], i, s, device))
             if s is not None:
                 stats[c].append(s)
-            if c == BASELINE:
+            if c == RAW and i == cfg.reps - 1:
+                raw_sum = t.clone()
+            if c == LOWBIT_FP32:
                 exact = t.clone()
+                if raw_sum is not None:
+                    rel_err[RAW] = float((raw_sum / dist_world() - exact).norm() / exact.norm().clamp_min(1e-30))
             elif c != RAW and i == cfg.reps - 1:
                 # A sanity check, not a quality study: a broken kernel must not pass as a fast one.
                 rel_err[c] = float((t - exact).norm() / exact.norm().clamp_min(1e-30))
@@ -160,7 +171,7 @@ def _measure_size(n: int, rank: int, cfg: BenchConfig, pairs: list[tuple[str, st
                 s = CommStats(timing=True)
                 _timed_call(t, x0, c, feedback[c], cfg.reps + i, s, device)
                 stats[c].append(s)
-    out: dict[tuple[str, str], dict[str, Any]] = {RAW: {"time_s": statistics.median(times[RAW])}}
+    out: dict[tuple[str, str], dict[str, Any]] = {}
     for c in pairs:
         out[c] = {
             "time_s": statistics.median(times[c]),
@@ -171,7 +182,19 @@ def _measure_size(n: int, rank: int, cfg: BenchConfig, pairs: list[tuple[str, st
             "bytes_sent": max(s.bytes_sent for s in stats[c]),
             "rel_error": rel_err.get(c, 0.0),
         }
+    # torch's allreduce has no CommStats: all of its time is communication, its bytes a ring's.
+    k = dist_world()
+    out[RAW] = {"time_s": statistics.median(times[RAW]), "time_min_s": min(times[RAW]), "t_encode_s": 0.0,
+                "t_comm_s": statistics.median(times[RAW]), "t_decode_s": 0.0,
+                "bytes_sent": bytes_sent_per_rank(get_codec("fp32"), n, k, "allreduce"),
+                "rel_error": rel_err.get(RAW, 0.0)}
     return out
+
+
+def dist_world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def worker(rank: int, world_size: int, cfg: BenchConfig) -> dict[str, Any] | None:
@@ -184,22 +207,21 @@ def worker(rank: int, world_size: int, cfg: BenchConfig) -> dict[str, Any] | Non
 
         calls = len(cfg.sizes) * (len(pairs) + 1) * (cfg.warmup + cfg.reps)
         bar = tqdm(total=calls, desc="bench allreduce", unit="call", file=sys.stderr, leave=False)
-    rows, raw_times = [], {}
+    rows = []
     for n in cfg.sizes:
         if bar is not None:
             bar.set_postfix_str(f"size {size_label(n)}")
         mine = _measure_size(n, rank, cfg, pairs, device, bar)
         per_rank = all_gather_object(mine, None)  # every rank's medians; rank 0 reports the slowest
         if rank == 0:
-            raw_times[n] = max(r[RAW]["time_s"] for r in per_rank)
-            rows += [_row(n, spec, algo, cfg, [r[(spec, algo)] for r in per_rank]) for spec, algo in pairs]
+            rows += [_row(n, spec, algo, cfg, [r[(spec, algo)] for r in per_rank]) for spec, algo in [RAW, *pairs]]
     if bar is not None:
         bar.close()
     # Which kernels ran, asked after the run (each process loads a backend once, on first use).
     kernels = all_gather_object(backend_for(torch.empty(1 << 20, device=device), "qsgd_encode").__name__, None)
     if rank != 0:
         return None
-    _add_ratios(rows, raw_times)
+    _add_ratios(rows)
     kernel = kernels[0] if len(set(kernels)) == 1 else ", ".join(f"rank {r}: {k}" for r, k in enumerate(kernels))
     return {"rows": rows, "meta": {"device_name": device_name(device), "kernel_backend": kernel,
                                    "torch_threads_per_rank": torch.get_num_threads(),
@@ -209,14 +231,16 @@ def worker(rank: int, world_size: int, cfg: BenchConfig) -> dict[str, Any] | Non
 def _row(n: int, spec: str, algo: str, cfg: BenchConfig, per_rank: list[Any]) -> dict[str, Any]:
     slowest = max(per_rank, key=lambda r: r["time_s"])
     time_s = slowest["time_s"]
+    torch_row = (spec, algo) == RAW
     return {
         "size": size_label(n),
         "numel": n,
-        "codec": spec,
-        "codec_spec": get_codec(spec).spec,
-        "algorithm": algo,
-        "baseline": (spec, algo) == BASELINE,
-        "error_feedback": cfg.ef and algo != "allreduce",
+        "codec": "fp32" if torch_row else spec,
+        "codec_spec": "fp32" if torch_row else get_codec(spec).spec,
+        "algorithm": TORCH_ALGORITHM if torch_row else algo,
+        "torch": torch_row,  # torch.distributed.all_reduce itself, not lowbit
+        "baseline": torch_row,  # the baseline of the ratios
+        "error_feedback": cfg.ef and algo != "allreduce" and not torch_row,
         "time_s": time_s,
         "time_min_s": max(r["time_min_s"] for r in per_rank),
         "algbw_GBps": 4 * n / time_s / 1e9,
@@ -230,15 +254,21 @@ def _row(n: int, spec: str, algo: str, cfg: BenchConfig, per_rank: list[Any]) ->
     }
 
 
-def _add_ratios(rows: list[dict[str, Any]], raw_times: dict[int, float]) -> None:
-    base = {r["numel"]: r["time_s"] for r in rows if r["baseline"]}
-    base_min = {r["numel"]: r["time_min_s"] for r in rows if r["baseline"]}
+def _add_ratios(rows: list[dict[str, Any]]) -> None:
+    """Ratios against torch's own allreduce (the headline) and, for files that older readers parse,
+    against lowbit's fp32 allreduce, both measured in the same run at the same size."""
+    torch_t = {r["numel"]: r["time_s"] for r in rows if r["torch"]}
+    torch_min = {r["numel"]: r["time_min_s"] for r in rows if r["torch"]}
+    fp32 = {r["numel"]: r for r in rows if not r["torch"] and (r["codec"], r["algorithm"]) == LOWBIT_FP32}
     for r in rows:
-        r["ratio_vs_fp32_allreduce"] = base[r["numel"]] / r["time_s"]
+        n = r["numel"]
+        r["ratio_vs_torch_allreduce"] = torch_t[n] / r["time_s"]
         # The same from each rank's fastest rep: less sensitive to other load on a shared machine.
-        r["ratio_vs_fp32_allreduce_min"] = base_min[r["numel"]] / r["time_min_s"]
-        r["raw_dist_all_reduce_s"] = raw_times[r["numel"]]
-        r["ratio_vs_raw_dist_all_reduce"] = raw_times[r["numel"]] / r["time_s"]
+        r["ratio_vs_torch_allreduce_min"] = torch_min[n] / r["time_min_s"]
+        r["ratio_vs_fp32_allreduce"] = fp32[n]["time_s"] / r["time_s"]
+        r["ratio_vs_fp32_allreduce_min"] = fp32[n]["time_min_s"] / r["time_min_s"]
+        r["raw_dist_all_reduce_s"] = torch_t[n]  # old name of the torch row's time_s
+        r["ratio_vs_raw_dist_all_reduce"] = r["ratio_vs_torch_allreduce"]
 
 
 # ------------------------------------------------------------------------------------------ output

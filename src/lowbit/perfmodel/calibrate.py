@@ -273,6 +273,8 @@ def fit_bench(bench: dict[str, Any]) -> tuple[str, dict[str, LinkFit], dict[str,
     if world >= 2:
         by_algo: dict[str, list[tuple[float, float]]] = {}
         for r in rows:
+            if r.get("torch"):
+                continue  # torch's own allreduce: not one of lowbit's algorithms
             t = float(r["t_comm_s"]) or float(r["time_s"])
             codec = canonical_spec(r["codec"])
             if r["algorithm"] == "allreduce":
@@ -296,7 +298,7 @@ def fit_bench(bench: dict[str, Any]) -> tuple[str, dict[str, LinkFit], dict[str,
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in rows:
         codec = canonical_spec(r["codec"])
-        if codec == "fp32":
+        if codec == "fp32" or r.get("torch"):
             continue  # fp32 is never encoded
         groups.setdefault((r["algorithm"], codec), []).append(r)
     for (algo, codec), rs in groups.items():
