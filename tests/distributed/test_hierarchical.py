@@ -66,6 +66,12 @@ def _body(rank: int, world: int) -> dict:
     out["one-node-per-tensor"] = (float((t.double() - exact).norm() / exact.norm()), st.bytes_sent,
                                   bytes_sent_per_rank(get_codec("onebit:bucket=0"), 4097, 4, "hierarchical",
                                                       rank, node_size=4))
+    # the mean of values near float32's max: finite in, finite out (sums at 2^-ceil(log2 K) of the values)
+    huge = torch.full((4097,), 3.0e38) * (1 if rank % 2 else 0.9)
+    for spec in ("fp32", "qsgd:bits=8,bucket=512"):
+        t = huge.clone()
+        lowbit.all_reduce(t, spec, algorithm="hierarchical", op="mean", node_size=2, key=("huge", spec))
+        out[("huge", spec)] = (bool(torch.isfinite(t).all()), float((t.double() - 0.95 * 3.0e38).abs().max() / 3.0e38))
     # a node size that does not divide the group, on every rank alike
     try:
         lowbit.all_reduce(x.clone(), "qsgd:bits=8", algorithm="hierarchical", node_size=3)
@@ -79,7 +85,7 @@ def test_hierarchical_allreduce_on_2_nodes_of_2() -> None:
     res = spawn(_body, 4, backend="gloo")
     r0 = res[0]
     for key, v in r0.items():
-        if not isinstance(key, tuple) or key[0] == "ef":
+        if not isinstance(key, tuple) or key[0] in ("ef", "huge"):
             continue
         node_size, spec, n = key
         t, err, sent, inter, calls = v
@@ -99,6 +105,9 @@ def test_hierarchical_allreduce_on_2_nodes_of_2() -> None:
             # between nodes only the compressed half-tensor: far fewer bytes than the fp32 traffic inside
             assert 0 < inter < 0.5 * (sent - inter), (key, inter, sent)
     assert r0[("ef", True)] < 0.07 and r0[("ef", False)] > 0.3, (r0[("ef", True)], r0[("ef", False)])
+    for spec in ("fp32", "qsgd:bits=8,bucket=512"):
+        finite, rel = r0[("huge", spec)]
+        assert finite and rel < 0.02, (spec, rel)
     err, sent, predicted = r0["one-node-per-tensor"]
     assert err < 1e-6 and sent == predicted > 0
     assert r0["bad"] is not None and "do not split into nodes of 3" in r0["bad"]
