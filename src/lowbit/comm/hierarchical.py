@@ -27,6 +27,7 @@ is how a single host emulates several nodes (docs/multinode.md).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable
 
@@ -159,6 +160,15 @@ def start_hierarchical(
     dev = x.device
     lo = topo.local * m
     mine = max(0, min(n, lo + m) - lo)
+    # A mean is summed at 2^-ceil(log2 K) of the values (exact: a power of two) and divided by K 2^-c at
+    # the end, so K finite values near float32's max do not overflow in the node's or the nodes' sums
+    # (finite in, finite out, as the fp32 allreduce divides first). For K a power of two the result has
+    # the same bits as summing first and dividing by K; QSGD's codes do not change under the scaling.
+    divide = 1.0
+    if op == "mean" and k > 1:
+        pre = 2.0 ** -math.ceil(math.log2(k))
+        x = x * pre
+        divide = k * pre
     # Phase 1: the node's sum of my chunk.
     if g > 1:
         src = x
@@ -182,7 +192,6 @@ def start_hierarchical(
             stats.bytes_inter += stats.bytes_sent - before  # type: ignore[attr-defined]
             stats.calls -= 1  # type: ignore[attr-defined]  # one call of the caller's, not two
         C.wait(fut, "all_reduce", topo.cross)
-    divide = float(k) if op == "mean" and k > 1 else 1.0
     # Phase 3: every chunk to every rank of the node.
     if g > 1:
         gathered = torch.empty(g * m, dtype=torch.float32, device=dev)
