@@ -91,7 +91,11 @@ def emulate_node(rank: int, node_size: int) -> None:
 
 
 def _worker(rank: int, world_size: int, backend: str, init_file: str, errdir: str, timeout_s: float,
-            fn: Callable[..., Any], args: tuple[Any, ...], node_size: int | None = None) -> None:
+            fn: Callable[..., Any], args: tuple[Any, ...], node_size: int | None = None,
+            env: dict[str, str] | None = None) -> None:
+    if env is not None:  # a forkserver's child has the server's environment, not the caller's: restore it
+        os.environ.clear()
+        os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if node_size is not None:
         emulate_node(rank, node_size)
@@ -116,6 +120,26 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, errdir: st
         raise
 
 
+START_METHOD_ENV = "LOWBIT_START_METHOD"
+_PRELOADED: list[bool] = []
+
+
+def start_method() -> str:
+    """How :func:`spawn` starts its processes: ``spawn`` (default: a fresh interpreter each, ~3-4 s of
+    importing torch on a 2-core machine) or, with ``$LOWBIT_START_METHOD=forkserver``, forks of one
+    server process that imported torch once (~0.1 s each after the first; the test suite uses it). The
+    children of a forkserver get the caller's environment back before anything else runs."""
+    method = os.environ.get(START_METHOD_ENV, "spawn").strip() or "spawn"
+    if method not in ("spawn", "forkserver"):
+        raise ValueError(f"${START_METHOD_ENV}={method!r}: choose spawn or forkserver")
+    if method == "forkserver" and not _PRELOADED:
+        import multiprocessing
+
+        multiprocessing.set_forkserver_preload(["torch", "torch.distributed"])  # before the server starts
+        _PRELOADED.append(True)
+    return method
+
+
 class WorkerError(RuntimeError):
     pass
 
@@ -134,8 +158,10 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | No
     with tempfile.TemporaryDirectory(prefix="lowbit-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         try:
-            mp.start_processes(_worker, args=(world_size, backend, init_file, tmp, timeout_s, fn, args, node_size),
-                               nprocs=world_size, join=True, start_method="spawn")
+            method = start_method()
+            mp.start_processes(_worker, args=(world_size, backend, init_file, tmp, timeout_s, fn, args, node_size,
+                                              dict(os.environ) if method == "forkserver" else None),
+                               nprocs=world_size, join=True, start_method=method)
         except Exception as exc:
             errors = sorted(Path(tmp).glob("error.*"))
             detail = "\n".join(f"--- rank {p.name.split('.')[1]} ---\n{p.read_text()}" for p in errors)
