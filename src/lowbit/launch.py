@@ -127,7 +127,7 @@ _PRELOADED: list[bool] = []
 def start_method() -> str:
     """How :func:`spawn` starts its processes: ``spawn`` (default: a fresh interpreter each, ~3-4 s of
     importing torch on a 2-core machine) or, with ``$LOWBIT_START_METHOD=forkserver``, forks of one
-    server process that imported torch once (~0.1 s each after the first; the test suite uses it). The
+    server process that imported torch once (~0.1 s each after the first; opt-in, issue 31). The
     children of a forkserver get the caller's environment back before anything else runs."""
     method = os.environ.get(START_METHOD_ENV, "spawn").strip() or "spawn"
     if method not in ("spawn", "forkserver"):
