@@ -301,3 +301,11 @@ def _body_compile(rank: int, world: int) -> dict:
 def test_fsdp_with_torch_compile() -> None:
     for r in spawn(_body_compile, 2, backend="gloo", timeout_s=600):
         assert r["lowbit"] == r["plain"]  # fp32 on the wire: the same losses as plain FSDP2, compiled blocks
+
+
+def test_reduce_ops_fsdp_may_pass() -> None:
+    assert lf._op_scale(dist.ReduceOp.SUM, 4) == 1.0
+    assert lf._op_scale(dist.ReduceOp.AVG, 4) == 0.25
+    assert lf._op_scale(dist.ReduceOp.PREMUL_SUM(1 / 6), 4) == pytest.approx(1 / 6)  # set_gradient_divide_factor(6)
+    with pytest.raises(ValueError, match="unsupported reduce op"):
+        lf._op_scale(dist.ReduceOp.MAX, 4)
