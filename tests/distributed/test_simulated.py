@@ -65,7 +65,7 @@ def test_simulated_in_bench_and_study(tmp_path: Path, capsys) -> None:
     out = capsys.readouterr().out
     assert "simulated (sim.)" in out and "the tensor is not reduced" in out
     rows = json.loads(path.read_text())["rows"]
-    assert [r["algorithm"] for r in rows] == ["allreduce", "simulated"]
+    assert [r["algorithm"] for r in rows] == ["torch.distributed.all_reduce", "allreduce", "simulated"]  # torch's own row first
     # the study: a simulated run beside the real one, labelled, out of the accuracy tables
     res = tmp_path / "res"
     assert main(["study", "--preset", "smoke", "--no-progress", "--out", str(res),
