@@ -59,7 +59,7 @@ from torch import nn
 
 from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
-from lowbit.comm.allreduce import CommStats, all_reduce
+from lowbit.comm.allreduce import CommStats, _framed, _slot, _zeros, all_reduce
 from lowbit.comm.hierarchical import node_size_for
 from lowbit.ddp import ConfigMismatchError
 from lowbit.feedback import ErrorFeedback
@@ -71,13 +71,6 @@ log = logging.getLogger("lowbit.fsdp")
 
 #: The first torch release whose FSDP2 has ``set_custom_reduce_scatter`` / ``set_custom_all_gather``.
 MIN_TORCH = "2.9"
-
-ALIGN = 16  # message slots and packed code streams start on 16-byte boundaries (vector loads)
-
-
-def _up(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
 
 def _fsdp_api() -> tuple[type, Any]:
     """FSDP2's module class and fully_shard, with a clear error on a torch without the extension points."""
@@ -100,14 +93,6 @@ def _exact_codec(dtype: torch.dtype) -> Codec:
     return get_codec(_EXACT.get(dtype, "fp32"))
 
 
-def _slot(codec: Codec, numel: int) -> tuple[int, int]:
-    """(lead, size) of a payload's slot in a message: ``lead`` zero bytes put its code stream on a 16-byte
-    boundary; ``size`` (a multiple of 16) holds lead, payload and tail padding."""
-    shape = codec.flat_shape(numel)
-    lead = -codec.head_bytes(numel, shape) % ALIGN
-    return lead, _up(lead + codec.nbytes(numel, shape))
-
-
 @dataclasses.dataclass(frozen=True)
 class _Layout:
     """One row of S values in a message: the whole row in ``codec`` (one contiguous encode, one decode
@@ -121,14 +106,23 @@ class _Layout:
     exact: tuple[tuple[int, int], ...]  # (start, length) column ranges
     exact_codec: Codec
 
-    @property
+    @functools.cached_property
     def exact_numel(self) -> int:
         return sum(n for _, n in self.exact)
 
+    @functools.cached_property
+    def slot(self) -> tuple[int, int]:
+        """(lead, size) of the row's payload in a message (computed once: a layout serves every call)."""
+        return _slot(self.codec, self.numel)
+
+    @functools.cached_property
+    def exact_slot(self) -> tuple[int, int]:
+        """(lead, size) of the exact values' payload, after the row's; (0, 0) when there are none."""
+        return _slot(self.exact_codec, self.exact_numel) if self.exact else (0, 0)
+
     @property
     def message(self) -> int:
-        size = _slot(self.codec, self.numel)[1]
-        return size + (_slot(self.exact_codec, self.exact_numel)[1] if self.exact else 0)
+        return self.slot[1] + self.exact_slot[1]
 
     def index(self, device: torch.device) -> torch.Tensor:
         """The exact columns as one index ((E,) int64 on ``device``; E is small)."""
@@ -161,30 +155,6 @@ def _row_layout(sizes: Sequence[int], exact: Sequence[bool], numel: int, codec: 
     if ranges == [(0, numel)]:  # everything exact: the exact codec carries the row itself
         return _Layout(exact_codec, numel, (), exact_codec), True
     return _Layout(codec, numel, tuple(ranges), exact_codec), True
-
-
-def _frame(parts: list[tuple[int, torch.Tensor, int]], device: torch.device) -> torch.Tensor:
-    """One contiguous message from (lead, payload, slot size) parts, zero padded: one copy kernel."""
-    pieces = []
-    for lead, payload, size in parts:
-        if lead:
-            pieces.append(_zeros(lead, device))
-        pieces.append(payload)
-        tail = size - lead - payload.numel()
-        if tail:
-            pieces.append(_zeros(tail, device))
-    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-
-
-_ZEROS: dict[torch.device, torch.Tensor] = {}
-
-
-def _zeros(n: int, device: torch.device) -> torch.Tensor:
-    """``n`` zero bytes: a view of one buffer per device (pads are at most 2 x 16 bytes)."""
-    z = _ZEROS.get(device)
-    if z is None or z.numel() < n:
-        z = _ZEROS[device] = torch.zeros(max(64, n), dtype=torch.uint8, device=device)
-    return z[:n]
 
 
 def _seed(*parts: int) -> int:
@@ -381,8 +351,7 @@ class LowbitReduceScatter(_Comm):
             return out
         msg = lay.message
         codec, ecodec, e = lay.codec, lay.exact_codec, lay.exact_numel
-        lead, size = _slot(codec, s)
-        elead, esize = _slot(ecodec, e) if e else (0, 0)
+        (lead, size), (elead, esize) = lay.slot, lay.exact_slot
         idx = lay.index(dev) if e else None
         ex = x[:, idx] if e else None  # (N, E): the exact values of every row, one gather
         ef = st.feedback is not None and not codec.sums_on_wire
@@ -409,7 +378,7 @@ class LowbitReduceScatter(_Comm):
             parts.append((lead, payload, size))
             if e:
                 parts.append((elead, ecodec.encode(ex[i]), esize))
-        send = _frame(parts, dev)
+        send = _framed(parts, dev)
         recv = torch.empty(n * msg, dtype=torch.uint8, device=dev)
         work = C.all_to_all_async(recv, send, [], [], group)
         C.wait(work, "all_to_all_single", group)
@@ -472,14 +441,13 @@ class LowbitAllGather(_Comm):
         dev = shard.device
         lay = self.layout(s, shard.dtype)
         codec, ecodec, e = lay.codec, lay.exact_codec, lay.exact_numel
-        lead, size = _slot(codec, s)
-        elead, esize = _slot(ecodec, e) if e else (0, 0)
+        (lead, size), (elead, esize) = lay.slot, lay.exact_slot
         idx = lay.index(dev) if e else None
         # a fixed seed per module and rank: the backward's re-gather decodes the same weights
         parts = [(lead, codec.encode(shard, seed=_seed(self.index, st.rank)), size)]
         if e:
             parts.append((elead, ecodec.encode(shard[idx]), esize))
-        send = _frame(parts, dev)
+        send = _framed(parts, dev)
         msg = send.numel()
         recv = torch.empty(n * msg, dtype=torch.uint8, device=dev)
         work = C.all_gather_async(recv, send, group)
@@ -606,15 +574,13 @@ def register(
                          "mesh with fully_shard and pass replicate_group= (the outer dimension's group) instead")
     group = mesh.get_group()
     rank, k = group.rank(), group.size()
+    ns = k  # one node, unless told otherwise (HSDP: the shard group is a node)
     if node_size is not None or replicate_group is None:
         try:
             ns = node_size_for(group, node_size)
         except ValueError:
             if node_size is not None:
-                raise
-            ns = k  # nothing says where node boundaries are: one node
-    else:
-        ns = k
+                raise  # (nothing set at all: one node, as above)
     ns_eff = ns if ns < k else None
     local0 = params[0].to_local() if hasattr(params[0], "to_local") else params[0]
     state = FSDPState(grad_codec, p_codec, error_feedback, pol, ns_eff, replicate_group, rank, k, local0.device)
