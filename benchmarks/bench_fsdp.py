@@ -127,6 +127,13 @@ def free(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def wire(state) -> tuple[int, int, int]:
+    """Bytes lowbit has put on the wire so far: gradients, parameters, between nodes (zeros for FSDP2's own)."""
+    if state is None:
+        return 0, 0, 0
+    return state.grad_stats.bytes_sent, state.param_stats.bytes_sent, state.stats.bytes_inter
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -156,8 +163,7 @@ def throughput(args, rank, world, device, write) -> None:
                 b = batches[i % 2]
                 step(model, opt, b[:, :-1], b[:, 1:])
             sync(device)
-            before = (state.grad_stats.bytes_sent, state.param_stats.bytes_sent,
-                      state.stats.bytes_inter) if state else (0, 0, 0)
+            before = wire(state)
             t0 = time.perf_counter()
             for i in range(args.steps):
                 b = batches[i % 2]
@@ -167,10 +173,11 @@ def throughput(args, rank, world, device, write) -> None:
             peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
             peaks = [None] * world
             dist.all_gather_object(peaks, peak)
-            after = (state.grad_stats.bytes_sent, state.param_stats.bytes_sent,
-                     state.stats.bytes_inter) if state else (0, 0, 0)
-            row = {"mode": "throughput", "config": name, "round": rnd, "spec": {"reduce_dtype": str(CONFIGS[name][0]), "codec": CONFIGS[name][1], "param_codec": CONFIGS[name][2],
-                    "error_feedback": CONFIGS[name][3], "hierarchical": CONFIGS[name][4]},
+            after = wire(state)
+            reduce_dtype, codec, pcodec, ef, hier = CONFIGS[name]
+            row = {"mode": "throughput", "config": name, "round": rnd,
+                   "spec": {"reduce_dtype": str(reduce_dtype), "codec": codec, "param_codec": pcodec,
+                            "error_feedback": ef, "hierarchical": hier},
                    "tokens_per_s": world * args.batch * args.seq * args.steps / dt, "step_s": dt / args.steps,
                    "peak_mem_gb": max(peaks) / 2**30, "loss": float(loss),
                    "grad_bytes_per_step": (after[0] - before[0]) / args.steps,
