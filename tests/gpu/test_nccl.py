@@ -182,3 +182,44 @@ def test_auto_decides_alike_on_every_rank_over_nccl() -> None:
     assert r0["plan"] == r1["plan"] and r0["measured"] == r1["measured"] and len(r0["measured"]) >= 2
     for a, b in zip(r0["params"], r1["params"]):
         assert torch.equal(a, b)
+
+
+def _body_crosswise_cuda(rank: int, world: int) -> tuple[list[int], str, str]:
+    """Equal-size codecs called crosswise over NCCL: the check reads each call CHECK_LAG calls later
+    (no host wait), so the mismatch of call 0 surfaces when call CHECK_LAG starts, on both ranks alike;
+    a mismatch in the last calls surfaces at flush_checks."""
+    from lowbit.comm import collectives as C
+
+    dev = torch.device("cuda", rank)
+    a, b = "qsgd:bits=8,bucket=64", "qsgd:bits=8,bucket=64,rounding=nearest"
+    x = torch.ones(1000, device=dev) * (rank + 1)
+    for spec in (a, b):
+        lowbit.all_reduce(x.clone(), spec)
+    C.flush_checks(None)  # agreed calls: nothing to report
+    raised_at = []
+    lowbit.all_reduce(x.clone(), a if rank == 0 else b)  # the crosswise call
+    for i in range(2 * C.CHECK_LAG):
+        try:
+            lowbit.all_reduce(x.clone(), a)
+        except lowbit.comm.CollectiveError as exc:
+            raised_at.append(i)
+            first = str(exc)
+    lowbit.all_reduce(x.clone(), b if rank == 0 else a)  # crosswise again, the last call of the run
+    try:
+        C.flush_checks(None)
+        last = "no error"
+    except lowbit.comm.CollectiveError as exc:
+        last = str(exc)
+    return raised_at, first, last
+
+
+@needs_2_gpus
+def test_nccl_every_call_checked_lagged_and_flushed() -> None:
+    """Issue 32 item 2 on CUDA: every call's fingerprint is read CHECK_LAG calls later, on every rank at
+    the same call, and flush_checks reads the rest."""
+    from lowbit.comm import collectives as C
+
+    (r0, f0, l0), (r1, f1, l1) = spawn(_body_crosswise_cuda, 2, backend="nccl", timeout_s=120)
+    assert r0 == r1 == [C.CHECK_LAG - 1], (r0, r1)
+    assert f0 == f1 and "rounding=nearest" in f0 and "rank 1:" in f0, f0
+    assert l0 == l1 and "rounding=nearest" in l0, l0

@@ -329,8 +329,26 @@ def agree(group: dist.ProcessGroup | None, what: str, fingerprint: tuple,
 #: differently may hang, abort or get silently different results.
 CHECK_CALLS = os.environ.get("LOWBIT_CHECK_CALLS", "1").strip() != "0"
 
-# group -> (event, pinned flag, fields) of the last CUDA call, checked at the group's next call
-_PENDING: dict[int, tuple[object, torch.Tensor, tuple]] = {}
+#: CUDA: a call's fingerprints are read on the host this many calls of its group later (:func:`check_call`).
+CHECK_LAG = 4
+
+
+class _Pending:
+    """A group's CUDA checks in flight: a ring of ``CHECK_LAG`` slots, each a pinned row of the k
+    gathered fingerprints, the event recorded after its copy, and the call's fingerprint and fields.
+    Allocated once per group, so a call allocates nothing."""
+
+    def __init__(self, k: int, device: torch.device) -> None:
+        n = max(1, CHECK_LAG)
+        self.mine = torch.empty(1, dtype=torch.int64, device=device)
+        self.theirs = torch.empty(k, dtype=torch.int64, device=device)
+        self.host = torch.empty((n, k), dtype=torch.int64, pin_memory=True)
+        self.events = [torch.cuda.Event() for _ in range(n)]
+        self.calls: list[tuple[int, tuple] | None] = [None] * n
+        self.count = 0
+
+
+_PENDING: dict[int, _Pending] = {}
 
 
 def _fingerprint(fields: tuple) -> int:
@@ -347,6 +365,29 @@ def _mismatch(group: dist.ProcessGroup | None, what: str, fields: tuple,
     return CollectiveError(f"lowbit: the ranks called {what} differently:\n{lines}")
 
 
+def _read(group: dist.ProcessGroup | None, what: str, describe: Callable[[tuple], str], p: _Pending,
+          slot: int) -> None:
+    call = p.calls[slot]
+    if call is None:
+        return
+    p.calls[slot] = None
+    p.events[slot].synchronize()
+    if bool((p.host[slot] != call[0]).any()):
+        raise _mismatch(group, what, call[1], describe)
+
+
+def flush_checks(group: dist.ProcessGroup | None = None, what: str = "all_reduce",
+                 describe: Callable[[tuple], str] = repr) -> None:
+    """Read every CUDA call check of ``group`` still in flight, oldest first (waits for them), and raise
+    the :class:`CollectiveError` of the first mismatch. Every rank must call it at the same point."""
+    p = _PENDING.get(id(group) if group is not None else 0)
+    if p is None:
+        return
+    n = len(p.calls)
+    for i in range(n):
+        _read(group, what, describe, p, (p.count + i) % n)
+
+
 def check_call(group: dist.ProcessGroup | None, what: str, fields: tuple, describe: Callable[[tuple], str],
                device: torch.device) -> None:
     """Ranks must make every call of ``what`` alike (``fields``: codec, algorithm, op, numel, ...). Each
@@ -354,31 +395,31 @@ def check_call(group: dist.ProcessGroup | None, what: str, fields: tuple, descri
 
     CPU: the host compares them now; on a mismatch every rank raises the same :class:`CollectiveError`
     listing each rank's call (``describe``), before the payloads, whose sizes may differ, are sent.
-    CUDA: the comparison runs on the device (no host synchronisation) into a pinned flag, which the
-    group's *next* call reads (after waiting for that small all-gather, not for the data) and reports
-    the same way, naming the earlier call; so ranks that disagree get the error one call late (and a
-    payload size that differs may make NCCL fail or hang first)."""
+    CUDA: the gathered fingerprints are copied to pinned host memory on the stream, and the host reads
+    them :data:`CHECK_LAG` calls of the group later (by then long done, so the host does not wait for
+    the device) and reports a mismatch the same way, naming the earlier call. Every rank reads the same
+    call at the same point, so all raise together; ranks that disagree get the error ``CHECK_LAG``
+    calls late (and a payload size that differs may make NCCL fail or hang first). :func:`flush_checks`
+    reads every call still in flight (a host synchronisation), e.g. at the end of a run."""
     _, k = world(group)
     if k == 1 or not CHECK_CALLS:
         return
     gid = id(group) if group is not None else 0
     fp = _fingerprint(fields)
     if device.type == "cuda":
-        pending = _PENDING.pop(gid, None)
-        if pending is not None:
-            event, flag, prev = pending
-            event.synchronize()  # type: ignore[attr-defined]
-            if bool(flag.item()):
-                raise _mismatch(group, what, prev, describe)
-        mine = torch.full((1,), fp, dtype=torch.int64, device=device)
-        theirs = torch.empty(k, dtype=torch.int64, device=device)
-        work = all_gather_async(theirs, mine, group)
+        p = _PENDING.get(gid)
+        if p is None or p.theirs.numel() != k or p.theirs.device != device:
+            p = _PENDING[gid] = _Pending(k, device)
+        slot = p.count % len(p.calls)
+        if p.calls[slot] is not None:  # the call CHECK_LAG calls back: read it before reusing its slot
+            _read(group, what, describe, p, slot)
+        p.mine.fill_(fp)
+        work = all_gather_async(p.theirs, p.mine, group)
         work.wait()  # type: ignore[union-attr]  # NCCL: the current stream waits, not the host
-        flag = torch.empty(1, dtype=torch.bool, pin_memory=True)
-        flag.copy_((theirs != mine).any().view(1), non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        _PENDING[gid] = (event, flag, fields)
+        p.host[slot].copy_(p.theirs, non_blocking=True)
+        p.events[slot].record()
+        p.calls[slot] = (fp, fields)
+        p.count += 1
         return
     mine = torch.full((1,), fp, dtype=torch.int64)
     theirs = torch.empty(k, dtype=torch.int64)
