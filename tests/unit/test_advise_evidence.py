@@ -1,5 +1,9 @@
 """The accuracy evidence lowbit advise ships with is the committed CPU study, read the same from an
-installed package as from a checkout (issue 13 item 2: no path into the repository)."""
+installed package as from a checkout (issue 13 item 2: no path into the repository).
+
+This test reads benchmarks/results/study_cpu_default/ on purpose: what it checks is that the package data
+is that committed study, run for run. Other tests read their copies under tests/fixtures/ (issue 31
+item 7)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from lowbit.cli import build_parser, main
 from lowbit.extras import MissingExtra, require
 
 ROOT = Path(__file__).resolve().parents[2]
-REAL = ROOT / "benchmarks" / "results" / "study_cpu_default" / "results.jsonl"
+REAL = ROOT / "tests" / "fixtures" / "study_cpu_default" / "results.jsonl"
 TINY = ["--quiet", "--samples", "100", "--bench-numel", "1000", "--reps", "1"]
 
 

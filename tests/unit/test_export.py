@@ -16,7 +16,7 @@ from lowbit.extras import MissingExtra
 from lowbit.study.export import TensorBoardLog, export_tensorboard, write_csv
 from lowbit.study.report import load_runs
 
-REAL = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "study_cpu_default" / "results.jsonl"
+REAL = Path(__file__).resolve().parents[1] / "fixtures" / "study_cpu_default" / "results.jsonl"
 
 
 def _read(path: Path) -> list[dict[str, str]]:

@@ -355,7 +355,7 @@ def test_calibrate_takes_runs_not_paths(tmp_path: Path) -> None:
 def test_validation_skips_codec_auto_runs(capsys, tmp_path):
     """A study with lowbit.ddp's codec="auto" (chosen per tensor while training; its rows hold no codec
     the model can price) validates its other runs instead of failing on "unknown codec 'auto'"."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "study_cpu_auto_100mbit"
+    path = Path(__file__).resolve().parents[1] / "fixtures" / "study_cpu_auto_100mbit"
     rows = [json.loads(line) for line in (path / "results.jsonl").read_text().splitlines()]
     runs = [r for r in rows if r["kind"] == "run"]
     assert {r["config"]["codec"] for r in runs} >= {"auto", "fp32"}

@@ -1,5 +1,6 @@
-"""The report's Figure 5 and first table on the committed CPU study (issue 33, item 6): curves that leave
-the zoomed accuracy axis are marked at its edge, and one seed gets the difference without a ✓/✗ mark."""
+"""The report's Figure 5 and first table on the committed CPU study's mlp/digits runs (a copy in
+tests/fixtures/; issue 33, item 6): curves that leave the zoomed accuracy axis are marked at its edge, and
+one seed gets the difference without a ✓/✗ mark."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import lowbit.study.report as report
 
 pytest.importorskip("matplotlib")
 
-REAL = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "study_cpu_default" / "results.jsonl"
+REAL = Path(__file__).resolve().parents[1] / "fixtures" / "study_cpu_default" / "results.jsonl"
 
 
 def _figure5(runs, monkeypatch, tmp_path):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from lowbit.study.report import load_runs, write_report
 
-REAL = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "study_cpu_default" / "results.jsonl"
+REAL = Path(__file__).resolve().parents[1] / "fixtures" / "study_cpu_default" / "results.jsonl"
 
 
 def test_malformed_rows_are_skipped_with_their_line(tmp_path: Path) -> None:

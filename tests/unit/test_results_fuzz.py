@@ -15,7 +15,7 @@ import pytest
 from lowbit.cli import main
 from lowbit.study.store import read_runs
 
-REAL = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "study_cpu_default" / "results.jsonl"
+REAL = Path(__file__).resolve().parents[1] / "fixtures" / "study_cpu_default" / "results.jsonl"
 
 
 def _base_rows() -> list[dict[str, Any]]:

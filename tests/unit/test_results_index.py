@@ -5,7 +5,10 @@ file, fails here.
 The index is the README's table rows whose first cell is one backquoted name (``| `name` | ...``; a
 folder written with a trailing ``/``). Every other backquoted file name in the README (``x.json``, a
 brace form ``a_{b,c}.json``, a glob ``a_*.json``, or ``folder/file``) must match something under
-benchmarks/results/ too."""
+benchmarks/results/ too.
+
+This test reads benchmarks/results/ on purpose: the folder and its index are what it checks. Other
+tests read their copies under tests/fixtures/ (issue 31 item 7)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""benchmarks/validate_cross_card.py (issue 18) on the committed bench_ddp files: structure, not accuracy.
+"""benchmarks/validate_cross_card.py (issue 18) on copies of the committed bench_ddp files (tests/fixtures/):
+structure, not accuracy.
 
 The held-out network is never in a fit, every cell gets a finite prediction, and the predicted card's
 sockets rows never reach a prediction (poisoned or scaled, the predictions do not move)."""
@@ -15,6 +16,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "validate_cross_card.py"
+FIXTURES = ROOT / "tests" / "fixtures"
+#: copies of the script's DEFAULT_FILES (benchmarks/results/), per card: sockets, NVLink
+FILES = {"H100": (FIXTURES / "ddp_2xh100_sockets.json", FIXTURES / "ddp_2xh100_nvlink.json"),
+         "H200": (FIXTURES / "ddp_2xh200_sockets.json", FIXTURES / "ddp_2xh200_nvlink.json")}
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +33,7 @@ def vcc():
 
 @pytest.fixture(scope="module")
 def cards(vcc):
-    return {k: vcc.load_card(k, *files) for k, files in vcc.DEFAULT_FILES.items()}
+    return {k: vcc.load_card(k, *files) for k, files in FILES.items()}
 
 
 @pytest.fixture(scope="module")
