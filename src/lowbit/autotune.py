@@ -97,7 +97,7 @@ class AutoTuner:
         self.warmup_steps = 2  # steps after start_iter not measured: DDP's first steps run slow (cuDNN
         #                        autotuning, NCCL's socket connections, allocator growth); measured from
         #                        the first step on, auto's fp32 step was 7-17 % above the steady one
-        #                        (ResNet-50, AlexNet, 2x H100 over sockets, c6ef8fe)
+        #                        (ResNet-50, AlexNet, 2x H100 over sockets; docs/results.md)
         self.trial_steps = 2   # timed steps per finalist (after one warm-up step); 0: trust the prediction
         self.max_trials = 4    # finalists tried at most
         self.phase = "measure"  # -> "trial" -> "done"
