@@ -157,6 +157,38 @@ def _row_layout(sizes: Sequence[int], exact: Sequence[bool], numel: int, codec: 
     return _Layout(codec, numel, tuple(ranges), exact_codec), True
 
 
+#: Whether float codecs (bf16, fp16, fp32: a payload that is the values in ``wire_dtype``) take the cast
+#: path: cast straight into the message and out of it, a few kernels a call instead of the codec's
+#: encode / frame / decode (same bytes on the wire, same sums; tests turn it off to compare).
+FAST_FLOATS = True
+
+
+def _cast_dtype(lay: "_Layout", numel: int) -> torch.dtype | None:
+    """The wire dtype when ``lay``'s codecs are plain casts (payload = the values in that dtype, no header,
+    flat), else None."""
+    codec, ecodec = lay.codec, lay.exact_codec
+    wd = codec.wire_dtype
+    if not FAST_FLOATS or wd is None or ecodec.wire_dtype is None or codec.flat_shape(numel) is not None:
+        return None
+    if codec.nbytes(numel) != numel * wd.itemsize or lay.slot[0] or lay.exact_slot[0]:
+        return None
+    e = lay.exact_numel
+    if e and ecodec.nbytes(e) != e * ecodec.wire_dtype.itemsize:
+        return None
+    return wd
+
+
+def _sum_into(out: torch.Tensor, others: list[torch.Tensor], own: torch.Tensor) -> torch.Tensor:
+    """``out`` (float32) = others[0] + others[1] + ... + own, added in that order in float32 (the order
+    and precision of the codec path: decode_sum of the others, then the own row)."""
+    if len(others) == 1 and torch.result_type(others[0], own) == torch.float32:
+        return torch.add(others[0], own, out=out)  # one kernel; a + b == b + a exactly
+    out.copy_(others[0])
+    for o in others[1:]:
+        out.add_(o)
+    return out.add_(own)
+
+
 def _seed(*parts: int) -> int:
     h = 0
     for p in parts:
@@ -354,6 +386,9 @@ class LowbitReduceScatter(_Comm):
         (lead, size), (elead, esize) = lay.slot, lay.exact_slot
         idx = lay.index(dev) if e else None
         ex = x[:, idx] if e else None  # (N, E): the exact values of every row, one gather
+        wd = _cast_dtype(lay, s)
+        if wd is not None:
+            return self._exchange_cast(x, group, s, out, lay, wd, idx, ex)
         ef = st.feedback is not None and not codec.sums_on_wire
         res = st.feedback.residual((self.name, s), n * s, dev).view(n, s) if ef else None
         parts: list[tuple[int, torch.Tensor, int]] = []
@@ -400,6 +435,37 @@ class LowbitReduceScatter(_Comm):
         return out
 
 
+    def _exchange_cast(self, x: torch.Tensor, group: dist.ProcessGroup, s: int, out: torch.Tensor,
+                       lay: _Layout, wd: torch.dtype, idx: torch.Tensor | None,
+                       ex: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`_exchange` for a float codec: every row cast into its slot of the message at once (my
+        own slot too: it stays at home), exact values copied behind, one all-to-all, and the sum read
+        straight from the received bytes."""
+        st = self.state
+        rank, n = group.rank(), group.size()
+        msg, size, nb = lay.message, lay.slot[1], s * wd.itemsize
+        send = torch.empty(n, msg, dtype=torch.uint8, device=x.device)
+        send[:, :nb].view(wd).copy_(x)
+        e = lay.exact_numel
+        if e:
+            ed = lay.exact_codec.wire_dtype
+            send[:, size : size + e * ed.itemsize].view(ed).copy_(ex)
+        recv = torch.empty(n, msg, dtype=torch.uint8, device=x.device)
+        work = C.all_to_all_async(recv.view(-1), send.view(-1), [], [], group)
+        C.wait(work, "all_to_all_single", group)
+        sent_bytes = (n - 1) * msg
+        st.grad_stats.bytes_sent += sent_bytes
+        if self.groups is not None and self.groups.intra is not None:
+            st.grad_stats.bytes_inter += sent_bytes
+        others = [j for j in range(n) if j != rank]
+        _sum_into(out, [recv[j, :nb].view(wd) for j in others], x[rank])
+        if e:
+            acc = torch.empty(e, dtype=torch.float32, device=x.device)
+            _sum_into(acc, [recv[j, size : size + e * ed.itemsize].view(ed) for j in others], ex[rank])
+            out.index_copy_(0, idx, acc)
+        return out
+
+
 class LowbitAllGather(_Comm):
     """FSDP2's ``AllGather`` for one FSDP module: parameter shards cross the wire in ``param_codec``."""
 
@@ -443,6 +509,24 @@ class LowbitAllGather(_Comm):
         codec, ecodec, e = lay.codec, lay.exact_codec, lay.exact_numel
         (lead, size), (elead, esize) = lay.slot, lay.exact_slot
         idx = lay.index(dev) if e else None
+        wd = _cast_dtype(lay, s)
+        if wd is not None:  # a float codec: cast into the message, and out of it for every rank at once
+            msg, size, nb = lay.message, lay.slot[1], s * wd.itemsize
+            send = torch.empty(msg, dtype=torch.uint8, device=dev)
+            send[:nb].view(wd).copy_(shard)
+            if e:
+                ed = ecodec.wire_dtype
+                torch.index_select(shard, 0, idx, out=send[size : size + e * ed.itemsize].view(ed))
+            recv = torch.empty(n, msg, dtype=torch.uint8, device=dev)
+            work = C.all_gather_async(recv.view(-1), send, group)
+            C.wait(work, "all_gather_into_tensor", group)
+            st.param_stats.bytes_sent += (n - 1) * msg
+            if self.groups is not None and self.groups.intra is not None:
+                st.param_stats.bytes_inter += (n - 1) * msg
+            rows.copy_(recv[:, :nb].view(wd))
+            if e:
+                rows[:, idx] = recv[:, size : size + e * ed.itemsize].view(ed).to(rows.dtype)
+            return
         # a fixed seed per module and rank: the backward's re-gather decodes the same weights
         parts = [(lead, codec.encode(shard, seed=_seed(self.index, st.rank)), size)]
         if e:

@@ -174,6 +174,21 @@ def _body_two(rank: int, world: int) -> dict:
         ours = [id(p) for _, p in lf._managed_params(mod, FSDPModule)]
         out.setdefault("order_same", []).append(theirs == ours)
 
+    # 8. float codecs take the cast path (straight into and out of the message): the same weights, bit
+    # for bit, as the codec's encode / frame / decode path, with the policy's exact columns, with bf16
+    # parameters and fp32 reduce, and through a 16-bit parameter all-gather
+    for codec, pcodec, mp in (("bf16", "bf16", None), ("fp16", None, MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
+                              ("fp32", "fp16", None)):
+        runs = []
+        for fast in (True, False):
+            lf.FAST_FLOATS = fast
+            m = _shard(Net(), **({"mp_policy": mp} if mp else {}))
+            lf.register(m, codec=codec, param_codec=pcodec)
+            _train(m, rank, 3)
+            runs.append(_full(m))
+        lf.FAST_FLOATS = True
+        out.setdefault("cast_same", []).append(all(torch.equal(a, b) for a, b in zip(*runs)))
+
     # 7. ranks that disagree: the same error on every rank, no hang
     m = _shard(Net())
     try:
@@ -206,6 +221,7 @@ def test_fsdp_two_ranks() -> None:
         assert all(torch.equal(a, b) for a, b in zip(r["ef_a"], r["ef_b"]))
         assert r["bad_ckpt"] and "rank" in r["bad_ckpt"]
         assert all(r["order_same"])
+        assert r["cast_same"] == [True, True, True]
         assert r["mismatch"] and "rank 0" in r["mismatch"] and "rank 1" in r["mismatch"]
     assert torch.equal(r0["unsharded_w"], r1["unsharded_w"])  # every rank decodes the same codes
     assert r0["q8_bytes"] == r1["q8_bytes"] > 0
