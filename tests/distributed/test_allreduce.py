@@ -202,3 +202,31 @@ def test_op_takes_torch_reduce_ops_and_sums_by_default() -> None:
     assert len(res["errors"]) == 3
     assert all("op must be" in e for e in res["errors"][:2])
     assert "takes the codec second" in res["errors"][2]
+
+
+def _body_auto(rank: int, world: int) -> dict:
+    from lowbit.comm.allreduce import AUTO_TWO_RANKS_SCATTER_FROM
+
+    out = {}
+    for n in (1000, AUTO_TWO_RANKS_SCATTER_FROM["cpu"]):
+        for algo in ("auto", "scatter_gather", "allgather"):
+            t = _inputs(rank, n)
+            stats = lowbit.comm.CommStats()
+            lowbit.all_reduce(t, "qsgd:bits=4,bucket=512", algorithm=algo, op="mean", seed=5, stats=stats)
+            out[(n, algo)] = (t, stats.bytes_sent)
+    return out
+
+
+def test_auto_on_two_cpu_ranks_runs_scatter_gather_for_large_tensors() -> None:
+    """issue 33 item 7: on CPU gloo, 2 ranks, allgather is the slower algorithm for large tensors; auto runs
+    what resolve_algorithm says for the tensor's size and device (bit for bit the same result and bytes)."""
+    from lowbit.comm.allreduce import AUTO_TWO_RANKS_SCATTER_FROM
+
+    r0 = spawn(_body_auto, 2, backend="gloo")[0]
+    big = AUTO_TWO_RANKS_SCATTER_FROM["cpu"]
+    for n, want in ((1000, "allgather"), (big, "scatter_gather")):
+        other = "allgather" if want == "scatter_gather" else "scatter_gather"
+        assert torch.equal(r0[(n, "auto")][0], r0[(n, want)][0]), n
+        assert not torch.equal(r0[(n, "auto")][0], r0[(n, other)][0]), n  # (the two differ: the check can fail)
+        assert r0[(n, "auto")][1] == r0[(n, want)][1] == lowbit.comm.bytes_sent_per_rank(
+            lowbit.get_codec("qsgd:bits=4,bucket=512"), n, 2, "auto", device="cpu")

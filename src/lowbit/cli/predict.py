@@ -105,7 +105,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--bits", type=float, default=None, help="bits per value; overrides what --codec implies")
     p.add_argument("--algorithm", default="auto", type=_one_of(lambda: ("auto",) + modeled_algorithms()),
                    metavar="ALG", help=f"{' | '.join(('auto',) + modeled_algorithms())} (and those of "
-                   "$LOWBIT_PLUGINS); auto: allreduce for 16/32-bit floats, scatter_gather below")
+                   "$LOWBIT_PLUGINS); auto: as lowbit.all_reduce resolves it on GPUs (allreduce for 16/32-bit floats, "
+                   "allgather for 2 GPUs and per-tensor codecs, scatter_gather above)")
     p.add_argument("--batch", type=int, default=64, help="samples per GPU per step (default 64)")
     p.add_argument("--device-tflops", type=float, default=None,
                    help="sustained TFLOP/s of one GPU on this network (default 100, or the calibrated device rate)")

@@ -60,7 +60,7 @@ SIMULATED = "simulated"
 
 __all__ = ["AUTO", "SIMULATED", "AlgorithmPlugin", "register_algorithm", "algorithms",
            "algorithm_choices", "get_algorithm", "set_cost", "CommStats", "Handle", "all_reduce",
-           "chunk_sizes", "bytes_sent_per_rank", "resolve_algorithm", "simulated_numel", "start"]
+           "chunk_sizes", "bytes_sent_per_rank", "auto_algorithm", "resolve_algorithm", "simulated_numel", "start"]
 
 #: The name that is not an algorithm but picks one per call (:func:`resolve_algorithm`).
 AUTO = "auto"
@@ -252,11 +252,38 @@ def chunk_sizes(n: int, k: int) -> list[int]:
     return [n // k + (1 if i < n % k else 0) for i in range(k)]
 
 
-def resolve_algorithm(algorithm: str, codec: Codec, k: int) -> str:
+#: ``auto`` for two ranks: from how many values scatter_gather beats allgather, per device type of the tensor
+#: (None: at no size). With two ranks both send the same bytes; scatter_gather makes two exchanges instead of
+#: one and decodes 1.5 n values instead of 2 n (it keeps its own half in fp32). On a CPU (gloo, numba kernels,
+#: one thread a rank) the half a tensor of decoding it saves outweighs the extra exchange from about 2M values
+#: on; on CUDA (NCCL) allgather was the faster at every size measured, 1M to 256M values over NVLink and over
+#: sockets (benchmarks/results/allreduce_gloo_cpu2_auto_*.json, allreduce_nccl_*_2xh200.json; docs/bench.md,
+#: "Which algorithm auto runs").
+AUTO_TWO_RANKS_SCATTER_FROM: dict[str, int | None] = {"cpu": 1 << 21, "cuda": None}
+
+
+def auto_algorithm(k: int, numel: int | None = None, device: torch.device | str | None = None) -> str:
+    """The flat algorithm ``auto`` runs for a quantised codec on ``k`` ranks: ``scatter_gather`` above two
+    ranks (its bytes per rank stay ~2 payloads as K grows, allgather's grow as K-1); for two ranks
+    ``allgather`` (one exchange), unless the tensor's device type has a size from which scatter_gather was
+    measured faster (:data:`AUTO_TWO_RANKS_SCATTER_FROM`) and ``numel`` reaches it. Without ``numel`` or
+    ``device`` (a caller that does not know them) two ranks take allgather. The one rule of ``auto``: the
+    collectives, the DDP hook and the speed model (:func:`lowbit.perfmodel.model.resolve_algorithm`) all
+    resolve it here."""
+    if k > 2:
+        return "scatter_gather"
+    if k < 2 or numel is None or device is None:
+        return "allgather"
+    start_at = AUTO_TWO_RANKS_SCATTER_FROM.get(torch.device(device).type)
+    return "scatter_gather" if start_at is not None and numel >= start_at else "allgather"
+
+
+def resolve_algorithm(algorithm: str, codec: Codec, k: int, numel: int | None = None,
+                      device: torch.device | str | None = None) -> str:
     """The algorithm a call really runs: native allreduce for codecs that sum on the wire; ``auto`` is
-    ``allgather`` for two ranks (one exchange, the same bytes as scatter_gather's two, half the coding
-    work) and ``scatter_gather`` above (its bytes per rank stay ~2 payloads as K grows);
-    ``hierarchical`` stays itself (it picks its between-node algorithm the same way). Per-tensor codecs
+    :func:`auto_algorithm` for ``k`` ranks and a tensor of ``numel`` values on ``device`` (allgather for
+    two ranks unless measured otherwise for that device and size, scatter_gather above); ``hierarchical``
+    stays itself (it picks its between-node algorithm the same way). Per-tensor codecs
     (``codec.per_tensor``: per-column 1bitSGD, Dettmers with one scale) always take ``allgather``."""
     if algorithm == SIMULATED:
         return SIMULATED  # any codec: only its bits per value matter
@@ -265,7 +292,7 @@ def resolve_algorithm(algorithm: str, codec: Codec, k: int) -> str:
     if codec.per_tensor:
         return "allgather"  # a tensor's own groups cannot be cut into chunks
     if algorithm == "auto":
-        return "allgather" if k <= 2 else "scatter_gather"
+        return auto_algorithm(k, numel, device)
     return algorithm
 
 
@@ -366,7 +393,8 @@ def start(
         if stats is not None:
             stats.calls += 1
         return plugin.start(x, codec, group, op, residual, seed, stats, out, post, node_size, shape, (rank, k))
-    algorithm = resolve_algorithm(algorithm, codec, k)
+    # (fp32 riders go with allgather only: with them auto does not look at the size)
+    algorithm = resolve_algorithm(algorithm, codec, k, None if exact else x.numel(), x.device)
     if stats is not None:
         stats.calls += 1
     if algorithm == SIMULATED:
@@ -573,11 +601,12 @@ def _framed(parts: list[tuple[int, torch.Tensor, int]], device: torch.device) ->
 
 
 def bytes_sent_per_rank(codec: Codec, n: int, k: int, algorithm: str, rank: int = 0, exact: int = 0,
-                        node_size: int | None = None, shape: tuple[int, ...] | None = None) -> int:
+                        node_size: int | None = None, shape: tuple[int, ...] | None = None,
+                        device: torch.device | str | None = None) -> int:
     """What rank ``rank`` puts on the wire for one call of ``n`` values (plus ``exact`` raw fp32 riders),
     predicted from the codec's sizes: ring all-gather / allreduce accounting, 16-byte message slots
-    included (``hierarchical``: with ``node_size`` ranks per node). The collectives count the buffers they
-    really send; this is the model's side."""
+    included (``hierarchical``: with ``node_size`` ranks per node; ``auto``: as it resolves for a tensor on
+    ``device``). The collectives count the buffers they really send; this is the model's side."""
     if k == 1 or (n == 0 and not exact):
         return 0
     plugin = _PLUGINS.get(algorithm)
@@ -585,7 +614,7 @@ def bytes_sent_per_rank(codec: Codec, n: int, k: int, algorithm: str, rank: int 
         return plugin.bytes_per_rank(codec, n, k, rank, exact, node_size, shape)
     if algorithm == SIMULATED:
         return int(2 * (k - 1) * simulated_numel(codec, n + exact, shape) * 4 // k)
-    algorithm = resolve_algorithm(algorithm, codec, k)
+    algorithm = resolve_algorithm(algorithm, codec, k, None if exact else n, device)
     if algorithm == "allreduce":
         return int(2 * (k - 1) * codec.nbytes(n, codec.flat_shape(n)) // k)
     if algorithm == "allgather":
@@ -798,7 +827,8 @@ def all_reduce(
     same (bit-identical) result, and the collectives are issued now, in the caller's program order.
     ``op``: ``torch.distributed.ReduceOp.SUM`` (the default, as torch's) or ``ReduceOp.AVG``, or the
     strings ``"sum"`` / ``"mean"``. ``algorithm``: ``scatter_gather`` (default), ``allgather``,
-    ``allreduce`` (fp32/fp16/bf16 only), ``auto`` (allgather for 2 ranks, else scatter_gather) or
+    ``allreduce`` (fp32/fp16/bf16 only), ``auto`` (:func:`auto_algorithm`: scatter_gather above 2 ranks;
+    for 2, allgather, or scatter_gather for large CPU tensors) or
     ``hierarchical`` (native inside each node, compressed between nodes; ``node_size`` ranks per node,
     default ``$LOWBIT_NODE_SIZE`` or torchrun's ``LOCAL_WORLD_SIZE``: :mod:`lowbit.comm.hierarchical`).
     ``simulated`` is Grubic et al.'s simulation of low-precision NCCL for benchmarks: a native fp32

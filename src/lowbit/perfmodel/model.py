@@ -28,6 +28,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from lowbit.codecs.base import get_codec
+from lowbit.comm.allreduce import AUTO, auto_algorithm
+from lowbit.comm.allreduce import resolve_algorithm as comm_resolve_algorithm
 from lowbit.perfmodel.collectives import Topology, collective, model_of, positive_int
 from lowbit.perfmodel.links import Link, parse_link
 from lowbit.perfmodel.networks import Network, get_network
@@ -282,10 +284,19 @@ def simulate_step(
     return step, Breakdown(compute, exposed, encode_total, decode_total, comm_busy), sent, len(buckets)
 
 
-def resolve_algorithm(algorithm: str, bits: float) -> str:
-    """``auto`` -> native ``allreduce`` for 16/32-bit floats, ``scatter_gather`` below 16 bits."""
-    if algorithm == "auto":
-        return "allreduce" if bits >= 16 else "scatter_gather"
+def resolve_algorithm(algorithm: str, codec: Any, world: int) -> str:
+    """The algorithm :func:`predict` prices for ``codec`` (a spec, or bits per value) on ``world`` GPUs.
+
+    ``auto`` resolves as lowbit's collectives resolve it for a CUDA tensor
+    (:func:`lowbit.comm.allreduce.resolve_algorithm`, one rule for both): the native ``allreduce`` for
+    codecs that sum on the wire, ``allgather`` for per-tensor codecs and for two GPUs, ``scatter_gather``
+    above. A number of bits stands for a float type that sums on the wire from 16 bits on, and for a
+    quantised codec below. Any other name must be a modelled algorithm and is priced as named."""
+    if algorithm == AUTO:
+        if isinstance(codec, (int, float)):
+            return "allreduce" if bits_per_value(codec) >= 16 else auto_algorithm(world, device="cuda")
+        return comm_resolve_algorithm(AUTO, get_codec(codec) if isinstance(codec, str) else codec, world,
+                                      device="cuda")
     try:
         model_of(algorithm)
     except ValueError as exc:
@@ -353,7 +364,7 @@ def predict(
         label = codec if isinstance(codec, str) and codec != str(FP32_BITS) else "policy"
     else:
         bits = bits_per_value(codec)
-        algo = resolve_algorithm(algorithm, bits)
+        algo = resolve_algorithm(algorithm, codec, cluster.gpus)
         label = str(codec)
     topo = cluster.topology()
     common = dict(overlap=overlap, bucket_bytes=bucket_bytes, backward_fraction=backward_fraction)
