@@ -12,6 +12,11 @@ Payloads are laid out as *scales first* (float32, little-endian, one per bucket/
 packed densely at ``bits`` bits each (LSB-first bit stream), so ``nbytes`` counts every byte that
 crosses the wire. A codec never communicates and never touches the global RNG: stochastic rounding
 draws from a counter-based hash keyed by ``(seed, element index)``.
+
+Facts about a codec that other layers need (its labels, whether a native allreduce sums it, whether it
+is biased, its place on the bits ladder) are attributes of its class, with defaults here for a codec
+that does not say. Codec classes put themselves in the registry (``@register_codec``); this module
+knows none of them (:mod:`lowbit.codecs` imports lowbit's own, ``$LOWBIT_PLUGINS`` names others).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import contextlib
 import dataclasses
 import importlib
 import logging
+import math
 import numbers
 import os
 import sys
@@ -78,10 +84,40 @@ class Codec:
         """True when a native allreduce can carry (and sum) this codec's values."""
         return self.wire_dtype is not None
 
+    # ----------------------------------------------------------------------------- facts
+    # What the layers above ask of a codec, so that none keeps a list of codec names: a plugin codec
+    # gets the defaults below, a codec that knows better overrides them in its own file.
     @property
     def label(self) -> str:
-        """Short human label, e.g. ``qsgd 4-bit`` (tables, plots, logs)."""
+        """Human label in the seeds' style, e.g. ``QSGD 4bit/512`` (the study's tables, plots, logs)."""
         return self.spec
+
+    @property
+    def short_label(self) -> str:
+        """Compact label, e.g. ``qsgd4/512`` (the speed model's and ``lowbit advise``'s tables)."""
+        return self.spec
+
+    @property
+    def code_bits(self) -> float:
+        """Bits of one value's code, scales not counted (8 for 8-bit QSGD, 1 for 1bitSGD): what places the
+        codec on the bits ladder (:attr:`rung`). By default the bits per value on the wire, scales included."""
+        return self.bits_per_value()
+
+    @property
+    def rung(self) -> int:
+        """Position on the bits ladder, ``1 + floor(log2(code_bits))``: 1-bit codes are rung 1, 2-bit 2,
+        4-bit 3, 8-bit 4, 16-bit 5, 32-bit 6 (0 below a bit a value). ``lowbit advise`` keeps convolutions at
+        least one rung above fully connected layers (Grubic et al. 2018) and makes a policy's highest rung
+        its default."""
+        bits = self.code_bits
+        return max(0, 1 + math.floor(math.log2(bits))) if bits > 0 else 0
+
+    @property
+    def seeds_feedback(self) -> bool:
+        """Whether the seeds' practice trains with error feedback on this codec: what the study's
+        ``error_feedback="auto"`` follows (``lowbit.ddp``'s "auto" follows :attr:`biased` alone). By
+        default :attr:`biased`: 1bitSGD and top-k need it, unbiased QSGD goes without."""
+        return self.biased
 
     # ----------------------------------------------------------------------------- description
     @property
@@ -341,17 +377,15 @@ _PLUGINS_LOADED: set[str] = set()
 
 
 def load_plugins() -> None:
-    """Import lowbit's codecs and the modules named in ``$LOWBIT_PLUGINS`` (each once): what registers
-    itself on import (codecs, algorithms) is then known. ValueError when a named module does not import.
+    """Import the modules named in ``$LOWBIT_PLUGINS`` (each once): what registers itself on import
+    (codecs, algorithms) is then known. ValueError when a named module does not import. (lowbit's own
+    codecs are registered already: :mod:`lowbit.codecs` imports every codec module of its package.)
 
     Called where a codec or an algorithm is resolved (``get_codec``, ``available_codecs``,
     ``lowbit.comm.allreduce.algorithms``), never by merely importing lowbit; inside :func:`defer_plugins`
-    (the CLI while it builds its parsers, so ``lowbit --help`` runs no plugin) only the built-ins load.
+    (the CLI while it builds its parsers, so ``lowbit --help`` runs no plugin) it imports nothing.
     Plugins run code: the first import of each is said once per process, one line on stderr (and an INFO
     record of the ``lowbit`` logger) naming the module and its file."""
-    # The codec modules register themselves on import.
-    from lowbit.codecs import dettmers, floats, onebit, qsgd, topk  # noqa: F401
-
     if _DEFERRED:
         return
     new = []
@@ -375,8 +409,8 @@ _DEFERRED = False
 
 @contextlib.contextmanager
 def defer_plugins() -> Iterator[None]:
-    """Within: :func:`load_plugins` loads the built-in codecs only (``$LOWBIT_PLUGINS`` waits for the
-    first resolution outside)."""
+    """Within: :func:`load_plugins` loads nothing (``$LOWBIT_PLUGINS`` waits for the first resolution
+    outside); the built-in codecs are there all the same."""
     global _DEFERRED
     before, _DEFERRED = _DEFERRED, True
     try:

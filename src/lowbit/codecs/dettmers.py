@@ -40,6 +40,8 @@ from lowbit.kernels import reference as ref
 from lowbit.kernels.dettmers_tables import NORMALISED
 
 TYPES = ("dynamic", "linear", "static", "mantissa", "dynamic_bnb")
+#: short labels' names of the types: the first three letters, but for the bitsandbytes map
+_SHORT_TYPES = {"dynamic_bnb": "bnb"}
 
 
 @register_codec
@@ -73,6 +75,20 @@ class Dettmers(Codec):
     @property
     def label(self) -> str:  # type: ignore[override]
         return f"8bit {self.type} (Dettmers)"
+
+    @property
+    def short_label(self) -> str:  # type: ignore[override]
+        return f"dettmers-{_SHORT_TYPES.get(self.type, self.type[:3])}"
+
+    @property
+    def code_bits(self) -> float:  # type: ignore[override]
+        return 8.0  # one byte a value, whatever the type
+
+    @property
+    def seeds_feedback(self) -> bool:  # type: ignore[override]
+        """Dettmers (2016) trained his 8-bit types without error feedback: the study's "auto" leaves it off
+        (its "biased", and lowbit.ddp's "auto", turn it on)."""
+        return False
 
     @property
     def normalised(self) -> bool:

@@ -25,6 +25,14 @@ class _FloatCodec(Codec):
     def label(self) -> str:
         return "32bit" if self.itemsize == 4 else f"16bit ({self.name})"
 
+    @property
+    def short_label(self) -> str:
+        return self.name
+
+    @property
+    def code_bits(self) -> float:
+        return 8.0 * self.itemsize
+
     def nbytes(self, numel: int, shape: Sequence[int] | None = None) -> int:
         return self.itemsize * numel
 

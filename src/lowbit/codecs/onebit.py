@@ -47,6 +47,14 @@ class OneBit(Codec):
         return "1bitSGD" if self.bucket == 0 else f"1bitSGD*/{self.bucket}"
 
     @property
+    def short_label(self) -> str:  # type: ignore[override]
+        return f"onebit/{self.bucket}"
+
+    @property
+    def code_bits(self) -> float:  # type: ignore[override]
+        return 1.0  # (a group's two means add 64/bucket bits a value: 1bitSGD*/64 sends 2)
+
+    @property
     def needs_shape(self) -> bool:  # type: ignore[override]
         return self.bucket == 0
 

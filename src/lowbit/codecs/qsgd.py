@@ -61,6 +61,14 @@ class QSGD(Codec):
                                             ("levels", self.levels, "zero")) if v != d]
         return f"QSGD {self.bits}bit/{self.bucket}" + (" " + ",".join(extra) if extra else "")
 
+    @property
+    def short_label(self) -> str:  # type: ignore[override]
+        return f"qsgd{self.bits}/{self.bucket}"
+
+    @property
+    def code_bits(self) -> float:  # type: ignore[override]
+        return float(self.bits)  # (the bucket's scale adds 32/bucket bits a value)
+
     def head_bytes(self, numel: int, shape: Sequence[int] | None = None) -> int:
         return 4 * ceil_div(numel, self.bucket)
 

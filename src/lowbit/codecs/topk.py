@@ -35,6 +35,10 @@ class TopK(Codec):
     def label(self) -> str:  # type: ignore[override]
         return f"top-k {self.ratio}"
 
+    @property
+    def short_label(self) -> str:  # type: ignore[override]
+        return f"topk{self.ratio}"
+
     def k(self, numel: int) -> int:
         return 0 if numel == 0 else min(numel, max(1, math.ceil(self.ratio * numel)))
 

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 from lowbit.choose import FASTER_THAN_FP32, WITHIN_BEST, Tried, pick
-from lowbit.codecs.base import get_codec
+from lowbit.codecs.base import Codec, get_codec
 from lowbit.models import build_model
-from lowbit.perfmodel.calibrate import Calibration, RunRecord, canonical_spec, sums_on_wire
+from lowbit.perfmodel.calibrate import Calibration, RunRecord, sums_on_wire
 from lowbit.perfmodel.collectives import modeled_algorithms
 from lowbit.perfmodel.links import Link
 from lowbit.perfmodel.model import Cluster, LayerCodec, Prediction, bits_per_value, layers_for_network, predict
@@ -59,28 +59,45 @@ GROUP_TYPES = {"Conv2d": ("Conv2d",), "Linear": ("Linear",), "LSTM": ("LSTM",)}
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
+    """A codec that advice may assign: ``name`` keys its seed findings and its verdicts; the rest the codec
+    says (its place on the bits ladder, whether it needs error feedback)."""
+
     name: str
     spec: str
-    rung: int               # the bits ladder: higher = more bits
-    error_feedback: bool    # lowbit.ddp's "auto" turns it on for this codec
+
+    @property
+    def codec(self) -> Codec:
+        return get_codec(self.spec)
 
     @property
     def canonical(self) -> str:
-        return canonical_spec(self.spec)
+        return self.codec.spec
+
+    @property
+    def rung(self) -> int:
+        """The bits ladder (:attr:`lowbit.Codec.rung`): higher = more bits."""
+        return self.codec.rung
+
+    @property
+    def error_feedback(self) -> bool:
+        """Whether lowbit.ddp's ``error_feedback="auto"`` turns it on for this codec."""
+        codec = self.codec
+        return codec.biased and not codec.sums_on_wire
 
     @property
     def label(self) -> str:
-        return short_codec(self.canonical) + (" +EF" if self.error_feedback else "")
+        return self.codec.short_label + (" +EF" if self.error_feedback else "")
 
 
-FP32 = Candidate("fp32", "fp32", 6, False)
+FP32 = Candidate("fp32", "fp32")
+#: What advice chooses among, most bits first.
 CANDIDATES: tuple[Candidate, ...] = (
-    Candidate("fp16", "fp16", 5, False),
-    Candidate("qsgd8", "qsgd:bits=8,bucket=512", 4, False),
-    Candidate("dettmers", "dettmers:type=dynamic", 4, True),
-    Candidate("qsgd4", "qsgd:bits=4,bucket=512", 3, False),
-    Candidate("qsgd2", "qsgd:bits=2,bucket=128", 2, False),
-    Candidate("onebit", "onebit:bucket=64", 1, True),
+    Candidate("fp16", "fp16"),
+    Candidate("qsgd8", "qsgd:bits=8,bucket=512"),
+    Candidate("dettmers", "dettmers:type=dynamic"),
+    Candidate("qsgd4", "qsgd:bits=4,bucket=512"),
+    Candidate("qsgd2", "qsgd:bits=2,bucket=128"),
+    Candidate("onebit", "onebit:bucket=64"),
 )
 
 #: What the seeds published about each candidate's accuracy: (loss bound in points per group, or None
@@ -390,11 +407,11 @@ class Advice:
 
 
 def _rung(spec: str) -> int:
-    c = canonical_spec(spec)
-    for cand in (FP32,) + CANDIDATES:
-        if cand.canonical == c:
-            return cand.rung
-    return 0
+    """The codec's place on the bits ladder (0: not a codec)."""
+    try:
+        return get_codec(spec).rung
+    except ValueError:
+        return 0
 
 
 def _link_txt(link: Any) -> str | None:
@@ -439,7 +456,7 @@ def advise(
         if conv_rule and by_group["Conv2d"].rung <= by_group["Linear"].rung and by_group["Conv2d"].rung < FP32.rung:
             continue
         assignment = {g: c.canonical for g, c in by_group.items()}
-        quantised = any(not sums_on_wire(c.spec) for c in combo)
+        quantised = any(not c.codec.sums_on_wire for c in combo)
         algos = (_auto_algorithms(setup) if setup.algorithm == "auto" else (setup.algorithm,)) if quantised else ("allreduce",)
         algo, pred = max(((al, predict_assignment(net, assignment, dataclasses.replace(setup, algorithm=al)))
                           for al in algos), key=lambda t: t[1].speedup_vs_fp32)
@@ -477,8 +494,9 @@ def policy_code(policy: dict[str, Any], fp32: bool = False, algorithm: str = "sc
         lines.append("# fp32 everywhere: plain DDP is the same thing; registering lowbit changes nothing but adds "
                      "a hook")
     algo = "" if algorithm in ("scatter_gather", "allreduce") else f", algorithm={algorithm!r}"
+    with_ef = " and ".join(c.name for c in sorted(CANDIDATES, key=lambda c: c.rung) if c.error_feedback)
     lines.append(f"state = lowbit.ddp.register(ddp_model, policy=policy{algo})  # error_feedback='auto': on for "
-                 "onebit and dettmers")
+                 f"{with_ef}")
     return "\n".join(lines)
 
 

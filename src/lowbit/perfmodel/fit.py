@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lowbit.choose import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES
+from lowbit.codecs.base import get_codec
 from lowbit.perfmodel.calibrate import (Calibration, RunRecord, fit_bench, fit_comm_in_situ, fit_study,
                                         load_bench, run_layers)
 from lowbit.perfmodel.collectives import Topology
@@ -22,18 +23,12 @@ __all__ = ["short_codec", "model_step", "fit_overhead", "calibrate"]
 
 
 def short_codec(spec: str) -> str:
-    """``qsgd:bits=4,bucket=512,...`` -> ``qsgd4/512``; ``onebit:bucket=64`` -> ``onebit/64``."""
-    name, _, rest = spec.partition(":")
-    p = dict(item.split("=", 1) for item in rest.split(",") if "=" in item)
-    if name == "qsgd":
-        return f"qsgd{p.get('bits', '8')}/{p.get('bucket', '512')}"
-    if name == "onebit":
-        return f"onebit/{p.get('bucket', 'col')}"
-    if name == "dettmers":
-        return f"dettmers-{p.get('type', 'dynamic')[:3]}"
-    if name == "topk":
-        return f"topk{p.get('ratio', '')}"
-    return name
+    """The codec's :attr:`~lowbit.Codec.short_label`: ``qsgd:bits=4,bucket=512,...`` -> ``qsgd4/512``,
+    ``onebit:bucket=64`` -> ``onebit/64``; a spec that names no known codec, its name."""
+    try:
+        return get_codec(spec).short_label
+    except ValueError:
+        return spec.partition(":")[0]
 
 
 def _compute_for(run: RunRecord, cal: Calibration) -> tuple[float | None, str]:

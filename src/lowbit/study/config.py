@@ -517,8 +517,9 @@ def codec_label(spec: str, error_feedback: bool = False) -> str:
 AUTO = "auto"
 
 
-#: the study's error-feedback settings: ``auto`` is the seeds' practice (1bitSGD and top-k need it; QSGD is
-#: unbiased, and Dettmers used none), ``biased`` turns it on for every biased codec (Dettmers too)
+#: the study's error-feedback settings: ``auto`` is the seeds' practice (``Codec.seeds_feedback``: 1bitSGD
+#: and top-k need it; QSGD is unbiased, and Dettmers used none), ``biased`` turns it on for every biased
+#: codec (Dettmers too)
 EF_CHOICES = (True, False, "auto", "biased")
 
 
@@ -526,7 +527,7 @@ def _feedback(ef: bool | str, codec: Codec) -> bool:
     if codec.sums_on_wire:
         return False
     if ef == "auto":
-        return codec.biased and codec.name != "dettmers"
+        return codec.seeds_feedback
     if ef == "biased":
         return codec.biased
     return bool(ef)
