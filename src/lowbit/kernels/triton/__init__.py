@@ -56,7 +56,7 @@ Packing
     fastest when ``(data_ptr + scale bytes) % 16 == 0`` too, and must be 4-byte aligned or it is copied.
 
 Measured (H200, Triton 3.6, GPU time per call, benchmarks/results/kernels_gpu_h200.json): see
-docs/kernels.md for the table against a device-to-device copy of the same bytes.
+docs/results.md ("Codec kernels") for the table against a device-to-device copy of the same bytes.
 
 Importing this package raises ImportError when Triton is missing (the dispatcher then falls back).
 """
