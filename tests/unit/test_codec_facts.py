@@ -226,3 +226,15 @@ def _advice_stub() -> adv.Advice:
     return adv.Advice(network="x", groups={}, assignment={}, fp32_is_best=False, prediction=None, options=[],
                       verdicts={}, cells={}, evidence_source="", direct_evidence=False, tolerance=0.5,
                       setup=None, notes=[])  # type: ignore[arg-type]
+
+
+def test_advice_judges_a_candidate_of_a_codec_in_one_file(registry_restored) -> None:
+    """A candidate is a name, a spec and what was published about it; no table elsewhere to extend."""
+    register_codec(_Sign2)
+    cand = adv.Candidate("sign2", "test_sign2", {"Conv2d": None, "Linear": 0.3, "LSTM": 0.0}, "a finding")
+    assert adv.judge(cand, "Linear", "vgg19", {}, 0.5, {}).admissible
+    assert not adv.judge(cand, "Linear", "vgg19", {}, 0.2, {}).admissible  # bound 0.3 > tolerance
+    assert not adv.judge(cand, "Conv2d", "vgg19", {}, 0.5, {}).admissible
+    bare = adv.judge(adv.Candidate("bare", "test_sign2"), "Linear", "vgg19", {}, 0.5, {})
+    assert not bare.admissible and "no published finding" in bare.detail
+    assert adv.SEED_FINDINGS["qsgd4"] == (adv.CANDIDATES[3].seed_bounds, adv.CANDIDATES[3].seed_finding)

@@ -59,11 +59,15 @@ GROUP_TYPES = {"Conv2d": ("Conv2d",), "Linear": ("Linear",), "LSTM": ("LSTM",)}
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """A codec that advice may assign: ``name`` keys its seed findings and its verdicts; the rest the codec
-    says (its place on the bits ladder, whether it needs error feedback)."""
+    """A codec configuration that advice may assign, with what the seeds published about its accuracy:
+    ``seed_bounds``, the loss in points per layer group (None: a loss that no tolerance covers), and
+    ``seed_finding``, the finding cited. ``name`` keys its verdicts and evidence cells. The rest the codec
+    says: its place on the bits ladder, whether it needs error feedback, its label."""
 
     name: str
     spec: str
+    seed_bounds: dict[str, float | None] = dataclasses.field(default_factory=dict, hash=False)
+    seed_finding: str = ""
 
     @property
     def codec(self) -> Codec:
@@ -89,40 +93,36 @@ class Candidate:
         return self.codec.short_label + (" +EF" if self.error_feedback else "")
 
 
-FP32 = Candidate("fp32", "fp32")
-#: What advice chooses among, most bits first.
-CANDIDATES: tuple[Candidate, ...] = (
-    Candidate("fp16", "fp16"),
-    Candidate("qsgd8", "qsgd:bits=8,bucket=512"),
-    Candidate("dettmers", "dettmers:type=dynamic"),
-    Candidate("qsgd4", "qsgd:bits=4,bucket=512"),
-    Candidate("qsgd2", "qsgd:bits=2,bucket=128"),
-    Candidate("onebit", "onebit:bucket=64"),
-)
+def _every_group(bound: float) -> dict[str, float | None]:
+    return {"Conv2d": bound, "Linear": bound, "LSTM": bound}
 
-#: What the seeds published about each candidate's accuracy: (loss bound in points per group, or None
-#: when the seed reports a loss that no tolerance covers; the finding, cited).
-SEED_FINDINGS: dict[str, tuple[dict[str, float | None], str]] = {
-    "fp16": ({"Conv2d": 0.0, "Linear": 0.0, "LSTM": 0.0},
-             "16-bit floats lose less than the 8-bit codecs below, which the seeds found lossless"),
-    "qsgd8": ({"Conv2d": 0.0, "Linear": 0.0, "LSTM": 0.0},
+
+FP32 = Candidate("fp32", "fp32")
+#: What advice chooses among, most bits first, with the seeds' findings on each.
+CANDIDATES: tuple[Candidate, ...] = (
+    Candidate("fp16", "fp16", _every_group(0.0),
+              "16-bit floats lose less than the 8-bit codecs below, which the seeds found lossless"),
+    Candidate("qsgd8", "qsgd:bits=8,bucket=512", _every_group(0.0),
               "Grubic et al., EDBT 2018, Sec. 1 and 5.1: 8-bit QSGD (bucket 512) 'always matches or even "
               "improves final accuracy (within 0.5%)' on AlexNet, ResNet-50/110/152, BN-Inception, VGG19 "
               "and an LSTM"),
-    "dettmers": ({"Conv2d": 0.0, "Linear": 0.0, "LSTM": 0.0},
-                 "Dettmers, ICLR 2016, abstract and Sec. 5: 8-bit approximations 'do not decrease "
-                 "predictive performance on MNIST, CIFAR10, and ImageNet'"),
-    "qsgd4": ({"Conv2d": 0.1, "Linear": 0.1, "LSTM": 0.1},
+    Candidate("dettmers", "dettmers:type=dynamic", _every_group(0.0),
+              "Dettmers, ICLR 2016, abstract and Sec. 5: 8-bit approximations 'do not decrease "
+              "predictive performance on MNIST, CIFAR10, and ImageNet'"),
+    Candidate("qsgd4", "qsgd:bits=4,bucket=512", _every_group(0.1),
               "Grubic et al. 2018, Sec. 1: 4-bit QSGD (bucket 512) 'always preserves the same accuracy "
               "(within 0.1%)'"),
-    "qsgd2": ({"Conv2d": None, "Linear": None, "LSTM": 0.0},
+    Candidate("qsgd2", "qsgd:bits=2,bucket=128", {"Conv2d": None, "Linear": None, "LSTM": 0.0},
               "Grubic et al. 2018, Sec. 5.1: 2-bit QSGD 'has accuracy loss of at least 1 percentage point, "
               "consistently across image classification datasets'; 'not the case for non-convolutional "
               "networks (LSTMs), which appear to be able to handle quantization to very low precision'"),
-    "onebit": ({"Conv2d": 0.2, "Linear": 0.2, "LSTM": 0.2},
-               "Grubic et al. 2018, Sec. 1 and 5.1: 1bitSGD 'within 0.2%' of full precision; the reshaped "
-               "1bitSGD* needs bucket 64 and converges more slowly per epoch (tuned per network)"),
-}
+    Candidate("onebit", "onebit:bucket=64", _every_group(0.2),
+              "Grubic et al. 2018, Sec. 1 and 5.1: 1bitSGD 'within 0.2%' of full precision; the reshaped "
+              "1bitSGD* needs bucket 64 and converges more slowly per epoch (tuned per network)"),
+)
+#: The candidates' findings by name: (loss bound per group, the finding).
+SEED_FINDINGS: dict[str, tuple[dict[str, float | None], str]] = {
+    c.name: (c.seed_bounds, c.seed_finding) for c in CANDIDATES}
 CONV_FINDING = ("Grubic et al. 2018, Sec. 1 (caveat 1) and 5.1 'Impact of Layer Types': 'for convolutional "
                 "neural networks, the convolutional layers require more bits than the fully connected layers'")
 NCCL_FINDING = ("Grubic et al. 2018, Sec. 5.2: with NCCL 'the performance improvement ... is almost negligible' "
@@ -272,8 +272,9 @@ def judge(cand: Candidate, group: str, network: str, cells: dict[str, list[Cell]
                   if not fails else f"on {mine[0].network}: missed fp32 by more than {tol:g} points in {len(fails)} of "
                   f"{len(mine)} study cells")
         return Verdict(not fails, "study", detail)
-    bounds, _ = SEED_FINDINGS[cand.name]
-    bound = bounds.get(group)
+    if not cand.seed_bounds:
+        return Verdict(False, "seed", "no study runs on this network and no published finding")
+    bound = cand.seed_bounds.get(group)
     if bound is None:
         return Verdict(False, "seed", f"the seed reports a loss of 1 point or more for {group} layers")
     if bound > tol:
