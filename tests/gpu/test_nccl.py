@@ -185,9 +185,9 @@ def test_auto_decides_alike_on_every_rank_over_nccl() -> None:
 
 
 def _body_crosswise_cuda(rank: int, world: int) -> tuple[list[int], str, str]:
-    """Equal-size codecs called crosswise over NCCL: the check reads each call CHECK_LAG calls later
-    (no host wait), so the mismatch of call 0 surfaces when call CHECK_LAG starts, on both ranks alike;
-    a mismatch in the last calls surfaces at flush_checks."""
+    """Equal-size codecs called crosswise over NCCL: a rolling fingerprint of every call is compared
+    once per CHECK_EVERY calls and read CHECK_LAG comparisons later (no host wait), so the mismatch
+    surfaces at the same later call on both ranks; one in the last calls surfaces at flush_checks."""
     from lowbit.comm import collectives as C
 
     dev = torch.device("cuda", rank)
@@ -196,9 +196,9 @@ def _body_crosswise_cuda(rank: int, world: int) -> tuple[list[int], str, str]:
     for spec in (a, b):
         lowbit.all_reduce(x.clone(), spec)
     C.flush_checks(None)  # agreed calls: nothing to report
-    raised_at = []
-    lowbit.all_reduce(x.clone(), a if rank == 0 else b)  # the crosswise call
-    for i in range(2 * C.CHECK_LAG):
+    raised_at, first = [], ""
+    lowbit.all_reduce(x.clone(), a if rank == 0 else b)  # the crosswise call, first of a window
+    for i in range(3 * C.CHECK_EVERY * (C.CHECK_LAG + 1)):
         try:
             lowbit.all_reduce(x.clone(), a)
         except lowbit.comm.CollectiveError as exc:
@@ -215,11 +215,12 @@ def _body_crosswise_cuda(rank: int, world: int) -> tuple[list[int], str, str]:
 
 @needs_2_gpus
 def test_nccl_every_call_checked_lagged_and_flushed() -> None:
-    """Issue 32 item 2 on CUDA: every call's fingerprint is read CHECK_LAG calls later, on every rank at
-    the same call, and flush_checks reads the rest."""
+    """Issue 32 item 2 on CUDA: every call is in a compared fingerprint; the window holding the
+    crosswise call is compared at its CHECK_EVERY-th call and read when its ring slot comes round again
+    (CHECK_LAG windows later), on both ranks at the same call; flush_checks reads the rest."""
     from lowbit.comm import collectives as C
 
     (r0, f0, l0), (r1, f1, l1) = spawn(_body_crosswise_cuda, 2, backend="nccl", timeout_s=120)
-    assert r0 == r1 == [C.CHECK_LAG - 1], (r0, r1)
-    assert f0 == f1 and "rounding=nearest" in f0 and "rank 1:" in f0, f0
+    assert r0 == r1 == [C.CHECK_EVERY * (C.CHECK_LAG + 1) - 2], (r0, r1)
+    assert f0 == f1 and "rounding=nearest" in f0 and "rank 1:" in f0 and "call 1 of" in f0, f0
     assert l0 == l1 and "rounding=nearest" in l0, l0
