@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -90,7 +91,7 @@ def test_codecs_base_stands_alone() -> None:
         "assert not loaded, loaded\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       env={"PATH": "", "LOWBIT_PLUGINS": ""})
+                       env={**os.environ, "LOWBIT_PLUGINS": ""})
     assert r.returncode == 0, r.stderr[-2000:]
 
 
