@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import queue
@@ -362,8 +363,10 @@ class _Pending:
 _PENDING: dict[int, _Pending] = {}
 
 
+@functools.lru_cache(maxsize=4096)
 def _fingerprint(fields: tuple) -> int:
-    """A signed 64-bit hash of ``fields`` (their repr: strings and numbers), the same in every process."""
+    """A signed 64-bit hash of ``fields`` (their repr: strings and numbers), the same in every process;
+    cached, since a training loop repeats the same few calls."""
     return int.from_bytes(hashlib.blake2b(repr(fields).encode(), digest_size=8).digest(), "little", signed=True)
 
 
