@@ -239,3 +239,13 @@ def test_advice_judges_a_candidate_of_a_codec_in_one_file(registry_restored) -> 
     bare = adv.judge(adv.Candidate("bare", "test_sign2"), "Linear", "vgg19", {}, 0.5, {})
     assert not bare.admissible and "no published finding" in bare.detail
     assert adv.SEED_FINDINGS["qsgd4"] == (adv.CANDIDATES[3].seed_bounds, adv.CANDIDATES[3].seed_finding)
+
+
+def test_published_errors_come_from_the_codec() -> None:
+    """``lowbit codecs`` prints the paper's figure beside its own where the codec has one: Dettmers' Table 2,
+    for his 2015 kernels (search=paper) only."""
+    paper = get_codec("dettmers:type=linear,search=paper")
+    assert paper.published_error("N(0,1)") == 6.47 and paper.published_error("gradients") is None
+    assert get_codec("dettmers:type=linear").published_error("N(0,1)") is None
+    assert get_codec("dettmers:type=dynamic_bnb").published_error("N(0,1)") is None
+    assert get_codec("qsgd").published_error("N(0,1)") is None

@@ -43,6 +43,15 @@ TYPES = ("dynamic", "linear", "static", "mantissa", "dynamic_bnb")
 #: short labels' names of the types: the first three letters, but for the bitsandbytes map
 _SHORT_TYPES = {"dynamic_bnb": "bnb"}
 
+#: Dettmers 2016, Table 2: mean relative error in %, per data type and distribution (of the 2015 kernels,
+#: which ``search=paper`` emulates).
+PAPER_TABLE2 = {
+    "dynamic": {"U(0,1)": 1.39, "N(0,1)": 2.46, "N(0,10^2)": 2.49, "N(0,0.2^2)": 2.45},
+    "linear": {"U(0,1)": 2.16, "N(0,1)": 6.47, "N(0,10^2)": 6.44, "N(0,0.2^2)": 6.15},
+    "mantissa": {"U(0,1)": 7.22, "N(0,1)": 6.89, "N(0,10^2)": 7.19, "N(0,0.2^2)": 8.26},
+    "static": {"U(0,1)": 4.82, "N(0,1)": 6.3, "N(0,10^2)": 6.28, "N(0,0.2^2)": 6.58},
+}
+
 
 @register_codec
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +98,10 @@ class Dettmers(Codec):
         """Dettmers (2016) trained his 8-bit types without error feedback: the study's "auto" leaves it off
         (its "biased", and lowbit.ddp's "auto", turn it on)."""
         return False
+
+    def published_error(self, distribution: str) -> float | None:
+        """Table 2's figure, for the 2015 kernels (``search=paper``) only."""
+        return PAPER_TABLE2.get(self.type, {}).get(distribution) if self.search == "paper" else None
 
     @property
     def normalised(self) -> bool:

@@ -47,14 +47,6 @@ DISTRIBUTIONS: dict[str, Callable[[int, torch.Generator], torch.Tensor]] = {
     "N(0,0.2^2)": lambda n, g: 0.2 * torch.randn(n, generator=g),
 }
 
-#: Dettmers 2016, Table 2: mean relative error in %, per data type and distribution.
-PAPER_TABLE2 = {
-    "dynamic": {"U(0,1)": 1.39, "N(0,1)": 2.46, "N(0,10^2)": 2.49, "N(0,0.2^2)": 2.45},
-    "linear": {"U(0,1)": 2.16, "N(0,1)": 6.47, "N(0,10^2)": 6.44, "N(0,0.2^2)": 6.15},
-    "mantissa": {"U(0,1)": 7.22, "N(0,1)": 6.89, "N(0,10^2)": 7.19, "N(0,0.2^2)": 8.26},
-    "static": {"U(0,1)": 4.82, "N(0,1)": 6.3, "N(0,10^2)": 6.28, "N(0,0.2^2)": 6.58},
-}
-
 
 def real_gradients(steps: int = 30, seed: int = 0) -> torch.Tensor:
     """Flattened gradients of a 64-256-256-10 MLP trained on scikit-learn's digits (offline)."""
@@ -135,10 +127,9 @@ def measure(specs: list[str], samples: int, bench_numel: int, reps: int, progres
             mre, rmse = _errors(codec, x)
             row[f"mre%:{name}"] = round(mre, 3)
             row[f"rmse:{name}"] = float(f"{rmse:.4g}")
-            dtype = getattr(codec, "type", None)
-            paper_search = getattr(codec, "search", None) == "paper"
-            if paper_search and dtype in PAPER_TABLE2 and name in PAPER_TABLE2[dtype]:
-                row[f"paper_mre%:{name}"] = PAPER_TABLE2[dtype][name]
+            paper = codec.published_error(name)
+            if paper is not None:
+                row[f"paper_mre%:{name}"] = paper
         enc, dec = _throughput(codec, bench_x, reps)
         row["encode_GBps"] = round(enc, 3)
         row["decode_GBps"] = round(dec, 3)
