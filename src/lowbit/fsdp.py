@@ -120,6 +120,11 @@ class _Layout:
         """(lead, size) of the exact values' payload, after the row's; (0, 0) when there are none."""
         return _slot(self.exact_codec, self.exact_numel) if self.exact else (0, 0)
 
+    @functools.cached_property
+    def cast(self) -> torch.dtype | None:
+        """The wire dtype when both codecs are plain casts (:func:`_cast_dtype`), decided once."""
+        return _cast_dtype(self, self.numel)
+
     @property
     def message(self) -> int:
         return self.slot[1] + self.exact_slot[1]
@@ -385,8 +390,8 @@ class LowbitReduceScatter(_Comm):
         codec, ecodec, e = lay.codec, lay.exact_codec, lay.exact_numel
         (lead, size), (elead, esize) = lay.slot, lay.exact_slot
         idx = lay.index(dev) if e else None
-        ex = x[:, idx] if e else None  # (N, E): the exact values of every row, one gather
-        wd = _cast_dtype(lay, s)
+        ex = torch.index_select(x, 1, idx) if e else None  # (N, E): the exact values of every row, one gather
+        wd = lay.cast
         if wd is not None:
             return self._exchange_cast(x, group, s, out, lay, wd, idx, ex)
         ef = st.feedback is not None and not codec.sums_on_wire
@@ -444,13 +449,12 @@ class LowbitReduceScatter(_Comm):
         st = self.state
         rank, n = group.rank(), group.size()
         msg, size, nb = lay.message, lay.slot[1], s * wd.itemsize
-        send = torch.empty(n, msg, dtype=torch.uint8, device=x.device)
+        send, recv = torch.empty(2, n, msg, dtype=torch.uint8, device=x.device)  # one allocation
         send[:, :nb].view(wd).copy_(x)
         e = lay.exact_numel
         if e:
             ed = lay.exact_codec.wire_dtype
             send[:, size : size + e * ed.itemsize].view(ed).copy_(ex)
-        recv = torch.empty(n, msg, dtype=torch.uint8, device=x.device)
         work = C.all_to_all_async(recv.view(-1), send.view(-1), [], [], group)
         C.wait(work, "all_to_all_single", group)
         sent_bytes = (n - 1) * msg
@@ -509,7 +513,7 @@ class LowbitAllGather(_Comm):
         codec, ecodec, e = lay.codec, lay.exact_codec, lay.exact_numel
         (lead, size), (elead, esize) = lay.slot, lay.exact_slot
         idx = lay.index(dev) if e else None
-        wd = _cast_dtype(lay, s)
+        wd = lay.cast
         if wd is not None:  # a float codec: cast into the message, and out of it for every rank at once
             msg, size, nb = lay.message, lay.slot[1], s * wd.itemsize
             send = torch.empty(msg, dtype=torch.uint8, device=dev)
@@ -525,7 +529,7 @@ class LowbitAllGather(_Comm):
                 st.param_stats.bytes_inter += (n - 1) * msg
             rows.copy_(recv[:, :nb].view(wd))
             if e:
-                rows[:, idx] = recv[:, size : size + e * ed.itemsize].view(ed).to(rows.dtype)
+                rows.index_copy_(1, idx, recv[:, size : size + e * ed.itemsize].view(ed).to(rows.dtype))
             return
         # a fixed seed per module and rank: the backward's re-gather decodes the same weights
         parts = [(lead, codec.encode(shard, seed=_seed(self.index, st.rank)), size)]
