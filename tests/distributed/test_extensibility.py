@@ -28,11 +28,9 @@ def _registries_restored():
     from lowbit.codecs import base as codec_base
     from lowbit.comm import allreduce as allreduce_mod
 
-    saved = (dict(codec_base._REGISTRY), set(codec_base._PLUGINS_LOADED), dict(allreduce_mod._PLUGINS),
-             dict(allreduce_mod._COSTS))
+    saved = (dict(codec_base._REGISTRY), set(codec_base._PLUGINS_LOADED), dict(allreduce_mod._PLUGINS))
     yield
-    for live, old in zip((codec_base._REGISTRY, codec_base._PLUGINS_LOADED, allreduce_mod._PLUGINS,
-                          allreduce_mod._COSTS), saved):
+    for live, old in zip((codec_base._REGISTRY, codec_base._PLUGINS_LOADED, allreduce_mod._PLUGINS), saved):
         live.clear()
         live.update(old)
     for name in [m for m in sys.modules if m.startswith("tests.plugins.")]:

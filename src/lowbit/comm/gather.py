@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
-from lowbit.comm.allreduce import CommStats, _framed, _keep, _slot
+from lowbit.comm.framing import _framed, _keep, _slot
+from lowbit.comm.stats import CommStats
 
 __all__ = ["all_gather", "reduce_scatter", "part_sizes", "bytes_all_gather", "bytes_reduce_scatter"]
 

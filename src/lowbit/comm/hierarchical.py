@@ -37,15 +37,10 @@ import torch.distributed as dist
 from lowbit.codecs.base import Codec
 from lowbit.codecs.floats import FP32
 from lowbit.comm import collectives as C
-from lowbit.comm.allreduce import (
-    AlgorithmPlugin,
-    _keep,
-    _native,
-    bytes_sent_per_rank,
-    register_algorithm,
-    resolve_algorithm,
-    start,
-)
+from lowbit.comm.allreduce import bytes_sent_per_rank, start
+from lowbit.comm.flat import _native
+from lowbit.comm.framing import _keep
+from lowbit.comm.registry import AlgorithmPlugin, register_algorithm, resolve_algorithm
 
 __all__ = ["NODE_SIZE_ENV", "node_size_for", "Topology", "topology", "start_hierarchical", "bytes_between_nodes",
            "bytes_hierarchical"]

@@ -7,17 +7,20 @@ by node crosses each node boundary once per direction (one inter-node link carry
 and an all-to-all pushes ``G (K - G) / K * M`` bytes out of every node over the node's ``nics`` links.
 Bytes are those each rank *sends* (it receives as many).
 
-The algorithms are those of lowbit's registry (:func:`lowbit.comm.allreduce.register_algorithm`) that carry
-a ``cost``: this module attaches the built-ins' (and the values each encodes and decodes:
-:func:`lowbit.perfmodel.model.codec_work`); a plugin brings its own. :func:`collective` asks the registry.
+The algorithms are those of lowbit's registry (:func:`lowbit.comm.allreduce.register_algorithm`) that have a
+cost: lowbit's own algorithms' costs (and the values each encodes and decodes:
+:func:`lowbit.perfmodel.model.codec_work`) live here, in :data:`BUILTIN_COSTS`, and the registry's entries
+carry none of them (importing the speed model changes nothing in comm); a plugin brings its own ``cost``
+and ``work`` in its entry. :func:`model_of` and :func:`collective` read the entry's, else this table's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
-from lowbit.comm.allreduce import AlgorithmPlugin, algorithms, get_algorithm, set_cost
+from lowbit.comm.allreduce import AlgorithmPlugin, algorithms, get_algorithm
 from lowbit.perfmodel.links import Link
 
 __all__ = ["CommCost", "Topology", "ring_allreduce", "ring_allgather", "all_to_all", "scatter_gather",
@@ -173,9 +176,9 @@ def hierarchical(nbytes: float, topo: Topology, fp32_bytes: float | None = None)
     return half_intra + across + half_intra
 
 
-# ------------------------------------------------------------------- the built-ins, in the registry
+# ------------------------------------------------------------------- lowbit's own algorithms' costs
 # cost(nbytes, topo, fp32_bytes) -> CommCost and work(numel, world, gpus_per_node) -> (encoded, decoded) values
-# per rank (lowbit.comm.allreduce.AlgorithmPlugin); world > 1 and a compressed payload for work.
+# per rank (as lowbit.comm.registry.AlgorithmPlugin names them); world > 1 and a compressed payload for work.
 def _work_hierarchical(n: float, k: int, g: int) -> tuple[float, float]:
     # lowbit's: only the 1/G shard between nodes is coded
     nodes = math.ceil(k / g)
@@ -185,27 +188,45 @@ def _work_hierarchical(n: float, k: int, g: int) -> tuple[float, float]:
     return (shard, nodes * shard) if nodes == 2 else (shard * (1 + 1 / nodes), 2 * shard)
 
 
-set_cost("allreduce", lambda nbytes, topo, fp32_bytes=None: ring_allreduce(nbytes, topo), lambda n, k, g: (n, n))
-set_cost("scatter_gather", lambda nbytes, topo, fp32_bytes=None: scatter_gather(nbytes, topo),
-         lambda n, k, g: (n * (1 + 1 / k), 2 * n))
-set_cost("allgather", lambda nbytes, topo, fp32_bytes=None: allgather(nbytes, topo), lambda n, k, g: (n, k * n))
-set_cost("hierarchical", hierarchical, _work_hierarchical)
+Cost = Callable[..., CommCost]
+Work = Callable[[float, int, int], tuple[float, float]]
+
+#: The speed model of lowbit's own algorithms, by registry name: ``(cost, work)``. A registry entry with a
+#: ``cost`` of its own (a plugin's; one that replaces a built-in) is priced by that instead.
+BUILTIN_COSTS: dict[str, tuple[Cost, Work]] = {
+    "allreduce": (lambda nbytes, topo, fp32_bytes=None: ring_allreduce(nbytes, topo), lambda n, k, g: (n, n)),
+    "scatter_gather": (lambda nbytes, topo, fp32_bytes=None: scatter_gather(nbytes, topo),
+                       lambda n, k, g: (n * (1 + 1 / k), 2 * n)),
+    "allgather": (lambda nbytes, topo, fp32_bytes=None: allgather(nbytes, topo), lambda n, k, g: (n, k * n)),
+    "hierarchical": (hierarchical, _work_hierarchical),
+}
+
+
+def _priced(name: str) -> AlgorithmPlugin | None:
+    """The registry's entry of ``name`` with its cost and work (its own, else :data:`BUILTIN_COSTS`'s);
+    None when it has no cost or there is no such algorithm."""
+    try:
+        plugin = get_algorithm(name)
+    except ValueError:
+        return None
+    if plugin.cost is None and name in BUILTIN_COSTS:
+        cost, work = BUILTIN_COSTS[name]
+        plugin = dataclasses.replace(plugin, cost=cost, work=work)
+    return plugin if plugin.cost is not None else None
 
 
 def modeled_algorithms(quantised: bool | None = None, multi_node: bool | None = None) -> tuple[str, ...]:
-    """The registered algorithms that carry a cost (what the speed model knows), in registration order;
+    """The registered algorithms that have a cost (what the speed model knows), in registration order;
     ``quantised`` / ``multi_node`` (when not None) keep those whose registry flag is that."""
-    return tuple(name for name in algorithms() if (p := get_algorithm(name)).cost is not None
+    return tuple(name for name in algorithms() if (p := _priced(name)) is not None
                  and quantised in (None, p.quantised) and multi_node in (None, p.multi_node))
 
 
 def model_of(algorithm: str) -> AlgorithmPlugin:
-    """The registry's entry of ``algorithm``, when it carries a cost; else a ValueError naming those that do."""
-    try:
-        plugin = get_algorithm(algorithm)
-    except ValueError:
-        plugin = None
-    if plugin is None or plugin.cost is None:
+    """The registry's entry of ``algorithm`` with its ``cost`` and ``work`` (the entry's own, else lowbit's
+    :data:`BUILTIN_COSTS`); a ValueError naming the modelled algorithms when it has none."""
+    plugin = _priced(algorithm) if isinstance(algorithm, str) else None
+    if plugin is None:
         raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(modeled_algorithms())}")
     return plugin
 

@@ -1,0 +1,371 @@
+"""lowbit's flat algorithms: one reduction over the whole group, each an entry of the registry.
+
+Quantised bytes never pass through a reducing collective: payloads are moved with all-to-all and
+all-gather, and every sum happens in float32 after decoding, in rank order, so every rank ends with a
+bit-identical result.
+
+Algorithms (K ranks, tensor of n values, payload size P(m) for m values):
+
+``scatter_gather`` — the seed's MPI reduce-and-broadcast (also CGX's and DeepSpeed's scheme)
+    Phase 1: cut the tensor into K chunks; encode chunk i (worker error feedback) and send it to rank i
+             (``all_to_all_single``).
+    Phase 2: rank r decodes the K payloads of its chunk and sums them in rank order (fp32), divides by K
+             for a mean, and re-encodes the result (server quantisation).
+    Phase 3: ``all_gather`` the re-encoded chunks; every rank decodes all K of them.
+    Bytes sent per rank: about 2 (K-1)/K P(n).
+
+``allgather`` — the seed's Algorithm 1
+    Encode the whole tensor once, all-gather the payloads, every rank decodes all K and sums them in rank
+    order. Bytes sent per rank: (K-1) P(n) — cheap for small K, it scales badly.
+
+``allreduce`` — the native allreduce in fp32, fp16 or bf16 (the seed's "NCCL 32-bit" baseline).
+
+``simulated`` — Grubic et al.'s simulated low-precision NCCL: a native fp32 allreduce of the codec's wire
+    size, cut from the tensor; speed only, the tensor is not reduced.
+
+Each registers as :func:`lowbit.comm.registry.register_algorithm` registers any plugin's, with its
+``start`` and ``bytes_per_rank``; they are ``flat`` entries (``auto`` and the codec rules of
+:func:`lowbit.comm.registry.resolve_algorithm` pick among them). Error feedback: the server's
+quantisation error on the chunk that rank r owns is folded into rank r's residual (times K for a mean),
+so it re-enters the next step's sum; the residual therefore does not depend on how the tensor is
+chunked, which keeps checkpoints valid across DDP's bucket rebuilds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from lowbit.codecs.base import Codec
+from lowbit.comm import collectives as C
+from lowbit.comm.framing import _POOL, _framed, _keep, _slot, _up, chunk_sizes
+from lowbit.comm.registry import SIMULATED, AlgorithmPlugin, register_algorithm
+from lowbit.comm.residual import _encode_with_feedback, _guard_residual
+from lowbit.comm.stats import _comm_clock, _Timer
+
+__all__ = ["simulated_numel"]
+
+
+def _seed(seed: int, rank: int, chunk: int, phase: int) -> int:
+    # Distinct, reproducible random streams per step, rank, chunk and phase: ranks must not share
+    # rounding noise, or the errors of the K payloads would be correlated instead of averaging out.
+    return (seed * 1_000_003 + rank * 7_919 + chunk * 104_729 + phase * 15_485_863) & 0x7FFFFFFF
+
+
+def simulated_numel(codec: Codec, n: int, shape: tuple[int, ...] | None = None) -> int:
+    """fp32 values of the simulated buffer for ``n`` values in ``codec``: ``ceil(n * bits / 32)``, bits as
+    the codec's wire size gives them (scales included)."""
+    if n <= 0:
+        return 0
+    return -(-codec.nbytes(n, shape if shape is not None else codec.flat_shape(n)) // 4)
+
+
+def _simulated(x, codec, group, k, stats, out, post, shape) -> torch.futures.Future:
+    """Grubic et al.'s simulation: time a native allreduce of the bytes the codec would send, cut from
+    the tensor; the tensor itself is left as it is (this rank's values, not the mean)."""
+    m = min(simulated_numel(codec, x.numel(), shape), x.numel())
+    buf = x[:m].clone()
+    if out.data_ptr() != x.data_ptr():
+        out.copy_(x)
+    if k == 1 or m == 0:
+        return C.done(out if post is None else post(), x.device)
+    work = C.all_reduce_async(buf, group)
+    if stats is not None:
+        stats.bytes_sent += 2 * (k - 1) * m * 4 // k
+    stamp = _comm_clock(stats, work, x.device)
+
+    def finish() -> torch.Tensor:
+        stamp()
+        _keep(buf)
+        return out if post is None else post()
+
+    return C.then(work, finish, "all_reduce", group)
+
+
+def _native(x, codec, group, op, k, stats, out, post) -> torch.futures.Future:
+    dt = codec.wire_dtype
+    with _Timer(stats, "t_encode", x.device):
+        buf = x.to(dt) if dt != torch.float32 else out if out.data_ptr() == x.data_ptr() else out.copy_(x)
+        if op == "mean" and k > 1:
+            buf.div_(k)  # before the sum, as torch's DDP does (no overflow of the 16-bit types)
+    work = C.all_reduce_async(buf, group)
+    if stats is not None:
+        stats.bytes_sent += 2 * (k - 1) * buf.numel() * buf.element_size() // k if k > 1 else 0
+    stamp = _comm_clock(stats, work, x.device)
+
+    def finish() -> torch.Tensor:
+        stamp()
+        if buf.data_ptr() != out.data_ptr():
+            _keep(buf)
+            out.copy_(buf)
+        return out if post is None else post()
+
+    return C.then(work, finish, "all_reduce", group)
+
+
+def _pow2_inverse(k: int) -> float:
+    """2^-ceil(log2 k): K values of at most float32's max, each times this, sum to at most its max."""
+    return 2.0 ** -(k - 1).bit_length()
+
+
+def _mean_scaling(codec: Codec, payloads: list[torch.Tensor], n: int, shape: tuple[int, ...] | None,
+                  divide_by: int) -> tuple[float, float]:
+    """Finite in, finite out for a mean of K values: summing first, as a fused decode-and-sum does, turns
+    values above float32's max / K into ±Inf. So the received payloads' scales are multiplied by
+    ``pre = 2^-ceil(log2 K)`` (in place: they then decode to ``pre`` times their values, exactly), the sum
+    is taken, then divided by ``K * pre`` (<= 1; none for K a power of two). Scaling by a power of two
+    commutes with float32 rounding, so the result has the same bits as ``sum / K`` wherever that did not
+    overflow (outside the subnormal range). Returns ``(pre, divisor)``: ``(1, divide_by)`` when there is
+    nothing to divide or the codec has no scales (:meth:`Codec.scale_fields`); then the caller divides
+    as before."""
+    if divide_by == 1 or n == 0:
+        return 1.0, divide_by
+    pre = _pow2_inverse(divide_by)
+    if codec.scale_fields(n, shape) is None:
+        return 1.0, divide_by
+    for p in payloads:
+        codec.scale_payload_(p, n, pre, shape)
+    return pre, divide_by * pre
+
+
+def _allgather(x, comp, n, exact, codec, group, op, rank, k, residual, seed, stats, out, post,
+               shape=None) -> torch.futures.Future:
+    dev = x.device
+    with _Timer(stats, "t_encode", dev):
+        payload = _encode_with_feedback(codec, comp, residual, _seed(seed, rank, 0, 0), shape)
+        p = payload.numel()
+        lead, psize = _slot(codec, n, shape)
+        parts = [(lead, payload, psize)]
+        if exact:
+            parts.append((0, x[n:].view(torch.uint8), _up(4 * exact)))
+        send = _framed(parts, dev)
+        s = send.numel()
+        recv = _POOL.take(k * s, torch.uint8, dev)
+    work = C.all_gather_async(recv, send, group)
+    if stats is not None:
+        stats.bytes_sent += (k - 1) * s
+    stamp = _comm_clock(stats, work, dev)
+    divide_by = k if op == "mean" else 1
+
+    def finish() -> torch.Tensor:
+        stamp()
+        with _Timer(stats, "t_decode", dev):
+            _keep(recv)
+            _keep(out)
+            payloads = [recv[i * s + lead : i * s + lead + p] for i in range(k)]
+            pre, div = _mean_scaling(codec, payloads, n, shape, divide_by)
+            if n:
+                codec.decode_sum(payloads, n, out=out[:n], shape=shape, divide_by=divide_by if pre == 1 else 1)
+                if pre != 1 and div != 1:
+                    out[:n].div_(div)
+            if exact:
+                vals = recv.view(k, s)[:, psize : psize + 4 * exact].view(torch.float32)  # (k, exact), rank order
+                tail = out[n:]
+                torch.sum(vals if divide_by == 1 else vals.mul_(_pow2_inverse(k)), dim=0, out=tail)
+                if divide_by != 1 and divide_by * _pow2_inverse(k) != 1:
+                    tail.div_(divide_by * _pow2_inverse(k))
+            _POOL.give(recv)
+        return out if post is None else post()
+
+    return C.then(work, finish, "all_gather_into_tensor", group)
+
+
+_SIDE: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    s = _SIDE.get(device)
+    if s is None:
+        s = _SIDE[device] = torch.cuda.Stream(device)
+    return s
+
+
+def _scatter_gather(comp, codec, group, op, rank, k, residual, seed, stats, out, post) -> torch.futures.Future:
+    dev = comp.device
+    n = comp.numel()
+    sizes = chunk_sizes(n, k)
+    starts = [sum(sizes[:i]) for i in range(k)]
+    slots = [_slot(codec, m) for m in sizes]
+    nbytes = [codec.nbytes(m, codec.flat_shape(m)) for m in sizes]
+    smax = max(sz for _, sz in slots)
+    # Phase 1: encode my copy of every other rank's chunk (worker quantisation); chunk i goes to rank i.
+    # My own chunk stays in fp32 on this rank: it never crosses the wire, so quantising it would only
+    # add error and work (its residual is 0).
+    with _Timer(stats, "t_encode", dev):
+        parts = []
+        for i in range(k):
+            if i == rank:
+                continue
+            lo, hi = starts[i], starts[i] + sizes[i]
+            payload = _encode_with_feedback(codec, comp[lo:hi], None if residual is None else residual[lo:hi],
+                                            _seed(seed, rank, i, 0))
+            parts.append((slots[i][0], payload, slots[i][1]))
+        if residual is not None:
+            residual[starts[rank] : starts[rank] + sizes[rank]].zero_()
+        send = _framed(parts, dev)
+        send_splits = [0 if i == rank else slots[i][1] for i in range(k)]
+        my_lead, my_slot = slots[rank]
+        recv_splits = [0 if i == rank else my_slot for i in range(k)]
+        recv = _POOL.take(sum(recv_splits), torch.uint8, dev)
+    work1 = C.all_to_all_async(recv, send, send_splits, recv_splits, group)
+    if stats is not None:
+        stats.bytes_sent += sum(send_splits)
+    stamp1 = _comm_clock(stats, work1, dev)
+
+    def phase2() -> tuple[object, torch.Tensor]:
+        # Decode the other ranks' copies of my chunk and sum them (rank order, fp32), add my own fp32
+        # copy, take the mean, then re-encode (server quantisation) and all-gather.
+        mine, nb = sizes[rank], nbytes[rank]
+        with _Timer(stats, "t_decode", dev):
+            own_chunk = comp[starts[rank] : starts[rank] + mine]
+            reduced = _POOL.take(mine, torch.float32, dev)
+            if k > 1 and mine:
+                payloads = [recv[j * my_slot + my_lead : j * my_slot + my_lead + nb] for j in range(k - 1)]
+                pre, div = _mean_scaling(codec, payloads, mine, codec.flat_shape(mine), k if op == "mean" else 1)
+                codec.decode_sum(payloads, mine, out=reduced, shape=codec.flat_shape(mine))
+                reduced.add_(own_chunk, alpha=pre)  # (pre * own is exact: a power of two)
+            else:
+                reduced.copy_(own_chunk)
+                div = 1
+            if div != 1:
+                reduced.div_(div)
+        with _Timer(stats, "t_encode", dev):
+            own = codec.encode(reduced, seed=_seed(seed, rank, rank, 1))
+            if residual is not None and mine:
+                # Fold the server's error into my residual; it re-enters next step's sum (x K for a mean).
+                server_err = reduced - codec.decode(own, mine, shape=codec.flat_shape(mine))
+                if op == "mean":
+                    server_err.mul_(k)
+                residual[starts[rank] : starts[rank] + mine].add_(server_err)
+            own = _framed([(my_lead, own, smax)], dev)  # all_gather needs equal sizes; pads count as sent
+            gathered = _POOL.take(k * smax, torch.uint8, dev)
+            _POOL.give(recv)
+            _POOL.give(reduced)
+        work2 = C.all_gather_async(gathered, own, group)
+        if stats is not None:
+            stats.bytes_sent += (k - 1) * own.numel()
+        return work2, gathered
+
+    if dev.type == "cuda":
+        # The middle phase waits for the all-to-all on a side stream: the caller's stream (the backward
+        # pass) never waits for the network, and the host never waits at all.
+        side = _side_stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            work1.wait()  # type: ignore[union-attr]  # a stream wait on NCCL, not a host wait
+            stamp1()
+            # send too: wait() lets NCCL drop its hold on the buffers as if this (side) stream were
+            # theirs; send was made on the caller's stream, which would reuse its memory while the
+            # all-to-all may still read it (NaN losses on 4 GPUs before this line).
+            for t in (comp, recv, send):
+                _keep(t)
+            if residual is not None:
+                _keep(residual)
+            work2, gathered = phase2()
+    else:
+        C.wait(work1 if isinstance(work1, torch.futures.Future) else work1.get_future(), "all_to_all_single", group)
+        stamp1()
+        work2, gathered = phase2()
+    stamp2 = _comm_clock(stats, work2, dev)
+
+    def finish() -> torch.Tensor:
+        # Phase 3: every rank decodes every re-encoded chunk (bit-identical everywhere).
+        stamp2()
+        with _Timer(stats, "t_decode", dev):
+            _keep(gathered)
+            _keep(out)
+            for i in range(k):
+                if sizes[i]:
+                    lo, at = starts[i], i * smax + slots[i][0]
+                    codec.decode(gathered[at : at + nbytes[i]], sizes[i], out=out[lo : lo + sizes[i]],
+                                 shape=codec.flat_shape(sizes[i]))
+            _POOL.give(gathered)
+        return out if post is None else post()
+
+    return C.then(work2, finish, "all_gather_into_tensor", group)
+
+
+# ------------------------------------------------------------------------------ the registry's entries
+# start(x, codec, group, op, residual, seed, stats, out, post, node_size, shape, world[, exact]) and
+# bytes_per_rank(codec, n, k, rank, exact, node_size, shape), as every AlgorithmPlugin has them.
+def _coded(x: torch.Tensor, exact: int, residual: torch.Tensor | None, out: torch.Tensor,
+           post: Callable[[], torch.Tensor] | None
+           ) -> tuple[int, torch.Tensor, Callable[[], torch.Tensor] | None, torch.futures.Future | None]:
+    """What the coded algorithms share before they send: ``(n, comp, post, done)``, n the values to code,
+    ``comp`` what is encoded (with the residual added), ``post`` guarding the residual against a
+    non-finite result, and ``done`` the finished future when there is nothing to send (else None)."""
+    n = x.numel() - exact
+    comp = x[:n] if residual is None else x[:n] + residual
+    if residual is not None and n:
+        post = _guard_residual(residual, out, n, post)
+    if n == 0 and not exact:
+        if out.data_ptr() != x.data_ptr():
+            out.copy_(x)
+        return n, comp, post, C.done(out if post is None else post(), x.device)
+    return n, comp, post, None
+
+
+def _start_allgather(x, codec, group, op, residual, seed, stats, out, post, node_size, shape, world,  # noqa: ANN001
+                     exact: int = 0) -> torch.futures.Future:
+    n, comp, post, done = _coded(x, exact, residual, out, post)
+    if done is not None:
+        return done
+    rank, k = world
+    return _allgather(x, comp, n, exact, codec, group, op, rank, k, residual, seed, stats, out, post,
+                      shape if shape is not None else codec.flat_shape(n))
+
+
+def _start_scatter_gather(x, codec, group, op, residual, seed, stats, out, post, node_size, shape,  # noqa: ANN001
+                          world) -> torch.futures.Future:
+    n, comp, post, done = _coded(x, 0, residual, out, post)
+    if done is not None:
+        return done
+    rank, k = world
+    return _scatter_gather(comp, codec, group, op, rank, k, residual, seed, stats, out, post)
+
+
+def _start_native(x, codec, group, op, residual, seed, stats, out, post, node_size, shape,  # noqa: ANN001
+                  world) -> torch.futures.Future:
+    return _native(x, codec, group, op, world[1], stats, out, post)
+
+
+def _start_simulated(x, codec, group, op, residual, seed, stats, out, post, node_size, shape, world,  # noqa: ANN001
+                     exact: int = 0) -> torch.futures.Future:
+    return _simulated(x, codec, group, world[1], stats, out, post, shape)  # (riders: part of x, simulated too)
+
+
+def _bytes_allgather(codec: Codec, n: int, k: int, rank: int, exact: int, node_size: int | None,
+                     shape: tuple[int, ...] | None) -> int:
+    return (k - 1) * (_slot(codec, n, shape)[1] + _up(4 * exact))
+
+
+def _bytes_scatter_gather(codec: Codec, n: int, k: int, rank: int, exact: int, node_size: int | None,
+                          shape: tuple[int, ...] | None) -> int:
+    slots = [_slot(codec, c)[1] for c in chunk_sizes(n, k)]
+    return sum(s for i, s in enumerate(slots) if i != rank) + (k - 1) * max(slots)
+
+
+def _bytes_native(codec: Codec, n: int, k: int, rank: int, exact: int, node_size: int | None,
+                  shape: tuple[int, ...] | None) -> int:
+    return int(2 * (k - 1) * codec.nbytes(n, codec.flat_shape(n)) // k)
+
+
+def _bytes_simulated(codec: Codec, n: int, k: int, rank: int, exact: int, node_size: int | None,
+                     shape: tuple[int, ...] | None) -> int:
+    return int(2 * (k - 1) * simulated_numel(codec, n + exact, shape) * 4 // k)
+
+
+register_algorithm("scatter_gather", AlgorithmPlugin(
+    start=_start_scatter_gather, bytes_per_rank=_bytes_scatter_gather, flat=True,
+    doc="all-to-all of encoded chunks, sum per chunk, all-gather of the re-encoded sums: ~2 payloads per rank"))
+register_algorithm("allgather", AlgorithmPlugin(
+    start=_start_allgather, bytes_per_rank=_bytes_allgather, flat=True, exact=True,
+    doc="every rank's whole payload to every rank, each decodes and sums all K: (K-1) payloads per rank"))
+register_algorithm("allreduce", AlgorithmPlugin(
+    start=_start_native, bytes_per_rank=_bytes_native, flat=True, quantised=False,
+    doc="the native allreduce in fp32, fp16 or bf16 (codecs that sum on the wire only)"))
+register_algorithm(SIMULATED, AlgorithmPlugin(
+    start=_start_simulated, bytes_per_rank=_bytes_simulated, flat=True, exact=True,
+    doc="Grubic et al.'s simulated low-precision NCCL: an fp32 allreduce of the codec's wire size; speed only, "
+        "the tensor is not reduced"))
