@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: study test venv clean bench
+.PHONY: study test test-slow venv clean bench
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -21,6 +21,10 @@ study: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The tests marked slow (each has a fast equivalent in `make test`); CI runs them after `make test`.
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m "slow and not gpu" || [ $$? -eq 5 ]
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_codecs.py

@@ -135,7 +135,8 @@ def start_method() -> str:
     if method == "forkserver" and not _PRELOADED:
         import multiprocessing
 
-        multiprocessing.set_forkserver_preload(["torch", "torch.distributed"])  # before the server starts
+        # before the server starts; lowbit too, so that a child's unpickling of its function finds it loaded
+        multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "lowbit"])
         _PRELOADED.append(True)
     return method
 
