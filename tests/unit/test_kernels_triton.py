@@ -29,6 +29,14 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # The interpreter evaluates NaN/inf inputs with numpy, which warns; the results are what we check.
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 SIZES = (0, 1, 7, 513, 3000)
+#: The default run's sizes (issue 31 item 7: the interpreter costs ~0.1 s per program and helper calls,
+#: whatever the tile's size): 0 (no launch) and 333 (a full tile and a masked one of 256, partial
+#: buckets of 64 and 100, NaN, +-inf, a negative NaN with a payload, all-zero buckets; see _x). The
+#: tests marked slow repeat the checks at SIZES (3000: 12 tiles).
+SMALL = (0, 333)
+SLOW = pytest.mark.slow
+#: n for tests parametrized by size: SMALL in the default run, the rest of SIZES marked slow.
+N_PARAMS = [*SMALL, *(pytest.param(n, marks=SLOW) for n in SIZES if n not in SMALL)]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -51,6 +59,12 @@ def _x(n: int, seed: int, special: bool = True) -> torch.Tensor:
         x[300] = float("inf")
         x[520] = -float("inf")
         x.view(torch.int32)[900] = -0x3EDCBB  # 0xFFC12345: a negative NaN with a payload
+    elif special and n >= 333:  # the same specials within the default run's 333 elements
+        x[200:320] = 0.0  # all-zero buckets (scale 0): bucket 2 of 100, bucket 4 of 64 (and of 5)
+        x[5] = float("nan")
+        x[130] = float("inf")
+        x[170] = -float("inf")
+        x.view(torch.int32)[330] = -0x3EDCBB  # in the last (partial) bucket and the masked tile
     return x.to(DEV)
 
 
@@ -64,57 +78,87 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 # ------------------------------------------------------------------------------------- qsgd
+def _check_qsgd_max_norm(n: int, bits: int, bucket: int, stochastic_modes: tuple[bool, ...]) -> None:
+    x = _x(n, seed=n + bits)
+    for stochastic in stochastic_modes:
+        want = ref.qsgd_encode(x, bits, bucket, "max", stochastic, seed=n + 11)
+        got = tk.qsgd_encode(x, bits, bucket, "max", stochastic, seed=n + 11)
+        assert got.dtype == torch.uint8 and got.shape == want.shape
+        assert torch.equal(got, want), (n, bits, bucket, stochastic)
+    out = torch.full((n,), 12345.0, device=DEV)  # poisoned: every element must be written
+    dec = tk.qsgd_decode(want, n, bits, bucket, out)
+    assert dec is out
+    assert _same(dec, ref.qsgd_decode(want, n, bits, bucket, torch.empty(n, device=DEV)))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [1, 2, 4, 8, 16])
 def test_qsgd_encode_decode_bit_identical_max_norm(bits: int) -> None:
+    """Fast equivalent: test_qsgd_encode_decode_bit_identical_max_norm_small."""
     # bucket 64: fused tiles; 100 (odd) and 512 (> max_fused_bucket, a multiple of the tile): general path
     for n in SIZES:
-        x = _x(n, seed=n + bits)
         for bucket in (64, 100, 512):
-            for stochastic in (False, True):
-                want = ref.qsgd_encode(x, bits, bucket, "max", stochastic, seed=n + 11)
-                got = tk.qsgd_encode(x, bits, bucket, "max", stochastic, seed=n + 11)
-                assert got.dtype == torch.uint8 and got.shape == want.shape
-                assert torch.equal(got, want), (n, bits, bucket, stochastic)
-            out = torch.full((n,), 12345.0, device=DEV)  # poisoned: every element must be written
-            dec = tk.qsgd_decode(want, n, bits, bucket, out)
-            assert dec is out
-            assert _same(dec, ref.qsgd_decode(want, n, bits, bucket, torch.empty(n, device=DEV)))
+            _check_qsgd_max_norm(n, bits, bucket, (False, True))
 
 
-def test_qsgd_l2_norm_matches_up_to_summation_order() -> None:
+@pytest.mark.parametrize(("bits", "bucket", "stochastic"),
+                         [(1, 64, True), (2, 100, False), (4, 512, True), (8, 64, False), (16, 100, True)])
+def test_qsgd_encode_decode_bit_identical_max_norm_small(bits: int, bucket: int, stochastic: bool) -> None:
+    """Stands for the slow test_qsgd_encode_decode_bit_identical_max_norm (every bit width x bucket x
+    rounding at SIZES): every packed bit width once, each bucket path (fused 64; general 100 with chunk
+    partials; general 512 with the atomic max) and both roundings among them, at the SMALL sizes."""
+    for n in SMALL:
+        _check_qsgd_max_norm(n, bits, bucket, (stochastic,))
+
+
+@pytest.mark.parametrize("n", [333, pytest.param(513, marks=SLOW), pytest.param(3000, marks=SLOW)])
+def test_qsgd_l2_norm_matches_up_to_summation_order(n: int) -> None:
     """L2 scales are a float32 sum in Triton's order (torch's differs): a few ulps apart, and a code
-    moves by at most one level, only in buckets whose scale differs."""
-    for n in (513, 3000):
-        x = _x(n, seed=7, special=False)
-        for bits, bucket, stochastic in ((2, 64, True), (4, 100, False), (8, 256, True), (16, 64, False)):
-            nb = _nb(n, bucket)
-            want = ref.qsgd_encode(x, bits, bucket, "l2", stochastic, seed=3)
-            got = tk.qsgd_encode(x, bits, bucket, "l2", stochastic, seed=3)
-            sw, sg = want[: 4 * nb].view(torch.float32), got[: 4 * nb].view(torch.float32)
-            torch.testing.assert_close(sg, sw, rtol=2e-6, atol=0)
-            cw = ref.unpack_bits(want[4 * nb :], bits, n)
-            cg = ref.unpack_bits(got[4 * nb :], bits, n)
-            same_scale = torch.repeat_interleave(sw == sg, bucket)[:n]
-            assert torch.equal(cw[same_scale], cg[same_scale])
-            assert (cw - cg).abs().max().item() <= 1
+    moves by at most one level, only in buckets whose scale differs. The default run checks n=333
+    (two tiles, partial buckets); 513 and 3000 are marked slow."""
+    x = _x(n, seed=7, special=False)
+    for bits, bucket, stochastic in ((2, 64, True), (4, 100, False), (8, 256, True), (16, 64, False)):
+        nb = _nb(n, bucket)
+        want = ref.qsgd_encode(x, bits, bucket, "l2", stochastic, seed=3)
+        got = tk.qsgd_encode(x, bits, bucket, "l2", stochastic, seed=3)
+        sw, sg = want[: 4 * nb].view(torch.float32), got[: 4 * nb].view(torch.float32)
+        torch.testing.assert_close(sg, sw, rtol=2e-6, atol=0)
+        cw = ref.unpack_bits(want[4 * nb :], bits, n)
+        cg = ref.unpack_bits(got[4 * nb :], bits, n)
+        same_scale = torch.repeat_interleave(sw == sg, bucket)[:n]
+        assert torch.equal(cw[same_scale], cg[same_scale])
+        assert (cw - cg).abs().max().item() <= 1
 
 
+def _check_qsgd_decode_sum(n: int, bits: int, bucket: int, kd: tuple[tuple[int, int], ...]) -> None:
+    ps = [ref.qsgd_encode(_x(n, seed=k, special=False), bits, bucket, "max", True, k) for k in range(11)]
+    for k, d in kd:  # k = 11 > MAX_SUM: a second launch accumulates onto the first
+        want = ref.qsgd_decode(ps[0], n, bits, bucket, torch.empty(n, device=DEV))
+        for p in ps[1:k]:
+            want = want + ref.qsgd_decode(p, n, bits, bucket, torch.empty(n, device=DEV))
+        # d != 1: the mean in the same pass, as summing and then out.div_(d)
+        got = tk.qsgd_decode_sum(ps[:k], n, bits, bucket, torch.full((n,), 7.0, device=DEV), divide_by=d)
+        assert _same(got, want.clone().div_(d) if d != 1 else want), (n, bits, bucket, k, d)
+
+
+@pytest.mark.slow
 def test_qsgd_decode_sum_bit_identical_in_order() -> None:
+    """Fast equivalent: test_qsgd_decode_sum_bit_identical_in_order_small."""
     for n in (7, 3000):
         for bits, bucket in ((4, 64), (2, 100), (8, 512), (16, 256)):
-            ps = [ref.qsgd_encode(_x(n, seed=k, special=False), bits, bucket, "max", True, k) for k in range(11)]
-            for k in (1, 3, 11):  # 11 > MAX_SUM: a second launch accumulates onto the first
-                want = ref.qsgd_decode(ps[0], n, bits, bucket, torch.empty(n, device=DEV))
-                for p in ps[1:k]:
-                    want = want + ref.qsgd_decode(p, n, bits, bucket, torch.empty(n, device=DEV))
-                got = tk.qsgd_decode_sum(ps[:k], n, bits, bucket, torch.full((n,), 7.0, device=DEV))
-                assert _same(got, want), (n, bits, bucket, k)
-                for d in (2, 3, 7):  # the mean in the same pass: as summing, then out.div_(d)
-                    got = tk.qsgd_decode_sum(ps[:k], n, bits, bucket, torch.full((n,), 7.0, device=DEV),
-                                             divide_by=d)
-                    assert _same(got, want.clone().div_(d)), (n, bits, bucket, k, d)
+            _check_qsgd_decode_sum(n, bits, bucket, tuple((k, d) for k in (1, 3, 11) for d in (1, 2, 3, 7)))
     with pytest.raises(ValueError):
         tk.qsgd_decode_sum([], 4, 4, 64, torch.empty(4, device=DEV))
+
+
+@pytest.mark.parametrize(("n", "bits", "bucket"), [(333, 4, 64), (333, 2, 100), (7, 8, 512), (333, 16, 256)])
+def test_qsgd_decode_sum_bit_identical_in_order_small(n: int, bits: int, bucket: int) -> None:
+    """Stands for the slow test_qsgd_decode_sum_bit_identical_in_order (n 7 and 3000, every k x d): the
+    same bit widths and buckets (fused rows, general, one bucket per row) on two tiles (one for 8 bits),
+    1 payload with a mean, 3 without, 11 (> MAX_SUM: a second launch adds onto the first) with one."""
+    _check_qsgd_decode_sum(n, bits, bucket, ((1, 2), (3, 1), (11, 7)) if n > 7 else ((3, 3), (11, 1)))
+    with pytest.raises(ValueError):
+        tk.qsgd_decode_sum([], 4, bits, bucket, torch.empty(4, device=DEV))
 
 
 def test_qsgd_unaligned_payload_and_fallback_bits() -> None:
@@ -154,21 +198,22 @@ def test_nan_scales_are_the_canonical_nan() -> None:
 
 
 # ------------------------------------------------------------------------------------- onebit
-def test_onebit_buckets() -> None:
-    """Sign bits identical; means within float32 summation-order rounding; decode identical."""
-    for n in SIZES:
-        x = _x(n, seed=n)
-        for bucket in (64, 5, 100):  # fused, and general (means from torch)
-            nb = _nb(n, bucket)
-            want = ref.onebit_encode_buckets(x, bucket)
-            got = tk.onebit_encode_buckets(x, bucket)
-            assert got.shape == want.shape
-            assert torch.equal(got[8 * nb :], want[8 * nb :]), (n, bucket)
-            torch.testing.assert_close(got[: 8 * nb].view(torch.float32), want[: 8 * nb].view(torch.float32),
-                                       rtol=1e-6, atol=0, equal_nan=True)
-            out = torch.full((n,), 12345.0, device=DEV)
-            dec = tk.onebit_decode_buckets(want, n, bucket, out)
-            assert _same(dec, ref.onebit_decode_buckets(want, n, bucket, torch.empty(n, device=DEV)))
+@pytest.mark.parametrize("n", N_PARAMS)
+def test_onebit_buckets(n: int) -> None:
+    """Sign bits identical; means within float32 summation-order rounding; decode identical. The
+    default run checks the SMALL sizes; the other SIZES are marked slow."""
+    x = _x(n, seed=n)
+    for bucket in (64, 5, 100):  # fused, and general (means from torch)
+        nb = _nb(n, bucket)
+        want = ref.onebit_encode_buckets(x, bucket)
+        got = tk.onebit_encode_buckets(x, bucket)
+        assert got.shape == want.shape
+        assert torch.equal(got[8 * nb :], want[8 * nb :]), (n, bucket)
+        torch.testing.assert_close(got[: 8 * nb].view(torch.float32), want[: 8 * nb].view(torch.float32),
+                                   rtol=1e-6, atol=0, equal_nan=True)
+        out = torch.full((n,), 12345.0, device=DEV)
+        dec = tk.onebit_decode_buckets(want, n, bucket, out)
+        assert _same(dec, ref.onebit_decode_buckets(want, n, bucket, torch.empty(n, device=DEV)))
 
 
 # ------------------------------------------------------------------------------------- dettmers
@@ -188,20 +233,22 @@ DETTMERS = [
 ]
 
 
-def test_dettmers_bit_identical_to_codec(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("n", N_PARAMS)
+def test_dettmers_bit_identical_to_codec(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every type, search and bucket path. The default run checks the SMALL sizes; the other SIZES are
+    marked slow."""
     monkeypatch.setenv("LOWBIT_KERNELS", "reference")
     for spec in DETTMERS:
         codec = lowbit.get_codec(spec)
-        for n in SIZES:
-            x = _x(n, seed=n + 1)
-            if not codec.normalised:
-                x = x * 10.0 ** (codec.offset - 2)
-            want = codec.encode(x)
-            got = tk.dettmers_encode(x, codec.type, codec.search, codec.bucket, codec.offset)
-            assert torch.equal(got, want), (spec, n, int((got != want).sum()))
-            out = torch.full((n,), 12345.0, device=DEV)
-            dec = tk.dettmers_decode(want, n, codec.type, codec.bucket, codec.offset, out)
-            assert _same(dec, codec.decode(want, n)), (spec, n)
+        x = _x(n, seed=n + 1)
+        if not codec.normalised:
+            x = x * 10.0 ** (codec.offset - 2)
+        want = codec.encode(x)
+        got = tk.dettmers_encode(x, codec.type, codec.search, codec.bucket, codec.offset)
+        assert torch.equal(got, want), (spec, n, int((got != want).sum()))
+        out = torch.full((n,), 12345.0, device=DEV)
+        dec = tk.dettmers_decode(want, n, codec.type, codec.bucket, codec.offset, out)
+        assert _same(dec, codec.decode(want, n)), (spec, n)
 
 
 def test_dettmers_nearest_on_every_midpoint(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -223,8 +270,10 @@ def test_dettmers_nearest_on_every_midpoint(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 # ------------------------------------------------------------------------------------- plumbing
-def test_dispatch_forced_triton_matches_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    n = 3000
+@pytest.mark.parametrize("n", [333, pytest.param(3000, marks=SLOW)])
+def test_dispatch_forced_triton_matches_reference(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the codecs with the Triton backend forced. The default run checks n=333 (two tiles with
+    the specials of _x); 3000 is marked slow."""
     x = _x(n, seed=9)
     for spec in ("qsgd:bits=4,bucket=64", "qsgd:bits=8,rounding=nearest,bucket=128", "onebit"):
         codec = lowbit.get_codec(spec)
@@ -335,11 +384,12 @@ def test_qsgd_top_level_rounding_up_is_clamped() -> None:
 
 
 
-def test_codec_decode_sum_divide_by_on_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("n", [333, pytest.param(3000, marks=SLOW)])
+def test_codec_decode_sum_divide_by_on_triton(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Through the codec and the dispatcher with the Triton backend forced: the fused mean equals
-    summing and then out.div_(k), for qsgd (fused in the kernel) and other codecs (divided after)."""
+    summing and then out.div_(k), for qsgd (fused in the kernel) and other codecs (divided after).
+    The default run checks n=333 (two tiles, partial buckets); 3000 is marked slow."""
     monkeypatch.setenv("LOWBIT_KERNELS", "triton")
-    n = 3000
     for spec in ("qsgd:bits=4,bucket=64", "qsgd:bits=8,bucket=100", "dettmers:type=dynamic"):
         codec = lowbit.get_codec(spec)
         ps = [codec.encode(_x(n, seed=i, special=False), seed=i) for i in range(3)]
@@ -347,56 +397,95 @@ def test_codec_decode_sum_divide_by_on_triton(monkeypatch: pytest.MonkeyPatch) -
         assert _same(codec.decode_sum(ps, n, divide_by=3), want), spec
 
 
+DM_SUM_SPECS = ("dettmers", "dettmers:bucket=64", "dettmers:bucket=100", "dettmers:type=static",
+                "dettmers:type=dynamic_bnb,bucket=256")
+
+
+def _check_dettmers_decode_sum(spec: str, n: int, kd: tuple[tuple[int, int], ...],
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    codec = lowbit.get_codec(spec)
+    xs = [_x(n, seed=k) for k in range(11)]
+    if not codec.normalised:
+        xs = [x * 10.0 ** (codec.offset - 2) for x in xs]
+    ps = [codec.encode(x) for x in xs]
+    for k, d in kd:
+        monkeypatch.setenv("LOWBIT_KERNELS", "reference")  # the codec's own torch decode
+        want = codec.decode(ps[0], n)
+        for p in ps[1:k]:
+            want = want + codec.decode(p, n)
+        monkeypatch.delenv("LOWBIT_KERNELS")
+        got = tk.dettmers_decode_sum(ps[:k], n, codec.type, codec.bucket, codec.offset,
+                                     torch.full((n,), 7.0, device=DEV), divide_by=d)
+        assert _same(got, want.clone().div_(d) if d != 1 else want), (spec, n, k, d)
+
+
+@pytest.mark.slow
 def test_dettmers_decode_sum_bit_identical_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fused Dettmers decode-and-sum (fused buckets, general buckets, one scale, non-normalised
     types with NaN codes), 1, 3 and 11 payloads (11 > MAX_SUM: chained launches), with and without the
-    mean: as decoding one by one, adding in order and then out.div_(d)."""
-    for spec in ("dettmers", "dettmers:bucket=64", "dettmers:bucket=100", "dettmers:type=static",
-                 "dettmers:type=dynamic_bnb,bucket=256"):
-        codec = lowbit.get_codec(spec)
+    mean: as decoding one by one, adding in order and then out.div_(d).
+    Fast equivalent: test_dettmers_decode_sum_bit_identical_in_order_small."""
+    for spec in DM_SUM_SPECS:
         for n in (7, 3000):
-            xs = [_x(n, seed=k) for k in range(11)]
-            if not codec.normalised:
-                xs = [x * 10.0 ** (codec.offset - 2) for x in xs]
-            ps = [codec.encode(x) for x in xs]
-            for k in (1, 3, 11):
-                monkeypatch.setenv("LOWBIT_KERNELS", "reference")  # the codec's own torch decode
-                want = codec.decode(ps[0], n)
-                for p in ps[1:k]:
-                    want = want + codec.decode(p, n)
-                monkeypatch.delenv("LOWBIT_KERNELS")
-                for d in (1, 3):
-                    got = tk.dettmers_decode_sum(ps[:k], n, codec.type, codec.bucket, codec.offset,
-                                                 torch.full((n,), 7.0, device=DEV), divide_by=d)
-                    assert _same(got, want.clone().div_(d) if d != 1 else want), (spec, n, k, d)
+            _check_dettmers_decode_sum(spec, n, tuple((k, d) for k in (1, 3, 11) for d in (1, 3)), monkeypatch)
     with pytest.raises(ValueError):
         tk.dettmers_decode_sum([], 4, "dynamic", 0, 0, torch.empty(4, device=DEV))
 
 
+@pytest.mark.parametrize("spec", DM_SUM_SPECS)
+def test_dettmers_decode_sum_bit_identical_in_order_small(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stands for the slow test_dettmers_decode_sum_bit_identical_in_order (n 7 and 3000, every k x d):
+    the same specs at n=333 (two tiles, the specials of _x), 1 payload with the mean, 3 without, 11
+    (> MAX_SUM: chained launches) with it."""
+    _check_dettmers_decode_sum(spec, 333, ((1, 3), (3, 1), (11, 3)), monkeypatch)
+    with pytest.raises(ValueError):
+        tk.dettmers_decode_sum([], 4, "dynamic", 0, 0, torch.empty(4, device=DEV))
+
+
+def _check_onebit_decode_sum(bucket: int, n: int, kd: tuple[tuple[int, int], ...]) -> None:
+    ps = [ref.onebit_encode_buckets(_x(n, seed=k), bucket) for k in range(11)]
+    for k, d in kd:
+        want = ref.onebit_decode_buckets(ps[0], n, bucket, torch.empty(n, device=DEV))
+        for p in ps[1:k]:
+            want = want + ref.onebit_decode_buckets(p, n, bucket, torch.empty(n, device=DEV))
+        got = tk.onebit_decode_sum_buckets(ps[:k], n, bucket, torch.full((n,), 7.0, device=DEV), divide_by=d)
+        assert _same(got, want.clone().div_(d) if d != 1 else want), (bucket, n, k, d)
+
+
+def _check_onebit_codec_decode_sum(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    codec = lowbit.get_codec("onebit:bucket=64")
+    ps = [codec.encode(_x(n, seed=k)) for k in range(3)]
+    monkeypatch.setenv("LOWBIT_KERNELS", "reference")
+    want = codec.decode_sum(ps, n, divide_by=3)
+    monkeypatch.setenv("LOWBIT_KERNELS", "triton")
+    assert _same(codec.decode_sum(ps, n, divide_by=3), want)
+
+
+@pytest.mark.slow
 def test_onebit_decode_sum_bit_identical_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fused onebit (per bucket) decode-and-sum, with and without the mean, directly and through the
-    codec: as the reference decodes added in order and then out.div_(d)."""
+    codec: as the reference decodes added in order and then out.div_(d).
+    Fast equivalent: test_onebit_decode_sum_bit_identical_in_order_small."""
     for bucket in (64, 100):
         for n in (7, 3000):
-            ps = [ref.onebit_encode_buckets(_x(n, seed=k), bucket) for k in range(11)]
-            for k in (1, 3, 11):
-                want = ref.onebit_decode_buckets(ps[0], n, bucket, torch.empty(n, device=DEV))
-                for p in ps[1:k]:
-                    want = want + ref.onebit_decode_buckets(p, n, bucket, torch.empty(n, device=DEV))
-                for d in (1, 3):
-                    got = tk.onebit_decode_sum_buckets(ps[:k], n, bucket, torch.full((n,), 7.0, device=DEV),
-                                                       divide_by=d)
-                    assert _same(got, want.clone().div_(d) if d != 1 else want), (bucket, n, k, d)
-    codec = lowbit.get_codec("onebit:bucket=64")
-    ps = [codec.encode(_x(3000, seed=k)) for k in range(3)]
-    monkeypatch.setenv("LOWBIT_KERNELS", "reference")
-    want = codec.decode_sum(ps, 3000, divide_by=3)
-    monkeypatch.setenv("LOWBIT_KERNELS", "triton")
-    assert _same(codec.decode_sum(ps, 3000, divide_by=3), want)
+            _check_onebit_decode_sum(bucket, n, tuple((k, d) for k in (1, 3, 11) for d in (1, 3)))
+    _check_onebit_codec_decode_sum(3000, monkeypatch)
 
 
+@pytest.mark.parametrize("bucket", [64, 100])
+def test_onebit_decode_sum_bit_identical_in_order_small(bucket: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stands for the slow test_onebit_decode_sum_bit_identical_in_order (n 7 and 3000, every k x d):
+    both buckets (fused, general) at n=333 (two tiles, the specials of _x), 1 payload with the mean,
+    3 without, 11 (> MAX_SUM: chained launches) with it; and through the codec."""
+    _check_onebit_decode_sum(bucket, 333, ((1, 3), (3, 1), (11, 3)))
+    if bucket == 64:
+        _check_onebit_codec_decode_sum(333, monkeypatch)
+
+
+@pytest.mark.slow
 def test_qsgd_infinities_keep_their_sign() -> None:
-    """±Inf decode as ±Inf, as in the reference (+Inf decoded as -Inf before), fused and general paths."""
+    """±Inf decode as ±Inf, as in the reference (+Inf decoded as -Inf before), fused and general paths.
+    Fast equivalent: test_qsgd_infinities_keep_their_sign_small."""
     for bits in (1, 2, 4, 8, 16):
         for bucket in (64, 100):
             x = _x(3000, bits)
@@ -406,3 +495,17 @@ def test_qsgd_infinities_keep_their_sign() -> None:
             y = tk.qsgd_decode(p, 3000, bits, bucket, torch.empty(3000, device=DEV))
             assert y[300].item() == float("inf") and y[520].item() == -float("inf"), (bits, bucket)
             assert (y[1600:1664] == float("inf")).all()
+
+
+@pytest.mark.parametrize(("bits", "bucket"), [(1, 64), (2, 100), (4, 64), (8, 100), (16, 64)])
+def test_qsgd_infinities_keep_their_sign_small(bits: int, bucket: int) -> None:
+    """Stands for the slow test_qsgd_infinities_keep_their_sign (every bit width x both buckets at
+    n=3000): every bit width once, fused (64) and general (100) paths among them, at n=333."""
+    x = _x(333, bits)
+    x[192:320] = float("inf")  # whole buckets of +Inf (buckets 3 and 4 of 64, 2 of 100)
+    p = tk.qsgd_encode(x, bits, bucket, "max", True, 5)
+    assert torch.equal(p, ref.qsgd_encode(x.cpu(), bits, bucket, "max", True, 5).to(DEV)), (bits, bucket)
+    y = tk.qsgd_decode(p, 333, bits, bucket, torch.empty(333, device=DEV))
+    assert y[130].item() == float("inf") and y[170].item() == -float("inf"), (bits, bucket)
+    lo, hi = (192, 320) if bucket == 64 else (200, 300)  # the whole buckets of +Inf
+    assert (y[lo:hi] == float("inf")).all(), (bits, bucket)
