@@ -12,6 +12,12 @@ configuration in ``--configs`` (the table below), in ``--rounds`` interleaved ro
 (``max_memory_allocated``) per rank, and the bytes lowbit put on the wire. Ratios are against the better
 of the two FSDP2 baselines measured in the same run (``fsdp``, ``fsdp_bf16``).
 
+Paired (``--paired A,B``): both models built side by side (twice the memory), then ``--steps`` pairs of
+steps, A then B or B then A (the order alternates), each step timed alone between two synchronisations;
+the row gives B's per-step speed over A's, pair by pair (median and quartiles), so drift between rounds
+(5-10 % on the same cards) cancels. Synchronising every step removes what overlaps between steps from both
+alike.
+
 Convergence (``--train N``): the byte-level ``pysource`` corpus (real text, the standard library's
 source; vocabulary 256), N steps of AdamW with warmup and cosine decay, validation loss on a fixed
 held-out subset every ``--eval-every`` steps (its time left out of the step times and reported).
@@ -76,6 +82,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--node-size", type=int, default=None, help="ranks per node for the h_* configurations")
     ap.add_argument("--link", default="nvlink", help="a label written into the results (nvlink, sockets, 2nodes)")
+    ap.add_argument("--paired", default="", help="A,B: time B against A step by step, both models built at once")
     ap.add_argument("--train", type=int, default=0, help="convergence mode: this many steps on pysource")
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--eval-every", type=int, default=250)
@@ -85,9 +92,11 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--commit", default=os.environ.get("LOWBIT_COMMIT", ""))
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    for c in args.configs.split(","):
+    for c in args.configs.split(",") + [c for c in args.paired.split(",") if c]:
         if c not in CONFIGS:
             ap.error(f"unknown configuration {c!r}; choose from {', '.join(CONFIGS)}")
+    if args.paired and len(args.paired.split(",")) != 2:
+        ap.error(f"--paired takes two configurations, A,B; got {args.paired!r}")
     return args
 
 
@@ -188,6 +197,39 @@ def throughput(args, rank, world, device, write) -> None:
             if name in args.profile.split(",") and rnd == 0:
                 profile(args, name, rank, device, model, opt, batches)
             del model, opt, state, batches
+
+
+def paired(args, rank, world, device, write) -> None:
+    """B against A, step by step (module docstring)."""
+    vocab = 50257
+    names = args.paired.split(",")
+    free(device)
+    built = {n: build(args, n, vocab, device) for n in names}
+    g = torch.Generator(device="cpu").manual_seed(1234 + rank)
+    batches = [torch.randint(0, vocab, (args.batch, args.seq + 1), generator=g).to(device) for _ in range(2)]
+    for name in names:
+        model, opt, _ = built[name]
+        for i in range(args.warmup):
+            b = batches[i % 2]
+            step(model, opt, b[:, :-1], b[:, 1:])
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for i in range(args.steps):
+        order = names if i % 2 == 0 else names[::-1]
+        for name in order:
+            model, opt, _ = built[name]
+            b = batches[i % 2]
+            sync(device)
+            t0 = time.perf_counter()
+            step(model, opt, b[:, :-1], b[:, 1:])
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+    a, b = names
+    ratios = sorted(ta / tb for ta, tb in zip(times[a], times[b]))  # B's speed over A's, per pair
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    write({"mode": "paired", "config": b, "baseline": a, "pairs": len(ratios), "ratio_median": q[1],
+           "ratio_q1": q[0], "ratio_q3": q[2], "ratio_mean": statistics.fmean(ratios),
+           "step_s_median": {n: statistics.median(t) for n, t in times.items()}, "step_s": times,
+           "tokens_per_s_median": {n: world * args.batch * args.seq / statistics.median(t) for n, t in times.items()}})
 
 
 def profile(args, name, rank, device, model, opt, batches) -> None:
@@ -330,12 +372,15 @@ def main() -> None:
         if rank == 0:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+            if row["mode"] == "paired":
+                print(f"  {row['config']} / {row['baseline']}: {row['ratio_median']:.3f}x per step (median of "
+                      f"{row['pairs']} pairs; quartiles {row['ratio_q1']:.3f}-{row['ratio_q3']:.3f})", flush=True)
             if row["mode"] == "throughput":
                 print(f"  {row['config']:<10} round {row['round']}: {row['tokens_per_s']:.0f} tokens/s, "
                       f"{row['peak_mem_gb']:.2f} GB", flush=True)
 
     try:
-        (train if args.train else throughput)(args, rank, world, device, write)
+        (train if args.train else paired if args.paired else throughput)(args, rank, world, device, write)
     finally:
         if rank == 0:
             print(table(rows), flush=True)

@@ -2,6 +2,8 @@
 # Device recipe for issue 28 (lowbit.fsdp): FSDP2 throughput beside its bf16 baselines, and convergence.
 #   MODE="nvlink sockets" bash benchmarks/run_device_fsdp.sh      (2 GPUs)
 #   MODE=nodes bash benchmarks/run_device_fsdp.sh                 (4 GPUs as 2 emulated nodes of 2)
+#   MODE=paired PAIRED=fsdp_bf16,bf16 bash benchmarks/run_device_fsdp.sh   (2 GPUs over NVLink: B against A step by
+#                                                                  step, both models in memory; LINK=sockets too)
 #   MODE=train bash benchmarks/run_device_fsdp.sh                 (2 GPUs over NVLink: 1,500 steps on pysource)
 #   MODE=trainpair bash benchmarks/run_device_fsdp.sh             (4 GPUs: two such runs side by side, GPUs 0-1
 #                                                                  and 2-3, PAIR="fsdp q8_p8": half the wall time)
@@ -27,6 +29,11 @@ for mode in ${MODE:-nvlink sockets}; do
       LOWBIT_NODE_SIZE=2 torchrun --nproc-per-node 4 --no-python benchmarks/emulated_node.sh benchmarks/bench_fsdp.py \
         --link 2nodes --node-size 2 "${common[@]}" --configs "${CONFIGS:-fsdp,fsdp_bf16,q8_p8,h_q8,h_q8_p8,h_q4_p8}" \
         --out "$OUT/fsdp_4x${card}_2nodes_${MODEL}.json" 2>&1 | quiet ;;
+    paired)
+      env_link=(); [ "${LINK:-nvlink}" = sockets ] && env_link=(NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1)
+      env "${env_link[@]}" torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --link "${LINK:-nvlink}" --model "$MODEL" \
+        --batch "$BATCH" --steps "$STEPS" --warmup "$WARMUP" --commit "${COMMIT:-}" --paired "${PAIRED:-fsdp_bf16,bf16}" \
+        --out "$OUT/fsdp_paired_2x${card}_${LINK:-nvlink}_${MODEL}_${PAIRED:-fsdp_bf16,bf16}.json" 2>&1 | quiet ;;
     train)
       torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --link nvlink --model "$MODEL" --batch "$BATCH" \
         --train "${TRAIN_STEPS:-1500}" --eval-every "${EVAL_EVERY:-250}" --commit "${COMMIT:-}" \
