@@ -33,7 +33,7 @@ for mode in ${MODE:-nvlink sockets}; do
       env_link=(); [ "${LINK:-nvlink}" = sockets ] && env_link=(NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1)
       env "${env_link[@]}" torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --link "${LINK:-nvlink}" --model "$MODEL" \
         --batch "$BATCH" --steps "$STEPS" --warmup "$WARMUP" --commit "${COMMIT:-}" --paired "${PAIRED:-fsdp_bf16,bf16}" \
-        --out "$OUT/fsdp_paired_2x${card}_${LINK:-nvlink}_${MODEL}_${PAIRED:-fsdp_bf16,bf16}.json" 2>&1 | quiet ;;
+        --out "$OUT/fsdp_paired_2x${card}_${LINK:-nvlink}_${MODEL}_$(echo "${PAIRED:-fsdp_bf16,bf16}" | tr , _).json" 2>&1 | quiet ;;
     train)
       torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --link nvlink --model "$MODEL" --batch "$BATCH" \
         --train "${TRAIN_STEPS:-1500}" --eval-every "${EVAL_EVERY:-250}" --commit "${COMMIT:-}" \
