@@ -57,6 +57,7 @@ CONFIGS: dict[str, tuple[torch.dtype, str | None, str | None, bool, bool]] = {
     "fsdp": (torch.float32, None, None, False, False),          # FSDP2's defaults with bf16 parameters
     "fsdp_bf16": (torch.bfloat16, None, None, False, False),    # the strong 16-bit baseline
     "bf16": (torch.float32, "bf16", None, False, False),        # lowbit, bf16 on the wire, fp32 sums
+    "bf16_r16": (torch.bfloat16, "bf16", None, False, False),   # the same from FSDP's bf16 reduce buffers
     "q8": (torch.float32, Q8, None, False, False),
     "q8_p8": (torch.float32, Q8, P8, False, False),
     "q4_p8": (torch.float32, Q4, P8, False, False),

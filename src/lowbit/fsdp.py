@@ -449,12 +449,16 @@ class LowbitReduceScatter(_Comm):
         st = self.state
         rank, n = group.rank(), group.size()
         msg, size, nb = lay.message, lay.slot[1], s * wd.itemsize
-        send, recv = torch.empty(2, n, msg, dtype=torch.uint8, device=x.device)  # one allocation
-        send[:, :nb].view(wd).copy_(x)
         e = lay.exact_numel
-        if e:
-            ed = lay.exact_codec.wire_dtype
-            send[:, size : size + e * ed.itemsize].view(ed).copy_(ex)
+        if not e and msg == nb and x.dtype == wd and x.is_contiguous():
+            # the rows are already the message (FSDP's reduce dtype is the wire's): no copy
+            send, recv = x.view(-1).view(torch.uint8), torch.empty(n, msg, dtype=torch.uint8, device=x.device)
+        else:
+            send, recv = torch.empty(2, n, msg, dtype=torch.uint8, device=x.device)  # one allocation
+            send[:, :nb].view(wd).copy_(x)
+            if e:
+                ed = lay.exact_codec.wire_dtype
+                send[:, size : size + e * ed.itemsize].view(ed).copy_(ex)
         work = C.all_to_all_async(recv.view(-1), send.view(-1), [], [], group)
         C.wait(work, "all_to_all_single", group)
         sent_bytes = (n - 1) * msg

@@ -189,6 +189,27 @@ def _body_two(rank: int, world: int) -> dict:
         lf.FAST_FLOATS = True
         out.setdefault("cast_same", []).append(all(torch.equal(a, b) for a, b in zip(*runs)))
 
+    # 8b. a bf16 reduce buffer whose rows are already the message (bf16 codec, 8 | S): sent as it is,
+    # summed in fp32 like the codec path, for SUM and AVG
+    groups = lf._make_groups(dist.group.WORLD, None)
+    g = torch.randn(world * 64, generator=torch.Generator().manual_seed(3 + rank)).to(torch.bfloat16)
+    outs = []
+    for fast in (True, False):
+        lf.FAST_FLOATS = fast
+        codec = lf.get_codec("bf16")
+        st = lf.FSDPState(codec, None, False, None, None, None, rank, world, torch.device("cpu"))
+        rs = lf.LowbitReduceScatter(st, "blk", 0, [64], [False], codec, groups)
+        for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            o = torch.empty(64, dtype=torch.bfloat16)
+            rs(o, g, dist.group.WORLD, op)
+            outs.append(o)
+    lf.FAST_FLOATS = True
+    rows = [torch.randn(world * 64, generator=torch.Generator().manual_seed(3 + j)).to(torch.bfloat16)
+            .view(world, 64)[rank].float() for j in range(world)]
+    want = sum(rows[j] for j in range(world) if j != rank) + rows[rank]  # the others in order, then mine
+    out["r16_same"] = all(torch.equal(a, b) for a, b in zip(outs[:2], outs[2:]))
+    out["r16_sum"] = torch.equal(outs[0], want.to(torch.bfloat16))
+
     # 7. ranks that disagree: the same error on every rank, no hang
     m = _shard(Net())
     try:
@@ -222,6 +243,7 @@ def test_fsdp_two_ranks() -> None:
         assert r["bad_ckpt"] and "rank" in r["bad_ckpt"]
         assert all(r["order_same"])
         assert r["cast_same"] == [True, True, True]
+        assert r["r16_same"] and r["r16_sum"]
         assert r["mismatch"] and "rank 0" in r["mismatch"] and "rank 1" in r["mismatch"]
     assert torch.equal(r0["unsharded_w"], r1["unsharded_w"])  # every rank decodes the same codes
     assert r0["q8_bytes"] == r1["q8_bytes"] > 0
