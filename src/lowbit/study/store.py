@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from lowbit.codecs.base import get_codec
-from lowbit.perfmodel.calibrate import RunRecord, run_record
+from lowbit.perfmodel.calibrate import RunRecord
+from lowbit.study.records import run_record
 
 __all__ = ["ResultStore", "ResultsWarning", "resolve_results_path", "read_runs", "load_run_records", "RESULTS_NAME"]
 
@@ -297,7 +298,7 @@ def read_runs(path: str | os.PathLike[str], *, strict: bool = False) -> tuple[li
 
 def load_run_records(path: str | os.PathLike[str], *, strict: bool = False) -> list[RunRecord]:
     """The finished runs of :func:`read_runs` as the speed model reads them
-    (:func:`lowbit.perfmodel.calibrate.run_record`: data-parallel runs with timed steps); ValueError if
+    (:func:`lowbit.study.records.run_record`: data-parallel runs with timed steps); ValueError if
     the file is missing or holds none (or, with ``strict``, holds a line that is not a readable row)."""
     rows, notes = read_runs(path, strict=strict)
     runs = [r for r in (run_record(row) for row in rows) if r is not None]
