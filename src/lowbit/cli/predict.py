@@ -200,10 +200,24 @@ def run_calibrate(args: argparse.Namespace) -> int:
         print(json.dumps(cal.to_dict(), indent=2, sort_keys=True))
     else:
         print(f"calibration from {len(bench)} bench file(s) and {len(results)} study result set(s):")
-        print(cal.describe())
+        print(format_calibration(cal))
         if args.save_calibration:
             print(f"written to {args.save_calibration}")
     return 0
+
+
+def format_calibration(cal: Calibration) -> str:
+    """The calibration's fitted links, codec costs, compute, factors and overheads, a line each."""
+    lines = cal.link_codec_lines()
+    for k, v in sorted(cal.compute.items()):
+        lines.append(f"compute [{k}] {v['step_s'] * 1e3:.3f} ms/step at 1 worker "
+                     f"({v['per_sample_s'] * 1e6:.2f} us/sample; {v['runs']} runs)")
+    for k, v in sorted(cal.world_factor.items()):
+        lines.append(f"compute factor [{k}] x{v['factor']:.2f} over 1 worker ({v['settings']} settings)")
+    for k, v in sorted(cal.step_overhead_s.items()):
+        lines.append(f"step overhead [{k}] {v['seconds'] * 1e3:+.3f} ms/step (median of measured - modelled "
+                     f"step over {v['runs']} runs)")
+    return "\n".join(lines) if lines else "(empty calibration)"
 
 
 def validate_path(results: str, *, calibration_path: str | None = None, bench_paths: list[str] | tuple[str, ...] = (),

@@ -42,7 +42,7 @@ from lowbit.perfmodel.networks import get_network
 __all__ = ["fit_link", "design_row", "sums_on_wire", "canonical_spec", "LinkFit", "CodecCost", "RunRecord",
            "Calibration", "load_bench", "transport_key", "ScaleKey",
            "OverheadKey", "fit_bench", "fit_study", "fit_comm_in_situ", "run_groups", "run_buckets",
-           "run_layers", "network_profile", "ddp_buckets", "pure_compute_s"]
+           "run_layers", "network_profile", "pure_compute_s"]
 
 _UNIT = Link(latency_s=1.0, bandwidth_Bps=1.0, name="unit")
 SCHEMA = 1
@@ -481,11 +481,6 @@ def run_buckets(run: RunRecord) -> list[list[tuple[str, str, int]]]:
     return out
 
 
-def ddp_buckets(run: RunRecord) -> int:
-    """How many gradient buckets DDP makes for the run (see :func:`run_buckets`)."""
-    return len(run_buckets(run)) if run.world > 1 else 1
-
-
 def run_groups(run: RunRecord) -> list[tuple[str, str, int]]:
     """The collectives of one step, bucket after bucket: ``[(codec spec, algorithm, values), ...]``."""
     if run.world <= 1 or run.params <= 0:
@@ -500,7 +495,7 @@ def pure_compute_s(run: RunRecord) -> float:
     the encoding of all but the last happens while gradients are still being computed and lands in the
     measured compute; the speed model adds encoding separately.
     """
-    b = ddp_buckets(run)
+    b = len(run_buckets(run)) if run.world > 1 else 1
     inside = run.encode_s * (b - 1) / b if run.codec_name != "fp32" else 0.0
     return max(run.compute_s - inside, 0.0)
 
@@ -627,18 +622,6 @@ class Calibration:
                 for c, f in sorted(by_c.items()):
                     lines.append(f"codec [{t}] {codec_name(c)} @ {a}: {f.describe()}")
         return lines
-
-    def describe(self) -> str:
-        lines = self.link_codec_lines()
-        for k, v in sorted(self.compute.items()):
-            lines.append(f"compute [{k}] {v['step_s'] * 1e3:.3f} ms/step at 1 worker "
-                         f"({v['per_sample_s'] * 1e6:.2f} us/sample; {v['runs']} runs)")
-        for k, v in sorted(self.world_factor.items()):
-            lines.append(f"compute factor [{k}] x{v['factor']:.2f} over 1 worker ({v['settings']} settings)")
-        for k, v in sorted(self.step_overhead_s.items()):
-            lines.append(f"step overhead [{k}] {v['seconds'] * 1e3:+.3f} ms/step (median of measured - modelled "
-                         f"step over {v['runs']} runs)")
-        return "\n".join(lines) if lines else "(empty calibration)"
 
 
 def _same_backend(table: dict[str, Any], transport: str) -> list[str]:

@@ -88,12 +88,6 @@ PRESETS: dict[str, Link] = {
 }
 PRESET_NOTES: dict[str, str] = {name: note for name, (_, _, note) in _PRESET_TABLE.items()}
 
-_ALIASES = {
-    "nvlink3": "nvlink", "nvlink-a100": "nvlink", "nvlink-h100": "nvlink4", "nvlink2": "nvlink-v100",
-    "pcie": "pcie3", "pcie-3": "pcie3", "pcie-4": "pcie4", "pcie-5": "pcie5",
-    "1gbit": "ethernet", "gige": "ethernet", "10gbe": "10gbit", "25gbe": "25gbit", "100gbe": "100gbit",
-    "fdr": "ib-fdr", "edr": "ib-edr", "qdr": "ib-qdr", "hdr": "ib-hdr",
-}
 
 # --------------------------------------------------------------------------------------- parsing
 _NUM = r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
@@ -153,7 +147,7 @@ def parse_link(spec: str | Link) -> Link:
     if "=" in head:  # no preset: "bw=5GB/s,lat=10us"
         base, params_txt = None, text
     else:
-        key = _ALIASES.get(head.strip().lower(), head.strip().lower())
+        key = head.strip().lower()
         if key not in PRESETS:
             raise ValueError(
                 f"unknown link {spec!r}; known presets: {', '.join(sorted(PRESETS))}; "
