@@ -29,9 +29,15 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
-__all__ = ["Tried", "pick", "TensorTiming", "Timeline", "CodecCost", "simulate", "decide", "Decision",
+from lowbit.timeline import (AUTO_MESSAGE_MIN, AUTO_MESSAGE_SHARE, DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, StepPlan,
+                             closes_after, ddp_buckets, message_limit, plan_step)
+
+__all__ = ["Tried", "pick", "TensorTiming", "Timeline", "CodecCost", "step_plan", "simulate", "decide", "Decision",
            "compute_time", "explain", "weighted_bits",
-           "message_limit", "ddp_buckets", "ddp_bucket_caps", "WITHIN_BEST", "FASTER_THAN_FP32", "AUTO_FASTER_THAN_FP32"]
+           "ddp_bucket_caps", "WITHIN_BEST", "FASTER_THAN_FP32", "AUTO_FASTER_THAN_FP32",
+           # the step's plan (lowbit.timeline), as lowbit.ddp, autotune and the benchmarks import it from here
+           "AUTO_MESSAGE_MIN", "AUTO_MESSAGE_SHARE", "DDP_BUCKET_BYTES", "DDP_FIRST_BUCKET_BYTES", "closes_after",
+           "ddp_buckets", "message_limit"]
 
 #: ``lowbit advise``: below this predicted speedup, fp32 is the answer (its predictions are extrapolated)
 FASTER_THAN_FP32 = 1.05
@@ -42,40 +48,6 @@ WITHIN_BEST = 0.97
 
 #: a fixed codec's assignment, as lowbit.Policy's size rule makes it: smaller tensors stay fp32
 UNIFORM_MIN_NUMEL = 10_000
-
-#: ``message_mb="auto"``: a message holds at least this much fp32 ...
-AUTO_MESSAGE_MIN = 16 * 2**20
-#: ... and at least this share of the model's quantised gradients (at most about eight messages a step);
-#: it closes only where a DDP bucket ends, and DDP's last bucket of the step goes alone (ddp module doc).
-AUTO_MESSAGE_SHARE = 1 / 8
-#: DDP's first bucket holds at least this much (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES), the
-#: others at least its ``bucket_cap_mb`` (default 25 MiB)
-DDP_FIRST_BUCKET_BYTES = 2**20
-DDP_BUCKET_BYTES = 25 * 2**20
-
-
-def message_limit(message_mb: Union[float, str], quantised_bytes: float) -> float:
-    """Bytes of fp32 after which a message group closes: ``message_mb`` MiB, or for ``"auto"`` the larger
-    of 16 MiB and an eighth of ``quantised_bytes`` (the model's quantised gradients, fp32), reached at
-    the end of a DDP bucket."""
-    if message_mb == "auto":
-        return max(AUTO_MESSAGE_MIN, quantised_bytes * AUTO_MESSAGE_SHARE)
-    return float(message_mb) * 2**20
-
-
-def ddp_buckets(numels: Sequence[int], bucket_bytes: float = DDP_BUCKET_BYTES, itemsize: int = 4,
-                first_bytes: float = DDP_FIRST_BUCKET_BYTES) -> list[int]:
-    """How DDP cuts tensors (sizes in the order their gradients become ready) into buckets, as
-    ``torch.distributed._compute_bucket_assignment_by_size`` does for one dtype and device: a bucket
-    closes once it holds at least its limit (the first ``first_bytes``: 1 MiB with DDP's default cap,
-    else the cap itself; the others ``bucket_bytes``). Returns each tensor's bucket index."""
-    out, index, size, limit = [], 0, 0, first_bytes
-    for n in numels:
-        out.append(index)
-        size += itemsize * n
-        if size >= limit:
-            index, size, limit = index + 1, 0, bucket_bytes
-    return out
 
 
 def ddp_bucket_caps(ddp_model: Any) -> tuple[float, float]:
@@ -88,16 +60,6 @@ def ddp_bucket_caps(ddp_model: Any) -> tuple[float, float]:
         return float(config.first_bucket_bytes_cap), cap
     default = getattr(ddp_model, "bucket_bytes_cap_default", True)
     return (float(DDP_FIRST_BUCKET_BYTES) if default else cap), cap
-
-
-def closes_after(i: int, buckets: Sequence[int], size_bytes: float, limit: float) -> bool:
-    """``message_mb="auto"``: whether a message group ends after tensor ``i`` (of ``buckets``, each tensor's
-    DDP bucket): where a bucket ends, once it holds ``limit`` bytes of fp32 or when the next bucket is
-    the step's last (that one goes alone: what is sent after the backward pass is only the last
-    bucket, whose data cannot arrive earlier)."""
-    if i + 1 >= len(buckets) or buckets[i + 1] == buckets[i]:
-        return False
-    return size_bytes >= limit or buckets[i + 1] == buckets[-1]
 
 
 # ------------------------------------------------------------------------------------------ the rule
@@ -181,66 +143,45 @@ class CodecCost:
         return self.alpha_s + self.s_per_value * n
 
 
+def step_plan(timeline: Timeline, assignment: Mapping[str, str], costs: Mapping[str, CodecCost]) -> StepPlan:
+    """The messages the hook sends for ``assignment`` on the timeline's tensors and measured buckets
+    (:func:`lowbit.timeline.plan_step`, the plan lowbit.ddp's hook sends)."""
+    specs = [assignment[t.name] for t in timeline.tensors]
+    rider = None
+    if timeline.ride and any(not costs[s].native for s in assignment.values()):
+        rider = next((s for s in specs if costs[s].native and costs[s].bits >= 32), None)
+    return plan_step([t.numel for t in timeline.tensors], specs, native={s for s in specs if costs[s].native},
+                     per_tensor={s for s in specs if costs[s].per_tensor}, rider=rider,
+                     message_mb=timeline.message_mb, buckets=[t.bucket for t in timeline.tensors])
+
+
 def simulate(timeline: Timeline, assignment: Mapping[str, str], costs: Mapping[str, CodecCost]) -> float:
     """Seconds the step takes beyond its compute: encoding plus communication not hidden behind the
-    backward pass, for ``assignment`` (tensor name -> codec spec, a key of ``costs``)."""
-    quantised = sum(4 * t.numel for t in timeline.tensors if not costs[assignment[t.name]].native)
-    limit = message_limit(timeline.message_mb, quantised)
+    backward pass, for ``assignment`` (tensor name -> codec spec, a key of ``costs``), replaying
+    :func:`step_plan`: a message goes out once its last tensor is ready (riders counted in its codec's
+    values, 32/bits each), encoded on the compute timeline; a bucket's native tensors when it ends."""
+    plan = step_plan(timeline, assignment, costs)
+    tensors = timeline.tensors
+    completes = {m.last: m for m in plan.messages}
+    native = set(plan.native)
     free = 0.0      # when the link is next idle
     shift = 0.0     # encoding so far, which delays the rest of the backward pass
-    group: list[Any] = []  # [cost, values (riders counted in the codec's), ready of its last tensor, quantised values]
     units: dict[str, float] = {}
-
-    def send(ready: float, seconds: float) -> None:
-        nonlocal free
-        free = max(ready, free) + seconds
-
-    def flush() -> None:
-        nonlocal shift, group
-        if group:
-            c, n, ready, _ = group
-            enc = c.encode_s_per_value * n
-            send(ready + enc, c.time(n))
-            shift += enc
-            group = []
-
-    tensors = timeline.tensors
-    aligned = timeline.message_mb == "auto"
-    buckets = [t.bucket for t in tensors]
-    # fp32 riding in allgather messages (counted in the group's codec's values, 32/bits each): with the
-    # open group, else with the next one (left over at the end: an allreduce of the last bucket)
-    ride = timeline.ride and any(not costs[s].native for s in assignment.values())
-    riders = 0.0
     for i, t in enumerate(tensors):
-        c = costs[assignment[t.name]]
-        if ride and c.native and c.bits >= 32:
-            if group:
-                group[1] += t.numel * 32 / group[0].bits
-                group[2] = t.ready_s + shift
-            else:
-                riders += t.numel
-        elif c.native:
-            units[c.spec] = units.get(c.spec, 0.0) + t.numel
-        else:
-            if group and group[0].spec != c.spec:
-                flush()
-            if not group:
-                group = [c, riders * 32 / c.bits, 0.0, 0.0]
-                riders = 0.0
-            group[1] += t.numel
-            group[2] = t.ready_s + shift
-            group[3] += t.numel  # the quantised values, which the size limit counts
-            if c.per_tensor or (not aligned and 4 * group[3] >= limit):
-                flush()
-        if aligned and group and closes_after(i, buckets, 4 * group[3], limit):
-            flush()
-        if i + 1 == len(tensors) and riders:
-            units[next(s for s in assignment.values() if costs[s].native and costs[s].bits >= 32)] = riders
+        m = completes.get(i)
+        if m is not None:
+            c = costs[m.spec]
+            n = sum(tensors[j].numel for j in m.members) + sum(tensors[j].numel for j in m.riders) * 32 / c.bits
+            enc = c.encode_s_per_value * n
+            free = max(t.ready_s + shift + enc, free) + c.time(n)
+            shift += enc
+        if i in native:
+            spec = assignment[t.name]
+            units[spec] = units.get(spec, 0.0) + t.numel
         if i + 1 == len(tensors) or tensors[i + 1].bucket != t.bucket:  # the bucket's native units go out
             for spec in sorted(units):
-                send(t.ready_s + shift, costs[spec].time(units[spec]))
+                free = max(t.ready_s + shift, free) + costs[spec].time(units[spec])
             units = {}
-    flush()
     end = timeline.backward_end_s + shift
     return shift + max(0.0, free - end)
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from lowbit.choose import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES
+from lowbit.timeline import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES
 from lowbit.codecs.base import get_codec
 from lowbit.perfmodel.collectives import Topology, collective
 from lowbit.perfmodel.links import Link

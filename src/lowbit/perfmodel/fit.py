@@ -11,7 +11,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lowbit.choose import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES
+from lowbit.timeline import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES
 from lowbit.codecs.base import get_codec
 from lowbit.perfmodel.calibrate import (Calibration, RunRecord, fit_bench, fit_comm_in_situ, fit_study,
                                         load_bench, run_layers)
