@@ -24,8 +24,7 @@ from typing import Any
 from lowbit.extras import require
 from lowbit.perfmodel import advise as advise_mod
 from lowbit.perfmodel import dettmers
-from lowbit.perfmodel.advise import (SpeedSetup, advise, default_evidence_path, format_advice, lowbit_algorithms,
-                                     multi_node_algorithms)
+from lowbit.perfmodel.advise import SpeedSetup, advise, default_evidence_path, format_advice
 from lowbit.perfmodel.calibrate import Calibration, OverheadKey, RunRecord, ScaleKey, canonical_spec
 from lowbit.perfmodel.fit import calibrate
 from lowbit.perfmodel.collectives import modeled_algorithms
@@ -434,7 +433,7 @@ def add_advise_arguments(p: argparse.ArgumentParser) -> None:
                    help="calibration JSON (lowbit predict --calibrate ... --save-calibration): measured links, "
                    "codec costs, device rate and overheads")
     p.add_argument("--transport", default=None, help="which calibrated transport (default: the only/first one)")
-    known = lambda: ("auto",) + lowbit_algorithms() + multi_node_algorithms()  # noqa: E731
+    known = lambda: ("auto",) + modeled_algorithms(quantised=True)  # noqa: E731
     p.add_argument("--algorithm", default="auto", type=_one_of(known), metavar="ALG",
                    help=f"{' | '.join(known())} (and those of $LOWBIT_PLUGINS): collective for the quantised "
                    "codecs; auto (default) takes the fastest of scatter_gather, allgather and (on several nodes) "

@@ -38,19 +38,14 @@ from lowbit.policy import Policy
 
 __all__ = ["Candidate", "CANDIDATES", "SEED_FINDINGS", "Advice", "advise", "format_advice", "policy_code",
            "default_evidence_path", "GROUP_TYPES", "SpeedSetup",
-           "lowbit_algorithms", "multi_node_algorithms"]
+           "auto_algorithms"]
 
 
-def lowbit_algorithms() -> tuple[str, ...]:
-    """The collectives lowbit.ddp runs for quantised codecs that the speed model knows, for any cluster: the
-    registry's modelled algorithms that take quantised codecs and are not multi-node ones (scatter_gather,
-    allgather, and a plugin's with a cost)."""
-    return modeled_algorithms(quantised=True, multi_node=False)
-
-
-def multi_node_algorithms() -> tuple[str, ...]:
-    """Tried as well under --algorithm auto when the cluster spans several nodes (hierarchical)."""
-    return modeled_algorithms(quantised=True, multi_node=True)
+def auto_algorithms(cluster: Cluster) -> tuple[str, ...]:
+    """The collectives ``--algorithm auto`` compares for quantised codecs: the registry's modelled flat ones
+    (scatter_gather, allgather, a plugin's with a cost), and across nodes the multi-node ones (hierarchical)."""
+    multi = modeled_algorithms(quantised=True, multi_node=True) if cluster.gpus > cluster.gpus_per_node else ()
+    return modeled_algorithms(quantised=True, multi_node=False) + multi
 
 
 #: Layer group -> the module type names ``lowbit.Policy(by_type=...)`` matches.
@@ -458,7 +453,7 @@ def advise(
             continue
         assignment = {g: c.canonical for g, c in by_group.items()}
         quantised = any(not c.codec.sums_on_wire for c in combo)
-        algos = (_auto_algorithms(setup) if setup.algorithm == "auto" else (setup.algorithm,)) if quantised else ("allreduce",)
+        algos = (auto_algorithms(setup.cluster) if setup.algorithm == "auto" else (setup.algorithm,)) if quantised else ("allreduce",)
         algo, pred = max(((al, predict_assignment(net, assignment, dataclasses.replace(setup, algorithm=al)))
                           for al in algos), key=lambda t: t[1].speedup_vs_fp32)
         weighted_bits = sum(groups[g]["params"] * bits_per_value(assignment[g]) for g in names)
@@ -479,12 +474,6 @@ def advise(
 
 
 # ------------------------------------------------------------------------------------------ output
-def _auto_algorithms(setup: "SpeedSetup") -> tuple[str, ...]:
-    """The collectives ``--algorithm auto`` compares: the flat ones, and hierarchical across nodes."""
-    multi = setup.cluster.gpus > setup.cluster.gpus_per_node
-    return lowbit_algorithms() + (multi_node_algorithms() if multi else ())
-
-
 def policy_code(policy: dict[str, Any], fp32: bool = False, algorithm: str = "scatter_gather") -> str:
     """Python to paste: ``policy = lowbit.Policy(...)`` and the register call."""
     lines = ["import lowbit", "", "policy = lowbit.Policy(", f"    default={policy['default']!r},"]
@@ -509,7 +498,7 @@ def format_advice(a: Advice) -> str:
         f"lowbit advise: {a.network} on {c.gpus} GPU(s), {c.gpus_per_node} per node; intra "
         f"{c.intra.describe() if isinstance(c.intra, Link) else c.intra}{inter}",
         f"  batch {s.batch}/GPU at {s.device_tflops:.3g} TFLOP/s; quantised codecs via "
-        f"{' or '.join(_auto_algorithms(s)) if s.algorithm == 'auto' else s.algorithm}; "
+        f"{' or '.join(auto_algorithms(s.cluster)) if s.algorithm == 'auto' else s.algorithm}; "
         f"accuracy tolerance {a.tolerance:g} points"
         + (f"; links and codec costs calibrated ({s.transport})" if s.calibration is not None else
            f"; encode/decode at {_gbps(s.encode_Bps)}/{_gbps(s.decode_Bps)}"),

@@ -39,7 +39,7 @@ from lowbit.perfmodel.links import Link
 from lowbit.perfmodel.model import Layer, bits_per_value, codec_work, make_buckets
 from lowbit.perfmodel.networks import get_network
 
-__all__ = ["fit_link", "design_row", "sums_on_wire", "canonical_spec", "LinkFit", "CodecCost", "RunRecord",
+__all__ = ["fit_link", "design_row", "sums_on_wire", "canonical_spec", "LinkFit", "CodecFit", "RunRecord",
            "Calibration", "load_bench", "transport_key", "ScaleKey",
            "OverheadKey", "fit_bench", "fit_study", "fit_comm_in_situ", "run_groups", "run_buckets",
            "run_layers", "network_profile", "pure_compute_s"]
@@ -161,8 +161,10 @@ class LinkFit:
 
 
 @dataclasses.dataclass(frozen=True)
-class CodecCost:
-    """``t_encode = encode_call_s + encode_s_per_byte * 4 * values encoded`` per call; likewise decode."""
+class CodecFit:
+    """A codec's fitted costs, as :class:`LinkFit` is a link's (what a message of a codec costs on the
+    job is :class:`lowbit.choose.CodecCost`): ``t_encode = encode_call_s + encode_s_per_byte * 4 * values
+    encoded`` per call; likewise decode."""
 
     encode_call_s: float
     encode_s_per_byte: float
@@ -192,6 +194,10 @@ class CodecCost:
                 f"({self.points} points; {self.source})")
 
 
+#: Its former name, beside lowbit.choose.CodecCost (tests/unit/test_perfmodel_validate.py imports it).
+CodecCost = CodecFit
+
+
 def _relative(a: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Rows scaled by 1/y: least squares on relative errors, so no single slow point dominates the fit."""
     w = 1.0 / np.maximum(y, 1e-12)
@@ -214,12 +220,12 @@ def _affine_nonneg(x: Sequence[float], y: Sequence[float], calls: Sequence[float
 
 
 def _codec_cost(work: Sequence[tuple[float, float]], encode_s: Sequence[float], decode_s: Sequence[float],
-                source: str, calls: Sequence[float] | None = None) -> CodecCost:
-    """:class:`CodecCost` fitted to measured encode / decode seconds, one point per ``(values encoded, values
+                source: str, calls: Sequence[float] | None = None) -> CodecFit:
+    """:class:`CodecFit` fitted to measured encode / decode seconds, one point per ``(values encoded, values
     decoded)`` of ``work`` (``calls`` per point: default 1)."""
     e0, e1 = _affine_nonneg([4 * e for e, _ in work], encode_s, calls)
     d0, d1 = _affine_nonneg([4 * d for _, d in work], decode_s, calls)
-    return CodecCost(e0, e1, d0, d1, len(work), source)
+    return CodecFit(e0, e1, d0, d1, len(work), source)
 
 
 # ------------------------------------------------------------------------------------------ bench
@@ -262,8 +268,8 @@ def transport_key(backend: str, nccl_env: dict[str, str] | None = None) -> str:
     return backend
 
 
-def fit_bench(bench: dict[str, Any]) -> tuple[str, dict[str, LinkFit], dict[str, dict[str, CodecCost]]]:
-    """``(transport, {algorithm: LinkFit}, {algorithm: {codec spec: CodecCost}})`` from one bench file."""
+def fit_bench(bench: dict[str, Any]) -> tuple[str, dict[str, LinkFit], dict[str, dict[str, CodecFit]]]:
+    """``(transport, {algorithm: LinkFit}, {algorithm: {codec spec: CodecFit}})`` from one bench file."""
     meta, rows = bench["meta"], bench["rows"]
     world = int(meta.get("world_size") or 0)
     transport = transport_key(str(meta.get("backend", "?")), meta.get("nccl_env"))
@@ -294,7 +300,7 @@ def fit_bench(bench: dict[str, Any]) -> tuple[str, dict[str, LinkFit], dict[str,
             what = "native fp32 allreduce rows" if algo == "allreduce" else f"{algo} rows, comm time"
             links[algo] = LinkFit(link.latency_s, link.bandwidth_Bps, algo, len(pts), _rms_rel(pred, times),
                                   f"{where}, {what}")
-    codecs: dict[str, dict[str, CodecCost]] = {}
+    codecs: dict[str, dict[str, CodecFit]] = {}
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in rows:
         codec = canonical_spec(r["codec"])
@@ -513,7 +519,7 @@ class Calibration:
     """
 
     links: dict[str, dict[str, LinkFit]] = dataclasses.field(default_factory=dict)
-    codecs: dict[str, dict[str, dict[str, CodecCost]]] = dataclasses.field(default_factory=dict)
+    codecs: dict[str, dict[str, dict[str, CodecFit]]] = dataclasses.field(default_factory=dict)
     compute: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     compute_at_world: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     world_factor: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
@@ -534,7 +540,7 @@ class Calibration:
                     return by_algo[algo], note
         return None, ""
 
-    def codec_for(self, transport: str, algorithm: str, codec: str) -> tuple[CodecCost | None, str]:
+    def codec_for(self, transport: str, algorithm: str, codec: str) -> tuple[CodecFit | None, str]:
         """Costs of ``codec`` under ``algorithm``: exact; else the same codec family; else the same codec
         under another algorithm; else the mean of the transport's codecs under that algorithm (noted)."""
         keys = _same_backend(self.codecs, transport)
@@ -574,7 +580,7 @@ class Calibration:
                              "`lowbit predict --calibrate ... --save-calibration PATH`)")
         try:
             links = {t: {a: LinkFit(**v) for a, v in by.items()} for t, by in d.get("links", {}).items()}
-            codecs = {t: {a: {c: CodecCost(**v) for c, v in by_c.items()} for a, by_c in by.items()}
+            codecs = {t: {a: {c: CodecFit(**v) for c, v in by_c.items()} for a, by_c in by.items()}
                       for t, by in d.get("codecs", {}).items()}
         except TypeError as exc:
             raise ValueError(f"calibration JSON has a malformed link or codec entry: {exc}") from None
@@ -639,10 +645,10 @@ def _fill(into: dict[str, Any], other: dict[str, Any], depth: int) -> None:
             into.setdefault(k, v)
 
 
-def _mean_cost(costs: list[CodecCost], source: str) -> CodecCost:
+def _mean_cost(costs: list[CodecFit], source: str) -> CodecFit:
     means = (sum(getattr(c, f) for c in costs) / len(costs)
              for f in ("encode_call_s", "encode_s_per_byte", "decode_call_s", "decode_s_per_byte"))
-    return CodecCost(*means, sum(c.points for c in costs), source)
+    return CodecFit(*means, sum(c.points for c in costs), source)
 
 
 def config_id(run: RunRecord) -> str:
