@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -13,10 +14,47 @@ import lowbit
 from lowbit.launch import spawn
 
 
+@functools.lru_cache(maxsize=None)
 def _digits():
     from lowbit.data import load_dataset
 
     return load_dataset("digits", seed=0)
+
+
+class _Failed:
+    """A part that raised in a shared spawn: its traceback, reported by the test that reads the part."""
+
+    def __init__(self, tb: str) -> None:
+        self.tb = tb
+
+
+def _parts(rank: int, world: int, parts: tuple) -> dict:
+    """Several tests' bodies in one process group: a process's first DDP imports torch._dynamo (seconds
+    on the 2-core machine), so the tests below share one spawn (module fixture ``ranks``)."""
+    import traceback
+
+    out = {}
+    for name, fn, args in parts:
+        try:
+            out[name] = fn(rank, world, *args)
+        except Exception:  # noqa: BLE001
+            out[name] = _Failed(traceback.format_exc())
+    return out
+
+
+def _part(ranks: list, name: str) -> list:
+    for r in ranks:
+        if isinstance(r[name], _Failed):
+            pytest.fail(r[name].tb)
+    return [r[name] for r in ranks]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list:
+    tmp = str(tmp_path_factory.mktemp("ddp"))
+    parts = (("fp32", _body_fp32_equals_plain, ()), ("accuracy", _body_accuracy, (FAST_STEPS,)),
+             ("resume", _body_resume, (tmp,)), ("mismatch", _body_mismatch, ()))
+    return spawn(_parts, 2, parts, backend="gloo", timeout_s=120)
 
 
 def _net(seed: int) -> nn.Module:
@@ -70,8 +108,8 @@ def _body_fp32_equals_plain(rank: int, world: int) -> tuple:
     return plain["grads"], hooked["grads"], plain["params"], hooked["params"]
 
 
-def test_fp32_hook_gives_plain_ddp_gradients() -> None:
-    for g_plain, g_hook, p_plain, p_hook in spawn(_body_fp32_equals_plain, 2, backend="gloo"):
+def test_fp32_hook_gives_plain_ddp_gradients(ranks: list) -> None:
+    for g_plain, g_hook, p_plain, p_hook in _part(ranks, "fp32"):
         for a_step, b_step in zip(g_plain, g_hook):
             for a, b in zip(a_step, b_step):
                 assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
@@ -80,42 +118,60 @@ def test_fp32_hook_gives_plain_ddp_gradients() -> None:
 
 
 ACC_CODECS = ["qsgd:bits=8,bucket=512", "qsgd:bits=4,bucket=512", "dettmers:type=dynamic", "onebit:bucket=64"]
+#: the default run's training length: test accuracy measured after 30 steps (2 ranks): fp32 0.914, qsgd 8-bit
+#: 0.914, 4-bit 0.914, dettmers 0.914, onebit 0.911 (after 15 steps all 0.82; after 300 all above 0.9)
+FAST_STEPS = 30
 
 
-def _body_accuracy(rank: int, world: int) -> dict:
-    out = {"fp32": _train(rank, world, "fp32", 300)}
+def _body_accuracy(rank: int, world: int, steps: int = 300) -> dict:
+    out = {"fp32": _train(rank, world, "fp32", steps)}
     for spec in ACC_CODECS:
         ef = True if spec.startswith("onebit") else "auto"
-        out[spec] = _train(rank, world, spec, 300, error_feedback=ef)
+        out[spec] = _train(rank, world, spec, steps, error_feedback=ef)
     return {k: (v["acc"], v["bytes"], v["params"]) for k, v in out.items()}
 
 
-def test_compressed_training_matches_fp32_accuracy_on_digits() -> None:
-    results = spawn(_body_accuracy, 2, backend="gloo")
+def _check_accuracy(results: list, floor: float, margin: float, steps: int = 300, warmup_steps: int = 0) -> None:
     r0, r1 = results
     base = r0["fp32"][0]
-    assert base > 0.9
+    assert base > floor
     for spec in ACC_CODECS:
         acc, nbytes, params = r0[spec]
-        assert acc >= base - 0.01, (spec, acc, base)
+        assert acc >= base - margin, (spec, acc, base)
         assert nbytes > 0
         # every rank holds the same model, and it is not the fp32 one (compression took effect)
         for a, b in zip(params, r1[spec][2]):
             assert torch.equal(a, b), spec
         assert any(not torch.equal(a, b) for a, b in zip(params, r0["fp32"][2])), spec
-    # 4-bit really sends fewer bytes than 8-bit
-    assert r0["qsgd:bits=4,bucket=512"][1] < 0.6 * r0["qsgd:bits=8,bucket=512"][1]
+    # 4-bit really sends fewer bytes than 8-bit (in the compressed steps: both send fp32 before start_iter)
+    warmup = r0["fp32"][1] * warmup_steps // steps
+    assert r0["qsgd:bits=4,bucket=512"][1] - warmup < 0.6 * (r0["qsgd:bits=8,bucket=512"][1] - warmup)
+
+
+def test_compressed_training_tracks_fp32_accuracy_on_digits(ranks: list) -> None:
+    """The fast equivalent of test_compressed_training_matches_fp32_accuracy_on_digits (slow): every codec
+    trained FAST_STEPS steps, within 0.02 of fp32's test accuracy (measured: within 0.003), the same checks
+    of identical replicas, compression taking effect and bytes."""
+    _check_accuracy(_part(ranks, "accuracy"), floor=0.85, margin=0.02, steps=FAST_STEPS,
+                    warmup_steps=lowbit.ddp.DDPConfig.start_iter)
+
+
+@pytest.mark.slow
+def test_compressed_training_matches_fp32_accuracy_on_digits() -> None:
+    """300 steps: accuracy above 0.9 and within 0.01 of fp32 (fast equivalent:
+    test_compressed_training_tracks_fp32_accuracy_on_digits, 30 steps)."""
+    _check_accuracy(spawn(_body_accuracy, 2, backend="gloo"), floor=0.9, margin=0.01)
 
 
 def _body_resume(rank: int, world: int, tmp: str) -> tuple:
-    straight = _train(rank, world, "onebit:bucket=64", 12, error_feedback=True)
-    _train(rank, world, "onebit:bucket=64", 6, ckpt_out=f"{tmp}/ck", error_feedback=True)
-    resumed = _train(rank, world, "onebit:bucket=64", 6, ckpt_in=f"{tmp}/ck", start=6, error_feedback=True)
+    straight = _train(rank, world, "onebit:bucket=64", 8, error_feedback=True)  # (was 12 = 6 + 6)
+    _train(rank, world, "onebit:bucket=64", 4, ckpt_out=f"{tmp}/ck", error_feedback=True)
+    resumed = _train(rank, world, "onebit:bucket=64", 4, ckpt_in=f"{tmp}/ck", start=4, error_feedback=True)
     return straight["params"], resumed["params"]
 
 
-def test_checkpoint_resume_is_bit_identical(tmp_path) -> None:
-    for straight, resumed in spawn(_body_resume, 2, str(tmp_path), backend="gloo"):
+def test_checkpoint_resume_is_bit_identical(ranks: list) -> None:
+    for straight, resumed in _part(ranks, "resume"):
         for a, b in zip(straight, resumed):
             assert torch.equal(a, b)
 
@@ -129,8 +185,8 @@ def _body_mismatch(rank: int, world: int) -> str:
     return "no error"
 
 
-def test_mismatched_config_raises_same_error_on_every_rank() -> None:
-    msgs = spawn(_body_mismatch, 2, backend="gloo")
+def test_mismatched_config_raises_same_error_on_every_rank(ranks: list) -> None:
+    msgs = _part(ranks, "mismatch")
     assert msgs[0] == msgs[1]
     assert "different compression settings" in msgs[0] and "qsgd:bits=4" in msgs[0] and "qsgd:bits=8" in msgs[0]
 
