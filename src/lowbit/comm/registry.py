@@ -122,13 +122,16 @@ def get_algorithm(name: str) -> AlgorithmPlugin:
 
 
 #: ``auto`` for two ranks: from how many values scatter_gather beats allgather, per device type of the tensor
-#: (None: at no size). With two ranks both send the same bytes; scatter_gather makes two exchanges instead of
-#: one and decodes 1.5 n values instead of 2 n (it keeps its own half in fp32). On a CPU (gloo, numba kernels,
-#: one thread a rank) the half a tensor of decoding it saves outweighs the extra exchange from about 2M values
-#: on; on CUDA (NCCL) allgather was the faster at every size measured, 1M to 256M values over NVLink and over
-#: sockets (benchmarks/results/allreduce_gloo_cpu2_auto_*.json, allreduce_nccl_*_2xh200.json; docs/bench.md,
-#: "Which algorithm auto runs").
-AUTO_TWO_RANKS_SCATTER_FROM: dict[str, int | None] = {"cpu": 1 << 21, "cuda": None}
+#: (None: at no size). With two ranks both send the same bytes in different shapes: allgather one exchange of
+#: whole payloads and one decode-and-sum of both, scatter_gather two exchanges of half payloads and three
+#: smaller decodes. Measured on 2 ranks (docs/bench.md, "Which algorithm auto runs"): on CUDA (NCCL, NVLink
+#: and sockets) allgather at every size, 1M to 256M values. On the 2-core CPU VM (gloo over loopback, numba
+#: kernels) it depends on the codec. QSGD's decode-and-sum of two payloads costs little more than one decode,
+#: so 4- and 2-bit QSGD ran 4-35 % faster with allgather up to 16M values, 8-bit QSGD with allgather up to 2M,
+#: about even at 4M-8M and 13 % faster with scatter_gather at 16M (gloo's all-gather of a 16 MB message is
+#: slow); 1bitSGD*'s costs about two decodes, and it ran 11-31 % faster with scatter_gather from 2M. From 8M values on, scatter_gather lost 3-16 % where it lost (29 %
+#: once) and won 13-31 % where it won: the CPU's threshold.
+AUTO_TWO_RANKS_SCATTER_FROM: dict[str, int | None] = {"cpu": 1 << 23, "cuda": None}
 
 
 def auto_algorithm(k: int, numel: int | None = None, device: torch.device | str | None = None) -> str:
