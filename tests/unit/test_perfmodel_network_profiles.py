@@ -80,7 +80,15 @@ def test_small_modules_real_build_matches_meta_walk() -> None:
         assert sum(real.values()) == sum(p.numel() for p in model.parameters())
 
 
-def test_profiles_are_built_on_meta(monkeypatch: pytest.MonkeyPatch) -> None:
+#: One network of each source kind and each layer kind (a local variant, a convolutional one of
+#: lowbit.models, the LSTM, an MLP): the default run's networks for test_profiles_are_built_on_meta.
+_META_FAST = ("resnet110", "cifar10_quick", "mlp", "resnet50", "lstm")
+
+
+@pytest.mark.parametrize("names", [pytest.param(_META_FAST, id="one-of-each-kind"),
+                                   pytest.param(tuple(MODEL_SOURCES), marks=pytest.mark.slow, id="all")])
+def test_profiles_are_built_on_meta(names: tuple[str, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+    """[all] (every network) is marked slow; its fast equivalent [one-of-each-kind] walks _META_FAST."""
     devices: list[set[str]] = []
     walk = networks.module_profile
 
@@ -89,9 +97,9 @@ def test_profiles_are_built_on_meta(monkeypatch: pytest.MonkeyPatch) -> None:
         return walk(model, *args)
 
     monkeypatch.setattr(networks, "module_profile", spy)
-    for name in MODEL_SOURCES:
+    for name in names:
         networks.network_profile.__wrapped__(name)  # bypass the cache
-    assert devices == [{"meta"}] * len(MODEL_SOURCES)
+    assert devices == [{"meta"}] * len(names)
 
 
 def test_mac_counting_rules() -> None:
