@@ -1,4 +1,12 @@
-"""`lowbit study` / `lowbit report` end to end on gloo: rows, report, resume after a crash, bad configs."""
+"""`lowbit study` / `lowbit report` end to end on gloo: rows, report, resume after a crash, bad configs.
+
+Cost (issue 31 item 7): a study group's workers fork from the test forkserver, which has not imported
+scikit-learn (the digits data) or numba (the CPU kernels): each costs ~2 s of CPU per rank. The default
+run keeps one real end-to-end study (digits, numba, report, TensorBoard: the crash/resume test) and runs
+every other feature as a fast equivalent on FAST data: synthetic inputs of the network's shape, the
+reference kernels, one run or two, no report where the report is not what is tested. The full versions,
+on digits with numba and the report, are marked slow (``make test-slow``).
+"""
 
 from __future__ import annotations
 
@@ -16,6 +24,15 @@ from lowbit.study.runner import CRASH_ENV
 from lowbit.study.store import ResultStore
 
 SMOKE = ["study", "--preset", "smoke", "--no-progress"]
+# fast equivalents: synthetic inputs shaped for the network (no scikit-learn in the workers): 64 samples,
+# in batches of 8 so that a 2-rank epoch has 4 steps (the first 2 are fp32: start_iter)
+FAST = ["--datasets", "synthetic", "--batch-sizes", "8"]
+
+
+@pytest.fixture
+def reference_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch reference kernels in the workers (no numba import and cache load: ~2 s a rank)."""
+    monkeypatch.setenv("LOWBIT_KERNELS", "reference")
 
 
 def _rows(path: Path, kind: str) -> list[dict]:
@@ -86,9 +103,38 @@ def test_study_crash_resume_and_report(tmp_path: Path, monkeypatch: pytest.Monke
         assert len(list(csv.DictReader(f))) == 2
 
 
+def _check_links(r: dict) -> None:
+    links = r["env"]["links"]
+    assert links["nodes"] == r["config"]["nodes"] and links["world_GBps"] > 0
+    if r["config"]["nodes"] == 2:
+        assert links["intra_GBps"] > 0 and links["inter_GBps"] > 0
+        assert links["env"]["LOWBIT_NODE_SIZE"] == "2" and links["env"]["NCCL_HOSTID"] == "node0"
+    assert 0 <= r["summary"]["final_test_acc"] <= 1
+
+
+def test_study_with_emulated_nodes_fast(tmp_path: Path, capsys, reference_kernels) -> None:
+    """Fast equivalent of test_study_with_emulated_nodes (slow): the same dry-run listing of the 4-run
+    grid, then one run of it, hierarchical on 2 emulated nodes of 2 (synthetic data, reference kernels):
+    the row records the links inside and between the nodes, and the node layout in its config."""
+    out = tmp_path / "res"
+    grid = ["study", "--preset", "smoke", "--no-progress", "--no-report", "--out", str(out), "--world-sizes", "4",
+            "--codecs", "qsgd:bits=4,bucket=512"]
+    assert main([*grid, "--emulate-nodes", "1", "2", "--algorithms", "scatter_gather", "hierarchical",
+                 "--dry-run"]) == 0
+    listing = capsys.readouterr().out
+    assert listing.count("(2 nodes)") == 2 and listing.count("todo") == 4
+    assert main([*grid, *FAST, "--emulate-nodes", "2", "--algorithms", "hierarchical"]) == 0
+    (run,) = _rows(out, "run")
+    assert (run["config"]["nodes"], run["config"]["algorithm"]) == (2, "hierarchical")
+    _check_links(run)
+    assert run["summary"]["bytes_per_step_per_rank"] > 0
+
+
+@pytest.mark.slow
 def test_study_with_emulated_nodes(tmp_path: Path, capsys) -> None:
     """--emulate-nodes 1 2 at 4 workers: each run as one node and as 2 emulated nodes of 2, with the
-    hierarchical algorithm beside the flat one; every row records the links its group measured."""
+    hierarchical algorithm beside the flat one; every row records the links its group measured.
+    Fast equivalent in the default run: test_study_with_emulated_nodes_fast (one 2-node run)."""
     out = tmp_path / "res"
     args = ["study", "--preset", "smoke", "--no-progress", "--no-report", "--out", str(out), "--world-sizes", "4",
             "--emulate-nodes", "1", "2", "--codecs", "qsgd:bits=4,bucket=512",
@@ -101,12 +147,7 @@ def test_study_with_emulated_nodes(tmp_path: Path, capsys) -> None:
     assert sorted((r["config"]["nodes"], r["config"]["algorithm"]) for r in runs) == [
         (1, "hierarchical"), (1, "scatter_gather"), (2, "hierarchical"), (2, "scatter_gather")]
     for r in runs:
-        links = r["env"]["links"]
-        assert links["nodes"] == r["config"]["nodes"] and links["world_GBps"] > 0
-        if r["config"]["nodes"] == 2:
-            assert links["intra_GBps"] > 0 and links["inter_GBps"] > 0
-            assert links["env"]["LOWBIT_NODE_SIZE"] == "2" and links["env"]["NCCL_HOSTID"] == "node0"
-        assert 0 <= r["summary"]["final_test_acc"] <= 1
+        _check_links(r)
     # one node: the "hierarchical" run compresses nothing, so it sends more than the flat 4-bit run
     by = {(r["config"]["nodes"], r["config"]["algorithm"]): r["summary"]["bytes_per_step_per_rank"] for r in runs}
     assert by[(1, "hierarchical")] > by[(1, "scatter_gather")]
@@ -119,22 +160,39 @@ def test_study_with_emulated_nodes(tmp_path: Path, capsys) -> None:
     assert RunConfig.from_dict(cfg).key() == one["key"]
 
 
-def test_study_on_cifar10_files(tmp_path: Path) -> None:
-    """The study pointed at CIFAR-10 python batches on disk (written here in that format): small_cnn,
-    fp32 vs 8-bit QSGD, 2 workers; rows name the data."""
+def _cifar_study(tmp_path: Path, codecs: list[str]) -> Path:
     from tests.unit.test_ondisk_data import write_cifar
 
     write_cifar(tmp_path / "cifar-10-batches-py", per_batch=40, n_test=40)
     cfg = tmp_path / "c.toml"
     cfg.write_text(f"""networks = ["small_cnn"]
 datasets = ["cifar10"]
-codecs = ["fp32", "qsgd:bits=8,bucket=512"]
+codecs = {codecs!r}
 world_sizes = [2]
 batch_sizes = [16]
 epochs = 1
 [dataset_args.cifar10]
 data_dir = "{tmp_path}"
-""")
+""".replace("'", '"'))
+    return cfg
+
+
+def test_study_on_cifar10_files_fast(tmp_path: Path, reference_kernels) -> None:
+    """Fast equivalent of test_study_on_cifar10_files (slow): the same CIFAR-10 files and config with one
+    codec (8-bit QSGD, reference kernels) and no report; the row names the data and its sizes."""
+    out = tmp_path / "res"
+    cfg = _cifar_study(tmp_path, ["qsgd:bits=8,bucket=512"])
+    assert main(["study", "--config", str(cfg), "--no-progress", "--no-report", "--out", str(out)]) == 0
+    (run,) = _rows(out, "run")
+    assert "CIFAR-10" in run["labels"]["data"]
+    assert run["summary"]["n_train"] == 200 and run["summary"]["n_test"] == 40
+
+
+@pytest.mark.slow
+def test_study_on_cifar10_files(tmp_path: Path) -> None:
+    """The study pointed at CIFAR-10 python batches on disk (written here in that format): small_cnn,
+    fp32 vs 8-bit QSGD, 2 workers; rows name the data. Fast equivalent: test_study_on_cifar10_files_fast."""
+    cfg = _cifar_study(tmp_path, ["fp32", "qsgd:bits=8,bucket=512"])
     out = tmp_path / "res"
     assert main(["study", "--config", str(cfg), "--no-progress", "--out", str(out)]) == 0
     runs = _rows(out, "run")
@@ -144,10 +202,23 @@ data_dir = "{tmp_path}"
 
 
 @pytest.mark.parametrize("optimizer", ["rmsprop", "adam"])
+def test_study_optimizers_and_top5_fast(tmp_path: Path, optimizer: str, reference_kernels) -> None:
+    """Fast equivalent of test_study_optimizers_and_top5 (slow): the same optimizer and checks on
+    synthetic inputs (64 samples; the training loss still falls) with the reference kernels."""
+    _optimizer_study(tmp_path, optimizer, FAST)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["rmsprop", "adam"])
 def test_study_optimizers_and_top5(tmp_path: Path, optimizer: str) -> None:
+    """On digits with numba. Fast equivalent: test_study_optimizers_and_top5_fast."""
+    _optimizer_study(tmp_path, optimizer, [])
+
+
+def _optimizer_study(tmp_path: Path, optimizer: str, extra: list[str]) -> None:
     out = tmp_path / "res"
     assert main([*SMOKE, "--out", str(out), "--no-report", "--codecs", "qsgd:bits=8,bucket=512",
-                 "--optimizer", optimizer, "--lr", "0.003", "--epochs", "3"]) == 0
+                 "--optimizer", optimizer, "--lr", "0.003", "--epochs", "3", *extra]) == 0
     (run,) = _rows(out, "run")
     assert run["config"]["optimizer"] == optimizer
     s = run["summary"]
@@ -156,21 +227,33 @@ def test_study_optimizers_and_top5(tmp_path: Path, optimizer: str) -> None:
     assert losses[-1] < losses[0]  # it trains
 
 
+def test_study_layer_type_sensitivity_fast(tmp_path: Path, reference_kernels) -> None:
+    """Fast equivalent of test_study_layer_type_sensitivity (slow): the same config and checks on
+    synthetic inputs with the reference kernels and no report."""
+    _layer_type_study(tmp_path, "synthetic", FAST[2:] + ["--no-report"])
+
+
+@pytest.mark.slow
 def test_study_layer_type_sensitivity(tmp_path: Path) -> None:
     """The seed's conv-vs-fc experiment from a config: 2-bit QSGD everywhere, and with the conv layers
-    kept at fp32; the policy reaches the hook (fewer bytes compressed), the label and the key."""
+    kept at fp32; the policy reaches the hook (fewer bytes compressed), the label and the key.
+    Fast equivalent: test_study_layer_type_sensitivity_fast."""
+    _layer_type_study(tmp_path, "digits", [])
+
+
+def _layer_type_study(tmp_path: Path, dataset: str, extra: list[str]) -> None:
     cfg = tmp_path / "s.toml"
-    cfg.write_text("""networks = ["small_cnn"]
-datasets = ["digits"]
+    cfg.write_text(f"""networks = ["small_cnn"]
+datasets = ["{dataset}"]
 codecs = ["qsgd:bits=2,bucket=128"]
-policies = [{}, {by_type = {Conv2d = "fp32"}}]
+policies = [{{}}, {{by_type = {{Conv2d = "fp32"}}}}]
 world_sizes = [2]
 epochs = 1
 max_train_samples = 200
 max_test_samples = 100
 """)
     out = tmp_path / "res"
-    assert main(["study", "--config", str(cfg), "--no-progress", "--out", str(out)]) == 0
+    assert main(["study", "--config", str(cfg), "--no-progress", "--out", str(out), *extra]) == 0
     runs = {bool(r["config"]["policy"]): r for r in _rows(out, "run")}
     assert set(runs) == {False, True}
     mixed, plain = runs[True], runs[False]
@@ -203,8 +286,47 @@ def test_bad_config_fails_before_any_run(tmp_path: Path, capsys) -> None:
     assert main(["report", str(tmp_path / "nothing")]) == 2
 
 
+def _as_torchrun_rank(rank: int, world: int, port: int, argv: list[str]) -> int:
+    """A spawned rank that drops the group spawn made and runs `lowbit study` as a torchrun rank would:
+    RANK / WORLD_SIZE / MASTER_* in the environment, the group made from them by the study."""
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        return main(argv)
+    finally:
+        import torch.distributed as dist2
+
+        if not dist2.is_initialized():  # lowbit.launch's shutdown expects a group to tear down
+            dist2.init_process_group("gloo", rank=rank, world_size=world,
+                                     init_method=f"tcp://127.0.0.1:{port + 1}")
+
+
+def test_torchrun_launch_fast(tmp_path: Path, reference_kernels) -> None:
+    """Fast equivalent of test_torchrun_launch (slow): the same `lowbit study --launcher torchrun` path in
+    2 spawned ranks that carry torchrun's environment (no torchrun and no fresh interpreters), on
+    synthetic data: rank 0 writes the one row, marked as launched by torchrun."""
+    import socket
+
+    from lowbit.launch import spawn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "res"
+    argv = ["study", "--preset", "smoke", "--codecs", "fp32", *FAST, "--out", str(out), "--no-progress",
+            "--no-report", "--launcher", "torchrun"]
+    assert spawn(_as_torchrun_rank, 2, port, argv, backend="gloo", timeout_s=120) == [0, 0]
+    runs = _rows(out, "run")
+    assert len(runs) == 1 and runs[0]["env"]["launcher"] == "torchrun"
+
+
+@pytest.mark.slow
 def test_torchrun_launch(tmp_path: Path) -> None:
-    """The same study under torchrun (2 local ranks): rank 0 writes the rows and the report."""
+    """The same study under torchrun (2 local ranks): rank 0 writes the rows and the report.
+    Fast equivalent: test_torchrun_launch_fast (spawned ranks with torchrun's environment)."""
     out = tmp_path / "res"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2] / "src"), os.environ.get("PYTHONPATH", "")])}
     env.pop(CRASH_ENV, None)
@@ -281,20 +403,13 @@ def test_report_logic_on_made_up_rows(tmp_path: Path) -> None:
     assert "SYNTHETIC" in html and "[seed 555.0]" in html   # ResNet-110, 32bit, 2 GPUs, Figure 10
 
 
-def test_study_with_model_and_hybrid_parallelism(tmp_path: Path, capsys) -> None:
-    """--parallelism data model hybrid: mlp splits model-parallel, small_cnn hybrid (2 sub-batches); rows
-    say which, count the activations' bytes, and the report labels them."""
-    out = tmp_path / "res"
-    args = ["study", "--preset", "smoke", "--no-progress", "--out", str(out), "--networks", "mlp", "small_cnn",
-            "--codecs", "fp32", "dettmers:type=dynamic,bucket=0", "--parallelism", "data", "model", "hybrid",
-            "--sub-batches", "2", "--epochs", "2"]
-    assert main([*args, "--dry-run"]) == 0
-    listing = capsys.readouterr().out
-    assert listing.count(" model ") == 2 and listing.count(" hybrid/2 ") == 2  # mlp: model; small_cnn: hybrid
-    assert main(args) == 0
-    runs = {(r["config"]["network"], r["config"]["codec"].split(",")[0], r["config"]["parallelism"]): r
-            for r in _rows(out, "run")}
-    assert len(runs) == 8
+def _parallel_args(out: Path, parallelism: list[str], epochs: str) -> list[str]:
+    return ["study", "--preset", "smoke", "--no-progress", "--out", str(out), "--networks", "mlp", "small_cnn",
+            "--codecs", "fp32", "dettmers:type=dynamic,bucket=0", "--parallelism", *parallelism,
+            "--sub-batches", "2", "--epochs", epochs]
+
+
+def _check_parallel_runs(runs: dict) -> None:
     for (net, codec, par), r in runs.items():
         s = r["summary"]
         assert 0 <= s["final_test_acc"] <= 1 and not s["diverged"], (net, codec, par)
@@ -304,6 +419,43 @@ def test_study_with_model_and_hybrid_parallelism(tmp_path: Path, capsys) -> None
     m32 = runs[("mlp", "fp32", "model")]["summary"]["bytes_per_step_per_rank"]
     m8 = runs[("mlp", "dettmers:type=dynamic", "model")]["summary"]["bytes_per_step_per_rank"]
     assert m8 < 0.3 * m32
+
+
+def _parallel_rows(out: Path) -> dict:
+    return {(r["config"]["network"], r["config"]["codec"].split(",")[0], r["config"]["parallelism"]): r
+            for r in _rows(out, "run")}
+
+
+def test_study_with_model_and_hybrid_parallelism_fast(tmp_path: Path, capsys, reference_kernels) -> None:
+    """Fast equivalent of test_study_with_model_and_hybrid_parallelism (slow): the same dry-run listing of
+    the grid, then its model and hybrid runs only (mlp model-parallel, small_cnn hybrid with 2
+    sub-batches; fp32 and Dettmers' 8 bits) for 1 epoch on synthetic data with the reference kernels, no
+    report: the rows say which parallelism, and 8-bit activations cross in fewer bytes."""
+    out = tmp_path / "res"
+    assert main([*_parallel_args(out, ["data", "model", "hybrid"], "2"), "--dry-run"]) == 0
+    listing = capsys.readouterr().out
+    assert listing.count(" model ") == 2 and listing.count(" hybrid/2 ") == 2  # mlp: model; small_cnn: hybrid
+    assert main([*_parallel_args(out, ["model", "hybrid"], "1"), *FAST, "--no-report"]) == 0
+    runs = _parallel_rows(out)
+    assert sorted(runs) == [("mlp", "dettmers:type=dynamic", "model"), ("mlp", "fp32", "model"),
+                            ("small_cnn", "dettmers:type=dynamic", "hybrid"), ("small_cnn", "fp32", "hybrid")]
+    _check_parallel_runs(runs)
+
+
+@pytest.mark.slow
+def test_study_with_model_and_hybrid_parallelism(tmp_path: Path, capsys) -> None:
+    """--parallelism data model hybrid: mlp splits model-parallel, small_cnn hybrid (2 sub-batches); rows
+    say which, count the activations' bytes, and the report labels them.
+    Fast equivalent: test_study_with_model_and_hybrid_parallelism_fast (the model and hybrid runs)."""
+    out = tmp_path / "res"
+    args = _parallel_args(out, ["data", "model", "hybrid"], "2")
+    assert main([*args, "--dry-run"]) == 0
+    listing = capsys.readouterr().out
+    assert listing.count(" model ") == 2 and listing.count(" hybrid/2 ") == 2  # mlp: model; small_cnn: hybrid
+    assert main(args) == 0
+    runs = _parallel_rows(out)
+    assert len(runs) == 8
+    _check_parallel_runs(runs)
     # model parallelism trains as well as data parallelism here (same global batch, same recipe)
     assert abs(runs[("mlp", "fp32", "model")]["summary"]["final_test_acc"]
                - runs[("mlp", "fp32", "data")]["summary"]["final_test_acc"]) < 0.1
