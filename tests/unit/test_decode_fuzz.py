@@ -38,10 +38,27 @@ def cases(draw):
     return spec, numel, payload, draw(st.integers(1, 3))
 
 
+_SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["reference", "numba"])
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=250, **_SETTINGS)
 @given(case=cases())
 def test_decode_never_crashes(backend: str, case) -> None:
+    """250 examples. Fast equivalent: test_decode_never_crashes_quick (the same property, 60 examples)."""
+    _check_decode(backend, case)
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+@settings(max_examples=60, **_SETTINGS)
+@given(case=cases())
+def test_decode_never_crashes_quick(backend: str, case) -> None:
+    """Stands for the slow test_decode_never_crashes (250 examples): the same property on 60."""
+    _check_decode(backend, case)
+
+
+def _check_decode(backend: str, case) -> None:
     spec, numel, payload, copies = case
     codec = lowbit.get_codec(spec)
     old = os.environ.get("LOWBIT_KERNELS")
