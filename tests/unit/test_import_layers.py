@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 from collections import defaultdict
 from pathlib import Path
 
@@ -27,7 +28,9 @@ KERNEL_BACKENDS = ("lowbit.kernels.triton", "lowbit.kernels.numba")
 KERNEL_FAMILIES = ("qsgd", "onebit", "dettmers")
 
 
+@functools.lru_cache(maxsize=None)
 def _modules() -> dict[str, tuple[ast.Module, Path]]:
+    """Every module of the package, parsed once per session (the tests only read the trees)."""
     out = {}
     for f in (SRC / "lowbit").rglob("*.py"):
         name = ".".join(f.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__")
