@@ -53,7 +53,40 @@ def test_digits_offline_shapes_and_split(no_network):
     assert not torch.equal(other.x_test, d.x_test)
 
 
+def test_mnist1d_small_generates_offline_and_keeps_global_rng(no_network, monkeypatch):
+    """Fast equivalent of test_mnist1d_generates_offline_and_keeps_global_rng (slow): the same generation
+    path (make_dataset inside lowbit's RNG guard, network blocked) with the package's arguments but 500
+    samples instead of 5,000; the cache is cleared after, so the canonical set is generated again."""
+    import mnist1d.data
+
+    from lowbit.data import mnist1d as m
+
+    def small_args():
+        args = real_args()
+        args.num_samples = 500
+        return args
+
+    real_args = mnist1d.data.get_dataset_args
+    monkeypatch.setattr(mnist1d.data, "get_dataset_args", small_args)
+    m._generate.cache_clear()
+    try:
+        np.random.seed(123)
+        random.seed(123)
+        np_before, py_before = np.random.get_state()[1].copy(), random.getstate()
+        d = load_dataset("mnist1d")
+        assert np.array_equal(np.random.get_state()[1], np_before) and random.getstate() == py_before
+        assert d.x_train.shape == (400, 1, 40) and d.x_test.shape == (100, 1, 40)
+        assert d.in_shape == (1, 40) and d.num_classes == 10 and not d.synthetic
+        assert set(d.y_train.tolist()) == set(range(10)) and set(d.y_test.tolist()) == set(range(10))
+        assert abs(float(d.x_train.mean())) < 0.1 and 0.8 < float(d.x_train.std()) < 1.2
+        assert torch.equal(load_dataset("mnist1d", seed=5).x_train, d.x_train)
+    finally:
+        m._generate.cache_clear()  # (no other test may see the 500-sample set)
+
+
+@pytest.mark.slow
 def test_mnist1d_generates_offline_and_keeps_global_rng(no_network):
+    """The canonical 5,000 samples. Fast equivalent: test_mnist1d_small_generates_offline_and_keeps_global_rng."""
     from lowbit.data import mnist1d as m
 
     m._generate.cache_clear()  # really generate inside this test, with the network blocked
