@@ -44,7 +44,44 @@ def _check_clean_exit(p: subprocess.CompletedProcess) -> None:
     assert "terminate called" not in p.stderr, p.stderr[-3000:]
 
 
+def _example_rank(rank: int, world: int, argv: list[str]) -> str:
+    """One rank of the example's own train(), with what it prints captured (a spawned rank's stdout is
+    not the test's)."""
+    import argparse
+    import contextlib
+    import importlib.util
+    import io
+
+    spec = importlib.util.spec_from_file_location("train_ddp_example", EXAMPLE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    args = argparse.Namespace(codec="qsgd:bits=8,bucket=512", algorithm="scatter_gather", epochs=10, batch=32,
+                              steps=0, timing=False, world_size=2)
+    for flag, value in zip(argv[::2], argv[1::2]):
+        name = flag.lstrip("-").replace("-", "_")
+        setattr(args, name, type(getattr(args, name))(value))
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        mod.train(rank, world, args)
+    return buf.getvalue()
+
+
+def test_example_reports_bytes_and_step_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fast equivalent of test_example_under_torchrun_reports_bytes_and_step_time_and_exits_cleanly
+    (slow): the example's train() on 2 spawned gloo ranks (forked, not fresh interpreters; 10 steps,
+    reference kernels) prints the bytes sent, collectives and time per step, and no unmeasured timings.
+    The clean exit of fresh processes under torchrun is the slow tests' part."""
+    from lowbit.launch import spawn
+
+    monkeypatch.setenv("LOWBIT_KERNELS", "reference")
+    out0, out1 = spawn(_example_rank, 2, ["--epochs", "1", "--steps", "10"], backend="gloo", timeout_s=120)
+    _check_report(out0)
+    assert out1 == ""  # rank 0 reports
+
+
+@pytest.mark.slow
 def test_example_under_torchrun_reports_bytes_and_step_time_and_exits_cleanly() -> None:
+    """Fast equivalent: test_example_reports_bytes_and_step_time (the same train() in spawned ranks)."""
     p = _torchrun("--epochs", "1")
     _check_clean_exit(p)
     _check_report(p.stdout)
@@ -52,6 +89,7 @@ def test_example_under_torchrun_reports_bytes_and_step_time_and_exits_cleanly() 
 
 @pytest.mark.slow
 def test_example_exits_cleanly_every_time_and_when_spawning() -> None:
+    """Fast equivalent: test_example_reports_bytes_and_step_time."""
     for _ in range(5):  # the abort at exit came about one run in three
         p = _torchrun("--epochs", "1", "--steps", "10", "--timing")
         _check_clean_exit(p)
