@@ -8,20 +8,82 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+HOOKS = "ddp;fp16;powersgd;lowbit:qsgd:bits=8,bucket=512;lowbit[mb=0]:qsgd:bits=8,bucket=512;lowbit:nosuchcodec"
+
+
+def _args(out: Path) -> list[str]:
+    return ["--device", "cpu", "--models", "small_cnn", "--hooks", HOOKS, "--batch", "8", "--warmup", "3",
+            "--steps", "2", "--rounds", "2", "--out", str(out)]
+
+
+def bench_as_torchrun_rank(rank: int, world: int, port: int, script: str, argv: list[str]) -> tuple[int, str]:
+    """A spawned rank that drops the group spawn made and runs benchmarks/<script>'s main(argv) as a
+    torchrun rank would (RANK / WORLD_SIZE / MASTER_* set; the script makes and ends its own group).
+    Returns (its exit code, what it printed)."""
+    import contextlib
+    import importlib.util
+    import io
+
+    import torch.distributed as dist
+
+    dist.destroy_process_group()  # (lowbit.launch's shutdown then finds none to tear down)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(script, ROOT / "benchmarks" / f"{script}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = mod.main(argv)
+    return rc, buf.getvalue()
+
+
+def run_bench_in_spawned_ranks(script: str, argv: list[str], monkeypatch) -> str:
+    """benchmarks/<script>.py on 2 spawned gloo ranks with torchrun's environment, the reference kernels;
+    rank 0's output."""
+    import socket
+
+    from lowbit.launch import spawn
+
+    monkeypatch.setenv("LOWBIT_KERNELS", "reference")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (rc0, out0), (rc1, _) = spawn(bench_as_torchrun_rank, 2, port, script, argv, backend="gloo", timeout_s=120)
+    assert rc0 == 0 and rc1 == 0, (rc0, rc1, out0[-3000:])
+    return out0
+
+
+def test_bench_ddp_in_spawned_ranks(tmp_path: Path, monkeypatch) -> None:
+    """Fast equivalent of test_bench_ddp_torchrun_cpu (slow): the same arguments and checks, with
+    bench_ddp's main() run in 2 spawned ranks that carry torchrun's environment (no torchrun, no fresh
+    interpreters) on the reference kernels."""
+    out = tmp_path / "ddp.json"
+    stdout = run_bench_in_spawned_ranks("bench_ddp", _args(out), monkeypatch)
+    assert "| small_cnn |" in stdout  # rank 0's markdown tables
+    _check_doc(out)
+
+
+@pytest.mark.slow
 def test_bench_ddp_torchrun_cpu(tmp_path: Path) -> None:
+    """Fast equivalent: test_bench_ddp_in_spawned_ranks."""
     out = tmp_path / "ddp.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    hooks = "ddp;fp16;powersgd;lowbit:qsgd:bits=8,bucket=512;lowbit[mb=0]:qsgd:bits=8,bucket=512;lowbit:nosuchcodec"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
-           str(ROOT / "benchmarks" / "bench_ddp.py"), "--device", "cpu", "--models", "small_cnn",
-           "--hooks", hooks, "--batch", "8", "--warmup", "3", "--steps", "2", "--rounds", "2", "--out", str(out)]
+           str(ROOT / "benchmarks" / "bench_ddp.py"), *_args(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert "| small_cnn |" in proc.stdout  # rank 0's markdown tables
+    _check_doc(out)
 
+
+def _check_doc(out: Path) -> None:
     doc = json.loads(out.read_text())
     meta = doc["meta"]
     assert meta["world_size"] == 2 and meta["backend"] == "gloo" and meta["link"] == "cpu"
