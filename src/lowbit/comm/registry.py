@@ -126,11 +126,12 @@ def get_algorithm(name: str) -> AlgorithmPlugin:
 #: whole payloads and one decode-and-sum of both, scatter_gather two exchanges of half payloads and three
 #: smaller decodes. Measured on 2 ranks (docs/bench.md, "Which algorithm auto runs"): on CUDA (NCCL, NVLink
 #: and sockets) allgather at every size, 1M to 256M values. On the 2-core CPU VM (gloo over loopback, numba
-#: kernels) it depends on the codec. QSGD's decode-and-sum of two payloads costs little more than one decode,
-#: so 4- and 2-bit QSGD ran 4-35 % faster with allgather up to 16M values, 8-bit QSGD with allgather up to 2M,
-#: about even at 4M-8M and 13 % faster with scatter_gather at 16M (gloo's all-gather of a 16 MB message is
-#: slow); 1bitSGD*'s costs about two decodes, and it ran 11-31 % faster with scatter_gather from 2M. From 8M values on, scatter_gather lost 3-16 % where it lost (29 %
-#: once) and won 13-31 % where it won: the CPU's threshold.
+#: kernels) it depends on the codec: at 16M values allgather's decode-and-sum took 66-76 ms for QSGD against
+#: scatter_gather's three decodes' 85-102 ms, but 405 ms against 171 ms for 1bitSGD*. 4- and 2-bit QSGD ran
+#: 3-35 % faster with allgather up to 16M values, 8-bit QSGD with allgather up to 2M, within 7 % at 4M-8M and
+#: 5-13 % faster with scatter_gather at 16M (gloo's all-gather of a 16 MB message is slow); 1bitSGD* ran 2-14 %
+#: faster with scatter_gather at 2M-4M and 29-34 % at 8M-16M. From 8M values on, scatter_gather lost 3-16 %
+#: where it lost (29 % once) and won 5-34 % where it won: the CPU's threshold.
 AUTO_TWO_RANKS_SCATTER_FROM: dict[str, int | None] = {"cpu": 1 << 23, "cuda": None}
 
 
