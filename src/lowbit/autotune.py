@@ -38,22 +38,19 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Mapping
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
-from lowbit.choose import (AUTO_FASTER_THAN_FP32, DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, WITHIN_BEST, CodecCost,
-                           Decision, TensorTiming, Timeline, Tried, compute_time, ddp_buckets, decide, explain, pick,
-                           simulate, weighted_bits)
+from lowbit.choose import (AUTO_FASTER_THAN_FP32, WITHIN_BEST, CodecCost, Decision, TensorTiming, Timeline, Tried,
+                           compute_time, ddp_buckets, decide, explain, pick, simulate, weighted_bits)
 from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
 from lowbit.comm.allreduce import resolve_algorithm, start
 
-#: the hook's state (lowbit.ddp.LowbitState, a layer above: named, not imported)
-LowbitState = Any
-
-__all__ = ["AutoTuner", "DEFAULT_ALLOW", "BASELINE"]
+__all__ = ["AutoTuner", "DEFAULT_ALLOW", "BASELINE", "TunedState"]
 
 log = logging.getLogger("lowbit.ddp")
 
@@ -66,29 +63,45 @@ ERROR_SAMPLE = 1 << 16
 _FP32 = get_codec("fp32").spec
 
 
+class TunedState(Protocol):
+    """What ``codec="auto"`` reads from the DDP hook's state and the methods it changes it through:
+    :class:`lowbit.ddp.LowbitState` (a layer above, so named here by its shape, not imported)."""
+
+    plan: Mapping[str, Codec]             # parameter name -> codec (read; changed through set_plan)
+    order: Mapping[str, int]              # parameter name -> position in model order
+    process_group: Optional[dist.ProcessGroup]
+    iter: int                             # read; changed through count_step / hook_starts
+    bucket_bytes: float                   # DDP's bucket caps
+    first_bucket_bytes: float
+
+    @property
+    def start_iter(self) -> int: ...
+    @property
+    def algorithm(self) -> str: ...
+    @property
+    def message_mb(self) -> Any: ...
+    @property
+    def node_size(self) -> Optional[int]: ...
+    @property
+    def numels(self) -> Mapping[str, int]: ...
+    def world(self) -> tuple[int, int]: ...
+    def set_plan(self, assignment: dict[str, str]) -> None: ...
+    def count_step(self, step: int) -> None: ...
+    def hook_starts(self, step: int) -> None: ...
+
+
 class AutoTuner:
-    """The measurements and the decision of ``codec="auto"`` (module doc); lives on ``state.auto``."""
+    """The measurements and the decision of ``codec="auto"`` (module doc); lives on ``state.auto``.
+    Its options come validated (:class:`lowbit.ddp.DDPConfig`); ``allow`` is kept as canonical specs,
+    fp32 first unless listed."""
 
     def __init__(self, allow: Optional[Sequence[str]] = None, error_budget: Optional[float] = 1.0,
                  measure_steps: int = 3, remeasure_every: int = 0,
                  faster_than_fp32: float = AUTO_FASTER_THAN_FP32) -> None:
-        specs = list(DEFAULT_ALLOW if allow is None else allow)
-        if isinstance(allow, str):
-            raise ValueError(f"allow must be a list of codec specs, got the string {allow!r}")
-        if not specs:
-            raise ValueError("allow must name at least one codec (fp32 is always allowed)")
-        codecs = [get_codec(s) for s in specs]  # a ValueError names an unknown codec
-        canon = [c.spec for c in codecs]
+        canon = [get_codec(s).spec for s in (DEFAULT_ALLOW if allow is None else allow)]
         if _FP32 not in canon:
             canon.insert(0, _FP32)
         self.allow = list(dict.fromkeys(canon))
-        if error_budget is not None and not (isinstance(error_budget, (int, float)) and error_budget > 0):
-            raise ValueError(f"error_budget must be a number > 0 (times uniform 8-bit QSGD's error) or None, "
-                             f"got {error_budget!r}")
-        if isinstance(measure_steps, bool) or not isinstance(measure_steps, int) or measure_steps < 1:
-            raise ValueError(f"measure_steps must be an int >= 1, got {measure_steps!r}")
-        if isinstance(remeasure_every, bool) or not isinstance(remeasure_every, int) or remeasure_every < 0:
-            raise ValueError(f"remeasure_every must be an int >= 0 (0: never), got {remeasure_every!r}")
         self.error_budget = error_budget
         self.measure_steps = measure_steps
         self.remeasure_every = remeasure_every
@@ -112,7 +125,7 @@ class AutoTuner:
         self._handle: Any = None
         self._grad_handles: list[Any] = []
         self._install: Optional[Callable[[], None]] = None
-        self._state: Any = None
+        self._state: Optional[TunedState] = None
         self._device = torch.device("cpu")
 
     # ------------------------------------------------------------------------------ configuration
@@ -120,7 +133,7 @@ class AutoTuner:
         return {"allow": self.allow, "error_budget": self.error_budget, "measure_steps": self.measure_steps,
                 "remeasure_every": self.remeasure_every}
 
-    def attach(self, module: torch.nn.Module, state: LowbitState,
+    def attach(self, module: torch.nn.Module, state: TunedState,
                install: Optional[Callable[[], None]] = None) -> None:
         """Watch ``module`` (the model DDP wraps): count its training forward passes, mark when each one
         starts and when each parameter's gradient is ready (post-accumulate-grad hooks), and decide at the
@@ -174,7 +187,7 @@ class AutoTuner:
         self.forwards += 1
         st = self._state
         if self._install is not None:  # lowbit's hook is not installed (yet): count the steps for it
-            st.iter = step
+            st.count_step(step)
         if self.phase == "measure":
             first = st.start_iter + self.warmup_steps
             if step >= first:
@@ -188,7 +201,7 @@ class AutoTuner:
             self._predict(st, step)
 
     # ------------------------------------------------------------------------------ steps 2-5
-    def _predict(self, state: LowbitState, step: int) -> None:
+    def _predict(self, state: TunedState, step: int) -> None:
         """Probe, agree and predict (module doc); fp32 when nothing pays, else try the finalists."""
         group = state.process_group
         device = self._device
@@ -239,12 +252,12 @@ class AutoTuner:
         self._maybe_install(state, step)
         self._trial_mark(state, step)
 
-    def _trial_mark(self, state: LowbitState, step: int) -> None:
+    def _trial_mark(self, state: TunedState, step: int) -> None:
         """At a forward pass during the trials: the first step of each finalist warms up, the next
         ``trial_steps`` are timed (forward start to forward start); then the next finalist."""
         pred = self._pending
         if not self._marks:
-            apply(state, pred.finalists[self._trial][1])
+            state.set_plan(pred.finalists[self._trial][1])
         self._marks.append(_mark(self._device))
         if len(self._marks) < self.trial_steps + 2:
             return
@@ -275,11 +288,11 @@ class AutoTuner:
         self._pending = None
         self._finish(state, step, pred)
 
-    def _finish(self, state: LowbitState, step: int, decision: Decision) -> None:
+    def _finish(self, state: TunedState, step: int, decision: Decision) -> None:
         rank, world = C.world(state.process_group)
         self.decision, self.decided_iter, self.phase = decision, step, "done"
         self._release(keep_forward=bool(self.remeasure_every))
-        apply(state, decision.assignment)
+        state.set_plan(decision.assignment)
         if rank == 0 and decision.fp32_is_best and not getattr(self, "_said_fp32", False):  # (older pickles)
             # the one outcome where auto compresses nothing: said once, as a warning, with the reason
             self._said_fp32 = True
@@ -293,17 +306,17 @@ class AutoTuner:
             log.info("lowbit.ddp codec='auto' at step %d (%d ranks):\n%s", step, world, decision.table())
         self._maybe_install(state, step)
 
-    def _maybe_install(self, state: LowbitState, step: int) -> None:
+    def _maybe_install(self, state: TunedState, step: int) -> None:
         """Register lowbit's hook once something compressed is to run (never again after)."""
         if self._install is None:
             return
         if self.phase == "done" and (self.decision is None or self.decision.fp32_is_best):
             return
-        state.iter = max(state.iter, step, state.start_iter)  # the hook counts steps from here on
+        state.hook_starts(step)  # the hook counts steps from here on
         install, self._install = self._install, None
         install()
 
-    def _timeline(self, state: LowbitState) -> Timeline:
+    def _timeline(self, state: TunedState) -> Timeline:
         """Median gradient-ready offsets over the measured steps (the first measured step is a warm-up
         when there are more than one); DDP's buckets rebuilt from the ready order and the bucket cap."""
         done = [(s, nxt) for s, nxt in zip(self._steps, self._steps[1:]) if s["grads"]]
@@ -321,23 +334,22 @@ class AutoTuner:
             periods.append(_elapsed(f, nxt["forward"]))
         ready = {name: statistics.median(v) for name, v in offsets.items()}
         names = sorted(ready, key=lambda n: (ready[n], -state.order.get(n, 0)))
-        cut = ddp_buckets([state._numels[n] for n in names], getattr(state, "bucket_bytes", DDP_BUCKET_BYTES),
-                          first_bytes=getattr(state, "first_bucket_bytes", DDP_FIRST_BUCKET_BYTES))
+        cut = ddp_buckets([state.numels[n] for n in names], state.bucket_bytes, first_bytes=state.first_bucket_bytes)
         bucket_ready: dict[int, float] = {}  # a bucket is handed to the hook when its last gradient is ready
         for n, b in zip(names, cut):
             bucket_ready[b] = max(bucket_ready.get(b, ready[n]), ready[n])
-        tensors = [TensorTiming(n, state._numels[n], bucket_ready[b], b) for n, b in zip(names, cut)]
+        tensors = [TensorTiming(n, state.numels[n], bucket_ready[b], b) for n, b in zip(names, cut)]
         backward_end = max(ready.values())
         step = statistics.median(periods)
         return Timeline(tuple(tensors), backward_end, max(step, backward_end), state.message_mb, self._rides(state))
 
-    def _rides(self, state: LowbitState) -> bool:
+    def _rides(self, state: TunedState) -> bool:
         """Whether the fp32 tensors would ride in the quantised codecs' messages (allgather)."""
         quantised = [get_codec(s) for s in self.allow if not get_codec(s).sums_on_wire]
-        k = (state._world or C.world(state.process_group))[1]
+        k = state.world()[1]
         return bool(quantised) and resolve_algorithm(state.algorithm, quantised[0], k) == "allgather"
 
-    def _probe(self, state: LowbitState, group: Optional[dist.ProcessGroup], device: torch.device,
+    def _probe(self, state: TunedState, group: Optional[dist.ProcessGroup], device: torch.device,
                timeline: Timeline, k: int) -> dict[str, dict[str, Any]]:
         """Each allowed codec's exchange at two sizes, and its encoding alone: fitted as seconds per message
         plus seconds per value."""
@@ -372,7 +384,7 @@ class AutoTuner:
         return {"config": self.config(), "decided_iter": self.decided_iter, "measured": self.measured,
                 "decision": None if self.decision is None else self.decision.to_dict()}
 
-    def load_state_dict(self, state: LowbitState, d: dict[str, Any]) -> None:
+    def load_state_dict(self, state: TunedState, d: dict[str, Any]) -> None:
         if not isinstance(d, dict) or d.get("config") != self.config():
             raise ValueError(f"lowbit checkpoint: codec='auto' was saved with {d.get('config') if isinstance(d, dict) else d!r}, "
                              f"this state has {self.config()}")
@@ -387,7 +399,7 @@ class AutoTuner:
         self.decision, self.measured, self.decided_iter = dec, d.get("measured"), d.get("decided_iter")
         self.phase, self._pending, self._marks, self._steps, self._samples = "done", None, [], [], {}
         self._release(keep_forward=bool(self.remeasure_every))
-        apply(state, dec.assignment)
+        state.set_plan(dec.assignment)
         self._maybe_install(state, self.decided_iter or 0)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -398,18 +410,6 @@ class AutoTuner:
         if d.get("phase") == "trial":  # unpickled mid-trial: measure again
             d["phase"], d["_pending"], d["measured"] = "measure", None, None
         return d
-
-
-def apply(state: LowbitState, assignment: dict[str, str]) -> None:
-    """Make ``assignment`` the state's plan: message groups are rebuilt on the next bucket; residuals of
-    tensors that keep an error-feedback codec are kept, the others dropped."""
-    plan: dict[str, Codec] = {name: get_codec(assignment.get(name, _FP32)) for name in state.plan}
-    keep = {n for n, c in plan.items() if state.uses_feedback(c) and state.plan[n].spec == c.spec}
-    state.residuals = {n: v.detach().clone() for n, v in state.residuals.items() if n in keep}
-    state.plan = plan
-    state._group_of = None
-    state._layouts.clear()
-    state._refresh_native()
 
 
 # ------------------------------------------------------------------------------------------ helpers

@@ -3,7 +3,9 @@
     model = DDP(model)
     state = lowbit.ddp.register(model, codec="qsgd:bits=4")        # the one-line change
 
-or, with the raw pieces, ``model.register_comm_hook(LowbitState(...), lowbit.ddp.hook)``.
+or, with the raw pieces, ``model.register_comm_hook(lowbit.ddp.make_state(model.module, ...), lowbit.ddp.hook)``.
+The options live in one frozen, keyword-only :class:`DDPConfig` (validated once; ``register`` and
+``make_state`` build it from their keywords or take ``config=``), kept on ``state.options``.
 
 How a step goes (per DDP bucket, as the backward pass makes it ready):
 
@@ -29,7 +31,7 @@ How a step goes (per DDP bucket, as the backward pass makes it ready):
    pool stream that waits for the collective (the backward pass goes on), on CPU on gloo's thread.
    DDP waits for each bucket's future (its groups' messages) before the optimizer step.
 
-Tuning guide (``LowbitState``):
+Tuning guide (:class:`DDPConfig`'s options):
 
 * ``codec`` / ``policy`` — 8-bit QSGD (bucket 512) recovered full accuracy in every experiment of the
   seed; 4-bit usually does; 2-bit loses about a point on conv nets. onebit needs error feedback.
@@ -68,9 +70,11 @@ resume a run bit-identically. Residuals differ between ranks: save and load each
 No ``from __future__ import annotations`` here: DDP inspects the hook's annotations at registration.
 """
 
+import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import queue
 import threading
@@ -81,14 +85,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lowbit.autotune import AutoTuner
+from lowbit.autotune import DEFAULT_ALLOW, AutoTuner
 from lowbit.choose import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, closes_after, ddp_bucket_caps, ddp_buckets, message_limit
 from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
 from lowbit.comm.allreduce import AUTO, CommStats, get_algorithm, resolve_algorithm, start
 from lowbit.policy import Policy
 
-__all__ = ["LowbitState", "hook", "make_state", "register", "ConfigMismatchError", "message_limit"]
+__all__ = ["DDPConfig", "LowbitState", "hook", "make_state", "register", "ConfigMismatchError", "message_limit"]
 
 _FP32 = get_codec("fp32")
 log = logging.getLogger(__name__)
@@ -96,6 +100,150 @@ log = logging.getLogger(__name__)
 
 class ConfigMismatchError(ValueError):
     """The ranks of a group registered different codecs, policies or algorithms."""
+
+
+def _is_flag(value: Any) -> bool:
+    """True, False or "auto" (not 1, 0 or "true": ranks compare their options as written)."""
+    return isinstance(value, bool) or value == "auto"
+
+
+def _is_int(value: Any, least: Optional[int] = None) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and (least is None or value >= least)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DDPConfig:
+    """Every option of lowbit's DDP hook, validated once (here, at construction; a ``ValueError`` names
+    the option at fault) and frozen. :func:`register` and :func:`make_state` build one from their keyword
+    arguments, or take one as ``config=``; the study and the Lightning / Accelerate integrations build
+    one too. Five options take ``"auto"``: ``codec`` (measure, then choose per tensor among ``allow``),
+    ``algorithm`` (per codec and world size: :func:`lowbit.comm.allreduce.resolve_algorithm`),
+    ``error_feedback`` (on for biased codecs), ``message_mb`` (groups end where DDP's buckets end) and
+    ``hook_thread`` (on for CUDA). The module docstring is the tuning guide.
+
+    ``allow``, ``error_budget``, ``measure_steps`` and ``remeasure_every`` go with ``codec="auto"``
+    (:mod:`lowbit.autotune`); ``one_node_native`` with :func:`register` only.
+    """
+
+    codec: Union[str, Codec, None] = None
+    policy: Union[Policy, str, None] = None
+    algorithm: str = AUTO
+    error_feedback: Union[bool, str] = "auto"
+    start_iter: int = 2
+    seed: int = 0
+    message_mb: Union[float, str] = "auto"
+    node_size: Optional[int] = None
+    hook_thread: Union[bool, str] = "auto"
+    one_node_native: bool = True
+    allow: Optional[Tuple[str, ...]] = None
+    error_budget: Optional[float] = 1.0
+    measure_steps: int = 3
+    remeasure_every: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.allow, (list, tuple)):
+            object.__setattr__(self, "allow", tuple(self.allow))  # (a list is fine to pass; frozen keeps a tuple)
+        self.validate()
+
+    @property
+    def auto(self) -> bool:
+        """``codec="auto"``: the hook measures the job, then chooses per tensor (:mod:`lowbit.autotune`)."""
+        return isinstance(self.codec, str) and self.codec.strip().lower() == "auto"
+
+    def resolved_policy(self) -> Policy:
+        """The policy that assigns codecs to tensors (``codec="auto"``: fp32 everywhere until it decides)."""
+        return Policy.coerce(self.policy, "fp32" if self.auto else self.codec)
+
+    def policy_fingerprint(self) -> str:
+        return "auto" if self.auto else self.resolved_policy().fingerprint()
+
+    def uses_feedback(self, codec: Codec) -> bool:
+        """Whether ``codec``'s tensors keep an error-feedback residual ("auto": biased codecs)."""
+        if codec.sums_on_wire:
+            return False
+        if self.error_feedback == "auto":
+            return codec.biased
+        return bool(self.error_feedback)
+
+    def validate(self) -> None:
+        """Raise a ``ValueError`` naming the first option that is out of range or does not fit the others."""
+        if self.codec is not None and self.policy is not None:
+            raise ValueError("pass codec= or policy=, not both (a Policy carries its default codec)")
+        if not isinstance(self.codec, (str, Codec, type(None))):
+            raise ValueError(f"codec must be a codec spec (str), a Codec, 'auto' or None, got {self.codec!r}")
+        if not isinstance(self.policy, (str, Codec, Policy, type(None))):
+            raise ValueError(f"policy must be a lowbit.Policy, a codec spec or None, got {self.policy!r}")
+        self.resolved_policy()  # an unknown codec: a ValueError with the list of known ones
+        if not isinstance(self.algorithm, str):
+            raise ValueError(f"algorithm must be a name (str), got {self.algorithm!r}")
+        if self.algorithm != AUTO:
+            get_algorithm(self.algorithm)  # a ValueError naming the known ones
+        if not _is_flag(self.error_feedback):
+            raise ValueError(f"error_feedback must be True, False or 'auto', got {self.error_feedback!r}")
+        if not _is_flag(self.hook_thread):
+            raise ValueError(f"hook_thread must be True, False or 'auto', got {self.hook_thread!r}")
+        if not _is_int(self.start_iter, 0):
+            raise ValueError(f"start_iter must be an int >= 0, got {self.start_iter!r}")
+        if not _is_int(self.seed):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.message_mb != "auto" and (isinstance(self.message_mb, bool) or
+                                          not isinstance(self.message_mb, (int, float)) or not self.message_mb >= 0):
+            raise ValueError("message_mb must be 'auto' or a number >= 0 (0: one message per parameter tensor, "
+                             f"inf: one message), got {self.message_mb!r}")
+        if self.node_size is not None and not _is_int(self.node_size, 1):
+            raise ValueError(f"node_size must be a positive int (ranks per node), got {self.node_size!r}")
+        if not isinstance(self.one_node_native, bool):
+            raise ValueError(f"one_node_native must be True or False, got {self.one_node_native!r}")
+        if not self.auto:
+            if (self.allow is not None or self.remeasure_every or self.measure_steps != 3
+                    or self.error_budget != 1.0):
+                raise ValueError("allow=, error_budget=, measure_steps= and remeasure_every= go with codec='auto'")
+            return
+        if isinstance(self.allow, str):
+            raise ValueError(f"allow must be a list of codec specs, got the string {self.allow!r}")
+        if self.allow is not None and not isinstance(self.allow, tuple):
+            raise ValueError(f"allow must be a list of codec specs, got {self.allow!r}")
+        if self.allow is not None and not self.allow:
+            raise ValueError("allow must name at least one codec (fp32 is always allowed)")
+        allowed = [get_codec(s) for s in (self.allow if self.allow is not None else DEFAULT_ALLOW)]
+        eb = self.error_budget
+        if eb is not None and (isinstance(eb, bool) or not isinstance(eb, (int, float)) or not eb > 0):
+            raise ValueError(f"error_budget must be a number > 0 (times uniform 8-bit QSGD's error) or None, "
+                             f"got {eb!r}")
+        if not _is_int(self.measure_steps, 1):
+            raise ValueError(f"measure_steps must be an int >= 1, got {self.measure_steps!r}")
+        if not _is_int(self.remeasure_every, 0):
+            raise ValueError(f"remeasure_every must be an int >= 0 (0: never), got {self.remeasure_every!r}")
+        quantised = [c.spec for c in allowed if not c.sums_on_wire]
+        if self.algorithm != AUTO and not get_algorithm(self.algorithm).quantised and quantised:
+            raise ValueError(f"algorithm {self.algorithm!r} sums on the wire, but codec='auto' may choose "
+                             f"{quantised[0]}: allow only fp32/fp16/bf16, or use 'auto', 'scatter_gather', "
+                             "'allgather' or 'hierarchical'")
+
+    def check_plan(self, plan: Dict[str, Codec]) -> None:
+        """The one check that needs the model: an algorithm that sums on the wire takes no quantised codec."""
+        quantised = sorted({c.spec for c in plan.values() if not c.sums_on_wire})
+        if self.algorithm != AUTO and not get_algorithm(self.algorithm).quantised and quantised:
+            raise ValueError(f"algorithm {self.algorithm!r} sums on the wire (fp32/fp16/bf16 only), but the plan "
+                             f"quantises with {quantised[0]}: use 'auto', 'scatter_gather', 'allgather' or "
+                             "'hierarchical'")
+
+    @classmethod
+    def of(cls, config: Optional["DDPConfig"] = None, **options: Any) -> "DDPConfig":
+        """``config`` as it is, or one built from ``options``; a ``config`` with options that differ from
+        the defaults is an error (which would win is not obvious)."""
+        if config is None:
+            return cls(**options)
+        if not isinstance(config, cls):
+            raise ValueError(f"config must be a lowbit.ddp.DDPConfig, got {type(config).__name__}")
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - set(defaults))
+        if unknown:
+            raise TypeError(f"DDPConfig has no option {unknown[0]!r} (its options: {', '.join(defaults)})")
+        given = sorted(k for k, v in options.items() if v is not defaults[k] and v != defaults[k])
+        if given:
+            raise ValueError(f"pass config= or the options ({', '.join(given)}), not both")
+        return config
 
 
 class _Unit:
@@ -311,78 +459,146 @@ class _Layout:
             self.units.append(_Unit(c, [flat[o : o + n] for _, o, n in m], inplace))
 
 
+class _Option:
+    """A knob of :class:`LowbitState` that reads ``state.options`` (the one :class:`DDPConfig`); setting
+    it replaces the options with a copy that is validated again (the message plan is rebuilt)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, state: Any, owner: Optional[type] = None) -> Any:
+        return self if state is None else getattr(state.options, self.name)
+
+    def __set__(self, state: "LowbitState", value: Any) -> None:
+        state.reconfigure(**{self.name: value})
+
+
 class LowbitState:
-    """Knobs and memory of the lowbit DDP comm hook. Pickles without its process group."""
+    """Knobs and memory of the lowbit DDP comm hook. Pickles without its process group.
+
+    Built by :func:`make_state` / :func:`register` from a :class:`DDPConfig` (``state.options``, whose
+    fields ``algorithm``, ``error_feedback``, ``start_iter``, ``seed``, ``message_mb``, ``node_size`` and
+    ``hook_thread`` read as attributes here) and the model's parameters: ``plan`` (name -> codec),
+    ``params`` (id(parameter) -> name), ``shapes`` and ``devices`` (name -> shape / device), DDP's bucket
+    caps (message groups end where DDP's buckets end) and, for ``codec="auto"``, its tuner."""
+
+    algorithm = _Option()
+    error_feedback = _Option()
+    start_iter = _Option()
+    seed = _Option()
+    message_mb = _Option()
+    node_size = _Option()
+    hook_thread = _Option()  # not part of config(): where the host work runs, not what is sent
 
     def __init__(
         self,
-        process_group: Optional[dist.ProcessGroup],
+        options: DDPConfig,
         plan: Dict[str, Codec],
         params: Dict[int, str],
-        algorithm: str = "auto",
-        error_feedback: Union[bool, str] = "auto",
-        start_iter: int = 2,
-        seed: int = 0,
-        policy_fingerprint: str = "",
-        message_mb: Union[float, str] = "auto",
-        node_size: Optional[int] = None,
-        hook_thread: Union[bool, str] = "auto",
+        *,
+        process_group: Optional[dist.ProcessGroup] = None,
+        shapes: Optional[Dict[str, Tuple[int, ...]]] = None,
+        devices: Optional[Dict[str, torch.device]] = None,
+        bucket_bytes: float = DDP_BUCKET_BYTES,
+        first_bucket_bytes: float = DDP_FIRST_BUCKET_BYTES,
+        auto: Optional[AutoTuner] = None,
     ) -> None:
-        entry = None if algorithm == AUTO else get_algorithm(algorithm)  # (a ValueError naming the known ones)
-        quantised = sorted({c.spec for c in plan.values() if not c.sums_on_wire})
-        if entry is not None and not entry.quantised and quantised:
-            raise ValueError(f"algorithm {algorithm!r} sums on the wire (fp32/fp16/bf16 only), but the plan quantises "
-                             f"with {quantised[0]}: use 'auto', 'scatter_gather', 'allgather' or 'hierarchical'")
-        if error_feedback not in (True, False, "auto"):
-            raise ValueError(f"error_feedback must be True, False or 'auto', got {error_feedback!r}")
-        if hook_thread not in (True, False, "auto"):
-            raise ValueError(f"hook_thread must be True, False or 'auto', got {hook_thread!r}")
-        if start_iter < 0:
-            raise ValueError(f"start_iter must be >= 0, got {start_iter}")
-        if message_mb != "auto" and (isinstance(message_mb, bool) or not isinstance(message_mb, (int, float))
-                                     or not message_mb >= 0):
-            raise ValueError("message_mb must be 'auto' or a number >= 0 (0: one message per parameter tensor, "
-                             f"inf: one message), got {message_mb!r}")
+        options.check_plan(plan)
         self.process_group = process_group
+        self.options = self._resolved(options)
         self.plan = plan                      # parameter name -> codec
-        self.auto: Optional[AutoTuner] = None  # codec="auto": its measurements and decision
+        self.auto = auto                      # codec="auto": its measurements and decision
         self.params = params                  # id(parameter) -> name
         self.order = {name: i for i, name in enumerate(plan)}  # model order of the parameters
-        self.algorithm = algorithm
-        self.error_feedback = error_feedback
-        self.start_iter = start_iter
-        self.seed = seed
-        self.policy_fingerprint = policy_fingerprint
+        self.policy_fingerprint = options.policy_fingerprint()
         self.iter = 0
         self.residuals: Dict[str, torch.Tensor] = {}
         self.stats = CommStats()
-        self._devices: Dict[str, torch.device] = {}
-        self._numels: Dict[str, int] = {}
-        self._shapes: Dict[str, Tuple[int, ...]] = {}
+        self._shapes: Dict[str, Tuple[int, ...]] = dict(shapes or {})
+        self._numels: Dict[str, int] = {name: math.prod(s) for name, s in self._shapes.items()}
+        self._devices: Dict[str, torch.device] = dict(devices or {})
         self._layouts: Dict[Tuple[int, int, int], _Layout] = {}
-        self.message_mb = message_mb
-        if node_size is not None and (isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1):
-            raise ValueError(f"node_size must be a positive int (ranks per node), got {node_size!r}")
-        if entry is not None and entry.prepare is not None and node_size is None:
-            node_size = entry.prepare(process_group, None)  # (hierarchical: from the environment, now: a clear
-            # error if unknown)
-        self.node_size = node_size
         self._group_of: Optional[Dict[str, _Group]] = None  # parameter name -> its message group
         self._world: Optional[Tuple[int, int]] = None  # (rank, size), read once
         self._native = False  # set with _world (_refresh_native): the hook runs the fp32 allreduce only
-        self.hook_thread = hook_thread  # not part of config(): where the host work runs, not what is sent
         # DDP's bucket caps, for message_mb="auto" (groups end where DDP's buckets end); register reads
         # them from the DDP model
-        self.bucket_bytes: float = DDP_BUCKET_BYTES
-        self.first_bucket_bytes: float = DDP_FIRST_BUCKET_BYTES
+        self.bucket_bytes = bucket_bytes
+        self.first_bucket_bytes = first_bucket_bytes
         # the hook thread's own process group (the same ranks as process_group), made by make_state when
-        # the thread may run: collectives issued during the backward pass on the user's group (by
-        # SyncBatchNorm, torch.distributed.nn, DDP itself) cannot interleave with lowbit's differently on
-        # different ranks. Not pickled (a restored state falls back to process_group).
+        # the thread may run (open_thread_group): collectives issued during the backward pass on the
+        # user's group (by SyncBatchNorm, torch.distributed.nn, DDP itself) cannot interleave with lowbit's
+        # differently on different ranks. Not pickled (a restored state falls back to process_group).
         self._thread_group: Optional[dist.ProcessGroup] = None
         self.error: Optional[BaseException] = None  # the first failed collective's error (check())
 
+    # ------------------------------------------------------------------------------ changes
+    def reconfigure(self, **changes: Any) -> None:
+        """Replace options (validated again, as :class:`DDPConfig` validates); the message groups are
+        planned again at the next compressed bucket."""
+        options = dataclasses.replace(self.options, **changes)
+        options.check_plan(self.plan)
+        self.options = self._resolved(options)
+        self._forget_messages()
+        self._world = None  # read again (with _native) on the next step
+
+    def _resolved(self, options: DDPConfig) -> DDPConfig:
+        """``options`` with what the algorithm needs filled in: ``hierarchical``'s ranks per node, from the
+        environment when not given (now: a clear error if unknown)."""
+        entry = None if options.algorithm == AUTO else get_algorithm(options.algorithm)
+        if entry is not None and entry.prepare is not None and options.node_size is None:
+            options = dataclasses.replace(options, node_size=entry.prepare(self.process_group, None))
+        return options
+
+    def set_plan(self, assignment: Dict[str, str]) -> None:
+        """Make ``assignment`` (parameter name -> codec spec; fp32 where absent) the plan, as ``codec="auto"``
+        decides or tries: message groups are rebuilt on the next bucket; residuals of tensors that keep an
+        error-feedback codec are kept, the others dropped (a tensor whose codec changes starts empty)."""
+        plan = {name: get_codec(assignment.get(name, _FP32.spec)) for name in self.plan}
+        keep = {n for n, c in plan.items() if self.uses_feedback(c) and self.plan[n].spec == c.spec}
+        self.residuals = {n: v.detach().clone() for n, v in self.residuals.items() if n in keep}
+        self.plan = plan
+        self._forget_messages()
+        self._refresh_native()
+
+    def count_step(self, step: int) -> None:
+        """The step about to run, while lowbit's hook is not installed and so does not count them
+        (``codec="auto"`` measuring with DDP's own allreduce)."""
+        self.iter = step
+
+    def hook_starts(self, step: int) -> None:
+        """lowbit's hook is installed at ``step``: it counts steps from there (compressing from
+        ``start_iter`` at the earliest)."""
+        self.iter = max(self.iter, step, self.start_iter)
+
+    def open_thread_group(self, module: nn.Module) -> None:
+        """Create the hook thread's own process group (a collective ``new_group``: every rank of
+        ``process_group`` calls it) where the thread may run and torch.distributed is initialised."""
+        if self.wants_thread_group(module) and dist.is_available() and dist.is_initialized():
+            base = self.process_group if self.process_group is not None else dist.group.WORLD
+            self._thread_group = dist.new_group(ranks=dist.get_process_group_ranks(base),
+                                                backend=dist.get_backend(base), use_local_synchronization=True)
+
+    def wants_thread_group(self, module: nn.Module) -> bool:
+        """Whether :meth:`open_thread_group` creates a group: the hook thread may run (``hook_thread`` True,
+        or "auto" with ``module`` on CUDA)."""
+        cuda = any(p.is_cuda for p in module.parameters())
+        return self.hook_thread is True or (self.hook_thread == "auto" and cuda)
+
+    def _forget_messages(self) -> None:
+        self._group_of = None
+        self._layouts.clear()
+
     # ------------------------------------------------------------------------------ helpers
+    @property
+    def numels(self) -> Dict[str, int]:
+        """Parameter name -> number of values (read-only use)."""
+        return self._numels
+
+    def world(self) -> Tuple[int, int]:
+        """(rank, size) in ``process_group``."""
+        return self._world if self._world is not None else C.world(self.process_group)
+
     @property
     def one_node(self) -> bool:
         """A multi-node algorithm (``hierarchical``: the registry's ``multi_node``) with the whole group
@@ -390,8 +606,7 @@ class LowbitState:
         own fp32 allreduce."""
         if self.algorithm == AUTO or not get_algorithm(self.algorithm).multi_node or self.node_size is None:
             return False
-        size = self._world[1] if self._world is not None else C.world(self.process_group)[1]
-        return size <= self.node_size
+        return self.world()[1] <= self.node_size
 
     def _refresh_native(self) -> None:
         """Whether the hook runs DDP's plain fp32 allreduce only: hierarchical inside one node, or
@@ -400,11 +615,7 @@ class LowbitState:
                                          all(c.spec == _FP32.spec for c in self.plan.values()))
 
     def uses_feedback(self, codec: Codec) -> bool:
-        if codec.sums_on_wire:
-            return False
-        if self.error_feedback == "auto":
-            return codec.biased
-        return bool(self.error_feedback)
+        return self.options.uses_feedback(codec)
 
     def config(self) -> Dict[str, Any]:
         return {
@@ -447,7 +658,7 @@ class LowbitState:
     def state_dict(self) -> Dict[str, Any]:
         """Iteration counter, configuration, this rank's error-feedback residuals (per parameter), and the
         rank and world size they belong to: save one per rank."""
-        rank, size = self._world if self._world is not None else C.world(self.process_group)
+        rank, size = self.world()
         return {
             "iter": self.iter,
             "config": self.config(),
@@ -480,7 +691,7 @@ class LowbitState:
             raise ValueError(f"lowbit checkpoint has no {' or '.join(repr(k) for k in missing)}: residuals belong to "
                              "one rank of one world size, and a checkpoint that does not say whose they are cannot "
                              "be checked (save LowbitState.state_dict() as it is)")
-        rank, size = self._world if self._world is not None else C.world(self.process_group)
+        rank, size = self.world()
         if (state["rank"], state["world_size"]) != (rank, size):
             raise ValueError(
                 f"lowbit checkpoint was saved by rank {state['rank']} of {state['world_size']}, this is rank "
@@ -519,8 +730,7 @@ class LowbitState:
         if self.auto is not None:
             self.auto.forwards = it
         self.residuals = loaded
-        self._layouts.clear()  # rebuilt on the next step, from these residuals
-        self._group_of = None
+        self._forget_messages()  # rebuilt on the next step, from these residuals
         self._world = None  # read again (with _native) on the next step
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -533,6 +743,13 @@ class LowbitState:
         d["_thread_group"] = None
         d["error"] = None
         return d
+
+    def __setstate__(self, d: Dict[str, Any]) -> None:
+        if "options" not in d:  # pickled before DDPConfig: the options were attributes of their own
+            d = dict(d)
+            names = ("algorithm", "error_feedback", "start_iter", "seed", "message_mb", "node_size", "hook_thread")
+            d["options"] = DDPConfig(**{k: d.pop(k) for k in names if k in d})
+        self.__dict__.update(d)
 
 
 def _bucket_capturing(bucket: dist.GradBucket) -> bool:
@@ -580,7 +797,7 @@ def hook(state: LowbitState, bucket: dist.GradBucket) -> torch.futures.Future[to
     step_seed = state.seed * 1_000_003 + state.iter * 1_009
     last = bucket.is_last()
     state._advance(bucket)
-    mode = getattr(state, "hook_thread", "auto")  # (states pickled before the option: "auto")
+    mode = state.hook_thread
     if mode is True or (mode == "auto" and flat.is_cuda):
         own = getattr(state, "_thread_group", None)
         return _HOOK_THREAD.submit(state, lay, buf, own if own is not None else group, step_seed, last)
@@ -724,12 +941,6 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_HOOK_THREAD._reset)
 
 
-def _wants_thread_group(state: LowbitState, module: nn.Module) -> bool:
-    """Whether make_state creates the hook thread's own process group (a collective ``new_group``)."""
-    cuda = any(p.is_cuda for p in module.parameters())
-    return state.hook_thread is True or (state.hook_thread == "auto" and cuda)
-
-
 def _check_same_config(state: LowbitState, group: Optional[dist.ProcessGroup], thread_group: bool = False) -> None:
     """Every rank compares everything that shapes the messages: the configuration (:meth:`LowbitState.config`),
     DDP's bucket caps (message groups close where DDP's buckets end) and whether the hook thread gets a
@@ -768,7 +979,8 @@ def make_state(
     measure_steps: int = 3,
     remeasure_every: int = 0,
     hook_thread: Union[bool, str] = "auto",
-    _thread_group: bool = True,
+    *,
+    config: Optional[DDPConfig] = None,
 ) -> LowbitState:
     """Build the hook's state for ``module`` (the model *inside* DDP) without registering it.
 
@@ -777,46 +989,38 @@ def make_state(
         state = lowbit.ddp.make_state(lightning_module, codec="qsgd:bits=4")
         Trainer(strategy=DDPStrategy(ddp_comm_state=state, ddp_comm_hook=lowbit.ddp.hook))
 
-    ``codec="auto"`` measures the job and chooses per tensor among ``allow`` (:mod:`lowbit.autotune`).
-    Where the hook thread may run (``hook_thread`` True, or "auto" with the module on CUDA) and
-    torch.distributed is initialised, it creates the thread's own process group: then every rank of
-    ``process_group`` must call it, in the same order as their other ``new_group`` calls.
+    The options are :class:`DDPConfig`'s (pass them, or one ``config=``). ``codec="auto"`` measures the
+    job and chooses per tensor among ``allow`` (:mod:`lowbit.autotune`). Where the hook thread may run
+    (``hook_thread`` True, or "auto" with the module on CUDA) and torch.distributed is initialised, it
+    creates the thread's own process group: then every rank of ``process_group`` must call it, in the same
+    order as their other ``new_group`` calls.
     """
-    if codec is not None and policy is not None:
-        raise ValueError("pass codec= or policy=, not both (a Policy carries its default codec)")
-    auto = isinstance(codec, str) and codec.strip().lower() == "auto"
-    if not auto and (allow is not None or remeasure_every or measure_steps != 3 or error_budget != 1.0):
-        raise ValueError("allow=, error_budget=, measure_steps= and remeasure_every= go with codec='auto'")
-    tuner = None
-    if auto:
-        tuner = AutoTuner(allow, error_budget, measure_steps, remeasure_every)
-        quantised = [s for s in tuner.allow if not get_codec(s).sums_on_wire]
-        if algorithm != AUTO and not get_algorithm(algorithm).quantised and quantised:
-            raise ValueError(f"algorithm {algorithm!r} sums on the wire, but codec='auto' may choose {quantised[0]}: "
-                             "allow only fp32/fp16/bf16, or use 'auto', 'scatter_gather', 'allgather' or "
-                             "'hierarchical'")
-        codec = "fp32"  # until the decision
-    pol = Policy.coerce(policy, codec)
-    plan = pol.resolve(module)
-    params = {id(p): name for name, p in module.named_parameters() if p.requires_grad}
-    state = LowbitState(process_group, plan, params, algorithm, error_feedback, start_iter, seed,
-                        "auto" if auto else pol.fingerprint(), message_mb, node_size, hook_thread)
-    state._devices = {name: p.device for name, p in module.named_parameters()}
-    state._numels = {name: p.numel() for name, p in module.named_parameters()}
-    state._shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
-    if tuner is not None:
-        state.auto = tuner
-        tuner.attach(module, state)  # the hook, registered by a framework, reduces in fp32 until the decision
-    if _thread_group:
-        _make_thread_group(state, module)
+    options = DDPConfig.of(config, codec=codec, algorithm=algorithm, policy=policy, error_feedback=error_feedback,
+                           start_iter=start_iter, seed=seed, message_mb=message_mb, node_size=node_size, allow=allow,
+                           error_budget=error_budget, measure_steps=measure_steps, remeasure_every=remeasure_every,
+                           hook_thread=hook_thread)
+    state = _state_for(module, options, process_group)
+    state.open_thread_group(module)
     return state
 
 
-def _make_thread_group(state: LowbitState, module: nn.Module) -> None:
-    if _wants_thread_group(state, module) and dist.is_available() and dist.is_initialized():
-        base = state.process_group if state.process_group is not None else dist.group.WORLD
-        state._thread_group = dist.new_group(ranks=dist.get_process_group_ranks(base), backend=dist.get_backend(base),
-                                             use_local_synchronization=True)
+def _state_for(module: nn.Module, options: DDPConfig, process_group: Optional[dist.ProcessGroup],
+               bucket_caps: Tuple[float, float] = (DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES)) -> LowbitState:
+    """The state of ``options`` for ``module``'s trainable parameters (``bucket_caps``: DDP's first and
+    other buckets' caps in bytes); with ``codec="auto"``, its tuner watching ``module``. A framework's hook
+    (registered for the state) reduces in fp32 until the tuner decides."""
+    tuner = None
+    if options.auto:
+        tuner = AutoTuner(options.allow, options.error_budget, options.measure_steps, options.remeasure_every)
+    named = list(module.named_parameters())
+    state = LowbitState(options, options.resolved_policy().resolve(module),
+                        {id(p): name for name, p in named if p.requires_grad}, process_group=process_group,
+                        shapes={name: tuple(p.shape) for name, p in named},
+                        devices={name: p.device for name, p in named},
+                        first_bucket_bytes=bucket_caps[0], bucket_bytes=bucket_caps[1], auto=tuner)
+    if tuner is not None:
+        tuner.attach(module, state)
+    return state
 
 
 LAUNCH_HINT = ("start several processes: torchrun --nproc-per-node 2 script.py, or accelerate launch --multi_gpu "
@@ -854,8 +1058,12 @@ def register(
     measure_steps: int = 3,
     remeasure_every: int = 0,
     hook_thread: Union[bool, str] = "auto",
+    *,
+    config: Optional[DDPConfig] = None,
 ) -> LowbitState:
     """Install lowbit's comm hook on ``ddp_model`` and return its state.
+
+    The options are :class:`DDPConfig`'s (pass them, or one ``config=``).
 
     ``codec`` sets the policy's default codec (``policy`` overrides; default ``qsgd:bits=8,bucket=512``).
     ``codec="auto"`` measures the first steps and then chooses per parameter tensor among ``allow``
@@ -874,12 +1082,14 @@ def register(
     module = getattr(ddp_model, "module", None)
     if module is None or not hasattr(ddp_model, "register_comm_hook"):
         raise ValueError("lowbit.ddp.register expects a torch.nn.parallel.DistributedDataParallel model")
+    options = DDPConfig.of(config, codec=codec, algorithm=algorithm, policy=policy, error_feedback=error_feedback,
+                           start_iter=start_iter, seed=seed, message_mb=message_mb, node_size=node_size,
+                           one_node_native=one_node_native, allow=allow, error_budget=error_budget,
+                           measure_steps=measure_steps, remeasure_every=remeasure_every, hook_thread=hook_thread)
     group = process_group if process_group is not None else getattr(ddp_model, "process_group", None)
-    state = make_state(module, codec, algorithm, policy, error_feedback, start_iter, seed, group, message_mb,
-                       node_size, allow, error_budget, measure_steps, remeasure_every, hook_thread, _thread_group=False)
-    state.first_bucket_bytes, state.bucket_bytes = ddp_bucket_caps(ddp_model)
-    _check_same_config(state, group, _wants_thread_group(state, module))
-    _make_thread_group(state, module)  # after the check: a rank that made it alone would wait in new_group
+    state = _state_for(module, options, group, ddp_bucket_caps(ddp_model))
+    _check_same_config(state, group, state.wants_thread_group(module))
+    state.open_thread_group(module)  # after the check: a rank that made it alone would wait in new_group
     size = C.world(group)[1]
     if size == 1:
         warn_uncompressed(f"the process group has 1 rank, so no gradient is exchanged (the hook is installed "
@@ -889,13 +1099,13 @@ def register(
     if state.auto is not None:
         # codec="auto": DDP's own allreduce runs while the first steps are measured; lowbit's hook is
         # registered only once the decision compresses something.
-        if one_node_native and state.one_node:
+        if options.one_node_native and state.one_node:
             state.auto.detach()  # nothing crosses nodes: DDP's allreduce stays, as for any codec
             warn_uncompressed(one_node, group)
         else:
             state.auto.attach(module, state, install=lambda: ddp_model.register_comm_hook(state, hook))
         return state
-    if one_node_native and state.one_node:
+    if options.one_node_native and state.one_node:
         # hierarchical inside one node compresses nothing: leave DDP's own C++ allreduce in place, which no
         # Python hook can match (state.stats then counts nothing).
         warn_uncompressed(one_node, group)

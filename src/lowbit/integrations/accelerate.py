@@ -27,9 +27,13 @@ require("accelerate", "accelerate", "lowbit.integrations.accelerate")
 __all__ = ["register"]
 
 
-def register(accelerator: Any, model: Any, **kwargs: Any) -> lowbit.ddp.LowbitState | None:
+def register(accelerator: Any, model: Any, config: lowbit.ddp.DDPConfig | None = None, process_group: Any = None,
+             **options: Any) -> lowbit.ddp.LowbitState | None:
     """Install lowbit's comm hook on ``model`` as returned by ``accelerator.prepare``; returns the state
-    (``None`` when the run is not distributed). Keyword arguments go to :func:`lowbit.ddp.register`."""
+    (``None`` when the run is not distributed). The options are :class:`lowbit.ddp.DDPConfig`'s (or one
+    ``config=``), validated on every run, one process included; ``process_group`` goes to
+    :func:`lowbit.ddp.register`."""
+    config = lowbit.ddp.DDPConfig.of(config, **options)
     if accelerator.num_processes <= 1:
         lowbit.ddp.warn_uncompressed(
             f"Accelerate runs 1 process ({accelerator.distributed_type}), so the model is not a "
@@ -40,4 +44,4 @@ def register(accelerator: Any, model: Any, **kwargs: Any) -> lowbit.ddp.LowbitSt
     if not hasattr(model, "register_comm_hook"):
         raise ValueError("lowbit.integrations.accelerate.register expects the model returned by "
                          f"accelerator.prepare (a DistributedDataParallel), got {type(model).__name__}")
-    return lowbit.ddp.register(model, **kwargs)
+    return lowbit.ddp.register(model, process_group=process_group, config=config)

@@ -27,12 +27,16 @@ __all__ = ["LowbitCallback"]
 
 
 class LowbitCallback(pl.Callback):
-    """Register lowbit's DDP comm hook on the model Lightning wraps. Keyword arguments go to
-    :func:`lowbit.ddp.register` (``codec``, ``policy``, ``algorithm``, ``error_feedback``, ...).
-    ``state`` holds the :class:`lowbit.ddp.LowbitState` once fitting has started."""
+    """Register lowbit's DDP comm hook on the model Lightning wraps. The options are
+    :class:`lowbit.ddp.DDPConfig`'s (``codec``, ``policy``, ``algorithm``, ``error_feedback``, ...; or one
+    ``config=``), validated here, when the callback is built; ``process_group`` goes to
+    :func:`lowbit.ddp.register`. ``state`` holds the :class:`lowbit.ddp.LowbitState` once fitting has
+    started."""
 
-    def __init__(self, warn_after: int = 10, **register_kwargs: Any) -> None:
-        self.kwargs = register_kwargs
+    def __init__(self, warn_after: int = 10, config: lowbit.ddp.DDPConfig | None = None,
+                 process_group: Any = None, **options: Any) -> None:
+        self.config = lowbit.ddp.DDPConfig.of(config, **options)
+        self.process_group = process_group
         self.warn_after = warn_after
         self.state: lowbit.ddp.LowbitState | None = None
         self._pending: dict[str, Any] | None = None
@@ -47,7 +51,7 @@ class LowbitCallback(pl.Callback):
                 "(Lightning starts the processes), or run the script under torchrun --nproc-per-node N")
             return
         if self.state is None:
-            self.state = lowbit.ddp.register(model, **self.kwargs)
+            self.state = lowbit.ddp.register(model, process_group=self.process_group, config=self.config)
         if self._pending is not None:
             self.state.load_state_dict(self._pending)
             self._pending = None

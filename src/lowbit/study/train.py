@@ -161,16 +161,17 @@ class _Trainer:
             grads = model
             ddp = DDP(model, device_ids=[device.index] if cuda else None)
             policy = Policy(default=run.codec, **run.policy) if run.policy else None
-        hook_args = dict(codec=None if policy else run.codec, policy=policy, algorithm=algorithm,
-                         error_feedback=run.error_feedback, start_iter=run.start_iter, seed=run.seed,
-                         node_size=node_size)
-        if run.codec == "auto" and run.emulate_link:
+        # (hierarchical in one node keeps the hook, so its bytes and times are measured: one_node_native)
+        options = lowbit.ddp.DDPConfig(codec=None if policy else run.codec, policy=policy, algorithm=algorithm,
+                                       error_feedback=run.error_feedback, start_iter=run.start_iter, seed=run.seed,
+                                       node_size=node_size, one_node_native=False)
+        if options.auto and run.emulate_link:
             # the hook up front (as a framework registers it), so that the fp32 steps auto measures cross
             # the emulated link too (DDP's own allreduce would not)
-            self.state = lowbit.ddp.make_state(ddp.module, process_group=ddp.process_group, **hook_args)
+            self.state = lowbit.ddp.make_state(ddp.module, process_group=ddp.process_group, config=options)
             ddp.register_comm_hook(self.state, lowbit.ddp.hook)
-        else:  # (hierarchical in one node keeps the hook, so its bytes and times are measured)
-            self.state = lowbit.ddp.register(ddp, one_node_native=False, **hook_args)
+        else:
+            self.state = lowbit.ddp.register(ddp, config=options)
         # The study reports the encode / communicate / decode split (on CUDA this synchronises the
         # device around each phase, as a profiler does; training outside the study never pays it).
         self.state.stats.timing = True
