@@ -10,21 +10,45 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 D8 = "dettmers:type=dynamic,bucket=0"
 
 
+CONFIGS = f"dp:ddp;hybrid[s=1]:fp32;hybrid[s=1]:{D8};hybrid[s=2]:{D8};hybrid[s=1,pair=1]:{D8}"
+
+
+def _args(tmp_path: Path) -> list[str]:
+    return ["--device", "cpu", "--models", "small_cnn", "--configs", CONFIGS, "--batch", "8", "--warmup", "1",
+            "--steps", "2", "--rounds", "1", "--out", str(tmp_path / "hybrid.json"),
+            "--profile", str(tmp_path / "prof"), "--profile-config", f"hybrid[s=1,pair=1]:{D8}"]
+
+
+def test_bench_hybrid_in_spawned_ranks(tmp_path: Path, monkeypatch) -> None:
+    """Fast equivalent of test_bench_hybrid_with_dettmers_model_cpu (slow): the same arguments and checks,
+    with bench_hybrid's main() run in 2 spawned ranks that carry torchrun's environment (no torchrun, no
+    fresh interpreters) on the reference kernels."""
+    from tests.distributed.test_bench_ddp import run_bench_in_spawned_ranks
+
+    run_bench_in_spawned_ranks("bench_hybrid", _args(tmp_path), monkeypatch)
+    _check_doc(tmp_path)
+
+
+@pytest.mark.slow
 def test_bench_hybrid_with_dettmers_model_cpu(tmp_path: Path) -> None:
-    out = tmp_path / "hybrid.json"
+    """Fast equivalent: test_bench_hybrid_in_spawned_ranks."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    configs = f"dp:ddp;hybrid[s=1]:fp32;hybrid[s=1]:{D8};hybrid[s=2]:{D8};hybrid[s=1,pair=1]:{D8}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
-           str(ROOT / "benchmarks" / "bench_hybrid.py"), "--device", "cpu", "--models", "small_cnn",
-           "--configs", configs, "--batch", "8", "--warmup", "1", "--steps", "2", "--rounds", "1", "--out", str(out),
-           "--profile", str(tmp_path / "prof"), "--profile-config", f"hybrid[s=1,pair=1]:{D8}"]
+           str(ROOT / "benchmarks" / "bench_hybrid.py"), *_args(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    doc = json.loads(out.read_text())
+    _check_doc(tmp_path)
+
+
+def _check_doc(tmp_path: Path) -> None:
+    configs = CONFIGS
+    doc = json.loads((tmp_path / "hybrid.json").read_text())
     assert doc["errors"] == []
     res = doc["results"]["small_cnn"]
     cfgs = res["configs"]
