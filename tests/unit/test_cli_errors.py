@@ -49,7 +49,21 @@ def test_an_unknown_kernel_backend_names_the_allowed_ones(monkeypatch: pytest.Mo
         backend_for(torch.zeros(8), "qsgd_encode")
 
 
+def test_triton_kernels_forced_without_a_gpu_is_one_line_in_process(monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Fast equivalent of test_triton_kernels_forced_without_a_gpu_is_one_line (slow; a fresh interpreter
+    importing Triton): the same command here, with LOWBIT_KERNELS=triton, Triton's interpreter off and no
+    CUDA: exit 2 with one line naming both variables."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("LOWBIT_KERNELS", "triton")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["codecs", "--codec", "qsgd:bits=4", *TINY]) == 2
+    _one_line(capsys.readouterr().err, "LOWBIT_KERNELS=triton", "TRITON_INTERPRET")
+
+
+@pytest.mark.slow
 def test_triton_kernels_forced_without_a_gpu_is_one_line() -> None:
+    """Fast equivalent: test_triton_kernels_forced_without_a_gpu_is_one_line_in_process."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["LOWBIT_KERNELS"] = "triton"
     code = ("import sys, torch\n"
@@ -98,8 +112,31 @@ def test_export_tensorboard_to_an_existing_file_is_one_line(tmp_path: Path,
     _one_line(capsys.readouterr().err, "--tensorboard", "not a folder")
 
 
+def test_a_closed_pipe_is_not_a_traceback_in_process(monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Fast equivalent of test_a_closed_pipe_is_not_a_traceback (slow; a fresh interpreter): the same
+    command here, its stdout a pipe whose reader is already gone: no traceback, exit 0 or 1, and stdout
+    pointed elsewhere so that a last flush (the interpreter's, at exit) no longer fails."""
+    read_fd, write_fd = os.pipe()
+    os.close(read_fd)
+    pipe = os.fdopen(write_fd, "w")
+    monkeypatch.setattr(sys, "stdout", pipe)
+    try:
+        code = main(["predict", "--dettmers"])
+        pipe.write("x")
+        pipe.flush()  # after lowbit's recipe the fd is /dev/null: this flush would raise on the dead pipe
+    finally:
+        monkeypatch.undo()
+        pipe.close()
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    assert code in (0, 1), (code, err)
+
+
+@pytest.mark.slow
 def test_a_closed_pipe_is_not_a_traceback() -> None:
-    """`lowbit ... | head`: the reader goes away before lowbit writes (the Python docs' SIGPIPE recipe)."""
+    """`lowbit ... | head`: the reader goes away before lowbit writes (the Python docs' SIGPIPE recipe).
+    Fast equivalent: test_a_closed_pipe_is_not_a_traceback_in_process."""
     proc = subprocess.Popen([sys.executable, "-m", "lowbit", "predict", "--dettmers"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, cwd=ROOT)
     proc.stdout.close()  # before Python has even started: every write of lowbit's meets a closed pipe
