@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -51,7 +52,11 @@ def _body(rank: int, world: int) -> dict:
     return out
 
 
-def test_per_tensor_codecs_through_the_hook() -> None:
+@pytest.mark.parametrize("kernels", ["reference", pytest.param("numba", marks=pytest.mark.slow)])
+def test_per_tensor_codecs_through_the_hook(kernels: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference kernels in the default run (the ranks fork from a server without numba: its import and
+    cache load cost ~2 s a rank); numba, the CPU default, is the slow parametrization, with the same checks."""
+    monkeypatch.setenv("LOWBIT_KERNELS", kernels)
     res = spawn(_body, 2, backend="gloo")
     for spec in ("onebit:bucket=0", "dettmers:type=dynamic"):
         grads, expected, calls, sent, want, quantised = res[0][spec]
