@@ -23,23 +23,43 @@ def _slow_link(bytes_per_s: float | None) -> None:
     C.emulate_link(bytes_per_s)
 
 
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps: a long backward pass (compute that hides the allreduces) without
+    burning the 2-core machine's CPU, so what auto measures depends little on the machine's load."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
 def _net() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
 
 
-def _train(model: nn.Module, steps: int, batch: int = 64, start: int = 0) -> None:
+def _train(model: nn.Module, steps: int, batch: int = 64, start: int = 0, sleep_s: float = 0.0) -> None:
+    """``sleep_s``: the backward pass ends with a sleep of that long (:class:`_SlowBackward` on the input,
+    whose gradient comes after every parameter's)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for step in range(start, start + steps):
         g = torch.Generator().manual_seed(step)
         x, y = torch.randn(batch, 256, generator=g), torch.randint(0, 10, (batch,), generator=g)
+        if sleep_s:
+            x = _SlowBackward.apply(x.requires_grad_(), sleep_s)
         loss = nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
 
 
-def _body(rank: int, world: int, bytes_per_s: float | None, batch: int, framework: bool = True) -> dict:
+def _body(rank: int, world: int, bytes_per_s: float | None, batch: int, framework: bool = True,
+          sleep_s: float = 0.0) -> dict:
     if bytes_per_s:
         # ranks measure differently (rank 1 holds the link longer), yet must decide the same
         _slow_link(bytes_per_s / (1 + rank))
@@ -52,7 +72,7 @@ def _body(rank: int, world: int, bytes_per_s: float | None, batch: int, framewor
         model.register_comm_hook(state, lowbit.ddp.hook)
     else:
         state = lowbit.ddp.register(model, codec="auto")
-    _train(model, 22, batch)
+    _train(model, 22, batch, sleep_s=sleep_s)
     d = state.auto.decision
     return {"plan": d.assignment, "fp32": d.fp32_is_best, "rows": d.rows, "iter": state.auto.decided_iter,
             "finalists": len(d.finalists), "measured": d.measured_s, "chosen": d.chosen, "table": d.table(),
@@ -80,7 +100,19 @@ def test_register_installs_the_hook_for_the_trials_only_when_compression_is_pred
     assert "(measured" in res[0]["chosen"]
 
 
+def test_compute_bound_job_keeps_fp32_emulated() -> None:
+    """Fast equivalent of test_compute_bound_job_keeps_fp32: a backward pass made long by sleeping
+    (0.15 s a step) instead of by a batch of 4096, so it hides every allreduce on local gloo whatever
+    the machine's load."""
+    res = spawn(_body, 2, None, 64, False, 0.15, backend="gloo")
+    assert res[0]["plan"] == res[1]["plan"]
+    assert res[0]["fp32"] and set(res[0]["plan"].values()) == {"fp32"}
+    assert res[0]["hooks"] == 0  # DDP's own allreduce stays: no Python hook to slow it
+
+
+@pytest.mark.slow
 def test_compute_bound_job_keeps_fp32() -> None:
+    """Real compute (fast equivalent: test_compute_bound_job_keeps_fp32_emulated)."""
     # A batch of 4096 makes the backward pass long enough to hide every allreduce on local gloo.
     res = spawn(_body, 2, None, 4096, False, backend="gloo")
     assert res[0]["plan"] == res[1]["plan"]
@@ -88,20 +120,34 @@ def test_compute_bound_job_keeps_fp32() -> None:
     assert res[0]["hooks"] == 0  # DDP's own allreduce stays: no Python hook to slow it
 
 
-def _body_remeasure(rank: int, world: int) -> dict:
+def _body_remeasure(rank: int, world: int, sleep_s: float = 0.0, batch: int = 4096) -> dict:
     _slow_link(None)  # the real (fast) loopback at first
     model = DDP(_net())
     state = lowbit.ddp.make_state(model.module, codec="auto", remeasure_every=4)
     model.register_comm_hook(state, lowbit.ddp.hook)
-    _train(model, 9, 4096)
+    _train(model, 9, batch, sleep_s=sleep_s)
     first = dict(state.auto.decision.assignment)
     _slow_link(20e6)  # the link slows down: the next probe (step 11) sees it
-    _train(model, 20, 4096, start=9)
+    _train(model, 20, batch, start=9, sleep_s=sleep_s)
     d = state.auto.decision
     return {"first": first, "then": d.assignment, "measured": d.measured_s, "decided": state.auto.decided_iter}
 
 
+def test_remeasure_follows_a_link_that_slows_down_emulated() -> None:
+    """Fast equivalent of test_remeasure_follows_a_link_that_slows_down: the long backward pass is a
+    sleep (0.1 s a step, batch 64), which hides the fast loopback's allreduces but not those of a
+    20 MB/s link (~5 MB of fp32 gradients a step)."""
+    res = spawn(_body_remeasure, 2, 0.1, 64, backend="gloo")
+    assert res[0]["then"] == res[1]["then"]
+    assert set(res[0]["first"].values()) == {"fp32"}  # compute-bound on a fast link
+    assert res[0]["then"]["2.weight"] != "fp32", res[0]["measured"]
+    assert "fp32" in res[0]["measured"] and res[0]["decided"] > 11
+
+
+@pytest.mark.slow
 def test_remeasure_follows_a_link_that_slows_down() -> None:
+    """Real compute (fast equivalent: test_remeasure_follows_a_link_that_slows_down_emulated); its
+    batch of 4096 needs an idle machine: at a load of 13 a step took 5.9 s and hid even the slow link."""
     res = spawn(_body_remeasure, 2, backend="gloo")
     assert res[0]["then"] == res[1]["then"]
     assert set(res[0]["first"].values()) == {"fp32"}  # compute-bound on a fast link
