@@ -110,3 +110,28 @@ def test_plan_step_is_pure_arithmetic() -> None:
     assert [m.members for m in p.messages] == [(0,), (1,)] and p.messages[-1].riders == (2,)
     with pytest.raises(ValueError, match="2 tensor sizes for 3"):
         timeline.plan_step([1, 2], ["q", "q", "q"], native=())
+
+
+@pytest.mark.parametrize("message_mb, algorithm, fp32_prefix", [("auto", "scatter_gather", ""), (0.5, "scatter_gather", ""),
+                                                                ("auto", "allgather", "0."), (2, "allgather", "0.")])
+def test_the_speed_model_prices_the_plan_the_hook_sends(monkeypatch, message_mb, algorithm: str, fp32_prefix: str) -> None:
+    """perfmodel.model.simulate_step, on a model's tensors as layers, prices the hook's messages."""
+    from lowbit.perfmodel import model as pm
+    from lowbit.perfmodel.collectives import Topology
+    from lowbit.perfmodel.links import Link
+
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Linear(512, 512, bias=False) for _ in range(12)])
+    plan = {n: "fp32" for n, _ in net.named_parameters() if fp32_prefix and n.startswith(fp32_prefix)}
+    hook, _ = _hook_plan(net, plan, message_mb, algorithm, 1)
+    names = [n for n, _ in net.named_parameters()]  # forward order, as the speed model takes layers
+    layers = [pm.Layer(n, p.numel(), 1e-3) for n, p in net.named_parameters()]
+    q = pm.LayerCodec(8.0625, algorithm, label=Q8)
+    codecs = [pm.LayerCodec(32.0, "allreduce", label="fp32") if n in plan else q for n in names]
+    seen = []
+    monkeypatch.setattr(pm, "plan_step", lambda *a, **k: seen.append(timeline.plan_step(*a, **k)) or seen[-1])
+    pm.simulate_step(layers, Topology(2, 2, Link(1e-5, 1e9)), algorithm="allreduce", bits=32.0, layer_codecs=codecs,
+                     bucket_bytes=MiB, first_bucket_bytes=MiB, message_mb=message_mb)
+    ready = list(reversed(names))
+    priced = [(get_codec(Q8).spec, [ready[i] for i in m.members], [ready[i] for i in m.riders]) for m in seen[0].messages]
+    assert priced == hook and hook

@@ -36,12 +36,12 @@ from lowbit.timeline import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES
 from lowbit.codecs.base import get_codec
 from lowbit.perfmodel.collectives import Topology, collective
 from lowbit.perfmodel.links import Link
-from lowbit.perfmodel.model import Layer, bits_per_value, codec_work, make_buckets
+from lowbit.perfmodel.model import Layer, bits_per_value, codec_work, make_buckets, step_collectives
 from lowbit.perfmodel.networks import get_network
 
 __all__ = ["fit_link", "design_row", "sums_on_wire", "canonical_spec", "LinkFit", "CodecFit", "RunRecord",
            "Calibration", "load_bench", "transport_key", "ScaleKey",
-           "OverheadKey", "fit_bench", "fit_study", "fit_comm_in_situ", "run_groups", "run_buckets",
+           "OverheadKey", "fit_bench", "fit_study", "fit_comm_in_situ", "run_groups",
            "run_layers", "network_profile", "pure_compute_s"]
 
 _UNIT = Link(latency_s=1.0, bandwidth_Bps=1.0, name="unit")
@@ -473,37 +473,30 @@ def run_layers(run: RunRecord, compute_s: float = 1.0) -> tuple[list[Layer], lis
     return layers, specs
 
 
-def run_buckets(run: RunRecord) -> list[list[tuple[str, str, int]]]:
-    """Per DDP bucket (1 MiB first, then 25 MiB, in backward order), the collectives the hook issues:
-    one per codec, ``(codec spec, algorithm, values)``."""
-    layers, specs = run_layers(run)
-    out = []
-    for b in make_buckets(layers, DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES):
-        groups: dict[str, int] = {}
-        for i in b.layers:
-            if layers[i].params:
-                groups[specs[i]] = groups.get(specs[i], 0) + layers[i].params
-        out.append([(spec, run.algorithm if spec != "fp32" else "allreduce", n) for spec, n in groups.items()])
-    return out
-
-
-def run_groups(run: RunRecord) -> list[tuple[str, str, int]]:
-    """The collectives of one step, bucket after bucket: ``[(codec spec, algorithm, values), ...]``."""
+def run_groups(run: RunRecord) -> list[tuple[str, str, int, int]]:
+    """The collectives of one step, as the hook issues them on the run's layers (DDP's buckets: 1 MiB
+    first, then 25 MiB; :func:`lowbit.perfmodel.model.step_collectives`): ``[(codec spec, algorithm,
+    values, fp32 values riding), ...]``."""
     if run.world <= 1 or run.params <= 0:
         return []
-    return [g for bucket in run_buckets(run) for g in bucket]
+    layers, specs = run_layers(run)
+    native = {"fp32"} | ({run.codec} if run.algorithm == "allreduce" else set())
+    events = step_collectives(layers, make_buckets(layers, DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES), specs,
+                              native=native, rider="fp32" if run.algorithm == "allgather" else None)
+    return [(spec, "allreduce" if spec in native else run.algorithm, n, riders) for _, spec, n, riders in events]
 
 
 def pure_compute_s(run: RunRecord) -> float:
     """The run's compute per step without the encoding done inside the backward pass.
 
-    lowbit's hook encodes a bucket on the training thread as soon as DDP hands it over, so with B buckets
-    the encoding of all but the last happens while gradients are still being computed and lands in the
-    measured compute; the speed model adds encoding separately.
+    lowbit's hook encodes a message on the training thread as soon as its last gradient is handed over,
+    so with M messages the encoding of all but the last happens while gradients are still being computed
+    and lands in the measured compute; the speed model adds encoding separately.
     """
-    b = len(run_buckets(run)) if run.world > 1 else 1
-    inside = run.encode_s * (b - 1) / b if run.codec_name != "fp32" else 0.0
-    return max(run.compute_s - inside, 0.0)
+    if run.codec_name == "fp32":
+        return max(run.compute_s, 0.0)
+    m = max(1, sum(1 for spec, _, _, _ in run_groups(run) if spec == run.codec))
+    return max(run.compute_s - run.encode_s * (m - 1) / m, 0.0)
 
 
 # ------------------------------------------------------------------------------------------ calibration
@@ -702,14 +695,14 @@ def fit_comm_in_situ(runs: Iterable[RunRecord]) -> Calibration:
     for transport, all_rs in by_backend.items():
         # the links: from one-node runs (runs as emulated nodes are modelled with the links they measured)
         rs = [r for r in all_rs if r.nodes == 1]
-        algos = sorted({a for r in rs for _, a, _ in run_groups(r)})
+        algos = sorted({a for r in rs for _, a, _, _ in run_groups(r)})
         if algos:
             col = {a: i for i, a in enumerate(algos)}
             rows, ys = [], []
             for r in rs:
                 row = np.zeros(2 * len(algos))
-                for spec, algo, n in run_groups(r):
-                    a, b = design_row(bits_per_value(spec, n) * n / 8, r.world, algo)
+                for spec, algo, n, riders in run_groups(r):
+                    a, b = design_row(bits_per_value(spec, n) * n / 8 + 4 * riders, r.world, algo)
                     row[2 * col[algo]] += a
                     row[2 * col[algo] + 1] += b
                 rows.append(row)
@@ -734,7 +727,7 @@ def fit_comm_in_situ(runs: Iterable[RunRecord]) -> Calibration:
             calls, work = [], []
             for r in crs:  # a run's values encoded and decoded per step, over its collectives of this codec
                 ws = [codec_work(algo, n, r.world, r.world // max(1, r.nodes), 16.0)
-                      for spec, _, n in run_groups(r) if spec == codec]
+                      for spec, _, n, _ in run_groups(r) if spec == codec]
                 calls.append(len(ws))
                 work.append((sum((e for e, _ in ws), 0.0), sum((d for _, d in ws), 0.0)))
             cal.codecs.setdefault(transport, {}).setdefault(algo, {})[codec] = _codec_cost(

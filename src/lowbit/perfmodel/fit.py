@@ -58,7 +58,8 @@ def model_step(run: RunRecord, cal: Calibration) -> tuple[float, Breakdown, str,
 
     Layers as :func:`lowbit.perfmodel.calibrate.run_layers` builds them (the network's profile, each
     layer split into the compressed part and an fp32 part), buckets as DDP makes them (1 MiB first, then
-    25 MiB): one collective per codec and bucket, communication overlapping the rest of the backward.
+    25 MiB), the messages the hook sends (:func:`lowbit.timeline.plan_step`), communication overlapping
+    the rest of the backward.
     """
     compute, compute_src = _compute_for(run, cal)
     if compute is None:

@@ -6,25 +6,29 @@ cluster (GPUs, GPUs per node, intra- and inter-node :class:`~lowbit.perfmodel.li
 the codec's bits per value, encode/decode throughput, and whether communication overlaps the backward.
 One step on two resources, the GPU's compute stream and one communication stream::
 
-    compute:  | forward | bwd L_n | enc B1 | bwd L_n-1 ... | enc Bm | ...decode B1..Bm... |
-    comm:                          | xfer B1 |    ...      | xfer Bm |
+    compute:  | forward | bwd L_n | enc M1 | bwd L_n-1 ... | enc Mm | ...decode M1..Mm... |
+    comm:                          | xfer M1 |    ...      | xfer Mm |
 
 Forward takes ``(1 - f) * sum(c_i)``, backward ``f * c_i`` per layer (``f = 2/3``: gradients for inputs and
-for weights, each about one forward). Gradients travel in DDP's buckets, in backward order; a bucket is
-encoded on the compute stream once its last layer's backward ends, then sent as soon as the comm stream is
-free (so it overlaps the backward of the layers before it); decoding runs after the backward, bucket by
-bucket. Values encoded / decoded per bucket are the algorithm's ``work`` (:func:`codec_work`), seconds =
-``4 * values / throughput`` (bytes of float32 per second); fp32 is never encoded. The step ends at the last
-decode, transfer or backward. ``layer_codecs`` (a mixed-precision policy) gives every layer its own
-:class:`LayerCodec`: inside a bucket the layers of one codec travel together, one collective per codec
-group, as ``lowbit.ddp``'s hook sends them.
+for weights, each about one forward). Gradients become ready in DDP's buckets, in backward order, and
+travel in the messages ``lowbit.ddp``'s hook sends (:func:`lowbit.timeline.plan_step`, one plan for the
+hook, ``codec="auto"`` and this model): quantised layers in message groups of one codec (closed at
+``message_mb``; ``"auto"``: at a bucket end once they hold 16 MiB or an eighth of the quantised
+gradients, the last bucket alone), natively summed ones (32 bits, or the native ``allreduce``) one
+collective per codec and bucket, fp32 riding in allgather messages. A message is encoded on the compute
+stream once its last layer's backward ends, then sent as soon as the comm stream is free (so it overlaps
+the backward of the layers before it); decoding runs after the backward, message by message. Values
+encoded / decoded per message are the algorithm's ``work`` (:func:`codec_work`), seconds = ``4 * values /
+throughput`` (bytes of float32 per second); fp32 is never encoded. The step ends at the last decode,
+transfer or backward. ``layer_codecs`` (a mixed-precision policy) gives every layer its own
+:class:`LayerCodec`; layers whose codecs are equal are one codec to the plan.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from lowbit.codecs.base import get_codec
@@ -33,9 +37,10 @@ from lowbit.comm.allreduce import resolve_algorithm as comm_resolve_algorithm
 from lowbit.perfmodel.collectives import Topology, collective, model_of, positive_int
 from lowbit.perfmodel.links import Link, parse_link
 from lowbit.perfmodel.networks import Network, get_network
+from lowbit.timeline import plan_step
 
 __all__ = ["bits_per_value", "Layer", "LayerCodec", "Cluster", "Breakdown", "Prediction", "layers_from_dict",
-           "layers_from_flops", "layers_for_network", "make_buckets", "codec_work", "simulate_step",
+           "layers_from_flops", "layers_for_network", "make_buckets", "step_collectives", "codec_work", "simulate_step",
            "resolve_algorithm", "predict", "predict_network"]
 
 FP32_BITS = 32.0
@@ -225,11 +230,14 @@ def simulate_step(
     backward_fraction: float = 2 / 3,
     layer_codecs: Sequence[LayerCodec] | None = None,
     first_bucket_bytes: float | None = None,
+    message_mb: float | str = "auto",
 ) -> tuple[float, Breakdown, float, int]:
     """One step on the two-stream timeline of the module doc -> (step_s, breakdown, bytes/rank, buckets).
 
-    ``layer_codecs`` (one per layer) overrides ``algorithm``/``bits``/rates layer by layer; a bucket then
-    sends one collective per codec group.
+    The messages are those ``lowbit.ddp``'s hook sends (:func:`lowbit.timeline.plan_step`, its
+    ``message_mb``): quantised layers in message groups, natively summed ones (32 bits, or the native
+    ``allreduce``) one collective per codec per bucket. ``layer_codecs`` (one per layer) overrides
+    ``algorithm``/``bits``/rates layer by layer.
     """
     if not layers:
         raise ValueError("the network has no layers")
@@ -239,49 +247,88 @@ def simulate_step(
         if rate is not None and not float(rate) > 0:
             raise ValueError("encode/decode throughput must be > 0 bytes/s")
     if layer_codecs is None:
-        uniform = LayerCodec(bits, algorithm, encode_Bps, decode_Bps)
-        layer_codecs = [uniform] * len(layers)
+        layer_codecs = [LayerCodec(bits, algorithm, encode_Bps, decode_Bps)] * len(layers)
     elif len(layer_codecs) != len(layers):
         raise ValueError(f"{len(layer_codecs)} layer codecs for {len(layers)} layers")
     compute = sum(layer.compute_s for layer in layers)
     t = (1 - backward_fraction) * compute                 # compute stream: forward done
     buckets = make_buckets(layers, bucket_bytes, first_bucket_bytes) if topo.world > 1 else []
-    comm_free, comm_busy, encode_total, sent = 0.0, 0.0, 0.0, 0.0
-    transfers: list[tuple[float, float]] = []              # (start-ready time, duration) per bucket
-    decode_times: list[float] = []
-    for b in buckets:
-        groups: dict[LayerCodec, int] = {}  # values per codec group, in the order the groups appear
-        for i in b.layers:
-            t += backward_fraction * layers[i].compute_s
-            groups[layer_codecs[i]] = groups.get(layer_codecs[i], 0) + layers[i].params
-        enc = dec = duration = 0.0
-        for lc, numel in groups.items():
+    order = [i for b in buckets for i in b.layers]        # backward order
+    kinds = {lc: str(k) for k, lc in enumerate(dict.fromkeys([layer_codecs[i] for i in order] + list(layer_codecs)))}
+    codec_of = {key: lc for lc, key in kinds.items()}
+    native = {key for lc, key in kinds.items() if lc.bits >= FP32_BITS or lc.algorithm == "allreduce"}
+    first = next((lc for lc, key in kinds.items() if key not in native), None)
+    rider = next((key for lc, key in kinds.items() if lc.bits >= FP32_BITS), None) \
+        if first is not None and first.algorithm == "allgather" else None
+    events = step_collectives(layers, buckets, [kinds[lc] for lc in layer_codecs], native=native, rider=rider,
+                              per_tensor={key for lc, key in kinds.items() if _per_tensor(lc.label)},
+                              message_mb=message_mb)
+    sends: list[tuple[float, float, float]] = []           # (ready, duration, decode) per collective, in order
+    encode_total, sent = 0.0, 0.0
+    for pos, i in enumerate(order):
+        t += backward_fraction * layers[i].compute_s
+        while events and events[0][0] == pos:
+            _, key, numel, riders = events.pop(0)
+            lc = codec_of[key]
             enc_vals, dec_vals = codec_work(lc.algorithm, numel, topo.world, topo.gpus_per_node, lc.bits)
-            if enc_vals:
-                enc += lc.encode_call_s + (4 * enc_vals / lc.encode_Bps if lc.encode_Bps else 0.0)
-            if dec_vals:
-                dec += lc.decode_call_s + (4 * dec_vals / lc.decode_Bps if lc.decode_Bps else 0.0)
+            enc = lc.encode_call_s + (4 * enc_vals / lc.encode_Bps if lc.encode_Bps else 0.0) if enc_vals else 0.0
+            dec = lc.decode_call_s + (4 * dec_vals / lc.decode_Bps if lc.decode_Bps else 0.0) if dec_vals else 0.0
             group_topo = topo if lc.link is None else dataclasses.replace(
                 topo, intra=lc.link, inter=lc.link if topo.inter is not None else None)
-            cost = collective(lc.algorithm, numel * lc.bits / 8, group_topo,
-                              fp32_bytes=4 * numel if lc.bits < FP32_BITS else None)
-            duration += cost.time_s
+            cost = collective(lc.algorithm, numel * lc.bits / 8 + 4 * riders, group_topo,
+                              fp32_bytes=4 * (numel + riders) if lc.bits < FP32_BITS else None)
+            t += enc  # encoding runs on the compute stream, before the send
+            encode_total += enc
             sent += cost.bytes_per_rank
-        t += enc
-        encode_total += enc
-        transfers.append((t, duration))
-        decode_times.append(dec)
-        comm_busy += duration
+            sends.append((t, cost.time_s, dec))
     if not buckets:
         t = compute
     backward_end = d = t
-    for (ready, duration), dec in zip(transfers, decode_times):  # transfers in order; each decode after its own
+    comm_free = comm_busy = 0.0
+    for ready, duration, dec in sends:  # transfers in order; each decode after its own
         comm_free = max(ready if overlap else backward_end, comm_free) + duration
         d = max(d, comm_free) + dec
+        comm_busy += duration
     step = max(d, comm_free, backward_end)
-    decode_total = sum(decode_times)
+    decode_total = sum(dec for _, _, dec in sends)
     exposed = max(0.0, step - compute - encode_total - decode_total)
     return step, Breakdown(compute, exposed, encode_total, decode_total, comm_busy), sent, len(buckets)
+
+
+def step_collectives(layers: Sequence[Layer], buckets: Sequence[Bucket], specs: Sequence[str], *,
+                     native: Collection[str], rider: str | None = None, per_tensor: Collection[str] = (),
+                     message_mb: float | str = "auto") -> list[tuple[int, str, int, int]]:
+    """The collectives of a step in the order the hook issues them, on :func:`lowbit.timeline.plan_step`'s
+    plan of the layers (``specs[i]``: layer i's codec; ``buckets`` from :func:`make_buckets`):
+    ``(position in backward order after whose backward it goes, spec, values, fp32 values riding)``; a
+    message once its last layer is ready, a bucket's native units (one per spec) when the bucket ends."""
+    order = [i for b in buckets for i in b.layers]
+    plan = plan_step([layers[i].params for i in order], [specs[i] for i in order], native=native, rider=rider,
+                     per_tensor=per_tensor, message_mb=message_mb,
+                     buckets=[k for k, b in enumerate(buckets) for _ in b.layers])
+    completes = {m.last: m for m in plan.messages}
+    native_at = set(plan.native)
+    out: list[tuple[int, str, int, int]] = []
+    units: dict[str, int] = {}
+    for pos, i in enumerate(order):
+        m = completes.get(pos)
+        if m is not None:
+            out.append((pos, m.spec, sum(layers[order[j]].params for j in m.members),
+                        sum(layers[order[j]].params for j in m.riders)))
+        if pos in native_at:
+            units[specs[i]] = units.get(specs[i], 0) + layers[i].params
+        if pos + 1 == len(order) or plan.buckets[pos + 1] != plan.buckets[pos]:
+            out += [(pos, spec, n, 0) for spec, n in units.items()]
+            units = {}
+    return [e for e in out if e[2] + e[3] > 0]  # parameter-free layers send nothing
+
+
+def _per_tensor(label: str) -> bool:
+    """Whether the codec of a spec sends each tensor alone (a label that is no spec: no)."""
+    try:
+        return bool(label) and get_codec(label).per_tensor
+    except ValueError:
+        return False
 
 
 def resolve_algorithm(algorithm: str, codec: Any, world: int) -> str:
