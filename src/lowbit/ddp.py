@@ -65,7 +65,9 @@ Tuning guide (:class:`DDPConfig`'s options):
 
 Residuals live in one flat buffer per message group; ``state.residuals`` holds per-parameter views of
 them, so they survive bucket rebuilds and checkpoints: ``state.state_dict()`` / ``load_state_dict()``
-resume a run bit-identically. Residuals differ between ranks: save and load each rank's own.
+resume a run bit-identically. Residuals differ between ranks: save and load each rank's own. The update,
+the rule for non-finite values and the residuals' checkpoint format are :mod:`lowbit.feedback`'s (the
+collectives apply the first two; a step whose reduced result is not finite leaves every residual as it was).
 
 No ``from __future__ import annotations`` here: DDP inspects the hook's annotations at registration.
 """
@@ -90,6 +92,7 @@ from lowbit.choose import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, closes_after
 from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
 from lowbit.comm.allreduce import AUTO, CommStats, get_algorithm, resolve_algorithm, start
+from lowbit.feedback import load_residuals, residuals_state
 from lowbit.policy import Policy
 
 __all__ = ["DDPConfig", "LowbitState", "hook", "make_state", "register", "ConfigMismatchError", "message_limit"]
@@ -664,7 +667,7 @@ class LowbitState:
             "config": self.config(),
             "rank": rank,
             "world_size": size,
-            "residuals": {k: v.detach().cpu().clone() for k, v in self.residuals.items()},
+            "residuals": residuals_state(self.residuals),
             **({"auto": self.auto.state_dict()} if self.auto is not None else {}),
         }
 
@@ -714,18 +717,7 @@ class LowbitState:
                              + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""))
         if self.auto is not None:  # the decision first: it sets the plan the residuals belong to
             self.auto.load_state_dict(self, state.get("auto", {"config": self.auto.config(), "decision": None}))
-        loaded = {}
-        for name, v in residuals.items():
-            if not isinstance(v, torch.Tensor) or not v.is_floating_point():
-                raise ValueError(f"lowbit checkpoint: the residual of {name} must be a float tensor, got "
-                                 f"{getattr(v, 'dtype', type(v).__name__)}")
-            want = self._numels.get(name)
-            if want is not None and v.numel() != want:
-                raise ValueError(f"lowbit checkpoint: the residual of {name} has {v.numel()} values, the "
-                                 f"parameter has {want}")
-            if not bool(torch.isfinite(v).all()):
-                raise ValueError(f"lowbit checkpoint: the residual of {name} holds Inf or NaN")
-            loaded[name] = v.detach().to(self._devices.get(name, "cpu"), torch.float32).reshape(-1).clone()
+        loaded = load_residuals(residuals, "lowbit checkpoint", self._numels, self._devices)
         self.iter = it
         if self.auto is not None:
             self.auto.forwards = it

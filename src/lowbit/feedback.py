@@ -1,27 +1,91 @@
 """Error feedback (residual memory) for any codec: the sigma-delta trick of 1bitSGD.
 
-For each key (a tensor name, a DDP bucket index, a chunk of a collective)::
+For each key (a tensor name, a DDP message group, a chunk of a collective)::
 
     p = x + e          # compensate: add what previous steps failed to send
     payload = encode(p)
     e = p - decode(payload)   # remember what this step failed to send
 
 so the sum of everything delivered tracks the sum of everything produced, within one step's error.
-Residuals are float32 tensors on the input's device; ``state_dict()`` / ``load_state_dict()`` carry
-them through checkpoints so a resumed run continues bit-identically.
+
+This module is error feedback's one home, used by the collectives (:mod:`lowbit.comm`), the DDP hook
+and :class:`ErrorFeedback` alike:
+
+* :func:`encode_with_feedback` — the update above, in place on a float32 residual;
+* :func:`restore_unless_finite` — the one rule for non-finite values: a step whose *result* holds an Inf
+  or NaN leaves every residual as it was before the step. In a collective the result is the reduced
+  tensor, the same on every rank (one rank's Inf reaches all, and AMP's GradScaler skips the step
+  everywhere), so every rank puts its residual back; for one rank alone it is what its payload delivers.
+  The bad step's Inf/NaN still reaches the output (codecs keep non-finite values non-finite).
+* :func:`residuals_state` / :func:`load_residuals` — the one checkpoint format of residuals: a dict
+  name -> flat float32 CPU tensor, checked on load (float tensors, finite, the right size).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from lowbit.codecs.base import Codec, get_codec
 
+__all__ = ["ErrorFeedback", "encode_with_feedback", "restore_unless_finite", "residuals_state", "load_residuals"]
+
+
+def encode_with_feedback(codec: Codec, comp: torch.Tensor, residual: torch.Tensor | None, seed: int,
+                         shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Encode ``comp`` (flat ``(n,)`` float32, already compensated: ``x + residual``; viewed as ``shape``
+    for per-tensor codecs) and, with error feedback, leave ``residual = comp - decode(payload)`` (in place;
+    ``residual`` must not alias ``comp``)."""
+    payload = codec.encode(comp.view(shape) if shape is not None else comp, seed=seed)
+    if residual is not None and comp.numel():
+        codec.decode(payload, comp.numel(), out=residual,
+                     shape=shape if shape is not None else codec.flat_shape(comp.numel()))
+        torch.sub(comp, residual, out=residual)
+    return payload
+
+
+def restore_unless_finite(residual: torch.Tensor, before: torch.Tensor, result: torch.Tensor) -> None:
+    """The rule for non-finite values (module doc): ``residual`` goes back to ``before`` (its value before
+    the step) when ``result`` holds an Inf or NaN. Decided on the device: no host synchronisation."""
+    torch.where(torch.isfinite(result).all(), residual, before, out=residual)
+
+
+def residuals_state(residuals: Mapping[Any, torch.Tensor]) -> dict[Any, torch.Tensor]:
+    """Residuals as checkpointed: flat float32 copies on the CPU, by key."""
+    return {k: v.detach().reshape(-1).to("cpu", torch.float32).clone() for k, v in residuals.items()}
+
+
+def load_residuals(residuals: Any, where: str, numels: Mapping[Any, int] | None = None,
+                   devices: Mapping[Any, torch.device | str] | Any = None) -> dict[Any, torch.Tensor]:
+    """Check a :func:`residuals_state` dict and return its residuals as flat float32 tensors on their
+    devices (``devices``: one device for all, a mapping key -> device (CPU where absent), or None: where
+    they are). A ``ValueError``
+    (its message starts with ``where``) for anything else: not a dict, a residual that is not a float
+    tensor, holds an Inf or NaN, or whose size differs from ``numels[key]``."""
+    if not isinstance(residuals, dict):
+        raise ValueError(f"{where}: 'residuals' must be a dict, got {type(residuals).__name__}")
+    out = {}
+    for k, v in residuals.items():
+        if not isinstance(v, torch.Tensor) or not v.is_floating_point():
+            raise ValueError(f"{where}: the residual of {k} must be a float tensor, got "
+                             f"{getattr(v, 'dtype', type(v).__name__)}")
+        want = numels.get(k) if numels is not None else None
+        if want is not None and v.numel() != want:
+            raise ValueError(f"{where}: the residual of {k} has {v.numel()} values, the tensor has {want}")
+        if not bool(torch.isfinite(v).all()):
+            raise ValueError(f"{where}: the residual of {k} holds Inf or NaN")
+        device = devices.get(k, "cpu") if isinstance(devices, Mapping) else (devices if devices is not None else v.device)
+        out[k] = v.detach().to(device, torch.float32).reshape(-1).clone()
+    return out
+
 
 class ErrorFeedback:
+    """Residuals by key for one codec: :meth:`residual` hands a collective its buffer (it updates it with
+    :func:`encode_with_feedback` and the non-finite rule), :meth:`encode` does a whole step for one rank
+    alone; ``state_dict()`` / ``load_state_dict()`` carry the residuals through checkpoints (per rank)."""
+
     def __init__(self, codec: Codec | str) -> None:
         self.codec = get_codec(codec) if isinstance(codec, str) else codec
         self.residuals: dict[Hashable, torch.Tensor] = {}
@@ -39,39 +103,19 @@ class ErrorFeedback:
             )
         return e
 
-    def compensate(self, key: Hashable, x: torch.Tensor) -> torch.Tensor:
-        """x + e (float32, flat). Does not modify ``x``."""
-        flat = x.reshape(-1).to(torch.float32)
-        e = self.residuals.get(key)
-        if e is None:
-            return flat.clone() if flat.data_ptr() == x.data_ptr() else flat
-        if e.numel() != flat.numel():
-            raise ValueError(
-                f"error feedback for key {key!r}: residual has {e.numel()} elements but the tensor has "
-                f"{flat.numel()} (did the model or bucket layout change?)"
-            )
-        return flat + e
-
-    def update(self, key: Hashable, compensated: torch.Tensor, delivered: torch.Tensor) -> None:
-        """e = compensated - delivered (both flat float32). A step whose input was not finite leaves the
-        residual as it was (its Inf/NaN still reaches the output, so AMP's GradScaler skips the step)."""
-        new = compensated - delivered
-        old = self.residuals.get(key)
-        if old is not None:
-            new = torch.where(torch.isfinite(compensated).all(), new, old)
-        else:
-            new = torch.where(torch.isfinite(compensated).all(), new, torch.zeros_like(new))
-        self.residuals[key] = new
-
     def encode(
         self, key: Hashable, x: torch.Tensor, seed: int = 0, shape: Sequence[int] | None = None
     ) -> torch.Tensor:
-        """Compensate, encode, and remember the new residual; returns the payload."""
-        p = self.compensate(key, x)
-        src = p.view(tuple(shape)) if shape is not None else p.view(x.shape) if x.dim() else p
-        payload = self.codec.encode(src, seed=seed)
-        delivered = self.codec.decode(payload, p.numel(), shape=shape if shape is not None else tuple(x.shape))
-        self.update(key, p, delivered)
+        """Compensate ``x`` with ``key``'s residual, encode, and remember what the payload lost; returns
+        the payload. A payload that delivers an Inf or NaN leaves the residual as it was."""
+        e = self.residual(key, x.numel(), x.device)
+        comp = x.reshape(-1).to(torch.float32) + e  # (n,) float32, a new tensor
+        before = e.clone()
+        if shape is None and x.dim():
+            shape = tuple(x.shape)
+        payload = encode_with_feedback(self.codec, comp, e, seed, tuple(shape) if shape is not None else None)
+        # one rank alone: what it delivers is comp - e, not finite exactly where e is not
+        restore_unless_finite(e, before, e)
         return payload
 
     def reset(self) -> None:
@@ -81,10 +125,7 @@ class ErrorFeedback:
         return float(sum(float(e.double().pow(2).sum()) for e in self.residuals.values()) ** 0.5)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "codec": self.codec.spec,
-            "residuals": {k: v.detach().cpu().clone() for k, v in self.residuals.items()},
-        }
+        return {"codec": self.codec.spec, "residuals": residuals_state(self.residuals)}
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device | str | None = None) -> None:
         if not isinstance(state, dict):
@@ -96,16 +137,4 @@ class ErrorFeedback:
             )
         if "residuals" not in state:
             raise ValueError("error-feedback checkpoint has no 'residuals' (save ErrorFeedback.state_dict() as it is)")
-        residuals = state.get("residuals")
-        if not isinstance(residuals, dict):
-            raise ValueError(f"error-feedback checkpoint: 'residuals' must be a dict, got {type(residuals).__name__}")
-        for k, v in residuals.items():
-            if not isinstance(v, torch.Tensor) or not v.is_floating_point():
-                raise ValueError(f"error-feedback checkpoint: residual {k!r} must be a float tensor, got "
-                                 f"{getattr(v, 'dtype', type(v).__name__)}")
-            if not bool(torch.isfinite(v).all()):
-                raise ValueError(f"error-feedback checkpoint: residual {k!r} holds Inf or NaN")
-        self.residuals = {
-            k: (v.to(device) if device is not None else v).to(torch.float32).reshape(-1).clone()
-            for k, v in residuals.items()
-        }
+        self.residuals = load_residuals(state["residuals"], "error-feedback checkpoint", devices=device)
