@@ -39,11 +39,37 @@ def _rows(path: Path, kind: str) -> list[dict]:
     return [r for r in ResultStore(path).rows() if r["kind"] == kind]
 
 
+def test_study_crash_resume_and_report_fast(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys,
+                                           reference_kernels) -> None:
+    """Fast equivalent of test_study_crash_resume_and_report (slow): the same crash, resume, rerun, dry
+    run, TensorBoard log and report, with the same checks, on the smoke preset pointed at CIFAR-10 files
+    written here (real data without scikit-learn in the workers; batches of 16) with the reference kernels."""
+    from tests.unit.test_ondisk_data import write_cifar
+
+    write_cifar(tmp_path / "cifar-10-batches-py", per_batch=40, n_test=40)
+    cfg = tmp_path / "smoke_cifar.toml"
+    cfg.write_text(f"""extends = "smoke"
+datasets = ["cifar10"]
+batch_sizes = [16]
+[dataset_args.cifar10]
+data_dir = "{tmp_path}"
+""")
+    _crash_resume_and_report(tmp_path, monkeypatch, capsys, ["study", "--config", str(cfg)], "cifar10", 16)
+
+
+@pytest.mark.slow
 def test_study_crash_resume_and_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """The smoke preset as a user runs it: digits, numba's kernels. Fast equivalent:
+    test_study_crash_resume_and_report_fast."""
+    _crash_resume_and_report(tmp_path, monkeypatch, capsys, ["study", "--preset", "smoke"], "digits", 32)
+
+
+def _crash_resume_and_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys, study: list[str],
+                             dataset: str, batch: int) -> None:
     out = tmp_path / "res"
     # 1. A crash injected after the first finished run: the study stops, the run is saved.
     monkeypatch.setenv(CRASH_ENV, "1")
-    assert main([*SMOKE, "--out", str(out)]) == 1
+    assert main([*study, "--no-progress", "--out", str(out)]) == 1
     assert "rerun the same command to resume" in capsys.readouterr().err
     first = _rows(out, "run")
     assert len(first) == 1
@@ -52,10 +78,10 @@ def test_study_crash_resume_and_report(tmp_path: Path, monkeypatch: pytest.Monke
     # 2. Rerun (no crash): only the missing run runs; the finished one is kept, not repeated.
     monkeypatch.delenv(CRASH_ENV)
     tb = tmp_path / "tb"
-    assert main(["study", "--preset", "smoke", "--out", str(out), "--tensorboard", str(tb)]) == 0  # progress bar
+    assert main([*study, "--out", str(out), "--tensorboard", str(tb)]) == 0  # progress bar
     # the run that ran now logged its epoch to TensorBoard, live (one directory per run, named readably)
     logged = [d for d in tb.iterdir() if any(d.glob("events.out.tfevents.*"))]
-    assert len(logged) == 1 and logged[0].name.startswith("small_cnn_digits_QSGD"), logged
+    assert len(logged) == 1 and logged[0].name.startswith(f"small_cnn_{dataset}_QSGD"), logged
     text = capsys.readouterr().out
     assert "1 run(s) done, 1 already there" in text and "report:" in text
     runs = _rows(out, "run")
@@ -67,7 +93,7 @@ def test_study_crash_resume_and_report(tmp_path: Path, monkeypatch: pytest.Monke
         assert s["samples_per_s"] > 0 and 0.0 <= s["final_test_acc"] <= 1.0 and s["final_train_loss"] > 0
         assert ep["bytes_sent_per_rank"] > 0 and ep["train_s"] > 0
         assert abs(ep["compute_s"] + ep["exposed_comm_s"] - ep["train_s"]) < 1e-9
-        assert ep["comm_s"] > 0 and ep["samples"] == ep["steps"] * 32 * 2
+        assert ep["comm_s"] > 0 and ep["samples"] == ep["steps"] * batch * 2
     by = {r["config"]["codec"].split(":")[0]: r for r in runs}
     # 4-bit QSGD puts far fewer bytes on the wire than fp32
     assert by["qsgd"]["summary"]["bytes_per_step_per_rank"] < 0.5 * by["fp32"]["summary"]["bytes_per_step_per_rank"]
@@ -75,11 +101,11 @@ def test_study_crash_resume_and_report(tmp_path: Path, monkeypatch: pytest.Monke
 
     # 3. Rerun again: nothing left to do, nothing appended.
     size = (out / "results.jsonl").stat().st_size
-    assert main([*SMOKE, "--out", str(out), "--no-report"]) == 0
+    assert main([*study, "--no-progress", "--out", str(out), "--no-report"]) == 0
     assert "0 run(s) done, 2 already there" in capsys.readouterr().out
     assert (out / "results.jsonl").stat().st_size == size
     # ... and the dry run lists both as done
-    assert main([*SMOKE, "--out", str(out), "--dry-run"]) == 0
+    assert main([*study, "--no-progress", "--out", str(out), "--dry-run"]) == 0
     listing = capsys.readouterr().out
     assert listing.count("  done  ") == 2 and "todo" not in listing
 
@@ -291,17 +317,10 @@ def _as_torchrun_rank(rank: int, world: int, port: int, argv: list[str]) -> int:
     RANK / WORLD_SIZE / MASTER_* in the environment, the group made from them by the study."""
     import torch.distributed as dist
 
-    dist.destroy_process_group()
+    dist.destroy_process_group()  # (lowbit.launch's shutdown then finds none to tear down)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    try:
-        return main(argv)
-    finally:
-        import torch.distributed as dist2
-
-        if not dist2.is_initialized():  # lowbit.launch's shutdown expects a group to tear down
-            dist2.init_process_group("gloo", rank=rank, world_size=world,
-                                     init_method=f"tcp://127.0.0.1:{port + 1}")
+    return main(argv)
 
 
 def test_torchrun_launch_fast(tmp_path: Path, reference_kernels) -> None:
