@@ -405,8 +405,26 @@ def _fake_rows(tmp_path: Path) -> Path:
     return store.path
 
 
+def test_report_verdicts_on_made_up_rows(tmp_path: Path) -> None:
+    """Fast equivalent of test_report_logic_on_made_up_rows (slow): the same verdicts from the same rows,
+    without drawing the report (~3 s of matplotlib; the crash/resume test draws one)."""
+    _check_verdicts(_fake_rows(tmp_path))
+
+
+@pytest.mark.slow
 def test_report_logic_on_made_up_rows(tmp_path: Path) -> None:
+    """Verdicts and the drawn report. Fast equivalent: test_report_verdicts_on_made_up_rows."""
     path = _fake_rows(tmp_path)
+    _check_verdicts(path)
+    assert main(["report", str(path), "--out", str(tmp_path / "rep"), "--price-per-gpu-hour", "1"]) == 0
+    index = tmp_path / "rep" / "index.html"
+    html = index.read_text()
+    names = {p.name for p in index.parent.glob("*.png")}
+    assert {"fig12_15_scalability.png", "fig16_speedup_ratio.png", "fig16_price_accuracy.png"} <= names
+    assert "SYNTHETIC" in html and "[seed 555.0]" in html   # ResNet-110, 32bit, 2 GPUs, Figure 10
+
+
+def _check_verdicts(path: Path) -> None:
     runs, _ = load_runs(path)
     rows = {r["label"]: r for r in accuracy_matches(runs)}
     assert all(r["dataset"] != "synthetic" for r in rows.values())
@@ -414,12 +432,6 @@ def test_report_logic_on_made_up_rows(tmp_path: Path) -> None:
     assert rows["QSGD 8bit/512"]["verdict"] == "matches" and rows["QSGD 8bit/512"]["n_pairs"] == 3
     assert rows["QSGD 2bit/128"]["verdict"] == "does not match"
     assert abs(rows["QSGD 2bit/128"]["diff_mean"] * 100 - (-1.0)) < 1e-6
-    assert main(["report", str(path), "--out", str(tmp_path / "rep"), "--price-per-gpu-hour", "1"]) == 0
-    index = tmp_path / "rep" / "index.html"
-    html = index.read_text()
-    names = {p.name for p in index.parent.glob("*.png")}
-    assert {"fig12_15_scalability.png", "fig16_speedup_ratio.png", "fig16_price_accuracy.png"} <= names
-    assert "SYNTHETIC" in html and "[seed 555.0]" in html   # ResNet-110, 32bit, 2 GPUs, Figure 10
 
 
 def _parallel_args(out: Path, parallelism: list[str], epochs: str) -> list[str]:

@@ -7,12 +7,26 @@ import shutil
 import warnings
 from pathlib import Path
 
+import pytest
+
 from lowbit.study.report import load_runs, write_report
 
 REAL = Path(__file__).resolve().parents[1] / "fixtures" / "study_cpu_default" / "results.jsonl"
 
 
+def test_malformed_rows_are_skipped_with_their_line_unrendered(tmp_path: Path) -> None:
+    """Fast equivalent of test_malformed_rows_are_skipped_with_their_line (slow): the same rows and
+    warnings, without drawing the report from them (~3 s of matplotlib)."""
+    _malformed(tmp_path, render=False)
+
+
+@pytest.mark.slow
 def test_malformed_rows_are_skipped_with_their_line(tmp_path: Path) -> None:
+    """Fast equivalent: test_malformed_rows_are_skipped_with_their_line_unrendered."""
+    _malformed(tmp_path, render=True)
+
+
+def _malformed(tmp_path: Path, render: bool) -> None:
     path = tmp_path / "results.jsonl"
     shutil.copy(REAL, path)
     good = [json.loads(x) for x in REAL.read_text().splitlines() if x.strip() and json.loads(x).get("kind") == "run"]
@@ -42,6 +56,8 @@ def test_malformed_rows_are_skipped_with_their_line(tmp_path: Path) -> None:
     msgs = [str(w.message) for w in caught]
     for i in range(len(bad)):
         assert any(f"line {n_lines + 1 + i}:" in m and f"bad{i}" in m for m in msgs), (i, msgs)
+    if not render:
+        return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         write_report(path, tmp_path / "report")  # the whole report still renders

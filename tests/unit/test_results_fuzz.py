@@ -113,17 +113,32 @@ def _one_line_error(err: str) -> None:
     assert len(lines) == 1 and "Traceback" not in err, err
 
 
+def test_every_reader_but_the_drawn_report_skips_them_all_or_refuses_them_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Fast equivalent of test_every_reader_skips_them_all_with_one_warning_or_refuses_them_in_one_line
+    (slow): export and predict --validate as there, and report --strict refusing in one line; the report
+    is not drawn (~3 s of matplotlib)."""
+    _every_reader(tmp_path, capsys, draw_report=False)
+
+
+@pytest.mark.slow
 def test_every_reader_skips_them_all_with_one_warning_or_refuses_them_in_one_line(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Fast equivalent: test_every_reader_but_the_drawn_report_skips_them_all_or_refuses_them_in_one_line."""
+    _every_reader(tmp_path, capsys, draw_report=True)
+
+
+def _every_reader(tmp_path: Path, capsys: pytest.CaptureFixture[str], draw_report: bool) -> None:
     path, n_good, where = _write(tmp_path, CASES)
     # a name with matplotlib's math delimiter is a name, drawn as written
     row = {**_base_rows()[-1], "key": "dollar"}
     row["config"] = {**row["config"], "network": "mlp$_{$x", "seed": 7}
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
+    report = ["report", str(path), "--out", str(tmp_path / "report")]
     for argv in (["export", str(path), "--csv", str(tmp_path / "csv")],
                  ["predict", "--validate", str(path)],
-                 ["report", str(path), "--out", str(tmp_path / "report")]):
+                 *([report] if draw_report else [])):
         assert main(argv) == 0, argv
         err = capsys.readouterr().err
         assert "Traceback" not in err
@@ -134,7 +149,12 @@ def test_every_reader_skips_them_all_with_one_warning_or_refuses_them_in_one_lin
             assert re.search(rf"\b{line}\b", warned[0].split("rows:", 1)[1]), (line, warned[0])
         assert main([*argv, "--strict"]) == 2, argv
         _one_line_error(capsys.readouterr().err)
-    assert "mlp$_{$x" in (tmp_path / "report" / "index.html").read_text()
+    if draw_report:
+        assert "mlp$_{$x" in (tmp_path / "report" / "index.html").read_text()
+    else:
+        assert main([*report, "--strict"]) == 2
+        _one_line_error(capsys.readouterr().err)
+        assert not (tmp_path / "report").exists()
     assert "mlp$_{$x" in (tmp_path / "csv" / "runs.csv").read_text()
 
 
