@@ -86,7 +86,9 @@ def _body(rank: int, world: int) -> dict:
     for fb in (True, False):
         ef = lowbit.ErrorFeedback("onebit:bucket=64") if fb else None
         acc = torch.zeros(4097, dtype=torch.float64)
-        steps = 100
+        # (without feedback: the same input gives the same result every step (onebit is deterministic), so
+        # its error, measured 0.59, is the same after 10 steps as after 100)
+        steps = 100 if fb else 10
         for s in range(steps):
             t = x.clone()
             lowbit.all_reduce(t, "onebit:bucket=64", algorithm="hierarchical", op="mean", node_size=2,
