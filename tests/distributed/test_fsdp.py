@@ -227,6 +227,8 @@ def _train_ref(rank: int, steps: int) -> list[torch.Tensor]:
 
 
 def test_fsdp_two_ranks() -> None:
+    """Also the fast equivalent of test_fsdp_with_torch_compile (slow): part 1, codec fp32 against plain FSDP2,
+    without torch.compile."""
     r0, r1 = spawn(_body_two, 2, backend="gloo", timeout_s=240)
     for r in (r0, r1):
         assert r["fp32_diff"] == 0.0  # the same float32 sums as FSDP's reduce-scatter
