@@ -92,7 +92,7 @@ from lowbit.choose import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, closes_after
 from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
 from lowbit.comm.allreduce import AUTO, CommStats, get_algorithm, resolve_algorithm, start
-from lowbit.feedback import load_residuals, residuals_state
+from lowbit.feedback import flat_residual, load_residuals, residuals_state
 from lowbit.policy import Policy
 
 __all__ = ["DDPConfig", "LowbitState", "hook", "make_state", "register", "ConfigMismatchError", "message_limit"]
@@ -321,7 +321,7 @@ class _Group:
                       if codec.per_tensor and len(members) == 1 else None)
         self.residual: Optional[torch.Tensor] = None
         if state.uses_feedback(codec) and self.n:
-            self.residual = _residual_views(state, members, device)
+            self.residual = flat_residual(state.residuals, members, device)
         self.arrived = 0
         self.src: List[torch.Tensor] = []
         self.dst: List[torch.Tensor] = []
@@ -361,23 +361,6 @@ class _Group:
                     done.set_exception(exc)  # type: ignore[union-attr]
 
         fut.add_done_callback(fail)
-
-
-def _residual_views(state: "LowbitState", members: List[Tuple[str, int]], device: torch.device) -> torch.Tensor:
-    """One flat residual buffer for ``members``, with per-parameter views in ``state.residuals`` (filled
-    from a loaded checkpoint where it has them)."""
-    flat = torch.zeros(sum(n for _, n in members), dtype=torch.float32, device=device)
-    pos = 0
-    for name, n in members:
-        view = flat[pos : pos + n]
-        old = state.residuals.get(name)
-        if old is not None:
-            if old.numel() != n:
-                raise ValueError(f"lowbit: the residual of {name} holds {old.numel()} values, the parameter has {n}")
-            view.copy_(old.reshape(-1))
-        state.residuals[name] = view
-        pos += n
-    return flat
 
 
 def _plan_groups(state: "LowbitState", k: int, device: torch.device) -> Dict[str, _Group]:

@@ -17,6 +17,8 @@ and :class:`ErrorFeedback` alike:
   tensor, the same on every rank (one rank's Inf reaches all, and AMP's GradScaler skips the step
   everywhere), so every rank puts its residual back; for one rank alone it is what its payload delivers.
   The bad step's Inf/NaN still reaches the output (codecs keep non-finite values non-finite).
+* :func:`flat_residual` — one buffer for several keys sent as one message (the DDP hook's message
+  groups), the residuals by key being its views;
 * :func:`residuals_state` / :func:`load_residuals` — the one checkpoint format of residuals: a dict
   name -> flat float32 CPU tensor, checked on load (float tensors, finite, the right size).
 """
@@ -30,7 +32,8 @@ import torch
 
 from lowbit.codecs.base import Codec, get_codec
 
-__all__ = ["ErrorFeedback", "encode_with_feedback", "restore_unless_finite", "residuals_state", "load_residuals"]
+__all__ = ["ErrorFeedback", "encode_with_feedback", "restore_unless_finite", "flat_residual", "residuals_state",
+           "load_residuals"]
 
 
 def encode_with_feedback(codec: Codec, comp: torch.Tensor, residual: torch.Tensor | None, seed: int,
@@ -50,6 +53,26 @@ def restore_unless_finite(residual: torch.Tensor, before: torch.Tensor, result: 
     """The rule for non-finite values (module doc): ``residual`` goes back to ``before`` (its value before
     the step) when ``result`` holds an Inf or NaN. Decided on the device: no host synchronisation."""
     torch.where(torch.isfinite(result).all(), residual, before, out=residual)
+
+
+def flat_residual(residuals: dict[Any, torch.Tensor], members: Sequence[tuple[Any, int]],
+                  device: torch.device | str) -> torch.Tensor:
+    """One flat ``(sum n,)`` float32 residual buffer for several keys (``members``: (key, n) in order),
+    sent as one message; ``residuals[key]`` becomes its view of the buffer, filled from the residual it
+    held (e.g. loaded from a checkpoint), zeros where none. Views keep the residuals by key, so they
+    survive a change of messages (DDP's bucket rebuild) and checkpoint as any other."""
+    flat = torch.zeros(sum(n for _, n in members), dtype=torch.float32, device=device)
+    pos = 0
+    for key, n in members:
+        view = flat[pos : pos + n]
+        old = residuals.get(key)
+        if old is not None:
+            if old.numel() != n:
+                raise ValueError(f"lowbit: the residual of {key} holds {old.numel()} values, the tensor has {n}")
+            view.copy_(old.reshape(-1))
+        residuals[key] = view
+        pos += n
+    return flat
 
 
 def residuals_state(residuals: Mapping[Any, torch.Tensor]) -> dict[Any, torch.Tensor]:
