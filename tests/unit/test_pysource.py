@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lowbit.data import load_dataset
+from lowbit.data.pysource import stdlib_files
 
 
 def test_split_by_file_and_shifted_targets(tmp_path: Path) -> None:
@@ -25,7 +26,27 @@ def test_split_by_file_and_shifted_targets(tmp_path: Path) -> None:
     assert len(d.meta["sha256"]) == 64
 
 
+def test_real_stdlib_package_and_bad_options() -> None:
+    """Fast equivalent of test_real_stdlib_slice_and_bad_options (slow: listing the whole standard library
+    walks every installed package too, ~5 s): real standard-library source, the email package (root=),
+    through the same listing, split and windows; the same bad options."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"]) / "email"
+    n = len(stdlib_files(root))
+    assert n >= 20  # every 20th file is validation text: at least one
+    d = load_dataset("pysource", seq_len=64, root=str(root))
+    assert d.meta["files"] == n and d.x_train.shape[1] == 64 and d.x_test.numel() > 0
+    assert int(d.x_train.max()) < 256
+    with pytest.raises(ValueError, match="seq_len"):
+        load_dataset("pysource", seq_len=0)
+    with pytest.raises(ValueError, match="every"):
+        load_dataset("pysource", every=1)
+
+
+@pytest.mark.slow
 def test_real_stdlib_slice_and_bad_options() -> None:
+    """Fast equivalent: test_real_stdlib_package_and_bad_options."""
     d = load_dataset("pysource", seq_len=64, max_files=40)
     assert d.meta["files"] == 40 and d.x_train.shape[1] == 64 and d.x_test.numel() > 0
     assert int(d.x_train.max()) < 256
