@@ -62,7 +62,7 @@ from lowbit.comm import collectives as C
 from lowbit.comm.allreduce import CommStats, _framed, _slot, _zeros, all_reduce
 from lowbit.comm.hierarchical import node_size_for
 from lowbit.ddp import ConfigMismatchError
-from lowbit.feedback import ErrorFeedback
+from lowbit.feedback import ErrorFeedback, restore_unless_finite
 from lowbit.policy import Policy
 
 __all__ = ["FSDPState", "LowbitReduceScatter", "LowbitAllGather", "register", "MIN_TORCH"]
@@ -411,8 +411,10 @@ class LowbitReduceScatter(_Comm):
                 new = comp - sent
                 if idx is not None:
                     new.index_fill_(0, idx, 0.0)  # the exact copy delivers these values whole
-                # a non-finite row must not poison the residual: keep its previous value
-                torch.where(torch.isfinite(comp).all(), new, res[i], out=res[i])
+                # lowbit.feedback's one rule: a non-finite step (input or payload) must not poison the
+                # residual, which keeps its previous value
+                restore_unless_finite(new, res[i], new)
+                res[i].copy_(new)
             else:
                 payload = codec.encode(x[i], seed=seed)
             parts.append((lead, payload, size))
