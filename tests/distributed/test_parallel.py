@@ -55,10 +55,10 @@ def _part(ranks: list, name: str) -> list:
 def ranks2() -> list:
     parts = (("collectives", _collectives, ()), ("model_parallel", _model_parallel, ()), ("paired", _paired, ()),
              ("hybrid", _hybrid, ()), ("paired_hybrid", _paired_hybrid, ()), ("graph", _graph_flag_on_cpu, ()),
-             ("mismatch", _mismatch, ()), ("iterables", _plans_take_iterables, ()))
-    # (mismatch before iterables: after a call that cached the plan of an fp32 (4, 3) gather, rank 0's same
-    # call skips the check, rank 1's fp16 one does not, and gloo aborts the process: a gap in the gather plans'
-    # per-call check, found when these bodies first shared a spawn; not fixed here)
+             ("iterables", _plans_take_iterables, ()), ("mismatch", _mismatch, ()))
+    # (mismatch after iterables on purpose: iterables caches the plan of an fp32 (4, 3) gather, and the
+    # mismatch's first call is that call on rank 0 and an fp16 one on rank 1. Cached plans used to skip the
+    # ranks' check, and gloo aborted the process; every call is checked now)
     return spawn(_parts, 2, parts, backend="gloo")
 
 

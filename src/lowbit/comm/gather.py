@@ -103,6 +103,9 @@ class _Plan:
     slots: tuple[tuple[int, int], ...]
     nbytes: tuple[int, ...]
     width: int
+    #: What the ranks must agree on (codec, dimension, parts, the other dimensions, dtype): checked on
+    #: every call, cached plan or not (:func:`_check_call`).
+    fields: tuple = ()
 
 
 _PLANS: dict[tuple, _Plan] = {}
@@ -110,8 +113,9 @@ _PLANS: dict[tuple, _Plan] = {}
 
 def _plan(x: torch.Tensor, codec: Codec | str, group: dist.ProcessGroup | None, dim: int,
           sizes: Sequence[int] | None, what: str) -> _Plan:
-    """The plan of this call (built, and agreed between the ranks, on its first call only: model
-    parallelism repeats a few shapes every step, and the checks cost more host time than the kernels)."""
+    """The plan of this call (built on its first call only: model parallelism repeats a few shapes every
+    step, and the checks cost more host time than the kernels); the ranks' agreement is checked on every
+    call, cached plan or not."""
     live = dist.is_available() and dist.is_initialized()
     g = group if group is not None else (dist.group.WORLD if live else None)
     if sizes is not None and not isinstance(sizes, (list, tuple)):
@@ -122,16 +126,18 @@ def _plan(x: torch.Tensor, codec: Codec | str, group: dist.ProcessGroup | None, 
         key = (what, codec, id(g), dim, None if sizes is None else tuple(sizes), tuple(x.shape), x.dtype)
         plan = _PLANS.get(key)
         if plan is not None and plan.group() is g:
+            _check_call(group, what, plan.fields, x.device)
             return plan
     codec, d, rank, k, sizes = _check(x, codec, group, dim, sizes, what)
     shape = _shape(x.shape, d, -1) if what == "all_gather" else tuple(x.shape)
-    _agree(group, what, (codec.spec, d, tuple(sizes), shape, str(x.dtype)))
+    fields = (codec.spec, d, tuple(sizes), shape, str(x.dtype))
+    _check_call(group, what, fields, x.device)
     shapes = tuple(_shape(x.shape, d, s) for s in sizes)
     slots = tuple(_slot(codec, _numel(s), _codec_shape(codec, s)) for s in shapes)
     plan = _Plan(codec=codec, group=weakref.ref(g) if g is not None else (lambda: None), d=d, rank=rank, k=k,
                  sizes=tuple(sizes), starts=tuple(sum(sizes[:r]) for r in range(k)), shapes=shapes, slots=slots,
                  nbytes=tuple(codec.nbytes(_numel(s), _codec_shape(codec, s)) for s in shapes),
-                 width=max(size for _, size in slots))
+                 width=max(size for _, size in slots), fields=fields)
     if key is not None:
         if len(_PLANS) >= 4096:  # shapes that keep changing: start over rather than grow without bound
             _PLANS.clear()
@@ -139,11 +145,11 @@ def _plan(x: torch.Tensor, codec: Codec | str, group: dist.ProcessGroup | None, 
     return plan
 
 
-def _agree(group: dist.ProcessGroup | None, what: str, fingerprint: tuple) -> None:
-    """The ranks must call a gather alike (codec, dimension, parts, the other dimensions, dtype), exchanged
-    once per combination (:func:`lowbit.comm.collectives.agree`)."""
-    C.agree(group, what, fingerprint,
-            lambda t: f"codec {t[0]}, dim {t[1]}, sizes {list(t[2])}, shape {list(t[3])}, {t[4]}")
+def _check_call(group: dist.ProcessGroup | None, what: str, fields: tuple, device: torch.device) -> None:
+    """The ranks must call a gather alike (codec, dimension, parts, the other dimensions, dtype): checked on
+    every call (:func:`lowbit.comm.collectives.check_call`; a plan cached on one rank does not skip it)."""
+    C.check_call(group, what, fields,
+                 lambda t: f"codec {t[0]}, dim {t[1]}, sizes {list(t[2])}, shape {list(t[3])}, {t[4]}", device)
 
 
 def bytes_all_gather(codec: Codec | str, shape: Sequence[int], dim: int, sizes: Sequence[int]) -> int:
