@@ -227,10 +227,11 @@ def test_study_on_cifar10_files(tmp_path: Path) -> None:
     assert (out / "report" / "index.html").exists()
 
 
-@pytest.mark.parametrize("optimizer", ["rmsprop", "adam"])
+@pytest.mark.parametrize("optimizer", [pytest.param("rmsprop", marks=pytest.mark.slow), "adam"])
 def test_study_optimizers_and_top5_fast(tmp_path: Path, optimizer: str, reference_kernels) -> None:
     """Fast equivalent of test_study_optimizers_and_top5 (slow): the same optimizer and checks on
-    synthetic inputs (64 samples; the training loss still falls) with the reference kernels."""
+    synthetic inputs (64 samples; the training loss still falls) with the reference kernels; adam in the
+    default run, rmsprop (the same path through make_optimizer) with the slow tests."""
     _optimizer_study(tmp_path, optimizer, FAST)
 
 
