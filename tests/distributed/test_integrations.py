@@ -65,7 +65,15 @@ def _body_lightning(rank: int, world: int, tmp: str) -> dict:
     return out
 
 
-def test_lightning_callback_compresses_on_cpu_and_checkpoints_every_rank(tmp_path) -> None:
+@pytest.fixture
+def reference_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch reference kernels in the ranks: they fork from a server without numba, whose import and
+    cache load (~2 s a rank) would be most of these tests' time; the frameworks, not the kernels, are
+    what they test (the kernels' backends: the kernel and DDP tests)."""
+    monkeypatch.setenv("LOWBIT_KERNELS", "reference")
+
+
+def test_lightning_callback_compresses_on_cpu_and_checkpoints_every_rank(tmp_path, reference_kernels) -> None:
     r0, r1 = spawn(_body_lightning, 2, str(tmp_path), backend="gloo", timeout_s=120)
     for r in (r0, r1):
         assert r["calls"] > 0 and r["bytes"] > 0
@@ -98,7 +106,7 @@ def _body_accelerate(rank: int, world: int) -> dict:
             "params": [p.detach().clone() for p in model.parameters()]}
 
 
-def test_accelerate_recipe_compresses() -> None:
+def test_accelerate_recipe_compresses(reference_kernels) -> None:
     pytest.importorskip("accelerate")
     r0, r1 = spawn(_body_accelerate, 2, backend="gloo", timeout_s=120)
     for r in (r0, r1):
