@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -10,7 +11,11 @@ from torch import nn
 
 from lowbit.launch import spawn
 
-pl = pytest.importorskip("lightning.pytorch")
+def _lightning():
+    """lightning.pytorch, imported where a test uses it: not at module level, so that the ranks of the
+    Accelerate test (which import this module to find their function) do not import Lightning (~3 s of
+    CPU a rank)."""
+    return pytest.importorskip("lightning.pytorch")
 
 
 def _env(rank: int, world: int) -> None:
@@ -19,27 +24,38 @@ def _env(rank: int, world: int) -> None:
                       NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29571")
 
 
-class _Net(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4))
+@functools.cache
+def _net_class() -> type:
+    pl = _lightning()
 
-    def training_step(self, batch, _):
-        x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4))
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
+        def training_step(self, batch, _):
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
 
-    def train_dataloader(self):
-        g = torch.Generator().manual_seed(0)
-        data = torch.utils.data.TensorDataset(torch.randn(512, 32, generator=g), torch.randint(0, 4, (512,), generator=g))
-        return torch.utils.data.DataLoader(data, batch_size=16)
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+        def train_dataloader(self):
+            g = torch.Generator().manual_seed(0)
+            data = torch.utils.data.TensorDataset(torch.randn(512, 32, generator=g),
+                                                  torch.randint(0, 4, (512,), generator=g))
+            return torch.utils.data.DataLoader(data, batch_size=16)
+
+    return Net
+
+
+def _Net():  # noqa: N802 (stands for the class)
+    return _net_class()()
 
 
 def _trainer(world: int, cb, steps: int):
-    return pl.Trainer(accelerator="cpu", devices=world, strategy="ddp", max_steps=steps, callbacks=[cb],
+    return _lightning().Trainer(accelerator="cpu", devices=world, strategy="ddp", max_steps=steps, callbacks=[cb],
                       logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False)
 
@@ -74,6 +90,7 @@ def reference_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_lightning_callback_compresses_on_cpu_and_checkpoints_every_rank(tmp_path, reference_kernels) -> None:
+    _lightning()
     r0, r1 = spawn(_body_lightning, 2, str(tmp_path), backend="gloo", timeout_s=120)
     for r in (r0, r1):
         assert r["calls"] > 0 and r["bytes"] > 0
@@ -152,6 +169,8 @@ def test_accelerate_with_one_process_says_nothing_is_compressed(monkeypatch) -> 
 
 def test_lightning_without_ddp_says_nothing_is_compressed_once(monkeypatch) -> None:
     import warnings
+
+    pl = _lightning()
 
     import lowbit.ddp
     from lowbit.integrations.lightning import LowbitCallback
