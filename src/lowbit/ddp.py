@@ -88,7 +88,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lowbit.autotune import DEFAULT_ALLOW, AutoTuner
-from lowbit.choose import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, closes_after, ddp_bucket_caps, ddp_buckets, message_limit
+from lowbit.choose import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, ddp_bucket_caps, message_limit
+from lowbit.timeline import plan_step
 from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
 from lowbit.comm.allreduce import AUTO, CommStats, get_algorithm, resolve_algorithm, start
@@ -375,38 +376,19 @@ def _plan_groups(state: "LowbitState", k: int, device: torch.device) -> Dict[str
     if not quantised:
         return {}
     ride = resolve_algorithm(state.algorithm, quantised[0], k) == "allgather"
-    limit = message_limit(state.message_mb,
-                          sum(4 * state._numels[n] for n in names if not state.plan[n].sums_on_wire))
-    aligned = state.message_mb == "auto"  # close where DDP's buckets end (as DDP cuts the model: its cap)
-    buckets = ddp_buckets([state._numels[n] for n in names], getattr(state, "bucket_bytes", DDP_BUCKET_BYTES),
-                          first_bytes=getattr(state, "first_bucket_bytes", DDP_FIRST_BUCKET_BYTES))
-    groups: List[Tuple[Codec, List[Tuple[str, int]], List[Tuple[str, int]]]] = []
-    cur: Optional[Tuple[Codec, List[Tuple[str, int]], List[Tuple[str, int]]]] = None
-    riders: List[Tuple[str, int]] = []
-    size = 0
-    for i, name in enumerate(names):
-        codec, n = state.plan[name], state._numels[name]
-        if codec.sums_on_wire:
-            if ride and codec.spec == _FP32.spec:
-                (cur[2] if cur is not None else riders).append((name, n))
-        else:
-            if cur is None or cur[0].spec != codec.spec:
-                cur = (codec, [], riders)
-                riders = []
-                groups.append(cur)
-                size = 0
-            cur[1].append((name, n))
-            size += 4 * n
-            if codec.per_tensor or (not aligned and size >= limit):  # a per-tensor codec sends every tensor alone
-                cur = None
-        if aligned and cur is not None and closes_after(i, buckets, size, limit):
-            cur = None
-    if riders and not aligned:  # fp32 tensors after the last quantised one ride in the last message
-        groups[-1][2].extend(riders)
-    # (message_mb="auto": they are reduced natively with their own buckets instead; the last message may
-    # have closed at an earlier bucket end, and would otherwise wait for DDP's last bucket)
+    codecs = [state.plan[n] for n in names]
+    # the one plan of a step's messages (lowbit.timeline), which auto's replay and the speed model price
+    plan = plan_step([state._numels[n] for n in names], [c.spec for c in codecs],
+                     native={c.spec for c in codecs if c.sums_on_wire},
+                     per_tensor={c.spec for c in codecs if c.per_tensor},
+                     rider=_FP32.spec if ride else None, message_mb=state.message_mb,
+                     bucket_bytes=getattr(state, "bucket_bytes", DDP_BUCKET_BYTES),
+                     first_bucket_bytes=getattr(state, "first_bucket_bytes", DDP_FIRST_BUCKET_BYTES))
     out: Dict[str, _Group] = {}
-    for i, (codec, members, exact) in enumerate(groups):
+    for i, m in enumerate(plan.messages):
+        codec = codecs[m.members[0]]
+        members = [(names[j], state._numels[names[j]]) for j in m.members]
+        exact = [(names[j], state._numels[names[j]]) for j in m.riders]
         g = _Group(state, i, codec, members, exact, resolve_algorithm(state.algorithm, codec, k), device)
         for name, _ in members + exact:
             out[name] = g
