@@ -138,8 +138,10 @@ def start_method() -> str:
         # before the server starts; lowbit too, so that a child's unpickling of its function finds it loaded,
         # and what DDP's and FSDP's first construction would import in every child (torch._dynamo and its
         # ~900 modules: ~7 s on a 2-core machine). A module that fails to import is skipped.
+        # numba's kernels and scikit-learn's data sets too (~2 s of CPU a rank each, in the study's workers).
         multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "torch.nn.parallel",
-                                                "torch.distributed.fsdp", "lowbit"])
+                                                "torch.distributed.fsdp", "lowbit", "lowbit.kernels.numba",
+                                                "sklearn.datasets"])
         _PRELOADED.append(True)
     return method
 

@@ -81,7 +81,8 @@ def _body(rank: int, world: int, bytes_per_s: float | None, batch: int, framewor
 
 
 def test_slow_link_compresses_large_tensors_fp32_for_small_and_all_ranks_agree() -> None:
-    res = spawn(_body, 2, 20e6, 64, backend="gloo")
+    # 60 MB/s for rank 0, 30 MB/s for rank 1: ~5 MB of fp32 gradients take 0.09-0.17 s a step
+    res = spawn(_body, 2, 60e6, 64, backend="gloo")
     plan = res[0]["plan"]
     assert res[1]["plan"] == plan and res[0]["rows"] == res[1]["rows"]
     # start_iter 2 + 2 warm-up + 3 measured steps, then each finalist 1 warm-up + 2 timed steps
@@ -94,7 +95,7 @@ def test_slow_link_compresses_large_tensors_fp32_for_small_and_all_ranks_agree()
 
 
 def test_register_installs_the_hook_for_the_trials_only_when_compression_is_predicted_to_pay() -> None:
-    res = spawn(_body, 2, 20e6, 64, False, backend="gloo")
+    res = spawn(_body, 2, 60e6, 64, False, backend="gloo")
     assert res[0]["plan"] == res[1]["plan"] and res[0]["chosen"] == res[1]["chosen"]
     assert res[0]["hooks"] == 1 and res[0]["finalists"] >= 2  # predicted to pay: tried, with lowbit's hook
     assert "(measured" in res[0]["chosen"]
@@ -102,9 +103,9 @@ def test_register_installs_the_hook_for_the_trials_only_when_compression_is_pred
 
 def test_compute_bound_job_keeps_fp32_emulated() -> None:
     """Fast equivalent of test_compute_bound_job_keeps_fp32: a backward pass made long by sleeping
-    (0.15 s a step) instead of by a batch of 4096, so it hides every allreduce on local gloo whatever
+    (0.1 s a step) instead of by a batch of 4096, so it hides every allreduce on local gloo whatever
     the machine's load."""
-    res = spawn(_body, 2, None, 64, False, 0.15, backend="gloo")
+    res = spawn(_body, 2, None, 64, False, 0.1, backend="gloo")
     assert res[0]["plan"] == res[1]["plan"]
     assert res[0]["fp32"] and set(res[0]["plan"].values()) == {"fp32"}
     assert res[0]["hooks"] == 0  # DDP's own allreduce stays: no Python hook to slow it
@@ -120,14 +121,14 @@ def test_compute_bound_job_keeps_fp32() -> None:
     assert res[0]["hooks"] == 0  # DDP's own allreduce stays: no Python hook to slow it
 
 
-def _body_remeasure(rank: int, world: int, sleep_s: float = 0.0, batch: int = 4096) -> dict:
+def _body_remeasure(rank: int, world: int, sleep_s: float = 0.0, batch: int = 4096, link: float = 20e6) -> dict:
     _slow_link(None)  # the real (fast) loopback at first
     model = DDP(_net())
     state = lowbit.ddp.make_state(model.module, codec="auto", remeasure_every=4)
     model.register_comm_hook(state, lowbit.ddp.hook)
     _train(model, 9, batch, sleep_s=sleep_s)
     first = dict(state.auto.decision.assignment)
-    _slow_link(20e6)  # the link slows down: the next probe (step 11) sees it
+    _slow_link(link)  # the link slows down: the next probe (step 11) sees it
     _train(model, 20, batch, start=9, sleep_s=sleep_s)
     d = state.auto.decision
     return {"first": first, "then": d.assignment, "measured": d.measured_s, "decided": state.auto.decided_iter}
@@ -136,8 +137,8 @@ def _body_remeasure(rank: int, world: int, sleep_s: float = 0.0, batch: int = 40
 def test_remeasure_follows_a_link_that_slows_down_emulated() -> None:
     """Fast equivalent of test_remeasure_follows_a_link_that_slows_down: the long backward pass is a
     sleep (0.1 s a step, batch 64), which hides the fast loopback's allreduces but not those of a
-    20 MB/s link (~5 MB of fp32 gradients a step)."""
-    res = spawn(_body_remeasure, 2, 0.1, 64, backend="gloo")
+    20 MB/s link (~5 MB of fp32 gradients a step: 0.26-0.52 s)."""
+    res = spawn(_body_remeasure, 2, 0.1, 64, 20e6, backend="gloo")
     assert res[0]["then"] == res[1]["then"]
     assert set(res[0]["first"].values()) == {"fp32"}  # compute-bound on a fast link
     assert res[0]["then"]["2.weight"] != "fp32", res[0]["measured"]
@@ -157,7 +158,7 @@ def test_remeasure_follows_a_link_that_slows_down() -> None:
 
 
 def _body_ckpt(rank: int, world: int, path: str) -> dict:
-    _slow_link(20e6)
+    _slow_link(60e6)
     model = DDP(_net())
     state = lowbit.ddp.register(model, codec="auto")
     _train(model, 22)
