@@ -12,6 +12,11 @@ $(STAMP): pyproject.toml
 	# CPU build of torch first, so nothing pulls a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
+	# Compile the CPU (numba) kernels once, into numba's on-disk cache, as an install would build them
+	# (about 1-2 minutes on a 2-core machine), rather than inside the first study or test that calls them.
+	$(BIN)/python -c "from lowbit.codecs import get_codec; from lowbit.kernels.dispatch import warm_up; \
+	  [warm_up(get_codec(s)) for s in ('qsgd:bits=8', 'qsgd:bits=4', 'qsgd:bits=2,bucket=128', 'onebit', \
+	  'dettmers:type=dynamic', 'topk')]"
 	touch $(STAMP)
 
 venv: $(STAMP)
