@@ -8,42 +8,15 @@ import torch
 
 import lowbit
 from lowbit.launch import spawn
+from tests.distributed.shared_spawn import part, run_parts
 
 QUANTISED = [("qsgd:bits=8,bucket=64", "scatter_gather"), ("qsgd:bits=8,bucket=64", "allgather"),
              ("onebit:bucket=64", "scatter_gather")]
 
 
-class _Failed:
-    """A part that raised in a shared spawn: its traceback, reported by the test that reads the part."""
-
-    def __init__(self, tb: str) -> None:
-        self.tb = tb
-
-
-def _parts(rank: int, world: int, parts: tuple) -> dict:
-    """The 2-rank tests' bodies in one process group (module fixture ``ranks``): one start, and the codecs'
-    first calls (numba's import) paid once."""
-    import traceback
-
-    out = {}
-    for name, fn, args in parts:
-        try:
-            out[name] = fn(rank, world, *args)
-        except Exception:  # noqa: BLE001
-            out[name] = _Failed(traceback.format_exc())
-    return out
-
-
-def _part(ranks: list, name: str) -> list:
-    for r in ranks:
-        if isinstance(r[name], _Failed):
-            pytest.fail(r[name].tb)
-    return [r[name] for r in ranks]
-
-
 @pytest.fixture(scope="module")
 def ranks() -> list:
-    return spawn(_parts, 2, (("strided", _body_strided, ()), ("crosswise", _body_crosswise, ())), backend="gloo",
+    return spawn(run_parts, 2, (("strided", _body_strided, ()), ("crosswise", _body_crosswise, ())), backend="gloo",
                  timeout_s=60)
 
 
@@ -91,7 +64,7 @@ def _body_strided(rank: int, world: int) -> dict:
 
 
 def test_strided_tensors_get_the_right_answer_and_overlapping_ones_are_refused(ranks: list) -> None:
-    r0, r1 = _part(ranks, "strided")
+    r0, r1 = part(ranks, "strided")
     for key in r0:
         if key in ("refused", "in step"):
             continue
@@ -163,7 +136,7 @@ def _body_crosswise(rank: int, world: int) -> list[str]:
 def test_every_call_is_checked_not_only_the_first_of_a_combination(ranks: list) -> None:
     """Issue 32 item 2: the check ran once per combination, so known calls made crosswise gave silently
     different results (equal sizes), an abort (different sizes) or a timeout (one call new)."""
-    m0, m1 = _part(ranks, "crosswise")
+    m0, m1 = part(ranks, "crosswise")
     assert m0 == m1
     assert "rounding=stochastic" in m0[0] and "rounding=nearest" in m0[0] and "rank 1:" in m0[0], m0[0]
     assert "bits=8" in m0[1] and "bits=4" in m0[1], m0[1]

@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lowbit
 from lowbit.launch import spawn
+from tests.distributed.shared_spawn import part, run_parts
 
 
 @functools.lru_cache(maxsize=None)
@@ -21,40 +22,12 @@ def _digits():
     return load_dataset("digits", seed=0)
 
 
-class _Failed:
-    """A part that raised in a shared spawn: its traceback, reported by the test that reads the part."""
-
-    def __init__(self, tb: str) -> None:
-        self.tb = tb
-
-
-def _parts(rank: int, world: int, parts: tuple) -> dict:
-    """Several tests' bodies in one process group: a process's first DDP imports torch._dynamo (seconds
-    on the 2-core machine), so the tests below share one spawn (module fixture ``ranks``)."""
-    import traceback
-
-    out = {}
-    for name, fn, args in parts:
-        try:
-            out[name] = fn(rank, world, *args)
-        except Exception:  # noqa: BLE001
-            out[name] = _Failed(traceback.format_exc())
-    return out
-
-
-def _part(ranks: list, name: str) -> list:
-    for r in ranks:
-        if isinstance(r[name], _Failed):
-            pytest.fail(r[name].tb)
-    return [r[name] for r in ranks]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list:
     tmp = str(tmp_path_factory.mktemp("ddp"))
     parts = (("fp32", _body_fp32_equals_plain, ()), ("accuracy", _body_accuracy, (FAST_STEPS,)),
              ("resume", _body_resume, (tmp,)), ("mismatch", _body_mismatch, ()))
-    return spawn(_parts, 2, parts, backend="gloo", timeout_s=120)
+    return spawn(run_parts, 2, parts, backend="gloo", timeout_s=120)
 
 
 def _net(seed: int) -> nn.Module:
@@ -109,7 +82,7 @@ def _body_fp32_equals_plain(rank: int, world: int) -> tuple:
 
 
 def test_fp32_hook_gives_plain_ddp_gradients(ranks: list) -> None:
-    for g_plain, g_hook, p_plain, p_hook in _part(ranks, "fp32"):
+    for g_plain, g_hook, p_plain, p_hook in part(ranks, "fp32"):
         for a_step, b_step in zip(g_plain, g_hook):
             for a, b in zip(a_step, b_step):
                 assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
@@ -152,7 +125,7 @@ def test_compressed_training_tracks_fp32_accuracy_on_digits(ranks: list) -> None
     """The fast equivalent of test_compressed_training_matches_fp32_accuracy_on_digits (slow): every codec
     trained FAST_STEPS steps, within 0.02 of fp32's test accuracy (measured: within 0.003), the same checks
     of identical replicas, compression taking effect and bytes."""
-    _check_accuracy(_part(ranks, "accuracy"), floor=0.85, margin=0.02, steps=FAST_STEPS,
+    _check_accuracy(part(ranks, "accuracy"), floor=0.85, margin=0.02, steps=FAST_STEPS,
                     warmup_steps=lowbit.ddp.DDPConfig.start_iter)
 
 
@@ -171,7 +144,7 @@ def _body_resume(rank: int, world: int, tmp: str) -> tuple:
 
 
 def test_checkpoint_resume_is_bit_identical(ranks: list) -> None:
-    for straight, resumed in _part(ranks, "resume"):
+    for straight, resumed in part(ranks, "resume"):
         for a, b in zip(straight, resumed):
             assert torch.equal(a, b)
 
@@ -186,7 +159,7 @@ def _body_mismatch(rank: int, world: int) -> str:
 
 
 def test_mismatched_config_raises_same_error_on_every_rank(ranks: list) -> None:
-    msgs = _part(ranks, "mismatch")
+    msgs = part(ranks, "mismatch")
     assert msgs[0] == msgs[1]
     assert "different compression settings" in msgs[0] and "qsgd:bits=4" in msgs[0] and "qsgd:bits=8" in msgs[0]
 

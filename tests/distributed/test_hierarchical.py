@@ -17,44 +17,17 @@ from lowbit.codecs.base import get_codec
 from lowbit.comm.allreduce import CommStats, bytes_sent_per_rank
 from lowbit.comm.hierarchical import bytes_between_nodes
 from lowbit.launch import spawn
+from tests.distributed.shared_spawn import part, run_parts
 
 CODECS = ["qsgd:bits=8,bucket=512", "qsgd:bits=4,bucket=512", "onebit:bucket=64", "dettmers:type=dynamic,bucket=4096"]
 SIZES = (1, 3, 4097, 50_001)
 BOUND = {"qsgd:bits=8,bucket=512": 0.02, "dettmers:type=dynamic,bucket=4096": 0.05}  # relative L2 error of the mean
 
 
-class _Failed:
-    """A part that raised in a shared spawn: its traceback, reported by the test that reads the part."""
-
-    def __init__(self, tb: str) -> None:
-        self.tb = tb
-
-
-def _parts(rank: int, world: int, parts: tuple) -> dict:
-    """Several tests' bodies in one process group: a process's first DDP imports torch._dynamo (seconds
-    on the 2-core machine, times 4 ranks), so the 4-rank tests below share one spawn (fixture ``ranks``)."""
-    import traceback
-
-    out = {}
-    for name, fn, args in parts:
-        try:
-            out[name] = fn(rank, world, *args)
-        except Exception:  # noqa: BLE001
-            out[name] = _Failed(traceback.format_exc())
-    return out
-
-
-def _part(ranks: list, name: str) -> list:
-    for r in ranks:
-        if isinstance(r[name], _Failed):
-            pytest.fail(r[name].tb)
-    return [r[name] for r in ranks]
-
-
 @pytest.fixture(scope="module")
 def ranks() -> list:
     parts = (("allreduce", _body, ()), ("ddp", _ddp_body, ()), ("one_node", _one_node_body, ()))
-    return spawn(_parts, 4, parts, backend="gloo", timeout_s=120)
+    return spawn(run_parts, 4, parts, backend="gloo", timeout_s=120)
 
 
 def _x(rank: int, n: int) -> torch.Tensor:
@@ -118,7 +91,7 @@ def _body(rank: int, world: int) -> dict:
 
 
 def test_hierarchical_allreduce_on_2_nodes_of_2(ranks: list) -> None:
-    res = _part(ranks, "allreduce")
+    res = part(ranks, "allreduce")
     r0 = res[0]
     for key, v in r0.items():
         if not isinstance(key, tuple) or key[0] in ("ef", "huge"):
@@ -168,7 +141,7 @@ def _ddp_body(rank: int, world: int) -> tuple[list, int, int]:
 
 
 def test_ddp_hook_hierarchical_keeps_replicas_identical(ranks: list) -> None:
-    res = _part(ranks, "ddp")
+    res = part(ranks, "ddp")
     for r in range(1, 4):
         for a, b in zip(res[0][0], res[r][0]):
             assert torch.equal(a, b)
@@ -200,7 +173,7 @@ def _one_node_body(rank: int, world: int) -> tuple[list, bool, int, int]:
 
 
 def test_ddp_hierarchical_in_one_node_is_plain_ddp(ranks: list) -> None:
-    for (plain, ours, hooked), one_node, calls, it, inter in _part(ranks, "one_node"):
+    for (plain, ours, hooked), one_node, calls, it, inter in part(ranks, "one_node"):
         assert one_node and calls == 0 and it == 0 and inter == 0
         for a, b, c in zip(plain, ours, hooked):
             assert torch.equal(a, b)

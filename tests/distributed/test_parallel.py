@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from lowbit.comm.allreduce import CommStats
 from lowbit.comm.gather import all_gather, bytes_all_gather, bytes_reduce_scatter, reduce_scatter
 from lowbit.launch import spawn
+from tests.distributed.shared_spawn import part, run_parts
 from lowbit.parallel import Hybrid, ParallelComm, parallelize
 
 DETTMERS = ["dettmers:type=dynamic,bucket=0", "dettmers:type=linear,bucket=0", "dettmers:type=static,bucket=0",
@@ -20,35 +21,6 @@ DETTMERS = ["dettmers:type=dynamic,bucket=0", "dettmers:type=linear,bucket=0", "
 #: relative L2 error of a small Gaussian tensor through the codec (8-bit QSGD ~1%; Dettmers' types up to ~7%
 #: with one scale per tensor)
 BOUND = {"fp32": 0.0, "qsgd:bits=8,bucket=64": 0.05, **{s: 0.1 for s in DETTMERS}}
-
-
-class _Failed:
-    """A part that raised in a shared spawn: its traceback, reported by the test that reads the part."""
-
-    def __init__(self, tb: str) -> None:
-        self.tb = tb
-
-
-def _parts(rank: int, world: int, parts: tuple) -> dict:
-    """Several tests' bodies in one process group (a process's first DDP and first codec calls cost
-    seconds of imports on the 2-core machine): the tests below share one spawn per world size, the
-    module fixtures ``ranks2`` and ``ranks3``."""
-    import traceback
-
-    out = {}
-    for name, fn, args in parts:
-        try:
-            out[name] = fn(rank, world, *args)
-        except Exception:  # noqa: BLE001
-            out[name] = _Failed(traceback.format_exc())
-    return out
-
-
-def _part(ranks: list, name: str) -> list:
-    for r in ranks:
-        if isinstance(r[name], _Failed):
-            pytest.fail(r[name].tb)
-    return [r[name] for r in ranks]
 
 
 @pytest.fixture(scope="module")
@@ -59,14 +31,14 @@ def ranks2() -> list:
     # (mismatch after iterables on purpose: iterables caches the plan of an fp32 (4, 3) gather, and the
     # mismatch's first call is that call on rank 0 and an fp16 one on rank 1. Cached plans used to skip the
     # ranks' check, and gloo aborted the process; every call is checked now)
-    return spawn(_parts, 2, parts, backend="gloo")
+    return spawn(run_parts, 2, parts, backend="gloo")
 
 
 @pytest.fixture(scope="module")
 def ranks3() -> list:
     parts = (("collectives", _collectives, ()), ("model_parallel", _model_parallel, ()), ("paired", _paired, ()),
              ("hybrid", _hybrid, ()), ("hybrid_bytes", _hybrid_bytes, ()))
-    return spawn(_parts, 3, parts, backend="gloo")
+    return spawn(run_parts, 3, parts, backend="gloo")
 
 
 def _collectives(rank: int, world: int) -> dict:
@@ -101,7 +73,7 @@ def _collectives(rank: int, world: int) -> dict:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_gather_and_reduce_scatter(world: int, request) -> None:
-    res = _part(request.getfixturevalue(f"ranks{world}"), "collectives")
+    res = part(request.getfixturevalue(f"ranks{world}"), "collectives")
     for key, v in res[0].items():
         if key == "bad":
             continue
@@ -153,7 +125,7 @@ def _model_parallel(rank: int, world: int) -> dict:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_column_parallel_mlp_equals_the_single_process_model(world: int, request) -> None:
-    res = _part(request.getfixturevalue(f"ranks{world}"), "model_parallel")
+    res = part(request.getfixturevalue(f"ranks{world}"), "model_parallel")
     for key, (logits, out_err, x_err, w_err, sent) in res[0].items():
         for r in range(1, world):
             assert torch.equal(logits, res[r][key][0]), key  # identical activations on every rank
@@ -214,7 +186,7 @@ def _hybrid(rank: int, world: int) -> dict:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_hybrid_equals_one_batch_on_one_process(world: int, request) -> None:
-    res = _part(request.getfixturevalue(f"ranks{world}"), "hybrid")
+    res = part(request.getfixturevalue(f"ranks{world}"), "hybrid")
     f_ref, c_ref, loss_ref = res[0]["ref"]
     ref_lin = [(c_ref[0], c_ref[1]), (c_ref[2], c_ref[3])]
     for key in [("fp32", 1, False), ("fp32", 3, False), ("dettmers:type=dynamic,bucket=0", 3, False)]:
@@ -266,7 +238,7 @@ def _hybrid_bytes(rank: int, world: int) -> tuple[int, int]:
 
 
 def test_hybrid_bytes_equal_the_formula(ranks3: list) -> None:
-    for sent, formula in _part(ranks3, "hybrid_bytes"):
+    for sent, formula in part(ranks3, "hybrid_bytes"):
         assert sent == formula > 0
 
 
@@ -287,7 +259,7 @@ def _mismatch(rank: int, world: int) -> list[str]:
 
 
 def test_ranks_that_disagree_get_a_clear_error(ranks2: list) -> None:
-    for msgs in _part(ranks2, "mismatch"):
+    for msgs in part(ranks2, "mismatch"):
         for m in msgs:
             assert "CollectiveError" in m and "called" in m, m
 
@@ -336,7 +308,7 @@ def _paired(rank: int, world: int) -> dict:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_column_row_pairs_equal_the_single_process_model_with_fewer_bytes(world: int, request) -> None:
-    res = _part(request.getfixturevalue(f"ranks{world}"), "paired")
+    res = part(request.getfixturevalue(f"ranks{world}"), "paired")
     for key, (logits, out_err, x_err, w_err, sent, rows) in res[0].items():
         for r in range(1, world):
             assert torch.equal(logits, res[r][key][0]), key  # identical outputs on every rank
@@ -353,9 +325,9 @@ def test_shared_dropout_on_a_slice_draws_the_whole_layer_mask() -> None:
     from lowbit.parallel import SharedDropout
 
     comm = ParallelComm(codec="fp32")
-    whole, part = SharedDropout(0.5, comm, seed=3), SharedDropout(0.5, comm, seed=3, features=(7, 5, 20))
+    whole, sub = SharedDropout(0.5, comm, seed=3), SharedDropout(0.5, comm, seed=3, features=(7, 5, 20))
     x = torch.ones(4, 20)
-    assert torch.equal(part(x[:, 7:12]), whole(x)[:, 7:12])
+    assert torch.equal(sub(x[:, 7:12]), whole(x)[:, 7:12])
 
 
 def _paired_hybrid(rank: int, world: int) -> dict:
@@ -371,7 +343,7 @@ def _paired_hybrid(rank: int, world: int) -> dict:
 
 
 def test_hybrid_with_pairs_computes_the_global_batch_loss(ranks2: list) -> None:
-    for r in _part(ranks2, "paired_hybrid"):
+    for r in part(ranks2, "paired_hybrid"):
         assert r["layers"] == ["ColumnParallelLinear", "RowParallelLinear"]  # (the ReLU inside the first)
         assert abs(r["loss"][0] - r["loss"][1]) <= 1e-5 * abs(r["loss"][1])
 
@@ -401,7 +373,7 @@ def _graph_flag_on_cpu(rank: int, world: int) -> list:
 
 
 def test_graph_flag_changes_nothing_off_cuda(ranks2: list) -> None:
-    for (l0, p0), (l1, p1) in _part(ranks2, "graph"):
+    for (l0, p0), (l1, p1) in part(ranks2, "graph"):
         assert l0 == l1
         assert all(torch.equal(a, b) for a, b in zip(p0, p1))
 
@@ -449,7 +421,7 @@ def _plans_take_iterables(rank: int, world: int) -> list[tuple[int, ...]]:
 
 
 def test_gather_plans_take_iterables(ranks2: list) -> None:
-    for r in _part(ranks2, "iterables"):
+    for r in part(ranks2, "iterables"):
         assert r == [(8, 3), (8, 3)]
 
 

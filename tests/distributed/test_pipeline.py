@@ -11,37 +11,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lowbit
 from lowbit.launch import spawn
+from tests.distributed.shared_spawn import part, run_parts
 
 HOOK_CODECS = ["fp32", "fp16", "qsgd:bits=8,bucket=512", "qsgd:bits=4,bucket=512", "onebit:bucket=64",
                "dettmers:type=dynamic", "topk:ratio=0.1"]
-
-
-class _Failed:
-    """A part that raised in a shared spawn: its traceback, reported by the test that reads the part."""
-
-    def __init__(self, tb: str) -> None:
-        self.tb = tb
-
-
-def _parts(rank: int, world: int, parts: tuple) -> dict:
-    """Several tests' bodies in one process group: a process's first DDP imports torch._dynamo (seconds
-    on the 2-core machine), so the 2-rank tests below share one spawn (module fixture ``ranks``)."""
-    import traceback
-
-    out = {}
-    for name, fn, args in parts:
-        try:
-            out[name] = fn(rank, world, *args)
-        except Exception:  # noqa: BLE001
-            out[name] = _Failed(traceback.format_exc())
-    return out
-
-
-def _part(ranks: list, name: str) -> list:
-    for r in ranks:
-        if isinstance(r[name], _Failed):
-            pytest.fail(r[name].tb)
-    return [r[name] for r in ranks]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +23,7 @@ def ranks() -> list:
              ("half", _body_half_as_torch, ()), ("bucket_caps", _body_bucket_caps, ()),
              ("in_backward", _body_collective_in_backward, ()),
              ("hook_thread", _body_hook_thread, ()))  # last: it ends in a planted failure
-    return spawn(_parts, 2, parts, backend="gloo", timeout_s=120)
+    return spawn(run_parts, 2, parts, backend="gloo", timeout_s=120)
 
 
 class _Branchy(nn.Module):
@@ -94,7 +67,7 @@ def _body_unused_both(rank: int, world: int) -> dict:
 
 @pytest.mark.parametrize("unused", [False, True])
 def test_find_unused_parameters_trains_for_every_codec(ranks: list, unused: bool) -> None:
-    r0, r1 = (r[unused] for r in _part(ranks, "unused"))
+    r0, r1 = (r[unused] for r in part(ranks, "unused"))
     for spec in HOOK_CODECS:
         params0, calls, tsum = r0[spec]
         assert calls > 0, spec
@@ -181,7 +154,7 @@ def _body_bytes(rank: int, world: int) -> dict:
 
 
 def test_bytes_sent_count_what_crosses_the_wire(ranks: list) -> None:
-    res = _part(ranks, "bytes")
+    res = part(ranks, "bytes")
     r0 = res[0]
     for key, (counted, spied) in ((k, v[:2]) for k, v in r0.items()):
         assert counted == spied, (key, counted, spied)
@@ -226,7 +199,7 @@ def _body_coalesce(rank: int, world: int) -> dict:
 
 
 def test_message_groups_match_per_tensor_messages(ranks: list) -> None:
-    r0, r1 = _part(ranks, "coalesce")
+    r0, r1 = part(ranks, "coalesce")
     for key, (got, want, calls) in r0.items():
         mb, spec = key
         for a, b in zip(got, r1[key][0]):
@@ -283,7 +256,7 @@ def _body_hook_thread(rank: int, world: int) -> dict:
 
 
 def test_hook_thread_is_bit_identical_and_passes_errors_on(ranks: list) -> None:
-    r0, r1 = _part(ranks, "hook_thread")
+    r0, r1 = part(ranks, "hook_thread")
     for spec in THREAD_CODECS:
         inline, threaded = r0[(spec, False)], r0[(spec, True)]
         assert inline[1] > 6 and inline[1:] == threaded[1:], spec  # same calls, bytes, user's collective
@@ -318,7 +291,7 @@ def _body_half_as_torch(rank: int, world: int) -> dict:
 
 
 def test_half_plan_reduces_big_tensors_as_torch_and_small_ones_in_fp32(ranks: list) -> None:
-    r0, _ = _part(ranks, "half")
+    r0, _ = part(ranks, "half")
     plan = r0["plan"]
     assert sorted(set(plan.values())) == ["fp16", "fp32"]
     for name, g in r0["lowbit"].items():
@@ -396,7 +369,7 @@ def test_collectives_in_the_backward_pass_do_not_interleave_with_the_hook_thread
     """The hook thread sends on its own process group (same ranks), so a collective of the backward
     pass on the user's group cannot meet lowbit's in a different order on different ranks (on one
     shared group this hung: found in review)."""
-    r0, r1 = _part(ranks, "in_backward")
+    r0, r1 = part(ranks, "in_backward")
     for inline, threaded, other in zip(r0[0], r0[1], r1[1]):
         assert torch.equal(inline, threaded) and torch.equal(threaded, other)
 
@@ -430,6 +403,6 @@ def _body_bucket_caps(rank: int, world: int) -> dict:
 def test_ddp_bucket_cut_matches_the_buckets_ddp_rebuilds(ranks: list) -> None:
     """lowbit cuts the model as DDP's reducer does after its rebuild: 1 MiB first only with the default
     cap (an explicit bucket_cap_mb makes the first bucket that size too: found in review)."""
-    res = _part(ranks, "bucket_caps")[0]  # (on 2 ranks: DDP cuts its buckets as on 1)
+    res = part(ranks, "bucket_caps")[0]  # (on 2 ranks: DDP cuts its buckets as on 1)
     for kw, (real, predicted) in res.items():
         assert real == predicted, kw

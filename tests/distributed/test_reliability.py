@@ -9,36 +9,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lowbit
 from lowbit.launch import spawn
+from tests.distributed.shared_spawn import part, run_parts
 
 BIASED = ["onebit:bucket=64", "dettmers:type=dynamic", "topk:ratio=0.1"]
-
-
-class _Failed:
-    """A part that raised in a shared spawn: its traceback, reported by the test that reads the part."""
-
-    def __init__(self, tb: str) -> None:
-        self.tb = tb
-
-
-def _parts(rank: int, world: int, parts: tuple) -> dict:
-    """Several tests' bodies in one process group: a process's first DDP imports torch._dynamo (seconds
-    on the 2-core machine), so the tests below share one spawn (module fixture ``ranks``)."""
-    import traceback
-
-    out = {}
-    for name, fn, args in parts:
-        try:
-            out[name] = fn(rank, world, *args)
-        except Exception:  # noqa: BLE001
-            out[name] = _Failed(traceback.format_exc())
-    return out
-
-
-def _part(ranks: list, name: str) -> list:
-    for r in ranks:
-        if isinstance(r[name], _Failed):
-            pytest.fail(r[name].tb)
-    return [r[name] for r in ranks]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +20,7 @@ def ranks(tmp_path_factory) -> list:
     parts = (("scaler", _body_scaler_all, ()), ("disagree", _body_disagree, ()), ("checkpoint", _body_checkpoint, ()),
              ("resume", _body_resume_buckets, (tmp,)),
              ("stalled", _body_fault, ("stalled",)))  # last: it leaves its own group broken
-    return spawn(_parts, 2, parts, backend="gloo", timeout_s=120)
+    return spawn(run_parts, 2, parts, backend="gloo", timeout_s=120)
 
 
 @pytest.mark.parametrize("spec", BIASED + ["qsgd:bits=4,bucket=512"])
@@ -109,7 +82,7 @@ def _body_scaler_all(rank: int, world: int) -> dict:
 
 @pytest.mark.parametrize("spec", BIASED)
 def test_grad_scaler_skips_an_injected_inf_on_every_rank_then_training_goes_on(ranks: list, spec: str) -> None:
-    r0, r1 = (r[spec] for r in _part(ranks, "scaler"))
+    r0, r1 = (r[spec] for r in part(ranks, "scaler"))
     for r in (r0, r1):
         assert r["skipped"] == [i == 3 for i in range(SCALER_STEPS)], (spec, r["skipped"])
         assert r["residuals_finite"] and r["n_residuals"] > 0
@@ -138,7 +111,7 @@ def _body_disagree(rank: int, world: int) -> list[str]:
 
 
 def test_ranks_that_disagree_get_the_same_clear_error(ranks: list) -> None:
-    m0, m1 = _part(ranks, "disagree")
+    m0, m1 = part(ranks, "disagree")
     assert m0 == m1
     assert "codec fp16" in m0[0] and "codec bf16" in m0[0]
     assert "numel 100" in m0[1] and "numel 101" in m0[1]
@@ -182,7 +155,7 @@ def _body_checkpoint(rank: int, world: int) -> dict:
 
 
 def test_checkpoint_load_validates_everything(ranks: list) -> None:
-    for m in _part(ranks, "checkpoint"):
+    for m in part(ranks, "checkpoint"):
         assert m["good"] == "ok"
         assert "non-negative int" in m["iter str"] and "non-negative int" in m["iter negative"]
         assert "Inf or NaN" in m["nan residual"]
@@ -254,7 +227,7 @@ def test_a_dead_or_stalled_peer_is_a_clear_error_within_the_timeout(fault: str, 
     if fault == "killed":
         res = spawn(_body_fault, 2, fault, backend="gloo", timeout_s=60)
     else:
-        res = _part(request.getfixturevalue("ranks"), "stalled")
+        res = part(request.getfixturevalue("ranks"), "stalled")
     msg = res[0]
     assert msg != "no error", fault
     elapsed, _, text = msg.split("|", 2)
@@ -304,5 +277,5 @@ def _body_resume_buckets(rank: int, world: int, tmp: str) -> dict:
 
 
 def test_resume_is_bit_identical_with_several_ddp_buckets(ranks: list) -> None:
-    for res in _part(ranks, "resume"):
+    for res in part(ranks, "resume"):
         assert all(res.values()), res
