@@ -300,30 +300,6 @@ def all_gather_object(obj: object, group: dist.ProcessGroup | None) -> list[obje
     return out
 
 
-_AGREED: set[tuple[int, str, tuple]] = set()
-
-
-def agree(group: dist.ProcessGroup | None, what: str, fingerprint: tuple,
-          describe: Callable[[tuple], str]) -> None:
-    """Ranks must call the collective ``what`` alike. The first time a ``fingerprint`` (what must match:
-    codec, sizes, ...) is seen on a group, the ranks exchange it (one small object all-gather) and all
-    raise the same :class:`CollectiveError` on a mismatch, one line per rank from ``describe``: never a
-    hang, an abort or silently different results. A combination agreed once costs nothing afterwards.
-    (Two ranks of which only one has seen its combination before cannot be caught this way: the other
-    then waits in the exchange.)"""
-    _, k = world(group)
-    if k == 1:
-        return
-    slot = (id(group) if group is not None else 0, what, fingerprint)
-    if slot in _AGREED:
-        return
-    theirs = all_gather_object(fingerprint, group)
-    if any(t != theirs[0] for t in theirs):
-        lines = "\n".join(f"  rank {r}: {describe(t)}" for r, t in enumerate(theirs))  # type: ignore[arg-type]
-        raise CollectiveError(f"lowbit: the ranks called {what} differently:\n{lines}")
-    _AGREED.add(slot)
-
-
 # ------------------------------------------------------------------------------------ per-call check
 #: Whether every call's fingerprint is checked (:func:`check_call`). ``LOWBIT_CHECK_CALLS=0`` turns the
 #: check off, for measuring what it costs only (benchmarks/bench_agreement.py): ranks that then call
