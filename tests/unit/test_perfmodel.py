@@ -309,34 +309,34 @@ def test_predict_network_uses_flops_over_rate():
 # ------------------------------------------------------------------------------------- networks
 @pytest.mark.parametrize("name, params, gmacs", [
     ("vgg19", 143.7e6, 19.6), ("resnet50", 25.6e6, 3.8), ("resnet152", 60.2e6, 11.3),
-    ("resnet110", 1.7e6, 0.253), ("alexnet", 61.0e6, 0.72),
+    ("resnet110", 1.7e6, 0.253),
+    ("alexnet", 62.0e6, 0.99),  # CNTK's single tower at 227x227 (lowbit.models'); 0.72 G published rescales it
 ])
 def test_network_profiles_match_published_totals(name, params, gmacs):
     net = get_network(name)
     assert sum(lp.params for lp in net.profile) == pytest.approx(params, rel=0.03)
     assert sum(lp.macs for lp in net.profile) / 1e9 == pytest.approx(gmacs, rel=0.08)
     layers = net.layers()
-    assert sum(p for _, p, _ in layers) == pytest.approx(net.params, rel=1e-6)
+    assert abs(sum(p for _, p, _ in layers) - net.params) <= len(layers) / 2  # each layer rounds to a whole count
     assert sum(f for _, _, f in layers) == pytest.approx(6 * net.fwd_gmacs * 1e9)
 
 
 def test_small_networks_are_exact():
     mlp = get_network("mlp")
     assert mlp.params == 784 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10
-    assert get_network("cifar10_quick").params == 145_578  # Caffe cifar10_quick
-    assert get_network("ResNet-50").name == "resnet50"
+    assert get_network("ResNet50").name == "resnet50"
 
 
 def test_network_names_are_the_studys():
     """One set of names (issue 14 item 5): the speed model's names are lowbit.models' wherever the
-    network is the same; old spellings resolve; a name that meant another network is refused."""
+    network is the same (and every profile is lowbit.models' module); the spellings of 0.1.0 are gone."""
     from lowbit.models import available_models
 
-    for name in ("mlp", "bn_inception", "alexnet", "vgg19", "resnet50", "resnet110", "lstm"):
-        assert name in available_models() and get_network(name).name == name
-    assert get_network("mnist-mlp").name == "mlp" and get_network("bn-inception").name == "bn_inception"
-    for old in ("small-cnn", "small_cnn"):
-        with pytest.raises(ValueError, match="cifar10_quick"):
+    assert set(NETWORKS) <= set(available_models())
+    for name in NETWORKS:
+        assert get_network(name).name == name
+    for old in ("mnist-mlp", "bn-inception", "small-cnn", "small_cnn", "cifar10_quick"):
+        with pytest.raises(ValueError, match="unknown network"):
             get_network(old)
 
 

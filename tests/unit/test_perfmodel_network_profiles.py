@@ -1,7 +1,7 @@
 """The speed model's per-layer profiles, walked from torch modules on the meta device (perfmodel.networks).
 
 * every profile's parameters, per layer, are the module's own parameter counts, and its total is the
-  exact count lowbit.models records for that network (model_info) or the variant's known count;
+  exact count lowbit.models records for that network (model_info);
 * building a profile allocates no real parameter, buffer or activation (everything on meta);
 * the MACs follow the counting rules (spot checks computed by hand below, not by the walk);
 * profiles are cached, so each network is walked once per process.
@@ -19,15 +19,11 @@ from lowbit.models import available_models, build_model, model_info
 from lowbit.perfmodel import networks
 from lowbit.perfmodel.networks import LayerProfile, MODEL_SOURCES, module_profile, network_profile
 
-#: Known totals of the variants written in networks.py (not in lowbit.models' registry).
-LOCAL_PARAMS = {"alexnet": 61_100_840, "resnet110": 1_727_962, "cifar10_quick": 145_578}
-
-
 def _expected_per_layer(name: str) -> dict[str, int]:
     """Parameter counts per profile entry straight from the module's named parameters (meta shapes)."""
-    source, _, name_of = MODEL_SOURCES[name]
+    name_of = MODEL_SOURCES[name]
     with torch.device("meta"):
-        model = build_model(source) if isinstance(source, str) else source()
+        model = build_model(name)
     owner = {id(p): q for q, m in model.named_modules() for p in m.parameters(recurse=False)}
     out: dict[str, int] = {}
     kinds: dict[str, int] = {}
@@ -56,33 +52,29 @@ def test_profile_params_are_the_modules_own(name: str) -> None:
     got = {lp.name: lp.params for lp in profile}
     assert len(got) == len(profile), "profile names repeat"
     assert got == _expected_per_layer(name)
-    source = MODEL_SOURCES[name][0]
     total = sum(lp.params for lp in profile)
-    assert total == (model_info(source).params if isinstance(source, str) else LOCAL_PARAMS[name])
+    assert total == model_info(name).params
     assert all(lp.macs >= 0 for lp in profile)
 
 
 def test_every_seed_network_of_lowbit_models_has_a_profile() -> None:
     # the decoders are not networks of the speed model (their attention is a functional call no hook sees)
-    walked = {s for s, _, _ in MODEL_SOURCES.values() if isinstance(s, str)}
-    assert set(available_models()) - walked == {"small_cnn", "gpt2_small", "gpt_350m", "gpt_760m", "gpt_1_3b"}
+    assert set(available_models()) - set(MODEL_SOURCES) == {"small_cnn", "gpt2_small", "gpt_350m", "gpt_760m", "gpt_1_3b"}
 
 
 def test_small_modules_real_build_matches_meta_walk() -> None:
     """On real CPU modules (small ones) the walk's per-layer parameters are those of the meta walk."""
-    for name in ("mlp", "resnet110_projection", "cifar10_quick"):
-        source, in_shape, name_of = MODEL_SOURCES[name]
-        model = build_model(source) if isinstance(source, str) else source()
+    for name in ("mlp", "resnet110"):
+        model = build_model(name)
         assert all(p.device.type == "cpu" for p in model.parameters())
-        real = {lp.name: lp.params for lp in
-                module_profile(model, in_shape or model_info(source).in_shape, name_of)}
+        real = {lp.name: lp.params for lp in module_profile(model, model_info(name).in_shape, MODEL_SOURCES[name])}
         assert real == {lp.name: lp.params for lp in network_profile(name)}
         assert sum(real.values()) == sum(p.numel() for p in model.parameters())
 
 
-#: One network of each source kind and each layer kind (a local variant, a convolutional one of
-#: lowbit.models, the LSTM, an MLP): the default run's networks for test_profiles_are_built_on_meta.
-_META_FAST = ("resnet110", "cifar10_quick", "mlp", "resnet50", "lstm")
+#: One network of each layer kind (convolutional ones of lowbit.models, the LSTM, an MLP): the default
+#: run's networks for test_profiles_are_built_on_meta.
+_META_FAST = ("resnet110", "mlp", "resnet50", "lstm")
 
 
 @pytest.mark.parametrize("names", [pytest.param(_META_FAST, id="one-of-each-kind"),

@@ -2,14 +2,10 @@
 (docs/perfmodel.md, section 6).
 
 Each :class:`Network` carries the *published* totals (parameters; forward multiply-accumulates per sample),
-which only rescale its per-layer *profile* in forward order. Profiles are walked from torch modules built on
-the meta device (:func:`module_profile`; cached): lowbit.models' network of the same name for VGG19,
-ResNet-50/152 and the MNIST MLP; where the model has always used another variant, that variant is written
-here so the predictions do not move: torchvision's AlexNet (61.1M parameters, 0.714 GMACs; lowbit.models
-builds CNTK's), He et al.'s ResNet-110 with parameter-free shortcuts (lowbit.models': 1x1 projections), and
-Caffe's cifar10_quick. BN-Inception and the LSTM keep a uniform split (12 and 4 groups; an assumption stated
-in ``notes``): walking lowbit.models' modules (``MODEL_SOURCES`` has them) would move BN-Inception's advice
-by up to ~15%.
+which only rescale its per-layer *profile* in forward order. Profiles are walked from lowbit.models'
+network of the same name, built on the meta device (:func:`module_profile`; cached); BN-Inception and
+the LSTM keep a uniform split (12 and 4 groups; an assumption stated in ``notes``). The names are
+lowbit.models' (and so the study's): one set of names across study, predict and advise.
 
 FLOPs: 1 MAC = 2 FLOPs and forward + backward = 3 x forward, so fwd+bwd FLOPs per sample = 6 x forward MACs.
 Published totals: parameters from Grubic et al. (EDBT 2018), Figure 3 (CNTK's implementations), except
@@ -17,7 +13,7 @@ ResNet-110 (He et al. 2016, Table 6: 1.7M; the seed prints 1M); forward MACs: Al
 commonly quoted for Krizhevsky et al. 2012), VGG19 19.6 G, ResNet-50 3.8 G and ResNet-152 11.3 G (He et al.
 2016, Table 1), ResNet-110 0.253 G (Li et al. 2017, Table 1), BN-Inception ~2.0 G (a model-zoo figure:
 approximate), LSTM 13M parameters x 100 frames per sample (assumed: the seed gives no sequence length). The
-MLP 784-1024-1024-10 (Dettmers 2016) and cifar10_quick use their profiles' own totals.
+MLP 784-1024-1024-10 (Dettmers 2016) uses its profile's own totals.
 """
 
 from __future__ import annotations
@@ -26,7 +22,6 @@ import dataclasses
 import functools
 import math
 import re
-from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -201,88 +196,30 @@ def _lstm(q: str, kind: str, i: int) -> str:
     return f"lstm{i}" if kind == "lstm" else "lstm4"
 
 
-def _first_part(q: str, kind: str, i: int) -> str:
-    """The modules below are named as the profile names their layers."""
-    return q.split(".")[0]
-
-
-def _torchvision_alexnet() -> nn.Module:
-    """torchvision's single-tower AlexNet (64-192-384-256-256 maps, no LRN; 61,100,840 parameters)."""
-    relu = nn.ReLU(inplace=True)  # in place: no meta kernel to run (and no parameters, so one can serve)
-    return nn.Sequential(OrderedDict(
-        conv1=nn.Conv2d(3, 64, 11, stride=4, padding=2), relu1=relu, pool1=nn.MaxPool2d(3, 2),
-        conv2=nn.Conv2d(64, 192, 5, padding=2), relu2=relu, pool2=nn.MaxPool2d(3, 2),
-        conv3=nn.Conv2d(192, 384, 3, padding=1), relu3=relu, conv4=nn.Conv2d(384, 256, 3, padding=1), relu4=relu,
-        conv5=nn.Conv2d(256, 256, 3, padding=1), relu5=relu, pool5=nn.MaxPool2d(3, 2), flat=nn.Flatten(),
-        fc6=nn.Linear(256 * 6 * 6, 4096), fc7=nn.Linear(4096, 4096), fc8=nn.Linear(4096, 1000),
-    ))
-
-
-def _resnet110_identity() -> nn.Module:
-    """He et al.'s CIFAR ResNet-110 with parameter-free (zero-padding) shortcuts: 1,727,962 parameters. The
-    shortcut adds no parameters and changes no shape, so the blocks' bodies in sequence give the profile."""
-    def conv_bn(cin: int, cout: int, stride: int = 1) -> list[nn.Module]:
-        return [nn.Conv2d(cin, cout, 3, stride, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True)]
-    layers: dict[str, nn.Module] = {"conv1": nn.Sequential(*conv_bn(3, 16))}
-    cin = 16
-    for stage, c in enumerate((16, 32, 64), start=1):
-        for b in range(18):
-            layers[f"stage{stage}_{b + 1}"] = nn.Sequential(*conv_bn(cin, c, 2 if b == 0 and stage > 1 else 1),
-                                                            *conv_bn(c, c))
-            cin = c
-    return nn.Sequential(OrderedDict(layers, pool=nn.AdaptiveAvgPool2d(1), flat=nn.Flatten(), fc=nn.Linear(64, 10)))
-
-
-def _cifar10_quick() -> nn.Module:
-    """Caffe's ``cifar10_quick`` (145,578 parameters); Caffe's pooling rounds up: 32 -> 16 -> 8 -> 4."""
-    relu = nn.ReLU(inplace=True)
-    return nn.Sequential(OrderedDict(
-        conv1=nn.Conv2d(3, 32, 5, padding=2), pool1=nn.MaxPool2d(3, 2, ceil_mode=True), relu1=relu,
-        conv2=nn.Conv2d(32, 32, 5, padding=2), relu2=relu, pool2=nn.AvgPool2d(3, 2, ceil_mode=True),
-        conv3=nn.Conv2d(32, 64, 5, padding=2), relu3=relu, pool3=nn.AvgPool2d(3, 2, ceil_mode=True),
-        flat=nn.Flatten(), fc1=nn.Linear(64 * 4 * 4, 64), fc2=nn.Linear(64, 10),
-    ))
-
-
-#: Where each profile comes from: a lowbit.models name (its default input shape) or, for the variants
-#: lowbit.models does not build, a module here and its input shape; and how its layers are named.
-MODEL_SOURCES: dict[str, tuple[str | Callable[[], nn.Module], tuple[int, ...] | None, _Namer]] = {
-    "alexnet": (_torchvision_alexnet, (3, 224, 224), _first_part),
-    "vgg19": ("vgg19", None, _numbered(6)),
-    "resnet50": ("resnet50", None, _resnet("conv{}_{}", 2)),
-    "resnet152": ("resnet152", None, _resnet("conv{}_{}", 2)),
-    "resnet110": (_resnet110_identity, (3, 32, 32), _first_part),
-    "mlp": ("mlp", None, _numbered(1)),
-    "cifar10_quick": (_cifar10_quick, (3, 32, 32), _first_part),
-    # lowbit.models' own builds where the speed model keeps another profile (see the module docstring)
-    "alexnet_cntk": ("alexnet", None, _numbered(6)),
-    "resnet110_projection": ("resnet110", None, _resnet("stage{}_{}", 1)),
-    "bn_inception": ("bn_inception", None, _bn_inception),
-    "lstm": ("lstm", None, _lstm),
+#: How each network's profile entries are named, by lowbit.models name (the module and its input shape
+#: are lowbit.models'; BN-Inception's and the LSTM's walks are kept beside their uniform splits).
+MODEL_SOURCES: dict[str, _Namer] = {
+    "alexnet": _numbered(6), "vgg19": _numbered(6), "resnet50": _resnet("conv{}_{}", 2),
+    "resnet152": _resnet("conv{}_{}", 2), "resnet110": _resnet("stage{}_{}", 1), "mlp": _numbered(1),
+    "bn_inception": _bn_inception, "lstm": _lstm,
 }
 
 
 @functools.cache
 def network_profile(name: str) -> tuple[LayerProfile, ...]:
-    """The profile of ``MODEL_SOURCES[name]``'s module, built on the meta device and walked (cached)."""
-    source, in_shape, name_of = MODEL_SOURCES[name]
+    """The profile of lowbit.models' ``name``, built on the meta device and walked (cached)."""
     with torch.device("meta"):
-        model = build_model(source) if isinstance(source, str) else source()
-    return module_profile(model, in_shape or model_info(str(source)).in_shape, name_of)
+        model = build_model(name)
+    return module_profile(model, model_info(name).in_shape, MODEL_SOURCES[name])
 
 
 def _uniform(prefix: str, groups: int) -> tuple[LayerProfile, ...]:
     return tuple(LayerProfile(f"{prefix}{i + 1}", 1, 1.0) for i in range(groups))
 
 
-def _exact(name: str, profile: tuple[LayerProfile, ...], dataset: str, notes: str) -> Network:
-    return Network(name, sum(p.params for p in profile), sum(p.macs for p in profile) / 1e9, profile,
-                   dataset, notes)
-
-
 _BUILDERS: dict[str, Callable[[], Network]] = {
     "alexnet": lambda: Network("alexnet", 62_000_000, 0.72, network_profile("alexnet"), "ImageNet",
-                               "params: seed Fig. 3 (CNTK AlexNet); profile: torchvision layer shapes"),
+                               "params: seed Fig. 3 (CNTK AlexNet); MACs: Krizhevsky et al. 2012"),
     "vgg19": lambda: Network("vgg19", 143_000_000, 19.6, network_profile("vgg19"), "ImageNet",
                              "params: seed Fig. 3; MACs: He et al. 2016"),
     "resnet50": lambda: Network("resnet50", 25_000_000, 3.8, network_profile("resnet50"),
@@ -295,40 +232,18 @@ _BUILDERS: dict[str, Callable[[], Network]] = {
                                     "MACs approximate; profile: uniform over 12 groups (assumption)"),
     "lstm": lambda: Network("lstm", 13_000_000, 1.3, _uniform("lstm", 4), "AN4",
                             "MACs: 13M params x 100 frames per sample (assumption); uniform profile"),
-    "mlp": lambda: _exact("mlp", network_profile("mlp"), "MNIST", "784-1024-1024-10 (Dettmers 2016)"),
-    "cifar10_quick": lambda: _exact("cifar10_quick", network_profile("cifar10_quick"), "CIFAR-10",
-                                    "Caffe cifar10_quick"),
+    "mlp": lambda: Network("mlp", sum(p.params for p in network_profile("mlp")),
+                           sum(p.macs for p in network_profile("mlp")) / 1e9, network_profile("mlp"), "MNIST",
+                           "784-1024-1024-10 (Dettmers 2016)"),
 }
-
-# The names are lowbit.models' (and so the study's) wherever the network is the same one: one set of
-# names across study, predict and advise. Older spellings still resolve.
-_ALIASES = {
-    "resnet-50": "resnet50", "resnet-152": "resnet152", "resnet-110": "resnet110", "vgg": "vgg19",
-    "vgg-19": "vgg19", "bninception": "bn_inception", "bn-inception": "bn_inception",
-    "inception": "bn_inception", "mnist-mlp": "mlp", "mnist_mlp": "mlp", "mnist": "mlp",
-    "cifar10-quick": "cifar10_quick",
-}
-
-#: Names that used to mean a different network here than in lowbit.models: refused with the reason.
-_RETIRED = {
-    "small-cnn": "the speed model's 'small-cnn' was Caffe's cifar10_quick (145,578 parameters, CIFAR-10), "
-                 "not lowbit.models' small_cnn (25,866 parameters, 8x8 inputs), which the speed model has no "
-                 "profile of: use 'cifar10_quick'",
-}
-for _name in ("small_cnn", "smallcnn", "cnn"):
-    _RETIRED[_name] = _RETIRED["small-cnn"]
 
 NETWORKS: tuple[str, ...] = tuple(_BUILDERS)
 
 
 def get_network(name: str) -> Network:
-    """The :class:`Network` called ``name`` (case-insensitive); ValueError listing the known ones."""
-    if not isinstance(name, str):
-        raise ValueError(f"network name must be a string, got {name!r}")
-    key = name.strip().lower()
-    if key in _RETIRED:
-        raise ValueError(f"network {name!r}: {_RETIRED[key]}")
-    key = _ALIASES.get(key, key)
+    """The :class:`Network` called ``name`` (lowbit.models' name, case-insensitive); ValueError listing
+    the known ones."""
+    key = name.strip().lower() if isinstance(name, str) else name
     if key not in _BUILDERS:
         raise ValueError(f"unknown network {name!r}; known networks: {', '.join(NETWORKS)}")
     return _BUILDERS[key]()
