@@ -15,7 +15,9 @@ Hook configs (``--hooks``, separated by ``;`` since codec specs contain commas):
 * ``allreduce`` — ``default_hooks.allreduce_hook``: plain DDP's fp32 allreduce, but called as a Python
   hook (what any Python comm hook costs the host, before it does any work);
 * ``fp16`` / ``bf16`` — ``default_hooks.fp16_compress_hook`` / ``bf16_compress_hook``;
-* ``powersgd`` — ``powerSGD_hook`` with rank 4, ``start_powerSGD_iter=2``, error feedback, warm start;
+* ``powersgd`` — ``powerSGD_hook`` with rank 4, ``start_powerSGD_iter=2``, error feedback, warm start
+  (these three registered by ``lowbit.baselines``, as the study's ``torch:fp16`` / ``torch:bf16`` /
+  ``torch:powersgd:rank=4``: torch's hooks as they are, PowerSGD's buckets chained on gloo);
 * ``lowbit:SPEC`` — ``lowbit.ddp.register(ddp_model, codec=SPEC)`` (``--lowbit-algorithm`` passed as
   ``algorithm=`` only when given; everything else is the library's default, so onebit gets error feedback);
   ``lowbit[mb=256,algorithm=allgather,thread=0]:SPEC`` sets ``message_mb`` / ``algorithm`` /
@@ -80,8 +82,8 @@ CPU_HOOKS = "ddp;lowbit:fp32;lowbit:qsgd:bits=8,bucket=512"
 BASELINES = ("ddp", "fp16", "powersgd")
 AUTO_STEADY = 4  # codec="auto": untimed steps after its latest possible decision (AutoTuner.last_decision_step)
 POWERSGD_GLOO = ("PowerSGD's hook issues its allreduces from future callbacks, whose order differs across "
-                 "ranks on gloo: a collective mismatch aborts the run (pytorch/pytorch#58467); "
-                 "--powersgd-gloo runs it anyway")
+                 "ranks on gloo: with several buckets a collective mismatch aborts the run (pytorch/pytorch#58467); "
+                 "--powersgd-gloo runs it with its buckets chained (lowbit.baselines), which keeps the order")
 NCCL_ENV = ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_IB_DISABLE", "NCCL_HOSTID",
             "NCCL_SOCKET_IFNAME", "NCCL_ALGO", "NCCL_PROTO", "LOWBIT_NODE_SIZE", "LOCAL_WORLD_SIZE")
 
@@ -172,27 +174,23 @@ def parse_hooks(text: str) -> list[str]:
     return hooks
 
 
+#: The bench's names of PyTorch's hooks -> lowbit.baselines' specs (the study runs the same baselines)
+TORCH_BASELINES = {"fp16": "torch:fp16", "bf16": "torch:bf16", "powersgd": "torch:powersgd:rank=4,start_iter=2"}
+
+
 def register_hook(model: DDP, hook: str, args: argparse.Namespace) -> Any:
     """Install ``hook`` on ``model``; returns its state (None for plain DDP)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    import lowbit.baselines
 
     if hook == "ddp":
         return None
     if hook == "allreduce":  # torch's fp32 allreduce as a Python hook: the floor of any Python comm hook
         model.register_comm_hook(None, default_hooks.allreduce_hook)
         return None
-    if hook == "fp16":
-        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        return None
-    if hook == "bf16":
-        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
-        return None
-    if hook == "powersgd":
-        state = powerSGD_hook.PowerSGDState(
-            process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2,
-            use_error_feedback=True, warm_start=True)
-        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-        return state
+    if hook in TORCH_BASELINES:  # torch's own hook, registered as lowbit.baselines registers it
+        return lowbit.baselines.register(model, TORCH_BASELINES[hook])
     import lowbit.ddp
 
     parsed = lowbit_hook(hook)
@@ -208,6 +206,9 @@ def register_hook(model: DDP, hook: str, args: argparse.Namespace) -> Any:
 
 
 def bytes_sent(state: Any, field: str = "bytes_sent") -> int | None:
+    """What lowbit's hook counted (None for torch's hooks: this bench counts lowbit's bytes only)."""
+    if getattr(state, "baseline", None) is not None:
+        return None
     value = getattr(getattr(state, "stats", None), field, None)
     return int(value) if isinstance(value, (int, float)) else None
 

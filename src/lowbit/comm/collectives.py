@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 __all__ = ["CollectiveError", "Deferred", "capturing", "world", "all_to_all_async", "all_gather_async",
            "all_reduce_async", "reduce_scatter_async", "then", "join", "wait", "done", "all_gather_object",
-           "emulate_link", "check_call", "CHECK_CALLS"]
+           "emulate_link", "link_emulated", "through_link", "check_call", "CHECK_CALLS"]
 
 
 class CollectiveError(RuntimeError):
@@ -226,6 +226,23 @@ def _via_link(op: str, group: dist.ProcessGroup | None, call: Callable[[], objec
     fut: torch.futures.Future = torch.futures.Future()
     _LINK["queue"].put((call, nbytes, fut, op, group))
     return fut
+
+
+def link_emulated() -> bool:
+    """Whether this process's collectives cross an emulated link (:func:`emulate_link`)."""
+    return _LINK["bytes_per_s"] is not None
+
+
+def through_link(fut: torch.futures.Future, nbytes: int, op: str = "all_reduce",
+                 group: dist.ProcessGroup | None = None) -> torch.futures.Future:
+    """A collective issued elsewhere (PyTorch's own DDP hooks) across the emulated link: the link thread
+    waits for ``fut``, then holds the link for ``nbytes`` (what this rank sent), in FIFO order with
+    lowbit's collectives; the returned future carries ``fut``'s value. ``fut`` itself when no link is
+    emulated."""
+    if _LINK["bytes_per_s"] is None:
+        return fut
+    held = _via_link(op, group, lambda: fut, nbytes)
+    return held.then(lambda _: fut.value())
 
 
 def all_to_all_async(recv: torch.Tensor, send: torch.Tensor, send_splits: list[int], recv_splits: list[int],
