@@ -39,7 +39,7 @@ No ``from __future__ import annotations`` here: DDP inspects the hook's annotati
 
 import dataclasses
 import math
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -58,6 +58,7 @@ PREFIX = "torch:"
 _KINDS = ("ddp", "fp16", "bf16", "powersgd")
 _PARAMS = {"ddp": (), "fp16": (), "bf16": (), "powersgd": ("rank", "start_iter")}
 _VALUE_BYTES = {"ddp": 4, "fp16": 2, "bf16": 2}
+_MIN_COMPRESSION_RATE = 2  # PowerSGDState's default, which register keeps
 
 
 def is_baseline(spec: Any) -> bool:
@@ -108,6 +109,24 @@ class Baseline:
     def bits(self) -> float:
         """Bits per gradient value on the wire (NaN for PowerSGD: it depends on the tensors' shapes)."""
         return 8.0 * _VALUE_BYTES[self.kind] if self.kind in _VALUE_BYTES else math.nan
+
+    def compressed_numel(self, shapes: List[Tuple[int, ...]]) -> int:
+        """How many of the values of gradients of these shapes cross in fewer than 32 bits: every one for
+        the casts, none for plain DDP, the matrices PowerSGD compresses (each viewed as ``shape[0] x rest``,
+        when rank-r factors are at least ``min_compression_rate`` = 2 times smaller, as its hook decides)."""
+        numels = [math.prod(s) for s in shapes]
+        if self.kind in ("fp16", "bf16"):
+            return sum(numels)
+        if self.kind == "ddp":
+            return 0
+        out = 0
+        for shape, n_all in zip(shapes, numels):
+            n = shape[0] if shape else 1
+            m = n_all // n if n else 0
+            r = min(n, m, self.rank)
+            if (n + m) * r * _MIN_COMPRESSION_RATE < n * m:
+                out += n_all
+        return out
 
     @property
     def error_feedback(self) -> bool:
@@ -207,7 +226,7 @@ def register(ddp_model: nn.Module, baseline: Any, *, process_group: Optional[dis
     if b.kind == "powersgd":
         hook_state: Any = powerSGD_hook.PowerSGDState(
             process_group=group, matrix_approximation_rank=b.rank, start_powerSGD_iter=b.start_iter,
-            use_error_feedback=True, warm_start=True)
+            min_compression_rate=_MIN_COMPRESSION_RATE, use_error_feedback=True, warm_start=True)
     else:
         hook_state = group
     backend = dist.get_backend(group) if dist.is_initialized() else ""

@@ -252,3 +252,33 @@ def test_timed_epochs_skip_the_first_and_the_switch_to_compression() -> None:
     # too short for a steady state: the last epoch rather than nothing
     assert [e["epoch"] for e in timed_epochs(eps[:2], steps=1, steady_from=9)] == [2]
     assert [e["epoch"] for e in timed_epochs(eps[:1], steps=10, steady_from=1)] == [1]
+
+
+# ------------------------------------------------------------------------------------ PyTorch's hooks
+def test_torch_hooks_are_grid_entries_beside_codecs() -> None:
+    cfg = StudyConfig(networks=("mlp",), codecs=("fp32", "torch:fp16", "TORCH:PowerSGD:rank=4", "torch:ddp"),
+                      world_sizes=(1, 2), algorithms=("scatter_gather", "allgather"))
+    assert cfg.codecs[2] == "torch:powersgd:rank=4,start_iter=2"  # canonical, every parameter explicit
+    runs = expand_runs(cfg)
+    torch_runs = [r for r in runs if r.codec.startswith("torch:")]
+    # across workers only, once each (their own collectives: no algorithm of lowbit's to vary)
+    assert [(r.codec, r.world_size, r.algorithm) for r in torch_runs] == [
+        ("torch:fp16", 2, "torch"), ("torch:powersgd:rank=4,start_iter=2", 2, "torch"), ("torch:ddp", 2, "torch")]
+    assert [r.error_feedback for r in torch_runs] == [False, True, False]  # PowerSGD's own error feedback
+    assert [r.codec_label for r in torch_runs] == ["fp16 hook (torch)", "PowerSGD r4 (torch)", "DDP fp32 (torch)"]
+    assert len({r.key() for r in runs}) == len(runs)
+    check_runs(runs)
+
+
+@pytest.mark.parametrize(("codecs", "needles"), [
+    (["torch:fp8"], ["'codecs'", "unknown torch baseline 'torch:fp8'", "torch:powersgd:rank=4"]),
+    (["torch:powersgd"], ["'codecs'", "needs its rank"]),
+    (["torch:powersgd:rank=4,start_iter=1"], ["start_iter must be an integer >= 2"]),
+    (["torch:bf16"], ["torch:bf16", "NCCL only", "gloo"]),
+    (["torch:fp16", "TORCH:FP16"], ["same codec twice"]),
+])
+def test_bad_torch_hooks_are_named(codecs: list[str], needles: list[str]) -> None:
+    with pytest.raises(ValueError) as info:
+        StudyConfig(codecs=tuple(codecs))
+    for needle in needles:
+        assert needle in str(info.value), str(info.value)

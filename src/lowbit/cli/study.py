@@ -17,6 +17,7 @@ import argparse
 import sys
 from typing import Any
 
+from lowbit.baselines import get_baseline, is_baseline
 from lowbit.codecs.base import get_codec, parse_codec_list
 from lowbit.comm.allreduce import algorithms
 from lowbit.env import launched_rank_and_size, under_torchrun
@@ -59,11 +60,17 @@ def _batches(values: list[str] | None) -> list[int | str] | None:
     return [int(v) if v.isdigit() else v for v in values]
 
 
+def _baseline_spec(spec: str) -> str | None:
+    """PyTorch's hooks beside the codecs in --codecs (torch:fp16, torch:powersgd:rank=4): canonical spec."""
+    return get_baseline(spec).spec if is_baseline(spec) else None
+
+
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "networks": _csv_or_list(args.networks),
         "datasets": _csv_or_list(args.datasets),
-        "codecs": parse_codec_list(args.codecs, what="--codecs", also=("auto",)) if args.codecs else None,
+        "codecs": (parse_codec_list(args.codecs, what="--codecs", also=("auto",), other=_baseline_spec)
+                   if args.codecs else None),
         "algorithms": _csv_or_list(args.algorithms),
         "world_sizes": _ints(args.world_sizes, "world-sizes"),
         "nodes": _ints(args.emulate_nodes, "emulate-nodes"),
@@ -87,7 +94,7 @@ def _warm_up(cfg: Any, out: str) -> None:
     runs, finished, _ = plan_study(cfg, out)
     todo = [r for r in runs if r.key() not in finished and r.device == "cpu" and r.world_size > 1]
     for spec in dict.fromkeys(r.codec for r in todo):
-        if spec != "auto":
+        if spec != "auto" and not is_baseline(spec):
             warm_up(get_codec(spec), "cpu")
 
 

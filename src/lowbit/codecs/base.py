@@ -29,7 +29,7 @@ import math
 import numbers
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -308,13 +308,16 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
     return name.strip().lower(), params
 
 
-def parse_codec_list(values: Sequence[str] | str, what: str = "codecs", also: Sequence[str] = ()) -> list[str]:
+def parse_codec_list(values: Sequence[str] | str, what: str = "codecs", also: Sequence[str] = (),
+                     other: Callable[[str], str | None] | None = None) -> list[str]:
     """Codec specs from command-line values, the one syntax of every ``lowbit`` command: specs separated
     by spaces (several values), ``;`` or ``,``. A spec's own parameters are comma-separated too
     (``qsgd:bits=4,bucket=512``), so a comma-separated item of the form ``key=value`` continues the spec
     before it and any other item starts a new one: ``fp32,qsgd:bits=4,bucket=512`` is ``fp32`` and
     ``qsgd:bits=4,bucket=512``. Validated and deduplicated (the first spelling of each codec is kept).
-    ``also``: names the caller accepts beside codecs (the study's ``auto``)."""
+    ``also``: names the caller accepts beside codecs (the study's ``auto``); ``other``: a function giving
+    the canonical spec of something else the caller accepts (the study's ``torch:fp16``), None for a spec
+    that is not its own, a ValueError for a bad one."""
     specs: list[str] = []
     for value in [values] if isinstance(values, str) else values:
         for group in str(value).replace(";", " ").split():
@@ -336,6 +339,13 @@ def parse_codec_list(values: Sequence[str] | str, what: str = "codecs", also: Se
     for spec in specs:
         if spec.lower() in also:
             seen.setdefault(spec.lower(), spec.lower())
+            continue
+        try:
+            canonical = other(spec) if other is not None else None
+        except ValueError as exc:
+            raise ValueError(f"{what} {spec!r}: {exc}") from None
+        if canonical is not None:
+            seen.setdefault(canonical, canonical)
             continue
         try:
             seen.setdefault(get_codec(spec).spec, spec)

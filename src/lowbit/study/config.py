@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from lowbit.autotune import DEFAULT_ALLOW
+from lowbit.baselines import get_baseline, is_baseline
 from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm.allreduce import algorithms as registered_algorithms
 from lowbit.data import available_datasets, load_dataset
@@ -175,13 +176,20 @@ class StudyConfig:
             if spec.strip().lower() == AUTO:  # lowbit.ddp's codec="auto": chosen per tensor while training
                 canon.append(AUTO)
                 continue
+            if is_baseline(spec):  # PyTorch's own hooks (lowbit.baselines): torch:fp16, torch:powersgd:rank=4
+                try:
+                    canon.append(get_baseline(spec).spec)
+                except ValueError as exc:
+                    raise ValueError(f"study config: 'codecs': {exc}") from None
+                continue
             try:
                 canon.append(get_codec(spec).spec)
             except ValueError as exc:
                 raise ValueError(f"study config: 'codecs': {spec!r}: {exc}") from None
         if len(set(canon)) != len(canon):
             raise ValueError(f"study config: 'codecs' lists the same codec twice: {list(self.codecs)}")
-        object.__setattr__(self, "codecs", tuple(AUTO if c == AUTO else s for c, s in zip(canon, self.codecs)))
+        object.__setattr__(self, "codecs", tuple(AUTO if c == AUTO else c if is_baseline(c) else s
+                                                 for c, s in zip(canon, self.codecs)))
         for ws in self.world_sizes:
             _check_int("world_sizes", ws, 1)
         for nn in self.nodes:
@@ -220,6 +228,9 @@ class StudyConfig:
             if any(b != "gloo" for b in self.backends):
                 raise ValueError("study config: 'emulate_link' emulates a link for gloo (CPU) runs; for NCCL "
                                  "use a real slow path (docs/multinode.md: sockets, emulated nodes)")
+        if "torch:bf16" in self.codecs and any(b != "nccl" for b in self.backends):
+            raise ValueError("study config: 'codecs': torch:bf16 (PyTorch's bf16_compress_hook) runs on NCCL only; "
+                             f"backends are {list(self.backends)} (torch:fp16 runs on gloo)")
         efs = self.error_feedback
         if isinstance(efs, (list, tuple)):
             if not efs or len(set(map(repr, efs))) != len(efs):
@@ -510,6 +521,8 @@ def codec_label(spec: str, error_feedback: bool = False) -> str:
     the codecs it chooses among."""
     if spec == AUTO:
         return "auto (" + "|".join(get_codec(s).label for s in DEFAULT_ALLOW) + ")"
+    if is_baseline(spec):  # PyTorch's hooks: PowerSGD's error feedback is its own, always on
+        return get_baseline(spec).label
     return get_codec(spec).label + (" +EF" if error_feedback else "")
 
 
@@ -569,7 +582,11 @@ def expand_runs(cfg: StudyConfig) -> list[RunConfig]:
             continue
         if par != "data" and (ws == 1 or not _splits(network, par) or policy):
             continue  # one worker is data parallelism's baseline; networks that do not split are skipped
-        if spec == AUTO:
+        if is_baseline(spec):
+            if policy or par != "data" or ws == 1:
+                continue  # PyTorch's DDP hooks: whole-model, data-parallel gradients, across workers
+            codec = get_codec("fp32")  # (what the grid's rules below see: it sums on the wire, no policy)
+        elif spec == AUTO:
             if policy or par != "data" or (ws == 1 and not cfg.compress_at_world_size_1):
                 continue  # auto chooses the codecs itself, for data-parallel gradients, across workers
             codec = get_codec("fp32")  # (until it decides; it needs a collective algorithm all the same)
@@ -602,9 +619,13 @@ def expand_runs(cfg: StudyConfig) -> list[RunConfig]:
         device = cfg.device if cfg.device != "auto" else ("cuda" if backend == "nccl" else "cpu")
         if par == "model":
             eff = "none"  # no parameter gradient crosses: the codec carries activations and their gradients
+        if is_baseline(spec):
+            eff = "torch"  # the hook's own collectives
         run = RunConfig(
-            network=network, dataset=dataset, codec=AUTO if spec == AUTO else codec.spec, algorithm=eff,
-            error_feedback=(_feedback(ef, codec) if (ws > 1 or cfg.compress_at_world_size_1) and par != "model"
+            network=network, dataset=dataset, codec=spec if is_baseline(spec) else AUTO if spec == AUTO else codec.spec,
+            algorithm=eff,
+            error_feedback=(get_baseline(spec).error_feedback if is_baseline(spec)
+                            else _feedback(ef, codec) if (ws > 1 or cfg.compress_at_world_size_1) and par != "model"
                             else False),  # (activations take no error feedback)
             world_size=ws, backend=backend, device=device, batch_size=per_worker,
             epochs=seed_data.FIG3_RECIPE[network][0] if cfg.recipe == "fig3" else cfg.epochs,

@@ -9,6 +9,7 @@ import json
 import math
 from typing import Any
 
+from lowbit.baselines import is_baseline
 from lowbit.perfmodel.calibrate import RunRecord, sums_on_wire
 
 __all__ = ["run_record"]
@@ -35,6 +36,8 @@ def run_record(row: dict[str, Any]) -> RunRecord | None:
     codec = str(c.get("codec", "fp32"))
     if codec == "auto":
         return None  # lowbit.ddp's codec="auto" chooses per tensor while training; the row holds no codec
+    if is_baseline(codec):
+        return None  # PyTorch's own hooks: not lowbit's collectives, which the model prices
     algo = "allreduce" if sums_on_wire(codec) else str(c.get("algorithm") or "scatter_gather")
     if algo == "none":
         algo = "scatter_gather"

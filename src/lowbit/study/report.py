@@ -29,6 +29,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from lowbit.baselines import get_baseline, is_baseline
 from lowbit.codecs.base import get_codec
 from lowbit.extras import require
 from lowbit.perfmodel.projection import projection_curve, speedup_bound
@@ -87,6 +88,8 @@ def load_runs(results: str | os.PathLike[str], *, strict: bool = False) -> tuple
 
 
 def _bits(spec: str) -> float:
+    if is_baseline(spec):
+        return get_baseline(spec).bits
     try:
         return float(get_codec(spec).bits_per_value(1 << 20))
     except Exception:  # noqa: BLE001

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lowbit.baselines import is_baseline
 from lowbit.codecs.base import get_codec
 from lowbit.comm.hierarchical import topology
 from lowbit.env import launched_rank_and_size, under_torchrun
@@ -83,8 +84,8 @@ def _warm_up_codecs(specs: set[str], device: torch.device) -> None:
     for n in (4096, 4099):  # (Triton specialises on sizes divisible by 16 or not: compile both)
         x = torch.randn(n, device=device)
         for spec in sorted(specs):
-            if spec == "auto":
-                continue  # (its codecs warm up when it probes them)
+            if spec == "auto" or is_baseline(spec):
+                continue  # (auto's codecs warm up when it probes them; PyTorch's hooks have no kernels)
             codec = get_codec(spec)
             if codec.name == "fp32":
                 continue

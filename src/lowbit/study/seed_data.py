@@ -15,6 +15,7 @@ Transcribed from the paper's text; the order of the GPU columns is :data:`GPUS`.
 
 from __future__ import annotations
 
+from lowbit.baselines import is_baseline
 from lowbit.codecs.base import get_codec
 
 __all__ = [
@@ -194,7 +195,7 @@ def fig4_batch_per_worker(network: str, world_size: int) -> int:
 def seed_precision(codec_spec: str) -> tuple[str, str]:
     """The seed's (precision label, bucket) of a codec spec; ("", "") when the seed has none (and for the
     study's "auto", a choice rather than a codec)."""
-    if codec_spec == "auto":
+    if codec_spec == "auto" or is_baseline(codec_spec):
         return "", ""
     return SEED_PRECISIONS.get(get_codec(codec_spec).spec, ("", ""))
 

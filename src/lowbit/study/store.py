@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from lowbit.baselines import get_baseline, is_baseline
 from lowbit.codecs.base import get_codec
 from lowbit.perfmodel.calibrate import RunRecord
 from lowbit.study.records import run_record
@@ -215,7 +216,9 @@ def _malformed(row: dict[str, Any]) -> str:
     if problem:
         return problem
     try:
-        if cfg["codec"] != "auto":  # (codec="auto" chooses while training)
+        if is_baseline(cfg["codec"]):  # PyTorch's hooks (lowbit.baselines)
+            get_baseline(cfg["codec"])
+        elif cfg["codec"] != "auto":  # (codec="auto" chooses while training)
             get_codec(cfg["codec"])
     except ValueError as exc:
         return f"config.codec: {exc}"

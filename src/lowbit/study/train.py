@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import lowbit.baselines
 import lowbit.ddp
 from lowbit.comm import collectives as C
 from lowbit.comm.allreduce import get_algorithm
@@ -143,6 +144,13 @@ class _Trainer:
             return
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        if lowbit.baselines.is_baseline(run.codec):  # PyTorch's own hook, as a user registers it
+            ddp = DDP(model, device_ids=[device.index] if cuda else None)
+            self.state = lowbit.baselines.register(ddp, run.codec)
+            self.compressed = self.state.baseline.compressed_numel(
+                [tuple(p.shape) for p in model.parameters() if p.requires_grad])
+            self.net = ddp
+            return
         algorithm = run.algorithm if run.algorithm != "none" else "scatter_gather"
         node_size = world // run.nodes if get_algorithm(algorithm).multi_node else None
         if run.parallelism == "model":
@@ -224,13 +232,19 @@ class _Trainer:
         return (dataclasses.replace(self.state.stats) if self.state is not None else None,
                 dataclasses.replace(self.comm.stats) if self.comm is not None else None)
 
+    def after_step(self) -> None:
+        """Bookkeeping after a training step (outside its time): PyTorch's hooks count their bytes here."""
+        if isinstance(self.state, lowbit.baselines.BaselineState):
+            self.state.count_step()
+
     def add_counters(self, m: dict[str, float], before: tuple[Any, Any]) -> None:
         s0, c0 = before
         if self.state is not None and s0 is not None:
             s1 = self.state.stats
-            m["encode_s"] = s1.t_encode - s0.t_encode
-            m["comm_s"] = s1.t_comm - s0.t_comm
-            m["decode_s"] = s1.t_decode - s0.t_decode
+            timed = getattr(self.state, "timed", True)  # (PyTorch's hooks do not time their phases: NaN)
+            m["encode_s"] = s1.t_encode - s0.t_encode if timed else math.nan
+            m["comm_s"] = s1.t_comm - s0.t_comm if timed else math.nan
+            m["decode_s"] = s1.t_decode - s0.t_decode if timed else math.nan
             m["bytes_sent"] = s1.bytes_sent - s0.bytes_sent
             m["calls"] = s1.calls - s0.calls
         if self.comm is not None and c0 is not None:  # the activations' bytes (model / hybrid parallelism)
@@ -334,6 +348,7 @@ def _train_epoch(trainer: _Trainer, loader: Any, steps: int, opt: torch.optim.Op
         if cuda:
             torch.cuda.synchronize(device)
         m["train_s"] += time.perf_counter() - t0
+        trainer.after_step()
         m["exposed_comm_s"] += clock.tail_s() if world > 1 else 0.0
         m["loss_sum"] += float(loss.detach())
         m["steps"] += 1
@@ -371,6 +386,9 @@ def _epoch_record(epoch: int, g: dict[str, float], test: tuple[float, float, flo
 
 def _steady_from(run: RunConfig, world: int, auto: Any) -> int:
     """The first step whose speed counts (:func:`timed_epochs`)."""
+    if lowbit.baselines.is_baseline(run.codec):  # PowerSGD compresses from its start_iter; the casts at once
+        b = lowbit.baselines.get_baseline(run.codec)
+        return b.start_iter + 1 if b.kind == "powersgd" and world > 1 else 1
     if world > 1 and run.parallelism == "data" and run.codec != "fp32":
         if auto is not None:  # codec="auto": after its decision (measuring and trials come first)
             return (auto.decided_iter if auto.decided_iter is not None else run.start_iter) + 1
