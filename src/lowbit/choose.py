@@ -20,19 +20,24 @@ encoding on the compute timeline) and :func:`decide` searches assignments, in th
 under a total-error budget relative to uniform 8-bit QSGD, the codecs with the least link time, and
 size thresholds and fp32 prefixes around it are tried too; every candidate is replayed and :func:`pick`
 chooses.
+
+An assignment's value is a *choice*: a codec spec, or on several nodes a spec and the algorithm its
+tensor goes by (:func:`choice`: ``"qsgd:bits=8,bucket=512@hierarchical"``); each choice has its own
+measured cost (:class:`CodecCost`, whose ``algorithm`` names what carries it), so flat and hierarchical
+exchanges compete tensor by tensor like codecs do.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Union
 
 from lowbit.timeline import (AUTO_MESSAGE_MIN, AUTO_MESSAGE_SHARE, DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, StepPlan,
                              closes_after, ddp_buckets, message_limit, plan_step)
 
-__all__ = ["Tried", "pick", "TensorTiming", "Timeline", "CodecCost", "step_plan", "simulate", "decide", "Decision",
+__all__ = ["ALGORITHM_SEP", "choice", "split_choice", "Tried", "pick", "TensorTiming", "Timeline", "CodecCost", "step_plan", "simulate", "decide", "Decision",
            "compute_time", "explain", "weighted_bits",
            "ddp_bucket_caps", "WITHIN_BEST", "FASTER_THAN_FP32", "AUTO_FASTER_THAN_FP32",
            # the step's plan (lowbit.timeline), as lowbit.ddp, autotune and the benchmarks import it from here
@@ -48,6 +53,20 @@ WITHIN_BEST = 0.97
 
 #: a fixed codec's assignment, as lowbit.Policy's size rule makes it: smaller tensors stay fp32
 UNIFORM_MIN_NUMEL = 10_000
+
+#: between a choice's codec spec and the algorithm it names (codec specs never hold it)
+ALGORITHM_SEP = "@"
+
+
+def choice(spec: str, algorithm: str | None = None) -> str:
+    """The assignment value for ``spec`` sent by ``algorithm`` (None: the DDP state's own algorithm)."""
+    return spec if not algorithm else f"{spec}{ALGORITHM_SEP}{algorithm}"
+
+
+def split_choice(key: str) -> tuple[str, str | None]:
+    """(codec spec, algorithm or None) of an assignment value made by :func:`choice`."""
+    spec, sep, algorithm = key.partition(ALGORITHM_SEP)
+    return spec, (algorithm or None) if sep else None
 
 
 def ddp_bucket_caps(ddp_model: Any) -> tuple[float, float]:
@@ -123,7 +142,9 @@ class CodecCost:
     """What one codec costs here: ``alpha_s + s_per_value * n`` seconds for a message of ``n`` values
     (collective and decoding: the link's time), ``encode_s_per_value * n`` seconds of encoding on the
     compute timeline. ``native``: summed on the wire (fp32, fp16, bf16), one allreduce per DDP bucket;
-    ``per_tensor``: the codec sends each tensor as its own message."""
+    ``per_tensor``: the codec sends each tensor as its own message; ``algorithm``: the collective that
+    carries it ("allreduce", "allgather", "scatter_gather", "hierarchical"; "" when not recorded, as in
+    older checkpoints: taken to be allgather's when fp32 rides)."""
 
     spec: str
     bits: float
@@ -132,6 +153,7 @@ class CodecCost:
     s_per_value: float
     encode_s_per_value: float = 0.0
     per_tensor: bool = False
+    algorithm: str = ""
 
     def __post_init__(self) -> None:
         for f in ("alpha_s", "s_per_value", "encode_s_per_value"):
@@ -152,7 +174,8 @@ def step_plan(timeline: Timeline, assignment: Mapping[str, str], costs: Mapping[
         rider = next((s for s in specs if costs[s].native and costs[s].bits >= 32), None)
     return plan_step([t.numel for t in timeline.tensors], specs, native={s for s in specs if costs[s].native},
                      per_tensor={s for s in specs if costs[s].per_tensor}, rider=rider,
-                     message_mb=timeline.message_mb, buckets=[t.bucket for t in timeline.tensors])
+                     message_mb=timeline.message_mb, buckets=[t.bucket for t in timeline.tensors],
+                     riderless={s for s in specs if not costs[s].native and costs[s].algorithm not in ("", "allgather")})
 
 
 def simulate(timeline: Timeline, assignment: Mapping[str, str], costs: Mapping[str, CodecCost]) -> float:
@@ -205,29 +228,48 @@ class Decision:
     #: when they were tried: label -> measured step s ("fp32": the measured fp32 step)
     measured_s: dict[str, float] = dataclasses.field(default_factory=dict)
     chosen: str = ""
+    #: each choice (assignment value) -> the algorithm that carries it
+    algorithms: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def speedup(self) -> float:
         return self.fp32_step_s / self.step_s
 
+    def algorithms_of(self, assignment: Mapping[str, str]) -> list[str]:
+        """The algorithms that carry ``assignment``'s tensors, in the order of first use (fp32's
+        "allreduce" included)."""
+        seen: dict[str, None] = {}
+        for key in assignment.values():
+            seen.setdefault(self.algorithms.get(key) or _algorithm_of_key(key), None)
+        return list(seen)
+
     def table(self) -> str:
-        lines = [f"{'tensor':<44} {'numel':>11}  {'codec':<28} {'saving/step':>12}"]
+        lines = [f"{'tensor':<44} {'numel':>11}  {'codec':<28} {'algorithm':<15} {'saving/step':>12}"]
         for r in self.rows:
-            lines.append(f"{r['name'][:44]:<44} {r['numel']:>11,}  {r['codec'][:28]:<28} "
+            spec, _ = split_choice(r["codec"])
+            algo = r.get("algorithm") or self.algorithms.get(r["codec"]) or _algorithm_of_key(r["codec"])
+            lines.append(f"{r['name'][:44]:<44} {r['numel']:>11,}  {spec[:28]:<28} {algo[:15]:<15} "
                          f"{r['saving_s'] * 1e3:>9.3f} ms")
-        for label, _, pred in self.finalists:
+        for label, assignment, pred in self.finalists:
             got = self.measured_s.get(label)
-            lines.append(f"tried {label:<36} predicted {pred * 1e3:9.2f} ms/step"
+            lines.append(f"tried {label:<36} [{', '.join(self.algorithms_of(assignment))}] "
+                         f"predicted {pred * 1e3:9.2f} ms/step"
                          + (f", measured {got * 1e3:9.2f} ms/step" if got is not None else ""))
         if "fp32" in self.measured_s:
             lines.append(f"measured fp32 step {self.measured_s['fp32'] * 1e3:.2f} ms")
-        lines.append(f"chosen: {self.chosen or 'predicted best'}; predicted step {self.step_s * 1e3:.2f} ms, "
+        lines.append(f"chosen: {self.chosen or 'predicted best'} [{', '.join(self.algorithms_of(self.assignment))}]; "
+                     f"predicted step {self.step_s * 1e3:.2f} ms, "
                      f"fp32 everywhere {self.fp32_step_s * 1e3:.2f} ms ({self.speedup:.2f}x), {self.tried} "
                      "assignments replayed" + (" — fp32: nothing pays" if self.fp32_is_best else ""))
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _algorithm_of_key(key: str) -> str:
+    """A choice's algorithm when no cost recorded it: the one it names, else the state's ("default")."""
+    return split_choice(key)[1] or "default"
 
 
 def weighted_bits(timeline: Timeline, assignment: Mapping[str, str], costs: Mapping[str, CodecCost]) -> float:
@@ -245,9 +287,11 @@ def compute_time(timeline: Timeline, costs: Mapping[str, CodecCost], fp32: str =
 
 
 def _dp(timeline: Timeline, specs: Sequence[str], costs: Mapping[str, CodecCost],
-        errors: Mapping[str, Mapping[str, float]], limit: float, bins: int = 256) -> dict[str, str]:
+        errors: Mapping[str, Mapping[str, float]], limit: float, bins: int = 256,
+        only: Mapping[str, Collection[str]] | None = None) -> dict[str, str]:
     """L-GreCo's dynamic program: per tensor the codec with the least link + encode time, such that the
-    summed error stays within ``limit`` (errors rounded up to ``limit / bins``)."""
+    summed error stays within ``limit`` (errors rounded up to ``limit / bins``); ``only``: the choices a
+    tensor may take, where it names the tensor."""
     unit = limit / bins if limit > 0 else 0.0
     inf = float("inf")
     best = [0.0] + [inf] * bins   # least time for each used error budget
@@ -256,6 +300,8 @@ def _dp(timeline: Timeline, specs: Sequence[str], costs: Mapping[str, CodecCost]
         new = [inf] * (bins + 1)
         arg: list[tuple[int, str] | None] = [None] * (bins + 1)
         for spec in specs:
+            if only is not None and t.name in only and spec not in only[t.name]:
+                continue
             c = costs[spec]
             err = errors.get(t.name, {}).get(spec, 0.0)
             w = 0 if err <= 0 else (bins + 1 if unit == 0 else math.ceil(err / unit - 1e-9))
@@ -284,7 +330,8 @@ def _dp(timeline: Timeline, specs: Sequence[str], costs: Mapping[str, CodecCost]
 def decide(timeline: Timeline, costs: Mapping[str, CodecCost],
            errors: Mapping[str, Mapping[str, float]] | None = None, *, error_limit: float | None = None,
            fp32: str = "fp32", within_best: float = WITHIN_BEST,
-           faster_than_fp32: float = AUTO_FASTER_THAN_FP32, max_finalists: int = 4) -> Decision:
+           faster_than_fp32: float = AUTO_FASTER_THAN_FP32, max_finalists: int = 4,
+           only: Mapping[str, Collection[str]] | None = None) -> Decision:
     """Search assignments of ``costs``' codecs to the timeline's tensors (module doc) and :func:`pick`.
 
     ``errors[name][spec]``: the squared error of ``spec`` on that tensor's gradient; ``error_limit``: the
@@ -292,6 +339,10 @@ def decide(timeline: Timeline, costs: Mapping[str, CodecCost],
     codec, which must be in ``costs``. Unless fp32 wins, the decision lists up to ``max_finalists``
     assignments worth trying on the job: the chosen one, then each compressed codec applied as a fixed
     codec would be (tensors of at least ``UNIFORM_MIN_NUMEL`` values), fastest predicted first.
+    ``only[name]``: the choices that tensor may take (codec="auto"'s guard keeps a tensor it stepped up
+    at its new precision or above); a candidate that gives it another takes the one with the fewest
+    bits among them instead. Choices that differ only in their algorithm (flat or hierarchical) also
+    split by size: one for the large tensors, the other for the small.
     """
     if fp32 not in costs:
         raise ValueError(f"the codec costs must include {fp32!r} (the baseline)")
@@ -300,19 +351,27 @@ def decide(timeline: Timeline, costs: Mapping[str, CodecCost],
     specs = sorted(costs, key=lambda s: -costs[s].bits)
     compressed = [s for s in specs if s != fp32]
     cands: dict[tuple[str, ...], dict[str, str]] = {}
+    floor = {n: min(keys, key=lambda k: (costs[k].bits, k)) for n, keys in (only or {}).items() if keys}
+
+    def fit(a: Mapping[str, str]) -> dict[str, str]:
+        return {n: s if only is None or n not in only or s in only[n] else floor[n] for n, s in a.items()}
 
     def add(a: Mapping[str, str]) -> None:
-        cands.setdefault(tuple(a[n] for n in names), dict(a))
+        a = fit(a)
+        cands.setdefault(tuple(a[n] for n in names), a)
+
+    def same_codec(a: str, b: str) -> bool:
+        return a != b and split_choice(a)[0] == split_choice(b)[0]
 
     all32 = {n: fp32 for n in names}
     add(all32)
     sizes = sorted({t.numel for t in timeline.tensors})
     for spec in compressed:
-        for low in [fp32] + [s for s in compressed if costs[s].bits > costs[spec].bits]:
+        for low in [fp32] + [s for s in compressed if costs[s].bits > costs[spec].bits or same_codec(s, spec)]:
             for size in sizes:
                 add({t.name: spec if t.numel >= size else low for t in timeline.tensors})
     if errors and error_limit is not None:
-        dp = _dp(timeline, specs, costs, errors, error_limit)
+        dp = _dp(timeline, specs, costs, errors, error_limit, only=only)
         if dp:
             add(dp)
             ready = sorted(timeline.tensors, key=lambda t: t.ready_s)
@@ -345,14 +404,15 @@ def decide(timeline: Timeline, costs: Mapping[str, CodecCost],
     finalists = [] if fp32_best else [("predicted best", assignment, float(chosen.extra))]
     if not fp32_best:
         for spec in compressed:  # each codec as a fixed choice would apply it: the seed's size rule
-            a = {t.name: spec if t.numel >= UNIFORM_MIN_NUMEL else fp32 for t in timeline.tensors}
-            if a == assignment or over_budget(a):
+            a = fit({t.name: spec if t.numel >= UNIFORM_MIN_NUMEL else fp32 for t in timeline.tensors})
+            if a == assignment or over_budget(a) or any(a == f[1] for f in finalists):
                 continue
             finalists.append((f"{spec} (tensors >= {UNIFORM_MIN_NUMEL:,} values)", a, step(a)))
         finalists = finalists[:1] + sorted(finalists[1:], key=lambda f: f[2])[: max_finalists - 1]
     rows = explain(timeline, costs, assignment, compute, fp32)
     return Decision(assignment, fp32_best, float(chosen.extra), fp32_step, len(tried), rows,
-                    err(assignment) if errors else None, error_limit, finalists)
+                    err(assignment) if errors else None, error_limit, finalists,
+                    algorithms={k: c.algorithm or ("allreduce" if c.native else "default") for k, c in costs.items()})
 
 
 def explain(timeline: Timeline, costs: Mapping[str, CodecCost], assignment: Mapping[str, str], compute: float,
@@ -366,5 +426,7 @@ def explain(timeline: Timeline, costs: Mapping[str, CodecCost], assignment: Mapp
         saving = 0.0
         if spec != fp32:
             saving = compute + simulate(timeline, {**assignment, t.name: fp32}, costs) - base
-        rows.append({"name": t.name, "numel": t.numel, "codec": spec, "saving_s": saving})
+        c = costs[spec]
+        rows.append({"name": t.name, "numel": t.numel, "codec": spec, "saving_s": saving,
+                     "algorithm": c.algorithm or ("allreduce" if c.native else "default")})
     return rows

@@ -8,7 +8,9 @@ DDP hands gradients over in buckets, in the order they become ready (backward or
 * every natively summed tensor (fp32, fp16, bf16) in one collective per codec per DDP bucket, except
   that when the quantised codecs go by ``allgather`` the fp32 tensors *ride* raw in a message: the open
   one, else the next; fp32 tensors after the last quantised one ride in the last message for a
-  numeric ``message_mb`` and go natively with their buckets for ``"auto"``.
+  numeric ``message_mb`` and go natively with their buckets for ``"auto"``. Messages whose algorithm
+  takes no riders (``scatter_gather``, ``hierarchical``: ``riderless``) carry none: an fp32 tensor
+  that would ride in one, or waits for the next message when that one opens, goes natively instead.
 
 :func:`plan_step` computes that plan from the tensors' sizes and codec specs and the codecs' facts
 (which specs sum on the wire, which send per tensor, which one rides). It is pure arithmetic: the hook
@@ -98,10 +100,11 @@ class StepPlan:
 def plan_step(numels: Sequence[int], specs: Sequence[str], *, native: Collection[str],
               per_tensor: Collection[str] = (), rider: str | None = None, message_mb: Union[float, str] = "auto",
               bucket_bytes: float = DDP_BUCKET_BYTES, first_bucket_bytes: float = DDP_FIRST_BUCKET_BYTES,
-              buckets: Sequence[int] | None = None) -> StepPlan:
+              buckets: Sequence[int] | None = None, riderless: Collection[str] = ()) -> StepPlan:
     """The messages of a step (module doc) for tensors of ``numels`` values in ready order, each sent with
     the codec of ``specs``: ``native`` names the specs summed on the wire, ``per_tensor`` those that send
-    each tensor alone, ``rider`` the spec that rides in allgather messages (None: nothing rides).
+    each tensor alone, ``rider`` the spec that rides in allgather messages (None: nothing rides),
+    ``riderless`` the quantised specs whose messages take no riders (their algorithm is not allgather).
     ``buckets``: each tensor's DDP bucket when known (measured), else DDP's cut by the bucket caps."""
     if len(numels) != len(specs):
         raise ValueError(f"{len(numels)} tensor sizes for {len(specs)} codec specs")
@@ -115,12 +118,12 @@ def plan_step(numels: Sequence[int], specs: Sequence[str], *, native: Collection
     size = 0
     for i, (n, spec) in enumerate(zip(numels, specs)):
         if spec in native:
-            if spec == rider:
+            if spec == rider and (cur is None or cur[0] not in riderless):
                 (cur[2] if cur is not None else riders).append(i)
         else:
             if cur is None or cur[0] != spec:
-                cur = (spec, [], riders)
-                riders = []
+                cur = (spec, [], [] if spec in riderless else riders)
+                riders = []  # (waiting riders that this message does not take go natively)
                 groups.append(cur)
                 size = 0
             cur[1].append(i)
@@ -129,8 +132,8 @@ def plan_step(numels: Sequence[int], specs: Sequence[str], *, native: Collection
                 cur = None
         if aligned and cur is not None and closes_after(i, buckets, size, limit):
             cur = None
-    if riders and groups and not aligned:  # fp32 tensors after the last quantised one ride in the last message
-        groups[-1][2].extend(riders)
+    if riders and groups and not aligned and groups[-1][0] not in riderless:
+        groups[-1][2].extend(riders)  # fp32 tensors after the last quantised one ride in the last message
     # (message_mb="auto": they are reduced natively with their own buckets instead; the last message may
     # have closed at an earlier bucket end, and would otherwise wait for DDP's last bucket)
     messages = tuple(Message(spec, tuple(members), tuple(rides)) for spec, members, rides in groups)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from lowbit.choose import CodecCost, Timeline, TensorTiming, Tried, decide, pick, simulate
+from lowbit.choose import CodecCost, Timeline, TensorTiming, Tried, choice, decide, pick, simulate, split_choice
 
 Q8 = "qsgd:bits=8"
 Q4 = "qsgd:bits=4"
+HQ8 = choice(Q8, "hierarchical")
 
 
 def _costs(bytes_per_s: float, encode_s_per_value: float = 1e-10, alpha: float = 50e-6) -> dict[str, CodecCost]:
@@ -90,3 +93,46 @@ def test_bad_costs_and_timelines_are_named() -> None:
         Timeline((), 1.0, 1.0)
     with pytest.raises(ValueError, match="must include 'fp32'"):
         decide(_timeline(), {Q8: _costs(1e9)[Q8]})
+
+
+def test_choices_name_a_codec_and_an_algorithm() -> None:
+    assert choice(Q8) == Q8 and split_choice(Q8) == (Q8, None)
+    assert choice(Q8, "hierarchical") == f"{Q8}@hierarchical"
+    assert split_choice(choice(Q8, "hierarchical")) == (Q8, "hierarchical")
+
+
+def _two_algorithms(bytes_per_s: float = 1e9) -> dict[str, CodecCost]:
+    """Flat 8-bit QSGD on the slow link, and hierarchically: half its link time per value (the slow link
+    carries a 1/G shard; G = 2), 5 ms more a message (three phases)."""
+    costs = {k: dataclasses.replace(c, algorithm="allreduce" if c.native else "scatter_gather")
+             for k, c in _costs(bytes_per_s).items() if k != Q4}
+    flat = costs[Q8]
+    costs[HQ8] = dataclasses.replace(flat, spec=HQ8, alpha_s=flat.alpha_s + 5e-3, s_per_value=flat.s_per_value / 2,
+                                     algorithm="hierarchical")
+    return costs
+
+
+def test_flat_and_hierarchical_compete_per_tensor_and_the_decision_names_both() -> None:
+    errors = {n: {**e, HQ8: e[Q8]} for n, e in _errors().items()}  # the codec's error, whichever algorithm
+    limit = sum(e[Q8] for e in errors.values())
+    # 100 MB/s: fc1's 8 M values take 80 ms flat, 40 + 5 ms hierarchically
+    d = decide(_timeline(), _two_algorithms(1e8), errors, error_limit=limit)
+    assert d.assignment["fc1.weight"] == HQ8
+    assert {"scatter_gather", "hierarchical"} <= set(d.algorithms.values())
+    # every finalist, the chosen one included, is listed with the algorithms its tensors go by
+    assert {"scatter_gather", "hierarchical"} <= {x for _, a, _ in d.finalists for x in d.algorithms_of(a)}
+    assert "hierarchical" in d.algorithms_of(d.assignment)
+    table = d.table()
+    assert "hierarchical" in table and "scatter_gather" in table
+    assert [r["algorithm"] for r in d.rows if r["name"] == "fc1.weight"] == ["hierarchical"]
+    # 1 GB/s: 8 ms flat against 4 + 5 ms: the flat algorithm wins, by the same costs
+    d = decide(_timeline(), _two_algorithms(1e9), errors, error_limit=limit)
+    assert not d.fp32_is_best and HQ8 not in d.assignment.values()
+
+
+def test_only_keeps_a_tensor_at_its_floor() -> None:
+    errors = _errors()
+    d = decide(_timeline(), _costs(1e8), errors, error_limit=None, only={"fc1.weight": ["fp32", "bf16"]})
+    assert d.assignment["fc1.weight"] in ("fp32", "bf16")
+    assert all(a["fc1.weight"] in ("fp32", "bf16") for _, a, _ in d.finalists)
+    assert d.assignment["fc2.weight"] == Q4  # the others are free
