@@ -29,9 +29,10 @@ from lowbit.perfmodel.model import bits_per_value
 from lowbit.perfmodel.collectives import Topology, collective
 from lowbit.perfmodel.links import Link
 from lowbit.perfmodel.model import Cluster, codec_work
-from lowbit.cli.predict import validate_path
+from lowbit.cli.advise import advice_json, format_advice
+from lowbit.cli.predict import format_validation, validate_path
 from lowbit.perfmodel.fit import calibrate, model_step
-from lowbit.perfmodel.validate import format_validation, validate
+from lowbit.perfmodel.validate import validate
 from lowbit.study.store import load_run_records as load_runs
 from lowbit.policy import Policy
 
@@ -222,7 +223,7 @@ def _setup(gpus: int, gpn: int, intra: str, inter: str | None = None) -> adv.Spe
 
 
 def _round_trip(a: adv.Advice) -> None:
-    d = json.loads(json.dumps(a.to_dict()))
+    d = json.loads(json.dumps(advice_json(a)))
     pol = Policy(**d["policy"])
     assert pol == a.policy()
     import ast
@@ -293,7 +294,7 @@ def test_advise_fp32_for_a_compute_bound_network_on_nvlink():
     assert set(a.assignment.values()) == {"fp32"}
     assert a.policy_dict()["default"] == "fp32"
     assert max(o["speedup_vs_fp32"] for o in a.options) < adv.FASTER_THAN_FP32
-    assert "fastest approach may be simply to run full precision" in adv.format_advice(a)
+    assert "fastest approach may be simply to run full precision" in format_advice(a)
     _round_trip(a)
 
 
@@ -304,7 +305,7 @@ def test_advise_compresses_a_communication_bound_network():
     assert a.assignment["Linear"] != "fp32"
     # no evidence on vgg19: the seed's finding puts convolutions at least one rung above fc layers
     assert adv._rung(a.assignment["Conv2d"]) > adv._rung(a.assignment["Linear"])
-    text = adv.format_advice(a)
+    text = format_advice(a)
     assert "rests on the seeds' published findings only" in text and "Grubic et al." in text
     _round_trip(a)
 
@@ -326,7 +327,7 @@ def test_advise_uses_study_evidence_on_the_network_and_only_that():
     assert "qsgd:bits=4" not in json.dumps(a.policy_dict())
     cell = a.cells["qsgd4"][0]
     assert cell.mean == pytest.approx(-2.0) and len(cell.diffs) == 3
-    assert "rests on the seeds' published findings only" not in adv.format_advice(a)
+    assert "rests on the seeds' published findings only" not in format_advice(a)
     _round_trip(a)
 
 

@@ -22,7 +22,8 @@ _COMMAND_MODULES = [
     "lowbit.cli.codecs",         # codecs
     "lowbit.cli.bench",          # bench allreduce
     "lowbit.cli.study",          # study, report, export
-    "lowbit.cli.predict",        # predict, advise
+    "lowbit.cli.predict",        # predict
+    "lowbit.cli.advise",         # advise
 ]
 
 

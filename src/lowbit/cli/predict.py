@@ -1,4 +1,4 @@
-"""``lowbit predict`` and ``lowbit advise``: the speed model from the command line.
+"""``lowbit predict``: the speed model from the command line (``lowbit advise``: :mod:`lowbit.cli.advise`).
 
     lowbit predict --network vgg19 --gpus 64 --gpus-per-node 8 --intra nvlink --inter 100gbit \\
                    --codec qsgd:bits=4 [--algorithm scatter_gather] [--batch 64] [--device-tflops 100]
@@ -8,7 +8,6 @@
     lowbit predict --calibrate BENCH.json [RESULTS] --save-calibration cal.json
     lowbit predict --validate RESULTS [--calibration cal.json | --bench BENCH.json] [--json]
     lowbit predict --network vgg19 --gpus 2 --calibration cal.json  # measured links and codec costs
-    lowbit advise --network vgg19 --gpus 64 --gpus-per-node 8 --intra nvlink --inter 100gbit
 """
 
 from __future__ import annotations
@@ -17,57 +16,25 @@ import argparse
 import dataclasses
 import json
 import math
-import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lowbit.cli.advise import _one_of, add_cluster_arguments, add_codec_rate_arguments, speed_setup
 from lowbit.extras import require
 from lowbit.perfmodel import advise as advise_mod
 from lowbit.perfmodel import dettmers
-from lowbit.perfmodel.advise import SpeedSetup, advise, default_evidence_path, format_advice
-from lowbit.perfmodel.calibrate import Calibration, OverheadKey, RunRecord, ScaleKey, canonical_spec
-from lowbit.perfmodel.fit import calibrate
+from lowbit.perfmodel.calibrate import HUGE_BW, Calibration, canonical_spec
+from lowbit.perfmodel.fit import calibrate, short_codec
 from lowbit.perfmodel.collectives import modeled_algorithms
 from lowbit.perfmodel.links import PRESETS
 from lowbit.perfmodel.model import Cluster, Prediction, bits_per_value, predict_network
 from lowbit.perfmodel.networks import NETWORKS, get_network
-from lowbit.perfmodel.validate import ValidationReport, format_validation, validate
+from lowbit.perfmodel.validate import TARGET_MEDIAN_ABS_ERROR, RunPrediction, ValidationReport, validate
 from lowbit.study.store import load_run_records, resolve_results_path
 
 __all__ = ["register", "run_predict", "format_prediction", "format_sweep", "format_dettmers", "sweep",
-           "run_calibrate", "run_validate"]
-
-
-def _one_of(known: Any) -> Any:
-    """An argparse type checking a name against ``known()`` when the command line is parsed, not when
-    the parser is built: ``$LOWBIT_PLUGINS`` (which can add algorithms) is imported then, not for --help."""
-    def check(value: str) -> str:
-        try:
-            names = known()
-        except ValueError as exc:  # a $LOWBIT_PLUGINS module that does not import
-            raise argparse.ArgumentTypeError(str(exc)) from None
-        if value not in names:
-            raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from {', '.join(names)})")
-        return value
-    check.__name__ = "algorithm"
-    return check
-
-
-def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
-    """The cluster options shared by ``lowbit predict`` and ``lowbit advise``."""
-    p.add_argument("--gpus", type=int, default=8, help="number of GPUs / workers (default 8)")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
-    p.add_argument("--intra", default=None, help="intra-node link (default nvlink, or the calibrated link)")
-    p.add_argument("--inter", default="100gbit", help="inter-node link (default 100gbit)")
-    p.add_argument("--nics-per-node", type=int, default=1, help="inter-node links per node (default 1)")
-
-
-def add_codec_rate_arguments(p: argparse.ArgumentParser) -> None:
-    """The codec throughput options shared by ``lowbit predict`` and ``lowbit advise``."""
-    p.add_argument("--encode-gbps", type=float, default=200.0,
-                   help="encode throughput, GB/s of float32 input (default 200; 0 = free)")
-    p.add_argument("--decode-gbps", type=float, default=200.0,
-                   help="decode throughput, GB/s of float32 output (default 200; 0 = free)")
+           "run_calibrate", "run_validate", "format_validation", "validation_json", "fitted_lines"]
 
 
 def register(subparsers: Any) -> None:
@@ -122,16 +89,6 @@ def register(subparsers: Any) -> None:
     p.add_argument("--dettmers", action="store_true",
                    help="print Dettmers' 4-GPU and 96-GPU tables vs the paper")
     p.set_defaults(func=run_predict)
-
-    a = subparsers.add_parser(
-        "advise",
-        help="recommend a codec per layer type (a lowbit.Policy) for a network and cluster",
-        description="Recommends a lowbit.Policy (codec per layer type) from the speed model's predicted speedup "
-        "over fp32 on the given cluster and the accuracy evidence of study results or, without it, the seeds' "
-        "published findings (docs/perfmodel.md, section 9). Known networks: " + ", ".join(NETWORKS) + ".",
-    )
-    add_advise_arguments(a)
-    a.set_defaults(func=run_advise)
 
 
 # ------------------------------------------------------------------------------------------ running
@@ -207,7 +164,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
 def format_calibration(cal: Calibration) -> str:
     """The calibration's fitted links, codec costs, compute, factors and overheads, a line each."""
-    lines = cal.link_codec_lines()
+    lines = fitted_lines(cal)
     for k, v in sorted(cal.compute.items()):
         lines.append(f"compute [{k}] {v['step_s'] * 1e3:.3f} ms/step at 1 worker "
                      f"({v['per_sample_s'] * 1e6:.2f} us/sample; {v['runs']} runs)")
@@ -234,15 +191,122 @@ def run_validate(args: argparse.Namespace) -> int:
 
     rep = validate_path(args.validate, calibration_path=args.calibration, bench_paths=args.bench or [],
                         holdout=args.holdout, strict=args.strict)
-    print(json.dumps(rep.to_dict(), indent=1, default=str) if args.json else format_validation(rep))
+    print(json.dumps(validation_json(rep), indent=1, default=str) if args.json else format_validation(rep))
     return 0
+
+
+def validation_json(rep: ValidationReport) -> dict[str, Any]:
+    """The validation as ``lowbit predict --validate --json`` prints it."""
+    def run(p: RunPrediction) -> dict[str, Any]:
+        r = p.run
+        return {
+            "key": r.key, "network": r.network, "dataset": r.dataset, "batch": r.batch, "world": r.world,
+            "backend": r.backend, "device": r.device, "codec": r.codec, "algorithm": r.algorithm, "seed": r.seed,
+            "measured_step_s": r.step_s, "predicted_step_s": p.step_s, "rel_error": p.error,
+            "measured_samples_per_s": p.measured_samples_per_s, "predicted_samples_per_s": p.samples_per_s,
+            "measured": {"compute_s": r.compute_s, "exposed_s": r.exposed_s, "encode_s": r.encode_s,
+                         "comm_s": r.comm_s, "decode_s": r.decode_s},
+            "predicted": {"compute_s": p.compute_s, "encode_s": p.encode_s, "comm_s": p.comm_s,
+                          "decode_s": p.decode_s, "overhead_s": p.overhead_s},
+            "compute_source": p.compute_source, "comm_source": p.comm_source, "holdout": p.holdout,
+        }
+    return {"results": rep.results_path, "method": rep.method, "calibration": "\n".join(_parameter_lines(rep)),
+            "machine": rep.machine, "summary": rep.summary(), "runs": [run(p) for p in rep.predictions],
+            "skipped": [{"key": r.key, "network": r.network, "codec": r.codec, "world": r.world, "reason": why}
+                        for r, why in rep.skipped]}
+
+
+def _parameter_lines(rep: ValidationReport) -> list[str]:
+    lines = fitted_lines(rep.parameters, short_codec)
+    if rep.in_situ:
+        lines.append(f"links and codec costs for {', '.join(rep.in_situ)}: in situ from the held-out "
+                     "study runs' communicate/encode/decode times (no bench file for this backend)")
+    return lines
+
+
+def fitted_lines(cal: Calibration, codec_name: Callable[[str], str] = lambda c: c) -> list[str]:
+    """One line per fitted link and per fitted codec cost (``codec_name`` shortens the specs)."""
+    def rate(spb: float) -> str:
+        return f"{1e-9 / spb:.3g} GB/s" if spb > 0 else "free per byte"
+    lines = []
+    for t, by in sorted(cal.links.items()):
+        for a, f in sorted(by.items()):
+            bw = "no per-byte cost" if f.bandwidth_Bps >= HUGE_BW else f"{f.bandwidth_Bps / 1e9:.3g} GB/s"
+            lines.append(f"link [{t}] {f.algorithm}: latency {f.latency_s * 1e6:.1f} us/step, {bw} "
+                         f"({f.points} points, rms rel. error {100 * f.rms_rel_error:.0f}%; {f.source})")
+    for t, by in sorted(cal.codecs.items()):
+        for a, by_c in sorted(by.items()):
+            for c, f in sorted(by_c.items()):
+                lines.append(f"codec [{t}] {codec_name(c)} @ {a}: encode {f.encode_call_s * 1e3:.3f} ms/call + "
+                             f"{rate(f.encode_s_per_byte)}, decode {f.decode_call_s * 1e3:.3f} ms/call + "
+                             f"{rate(f.decode_s_per_byte)} ({f.points} points; {f.source})")
+    return lines
+
+
+def format_validation(rep: ValidationReport) -> str:
+    s = rep.summary()
+    lines = [
+        f"Speed-model validation on {len(rep.predictions)} measured runs of {rep.results_path}",
+        f"machine: {rep.machine}",
+        "method: " + rep.method + ".",
+    ]
+    if _parameter_lines(rep):
+        lines += ["parameters:"] + ["  " + ln for ln in _parameter_lines(rep)]
+    lines.append("model: step = compute + encode + exposed communication + decode on the overlap timeline of "
+                 "lowbit.perfmodel.model (DDP buckets: 1 MiB first, then 25 MiB) + per-step overhead; samples/s = workers x batch / step")
+    head = (f"{'network/data':<18} {'bs':>3} {'backend':<7} {'K':>2} {'codec':<13} {'seed':>4} "
+            f"{'meas ms':>8} {'pred ms':>8} {'err %':>7} {'meas s/s':>9} {'pred s/s':>9}  "
+            f"{'pred comp/enc/exp.comm/dec/ovh ms':<34} compute from")
+    lines += ["", head, "-" * len(head)]
+    for p in rep.predictions:
+        r = p.run
+        parts = "/".join(f"{v * 1e3:.2f}" for v in (p.compute_s, p.encode_s, p.comm_s, p.decode_s, p.overhead_s))
+        lines.append(
+            f"{r.label[:18]:<18} {r.batch:>3} {r.backend:<7} {r.world:>2} {short_codec(r.codec):<13} {r.seed:>4} "
+            f"{r.step_s * 1e3:>8.3f} {p.step_s * 1e3:>8.3f} {100 * p.error:>+7.1f} "
+            f"{p.measured_samples_per_s:>9,.0f} {p.samples_per_s:>9,.0f}  {parts:<34} {p.compute_source}"
+        )
+    comm_sources = sorted({p.comm_source for p in rep.predictions if p.run.world > 1})
+    if comm_sources:
+        lines += ["", "communication parameters from: " + " | ".join(comm_sources)]
+    if rep.skipped:
+        lines += ["", f"not predicted ({len(rep.skipped)} runs):"]
+        for r, why in rep.skipped[:20]:
+            lines.append(f"  {r.label} K={r.world} {short_codec(r.codec)} seed {r.seed}: {why}")
+
+    def line(name: str, st: dict[str, Any], unit: str = "runs") -> str:
+        if not st.get("runs"):
+            return f"  {name}: no {unit}"
+        return (f"  {name}: {st['runs']} {unit}, median |error| {100 * st['median_abs_error']:.1f}%, "
+                f"mean {100 * st['mean_abs_error']:.1f}%, max {100 * st['max_abs_error']:.0f}%, "
+                f"{100 * st['within_15pct']:.0f}% within 15%")
+
+    lines += ["", "summary (relative error of the step time = of samples/s^-1):",
+              line("all runs", s["all"]), line("multi-worker runs", s["multi_worker"]),
+              line("1-worker runs", s["single_worker"]),
+              (f"  median signed error {100 * s['median_signed_error']:+.1f}% (positive = model too slow)"
+               if s["all"].get("runs") else "  median signed error: no runs")]
+    if s["median_abs_error_by_codec_multi_worker"]:
+        lines.append("  median |error| by codec (multi-worker): " + ", ".join(
+            f"{k} {100 * v:.0f}%" for k, v in s["median_abs_error_by_codec_multi_worker"].items()))
+    lines += ["per configuration (prediction vs the mean over its seeds):",
+              line("all configurations", s["config_mean"], "configurations"),
+              line("multi-worker configurations", s["config_mean_multi_worker"], "configurations"),
+              "noise floor (each run predicted by the mean of the OTHER seeds of its own configuration, "
+              "i.e. knowing that configuration's timing):",
+              line("all runs", s["seed_scatter"]), line("multi-worker runs", s["seed_scatter_multi_worker"])]
+    med = s["multi_worker"].get("median_abs_error", s["all"].get("median_abs_error", math.nan))
+    verdict = "met" if med <= TARGET_MEDIAN_ABS_ERROR else "NOT met"
+    lines.append(f"  target median |error| <= {100 * TARGET_MEDIAN_ABS_ERROR:.0f}% (multi-worker runs): "
+                 + (f"{100 * med:.2f}%, {verdict}" if s["all"].get("runs") else "no runs predicted"))
+    return "\n".join(lines)
 
 
 def _predict_calibrated(args: argparse.Namespace) -> Prediction:
     """One prediction with the calibration's links, codec costs, device rate and overheads."""
 
     bits_per_value(args.codec)
-    setup = _setup(argparse.Namespace(
+    setup = speed_setup(argparse.Namespace(
         gpus=args.gpus, gpus_per_node=args.gpus_per_node, batch=args.batch, encode_gbps=args.encode_gbps,
         decode_gbps=args.decode_gbps, calibration=args.calibration, transport=args.transport, intra=args.intra,
         inter=args.inter, nics_per_node=args.nics_per_node, device_tflops=args.device_tflops,
@@ -417,97 +481,3 @@ def _dettmers_json() -> dict[str, Any]:
         "cluster_table6": [dataclasses.asdict(r) for r in dettmers.cluster_table(source="table6")],
         "cluster_formula": [dataclasses.asdict(r) for r in dettmers.cluster_table(source="formula")],
     }
-
-
-# ------------------------------------------------------------------------------------------ advise
-def add_advise_arguments(p: argparse.ArgumentParser) -> None:
-
-    p.add_argument("--network", required=True, help="a known network (lowbit predict --help lists them)")
-    add_cluster_arguments(p)
-    p.add_argument("--tolerance", type=float, default=0.5,
-                   help="final test accuracy loss allowed, in percentage points (default 0.5)")
-    p.add_argument("--evidence", default=None,
-                   help="study results (directory or results.jsonl) for the accuracy side; default: the "
-                   "3-seed CPU study shipped with lowbit (perfmodel/data/evidence_cpu_default.jsonl); 'none' for none")
-    p.add_argument("--calibration", default=None,
-                   help="calibration JSON (lowbit predict --calibrate ... --save-calibration): measured links, "
-                   "codec costs, device rate and overheads")
-    p.add_argument("--transport", default=None, help="which calibrated transport (default: the only/first one)")
-    known = lambda: ("auto",) + modeled_algorithms(quantised=True)  # noqa: E731
-    p.add_argument("--algorithm", default="auto", type=_one_of(known), metavar="ALG",
-                   help=f"{' | '.join(known())} (and those of $LOWBIT_PLUGINS): collective for the quantised "
-                   "codecs; auto (default) takes the fastest of scatter_gather, allgather and (on several nodes) "
-                   "hierarchical for each assignment")
-    p.add_argument("--batch", type=int, default=64, help="samples per GPU per step (default 64)")
-    p.add_argument("--device-tflops", type=float, default=None,
-                   help="sustained TFLOP/s of one GPU (default 100, or the calibrated device rate)")
-    add_codec_rate_arguments(p)
-    p.add_argument("--json", action="store_true", help="print JSON")
-
-
-def _setup(args: argparse.Namespace) -> SpeedSetup:
-    if args.gpus < 1:
-        raise ValueError(f"--gpus must be a positive integer, got {args.gpus}")
-    if args.gpus_per_node < 1:
-        raise ValueError(f"--gpus-per-node must be a positive integer, got {args.gpus_per_node}")
-    if args.batch < 1:
-        raise ValueError(f"--batch must be a positive integer, got {args.batch}")
-    for what in ("encode", "decode"):
-        v = getattr(args, f"{what}_gbps")
-        if not (v >= 0 and math.isfinite(v)):
-            raise ValueError(f"--{what}-gbps must be >= 0, got {v}")
-    cal = Calibration.load(args.calibration) if args.calibration else None
-    transport, tflops, factor, o_nat, o_comp = "", args.device_tflops, 1.0, 0.0, 0.0
-    intra: Any = args.intra or "nvlink"
-    if cal is not None:
-        transports = sorted(cal.links) or sorted(cal.codecs)
-        if not transports:
-            raise ValueError(f"calibration {args.calibration!r} holds no links or codec costs")
-        transport = args.transport or transports[0]
-        if transport not in transports:
-            raise ValueError(f"--transport {transport!r} not in the calibration (it has {', '.join(transports)})")
-        fit, _ = cal.link_for(transport, "allreduce")
-        if args.intra is None and fit is not None:
-            intra = fit.link(f"calibrated {transport}")
-        rates = [v["flops_per_s"] for v in cal.compute.values() if v.get("flops_per_s")]
-        if tflops is None and rates:
-            tflops = statistics.median(rates) / 1e12
-        backend = transport.split("/")[0]
-        for key, v in cal.world_factor.items():
-            sk = ScaleKey.parse(key)
-            if sk.backend == backend and sk.world == args.gpus and sk.nodes == 1:
-                factor = float(v["factor"])
-        for key, v in cal.step_overhead_s.items():
-            ok = OverheadKey.parse(key)
-            if isinstance(ok, OverheadKey) and ok.scale.backend == backend and ok.scale.world == args.gpus \
-                    and ok.scale.nodes == 1:
-                if ok.native:
-                    o_nat = float(v["seconds"])
-                else:
-                    o_comp = float(v["seconds"])
-    if tflops is None:
-        tflops = 100.0
-    if not (tflops > 0 and math.isfinite(tflops)):
-        raise ValueError(f"--device-tflops must be > 0, got {tflops}")
-    cluster = Cluster(gpus=args.gpus, gpus_per_node=args.gpus_per_node, intra=intra, inter=args.inter,
-                      nics_per_node=args.nics_per_node)
-    return SpeedSetup(cluster, args.batch, tflops, args.algorithm,
-                      None if args.encode_gbps == 0 else args.encode_gbps * 1e9,
-                      None if args.decode_gbps == 0 else args.decode_gbps * 1e9,
-                      cal, transport, factor, o_nat, o_comp)
-
-
-def run_advise(args: argparse.Namespace) -> int:
-    get_network(args.network)  # unknown network -> ValueError with the list, before any work
-    setup = _setup(args)
-    runs: list[RunRecord] = []
-    source = ""
-    if args.evidence is None:
-        path = default_evidence_path()
-        if path is not None:
-            runs, source = load_run_records(path), f"{path} (default)"
-    elif args.evidence.lower() != "none":
-        runs, source = load_run_records(args.evidence), args.evidence
-    advice = advise(args.network, setup, tolerance=args.tolerance, evidence=runs, evidence_source=source)
-    print(json.dumps(advice.to_dict(), indent=2, default=str) if args.json else format_advice(advice))
-    return 0

@@ -36,7 +36,7 @@ from lowbit.perfmodel.networks import Network, get_network
 from lowbit.perfmodel.fit import short_codec
 from lowbit.policy import Policy
 
-__all__ = ["Candidate", "CANDIDATES", "SEED_FINDINGS", "Advice", "advise", "format_advice", "policy_code",
+__all__ = ["Candidate", "CANDIDATES", "SEED_FINDINGS", "Advice", "advise",
            "default_evidence_path", "GROUP_TYPES", "SpeedSetup",
            "auto_algorithms"]
 
@@ -215,13 +215,6 @@ class Cell:
     def clear_fail(self, tol: float) -> bool:
         return not self.matches(tol) and not self.noisy(tol)
 
-    def describe(self, tol: float) -> str:
-        mark = "OK " if self.matches(tol) else "NO "
-        noisy = " (noisy)" if self.noisy(tol) else ""
-        return (f"{mark}{self.network}/{self.dataset} K={self.world}: {self.mean:+.2f} +- {self.std:.2f} points "
-                f"vs fp32 {self.fp32_acc:.2f}% ({len(self.diffs)} seed{'s' if len(self.diffs) != 1 else ''})"
-                f"{noisy}")
-
 
 def evidence_cells(runs: list[RunRecord]) -> dict[str, list[Cell]]:
     """Candidate name -> cells, pairing each run with the fp32 run of the same setting and seed."""
@@ -371,36 +364,6 @@ class Advice:
     def policy(self) -> Any:
         return Policy(**self.policy_dict())
 
-    def to_dict(self) -> dict[str, Any]:
-        p = self.prediction
-        return {
-            "network": self.network,
-            "cluster": {"gpus": self.setup.cluster.gpus, "gpus_per_node": self.setup.cluster.gpus_per_node,
-                        "intra": _link_txt(self.setup.cluster.intra), "inter": _link_txt(self.setup.cluster.inter),
-                        "batch_per_gpu": self.setup.batch, "device_tflops": self.setup.device_tflops,
-                        "algorithm": self.setup.algorithm, "calibrated_transport": self.setup.transport or None},
-            "tolerance_points": self.tolerance,
-            "fp32_is_best": self.fp32_is_best,
-            "groups": {g: {"codec": self.assignment[g], "param_share": v["params"], "flop_share": v["flops"]}
-                       for g, v in self.groups.items()},
-            "policy": self.policy_dict(),
-            "algorithm": self.prediction.algorithm,
-            "python": policy_code(self.policy_dict(), self.fp32_is_best, self.prediction.algorithm),
-            "predicted": {"speedup_vs_fp32": p.speedup_vs_fp32, "step_s": p.step_s, "fp32_step_s": p.fp32_step_s,
-                          "samples_per_s": p.samples_per_s, "bytes_per_rank": p.bytes_per_rank},
-            "options": self.options,
-            "accuracy": {
-                "evidence": self.evidence_source,
-                "evidence_on_this_network": self.direct_evidence,
-                "verdicts": {c: {g: dataclasses.asdict(v) for g, v in by.items()} for c, by in self.verdicts.items()},
-                "cells": {c: [dict(dataclasses.asdict(x), mean=x.mean, std=x.std, matches=x.matches(self.tolerance),
-                                   noisy=x.noisy(self.tolerance)) for x in cs] for c, cs in self.cells.items()},
-                "seed_findings": {k: v[1] for k, v in SEED_FINDINGS.items()},
-                "conv_finding": CONV_FINDING,
-            },
-            "notes": self.notes,
-        }
-
 
 def _rung(spec: str) -> int:
     """The codec's place on the bits ladder (0: not a codec)."""
@@ -408,10 +371,6 @@ def _rung(spec: str) -> int:
         return get_codec(spec).rung
     except ValueError:
         return 0
-
-
-def _link_txt(link: Any) -> str | None:
-    return link.describe() if isinstance(link, Link) else None
 
 
 def advise(
@@ -471,69 +430,3 @@ def advise(
                      key=lambda o: -o["speedup_vs_fp32"])
     return Advice(net.name, groups, dict(chosen.assignment), fp32_best, chosen.extra, options, verdicts, cells,
                   evidence_source, direct, tolerance, setup, notes)
-
-
-# ------------------------------------------------------------------------------------------ output
-def policy_code(policy: dict[str, Any], fp32: bool = False, algorithm: str = "scatter_gather") -> str:
-    """Python to paste: ``policy = lowbit.Policy(...)`` and the register call."""
-    lines = ["import lowbit", "", "policy = lowbit.Policy(", f"    default={policy['default']!r},"]
-    if policy["by_type"]:
-        lines += ["    by_type={", *(f"        {t!r}: {spec!r}," for t, spec in policy["by_type"].items()), "    },"]
-    lines.append(")")
-    if fp32:
-        lines.append("# fp32 everywhere: plain DDP is the same thing; registering lowbit changes nothing but adds "
-                     "a hook")
-    algo = "" if algorithm in ("scatter_gather", "allreduce") else f", algorithm={algorithm!r}"
-    with_ef = " and ".join(c.name for c in sorted(CANDIDATES, key=lambda c: c.rung) if c.error_feedback)
-    lines.append(f"state = lowbit.ddp.register(ddp_model, policy=policy{algo})  # error_feedback='auto': on for "
-                 f"{with_ef}")
-    return "\n".join(lines)
-
-
-def format_advice(a: Advice) -> str:
-    s, p = a.setup, a.prediction
-    c = s.cluster
-    inter = f", inter {c.inter.describe()}" if isinstance(c.inter, Link) and c.gpus > c.gpus_per_node else ""
-    lines = [
-        f"lowbit advise: {a.network} on {c.gpus} GPU(s), {c.gpus_per_node} per node; intra "
-        f"{c.intra.describe() if isinstance(c.intra, Link) else c.intra}{inter}",
-        f"  batch {s.batch}/GPU at {s.device_tflops:.3g} TFLOP/s; quantised codecs via "
-        f"{' or '.join(auto_algorithms(s.cluster)) if s.algorithm == 'auto' else s.algorithm}; "
-        f"accuracy tolerance {a.tolerance:g} points"
-        + (f"; links and codec costs calibrated ({s.transport})" if s.calibration is not None else
-           f"; encode/decode at {_gbps(s.encode_Bps)}/{_gbps(s.decode_Bps)}"),
-        "  layer groups: " + ", ".join(f"{g} {100 * v['params']:.0f}% of params / {100 * v['flops']:.0f}% of FLOPs"
-                                       for g, v in a.groups.items()),
-        "",
-    ]
-    if a.fp32_is_best:
-        lines.append(f"RECOMMENDATION: fp32 (no compression). Best admissible codec is predicted at only "
-                     f"{max(o['speedup_vs_fp32'] for o in a.options):.2f}x of fp32 here.")
-    else:
-        lines.append("RECOMMENDATION: " + ", ".join(f"{g} -> {short_codec(spec)}" for g, spec in a.assignment.items())
-                     + f"   predicted {p.speedup_vs_fp32:.2f}x over fp32 "
-                     f"(step {p.step_s * 1e3:.1f} ms vs {p.fp32_step_s * 1e3:.1f} ms; {p.samples_per_s:,.0f} samples/s)")
-    lines += ["", policy_code(a.policy_dict(), a.fp32_is_best, p.algorithm), "",
-              "fastest admissible assignments (predicted speedup over fp32):"]
-    lines += ["  " + ", ".join(f"{g} {v}" for g, v in o["assignment"].items())
-              + f" ({o['algorithm']}): {o['speedup_vs_fp32']:.2f}x" for o in a.options[:6]]
-    lines += ["", f"accuracy (tolerance {a.tolerance:g} points; evidence: {a.evidence_source or 'none'}):"]
-    if not a.direct_evidence:
-        lines.append(f"  No study results for {a.network} in the evidence: the accuracy side rests on the seeds' "
-                     "published findings only. Verify on your model (e.g. `lowbit study` with this network) "
-                     "before relying on it.")
-    for cand in CANDIDATES:
-        by = a.verdicts.get(cand.name, {})
-        parts = [f"{g}: {'yes' if v.admissible else 'no'} ({v.basis})" for g, v in by.items()]
-        lines.append(f"  {cand.label:<16} " + "; ".join(parts))
-        lines += [f"      {r}" for r in sorted({v.detail for v in by.values()})]
-        lines += [f"      {cell.describe(a.tolerance)}" for cell in a.cells.get(cand.name, [])]
-    if not a.direct_evidence:
-        lines += ["", "seed findings used:"] + [f"  {k}: {v[1]}" for k, v in SEED_FINDINGS.items()]
-    for n in a.notes:
-        lines += ["", n]
-    return "\n".join(lines)
-
-
-def _gbps(bps: float | None) -> str:
-    return "free" if bps is None else f"{bps / 1e9:g} GB/s"

@@ -46,7 +46,7 @@ __all__ = ["fit_link", "design_row", "sums_on_wire", "canonical_spec", "LinkFit"
 
 _UNIT = Link(latency_s=1.0, bandwidth_Bps=1.0, name="unit")
 SCHEMA = 1
-_HUGE_BW = 1e15  # bytes/s standing for "no measurable per-byte cost" (JSON has no infinity)
+HUGE_BW = 1e15  # bytes/s standing for "no measurable per-byte cost" (JSON has no infinity)
 #: The tables of a :class:`Calibration` fitted on study runs, key -> entry (besides the links and codec costs).
 STUDY_TABLES = ("compute", "compute_at_world", "world_factor", "step_overhead_s")
 
@@ -154,11 +154,6 @@ class LinkFit:
     def link(self, name: str = "") -> Link:
         return Link(self.latency_s, self.bandwidth_Bps, name or f"fitted {self.algorithm}")
 
-    def describe(self) -> str:
-        bw = "no per-byte cost" if self.bandwidth_Bps >= _HUGE_BW else f"{self.bandwidth_Bps / 1e9:.3g} GB/s"
-        return (f"{self.algorithm}: latency {self.latency_s * 1e6:.1f} us/step, {bw} "
-                f"({self.points} points, rms rel. error {100 * self.rms_rel_error:.0f}%; {self.source})")
-
 
 @dataclasses.dataclass(frozen=True)
 class CodecFit:
@@ -185,13 +180,6 @@ class CodecFit:
         """These costs as :class:`lowbit.perfmodel.model.LayerCodec`'s keyword arguments."""
         return dict(encode_Bps=self.encode_Bps, decode_Bps=self.decode_Bps, encode_call_s=self.encode_call_s,
                     decode_call_s=self.decode_call_s)
-
-    def describe(self) -> str:
-        def rate(spb: float) -> str:
-            return f"{1e-9 / spb:.3g} GB/s" if spb > 0 else "free per byte"
-        return (f"encode {self.encode_call_s * 1e3:.3f} ms/call + {rate(self.encode_s_per_byte)}, "
-                f"decode {self.decode_call_s * 1e3:.3f} ms/call + {rate(self.decode_s_per_byte)} "
-                f"({self.points} points; {self.source})")
 
 
 #: Its former name, beside lowbit.choose.CodecCost (tests/unit/test_perfmodel_validate.py imports it).
@@ -610,18 +598,6 @@ class Calibration:
         out.config_keys = sorted(set(self.config_keys) | set(other.config_keys))
         return out
 
-    def link_codec_lines(self, codec_name=lambda c: c) -> list[str]:
-        """One line per fitted link and per fitted codec cost (``codec_name`` shortens the specs)."""
-        lines = []
-        for t, by in sorted(self.links.items()):
-            for a, f in sorted(by.items()):
-                lines.append(f"link [{t}] {f.describe()}")
-        for t, by in sorted(self.codecs.items()):
-            for a, by_c in sorted(by.items()):
-                for c, f in sorted(by_c.items()):
-                    lines.append(f"codec [{t}] {codec_name(c)} @ {a}: {f.describe()}")
-        return lines
-
 
 def _same_backend(table: dict[str, Any], transport: str) -> list[str]:
     """``transport``, then the table's other transports of the same backend (``nccl/socket`` for ``nccl``)."""
@@ -717,7 +693,7 @@ def fit_comm_in_situ(runs: Iterable[RunRecord]) -> Calibration:
                     continue
                 n_pts = sum(1 for r in rs if any(g[1] == a for g in run_groups(r)))
                 cal.links.setdefault(transport, {})[a] = LinkFit(
-                    alpha, 1.0 / beta if beta > 0 else _HUGE_BW, a, n_pts, rel,
+                    alpha, 1.0 / beta if beta > 0 else HUGE_BW, a, n_pts, rel,
                     f"in situ: {transport} study runs' communicate time per step ({len(rs)} runs, joint fit)")
         by_codec: dict[tuple[str, str], list[RunRecord]] = {}
         for r in all_rs:

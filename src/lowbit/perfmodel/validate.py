@@ -23,7 +23,7 @@ from typing import Any
 from lowbit.perfmodel.calibrate import STUDY_TABLES, Calibration, RunRecord, config_id, fit_comm_in_situ, fit_study
 from lowbit.perfmodel.fit import fit_overhead, model_step, short_codec
 
-__all__ = ["RunPrediction", "ValidationReport", "predict_run", "validate", "format_validation",
+__all__ = ["RunPrediction", "ValidationReport", "predict_run", "validate",
            "TARGET_MEDIAN_ABS_ERROR"]
 
 #: The project's target for the median absolute relative error of the predicted step time.
@@ -58,20 +58,6 @@ class RunPrediction:
     def measured_samples_per_s(self) -> float:
         return self.run.world * self.run.batch / self.run.step_s
 
-    def to_dict(self) -> dict[str, Any]:
-        r = self.run
-        return {
-            "key": r.key, "network": r.network, "dataset": r.dataset, "batch": r.batch, "world": r.world,
-            "backend": r.backend, "device": r.device, "codec": r.codec, "algorithm": r.algorithm, "seed": r.seed,
-            "measured_step_s": r.step_s, "predicted_step_s": self.step_s, "rel_error": self.error,
-            "measured_samples_per_s": self.measured_samples_per_s, "predicted_samples_per_s": self.samples_per_s,
-            "measured": {"compute_s": r.compute_s, "exposed_s": r.exposed_s, "encode_s": r.encode_s,
-                         "comm_s": r.comm_s, "decode_s": r.decode_s},
-            "predicted": {"compute_s": self.compute_s, "encode_s": self.encode_s, "comm_s": self.comm_s,
-                          "decode_s": self.decode_s, "overhead_s": self.overhead_s},
-            "compute_source": self.compute_source, "comm_source": self.comm_source, "holdout": self.holdout,
-        }
-
 
 def predict_run(run: RunRecord, cal: Calibration, holdout: str = "") -> RunPrediction | str:
     """The model's step for ``run`` under ``cal`` (overhead included), or why it cannot predict it."""
@@ -98,7 +84,8 @@ class ValidationReport:
     skipped: list[tuple[RunRecord, str]]
     results_path: str
     method: str
-    calibration_note: str
+    parameters: Calibration  # the links and codec costs given (saved calibration, bench files)
+    in_situ: list[str]       # backends whose links and codec costs came from the held-out runs themselves
     machine: str
 
     def summary(self) -> dict[str, Any]:
@@ -142,13 +129,6 @@ class ValidationReport:
             "median_abs_error_by_codec_multi_worker": {k: statistics.median(v) for k, v in sorted(by_codec.items())},
             "target_median_abs_error": TARGET_MEDIAN_ABS_ERROR,
         }
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"results": self.results_path, "method": self.method, "calibration": self.calibration_note,
-                "machine": self.machine, "summary": self.summary(),
-                "runs": [p.to_dict() for p in self.predictions],
-                "skipped": [{"key": r.key, "network": r.network, "codec": r.codec, "world": r.world, "reason": why}
-                            for r, why in self.skipped]}
 
 
 def _split(cal: Calibration) -> tuple[Calibration, Calibration]:
@@ -238,70 +218,6 @@ def validate(
     if calibration is not None:
         method += (f"; the saved calibration's study-derived parts served {used_given} runs they were not "
                    f"fitted on, and were replaced by held-out refits for {refit} runs they were fitted on")
-    notes = fixed.link_codec_lines(short_codec)
-    if need_in_situ:
-        notes.append(f"links and codec costs for {', '.join(sorted(need_in_situ))}: in situ from the held-out "
-                     "study runs' communicate/encode/decode times (no bench file for this backend)")
     devices = sorted({(r.device_name or r.device, r.backend) for r in runs})
     machine = "; ".join(f"{d} ({b})" for d, b in devices)
-    return ValidationReport(preds, skipped, results_path, method, "\n".join(notes), machine)
-
-
-# ------------------------------------------------------------------------------------------ output
-def format_validation(rep: ValidationReport) -> str:
-    s = rep.summary()
-    lines = [
-        f"Speed-model validation on {len(rep.predictions)} measured runs of {rep.results_path}",
-        f"machine: {rep.machine}",
-        "method: " + rep.method + ".",
-    ]
-    if rep.calibration_note:
-        lines += ["parameters:"] + ["  " + ln for ln in rep.calibration_note.splitlines()]
-    lines.append("model: step = compute + encode + exposed communication + decode on the overlap timeline of "
-                 "lowbit.perfmodel.model (DDP buckets: 1 MiB first, then 25 MiB) + per-step overhead; samples/s = workers x batch / step")
-    head = (f"{'network/data':<18} {'bs':>3} {'backend':<7} {'K':>2} {'codec':<13} {'seed':>4} "
-            f"{'meas ms':>8} {'pred ms':>8} {'err %':>7} {'meas s/s':>9} {'pred s/s':>9}  "
-            f"{'pred comp/enc/exp.comm/dec/ovh ms':<34} compute from")
-    lines += ["", head, "-" * len(head)]
-    for p in rep.predictions:
-        r = p.run
-        parts = "/".join(f"{v * 1e3:.2f}" for v in (p.compute_s, p.encode_s, p.comm_s, p.decode_s, p.overhead_s))
-        lines.append(
-            f"{r.label[:18]:<18} {r.batch:>3} {r.backend:<7} {r.world:>2} {short_codec(r.codec):<13} {r.seed:>4} "
-            f"{r.step_s * 1e3:>8.3f} {p.step_s * 1e3:>8.3f} {100 * p.error:>+7.1f} "
-            f"{p.measured_samples_per_s:>9,.0f} {p.samples_per_s:>9,.0f}  {parts:<34} {p.compute_source}"
-        )
-    comm_sources = sorted({p.comm_source for p in rep.predictions if p.run.world > 1})
-    if comm_sources:
-        lines += ["", "communication parameters from: " + " | ".join(comm_sources)]
-    if rep.skipped:
-        lines += ["", f"not predicted ({len(rep.skipped)} runs):"]
-        for r, why in rep.skipped[:20]:
-            lines.append(f"  {r.label} K={r.world} {short_codec(r.codec)} seed {r.seed}: {why}")
-
-    def line(name: str, st: dict[str, Any], unit: str = "runs") -> str:
-        if not st.get("runs"):
-            return f"  {name}: no {unit}"
-        return (f"  {name}: {st['runs']} {unit}, median |error| {100 * st['median_abs_error']:.1f}%, "
-                f"mean {100 * st['mean_abs_error']:.1f}%, max {100 * st['max_abs_error']:.0f}%, "
-                f"{100 * st['within_15pct']:.0f}% within 15%")
-
-    lines += ["", "summary (relative error of the step time = of samples/s^-1):",
-              line("all runs", s["all"]), line("multi-worker runs", s["multi_worker"]),
-              line("1-worker runs", s["single_worker"]),
-              (f"  median signed error {100 * s['median_signed_error']:+.1f}% (positive = model too slow)"
-               if s["all"].get("runs") else "  median signed error: no runs")]
-    if s["median_abs_error_by_codec_multi_worker"]:
-        lines.append("  median |error| by codec (multi-worker): " + ", ".join(
-            f"{k} {100 * v:.0f}%" for k, v in s["median_abs_error_by_codec_multi_worker"].items()))
-    lines += ["per configuration (prediction vs the mean over its seeds):",
-              line("all configurations", s["config_mean"], "configurations"),
-              line("multi-worker configurations", s["config_mean_multi_worker"], "configurations"),
-              "noise floor (each run predicted by the mean of the OTHER seeds of its own configuration, "
-              "i.e. knowing that configuration's timing):",
-              line("all runs", s["seed_scatter"]), line("multi-worker runs", s["seed_scatter_multi_worker"])]
-    med = s["multi_worker"].get("median_abs_error", s["all"].get("median_abs_error", math.nan))
-    verdict = "met" if med <= TARGET_MEDIAN_ABS_ERROR else "NOT met"
-    lines.append(f"  target median |error| <= {100 * TARGET_MEDIAN_ABS_ERROR:.0f}% (multi-worker runs): "
-                 + (f"{100 * med:.2f}%, {verdict}" if s["all"].get("runs") else "no runs predicted"))
-    return "\n".join(lines)
+    return ValidationReport(preds, skipped, results_path, method, fixed, sorted(need_in_situ), machine)
