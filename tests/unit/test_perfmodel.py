@@ -21,7 +21,8 @@ from lowbit.perfmodel.collectives import (
     scatter_gather,
 )
 from lowbit.perfmodel.links import PRESETS, Link, parse_bandwidth, parse_latency, parse_link
-from lowbit.perfmodel.model import Cluster, Layer, make_buckets, predict, predict_network
+from lowbit.perfmodel.model import Cluster, Layer, predict, predict_network, step_collectives
+from lowbit.timeline import ddp_buckets
 from lowbit.perfmodel.networks import NETWORKS, get_network
 
 
@@ -282,8 +283,9 @@ def test_layers_from_dict_and_buckets():
     pred = predict({"a": (1000, 0.01), "b": (0, 0.01), "c": (3000, 0.01)}, Cluster(2, 2, "pcie3"),
                    batch_per_gpu=1, bucket_bytes=0)
     assert pred.buckets == 2  # the parameter-free layer joins a bucket
-    buckets = make_buckets(_layers(), bucket_bytes=4 * 45_000_000)
-    assert [b.layers for b in buckets] == [(2, 1), (0,)]
+    _, n = step_collectives(_layers(), ["fp32"] * 3, native={"fp32"}, bucket_bytes=4 * 45_000_000)
+    cut = ddp_buckets([layer.params for layer in reversed(_layers())], 4 * 45_000_000, first_bytes=4 * 45_000_000)
+    assert n == 2 and cut == [0, 0, 1]  # layers (2, 1), then (0,)
 
 
 @pytest.mark.parametrize("gpus", [0, -4])

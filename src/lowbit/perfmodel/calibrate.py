@@ -32,11 +32,11 @@ from typing import Any
 
 import numpy as np
 
-from lowbit.timeline import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES
+from lowbit.timeline import DDP_FIRST_BUCKET_BYTES
 from lowbit.codecs.base import get_codec
 from lowbit.perfmodel.collectives import Topology, collective
 from lowbit.perfmodel.links import Link
-from lowbit.perfmodel.model import Layer, bits_per_value, codec_work, make_buckets, step_collectives
+from lowbit.perfmodel.model import Layer, bits_per_value, codec_work, step_collectives
 from lowbit.perfmodel.networks import get_network
 
 __all__ = ["fit_link", "design_row", "sums_on_wire", "canonical_spec", "LinkFit", "CodecFit", "RunRecord",
@@ -469,8 +469,8 @@ def run_groups(run: RunRecord) -> list[tuple[str, str, int, int]]:
         return []
     layers, specs = run_layers(run)
     native = {"fp32"} | ({run.codec} if run.algorithm == "allreduce" else set())
-    events = step_collectives(layers, make_buckets(layers, DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES), specs,
-                              native=native, rider="fp32" if run.algorithm == "allgather" else None)
+    events, _ = step_collectives(layers, specs, native=native, rider="fp32" if run.algorithm == "allgather" else None,
+                                 first_bucket_bytes=DDP_FIRST_BUCKET_BYTES)
     return [(spec, "allreduce" if spec in native else run.algorithm, n, riders) for _, spec, n, riders in events]
 
 

@@ -37,14 +37,13 @@ from lowbit.comm.allreduce import resolve_algorithm as comm_resolve_algorithm
 from lowbit.perfmodel.collectives import Topology, collective, model_of, positive_int
 from lowbit.perfmodel.links import Link, parse_link
 from lowbit.perfmodel.networks import Network, get_network
-from lowbit.timeline import plan_step
+from lowbit.timeline import DDP_BUCKET_BYTES, ddp_buckets, plan_step
 
 __all__ = ["bits_per_value", "Layer", "LayerCodec", "Cluster", "Breakdown", "Prediction", "layers_from_dict",
-           "layers_from_flops", "layers_for_network", "make_buckets", "step_collectives", "codec_work", "simulate_step",
+           "layers_from_flops", "layers_for_network", "step_collectives", "codec_work", "simulate_step",
            "resolve_algorithm", "predict", "predict_network"]
 
 FP32_BITS = 32.0
-DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb = 25
 
 
 def bits_per_value(codec: object, numel: int = 1 << 20) -> float:
@@ -160,42 +159,6 @@ def layers_for_network(network: str | Network, batch_per_gpu: int, device_tflops
 
 
 # ------------------------------------------------------------------------------------------ pieces
-@dataclasses.dataclass(frozen=True)
-class Bucket:
-    """Gradients sent together; ``layers`` are indices in forward order, listed in backward order."""
-
-    layers: tuple[int, ...]
-    params: int
-
-
-def make_buckets(
-    layers: Sequence[Layer], bucket_bytes: float = DEFAULT_BUCKET_BYTES, first_bucket_bytes: float | None = None
-) -> list[Bucket]:
-    """Group layers in backward order until a bucket holds ``bucket_bytes`` of fp32 gradients.
-
-    ``bucket_bytes = 0`` gives one bucket per layer. Layers without parameters join the next bucket
-    (they produce no gradient but their backward still has to finish first). ``first_bucket_bytes``
-    caps the first bucket differently (DDP: 1 MiB, so communication starts early); default: the same.
-    """
-    if bucket_bytes < 0 or (first_bucket_bytes is not None and first_bucket_bytes < 0):
-        raise ValueError(f"bucket size must be >= 0 bytes, got {bucket_bytes!r} / {first_bucket_bytes!r}")
-    buckets, current, params = [], [], 0
-    for i in reversed(range(len(layers))):
-        current.append(i)
-        params += layers[i].params
-        cap = first_bucket_bytes if (not buckets and first_bucket_bytes is not None) else bucket_bytes
-        if params > 0 and 4 * params >= cap:
-            buckets.append(Bucket(tuple(current), params))
-            current, params = [], 0
-    if current:
-        if params > 0 or not buckets:
-            buckets.append(Bucket(tuple(current), params))
-        else:  # trailing parameter-free layers (the input side): nothing to send after them
-            last = buckets[-1]
-            buckets[-1] = Bucket(last.layers + tuple(current), last.params)
-    return buckets
-
-
 def codec_work(algorithm: str, numel: int, world: int, gpus_per_node: int, bits: float) -> tuple[float, float]:
     """Values ``(encoded, decoded)`` per rank for one bucket (see the table in the module doc): the
     registry's ``work`` of the algorithm (default: each value encoded and decoded once)."""
@@ -226,7 +189,7 @@ def simulate_step(
     encode_Bps: float | None = None,
     decode_Bps: float | None = None,
     overlap: bool = True,
-    bucket_bytes: float = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: float = DDP_BUCKET_BYTES,
     backward_fraction: float = 2 / 3,
     layer_codecs: Sequence[LayerCodec] | None = None,
     first_bucket_bytes: float | None = None,
@@ -252,20 +215,20 @@ def simulate_step(
         raise ValueError(f"{len(layer_codecs)} layer codecs for {len(layers)} layers")
     compute = sum(layer.compute_s for layer in layers)
     t = (1 - backward_fraction) * compute                 # compute stream: forward done
-    buckets = make_buckets(layers, bucket_bytes, first_bucket_bytes) if topo.world > 1 else []
-    order = [i for b in buckets for i in b.layers]        # backward order
-    kinds = {lc: str(k) for k, lc in enumerate(dict.fromkeys([layer_codecs[i] for i in order] + list(layer_codecs)))}
+    order = list(reversed(range(len(layers))))            # backward order
+    kinds = {lc: str(k) for k, lc in enumerate(dict.fromkeys([layer_codecs[i] for i in order]))}
     codec_of = {key: lc for lc, key in kinds.items()}
     native = {key for lc, key in kinds.items() if lc.bits >= FP32_BITS or lc.algorithm == "allreduce"}
     first = next((lc for lc, key in kinds.items() if key not in native), None)
     rider = next((key for lc, key in kinds.items() if lc.bits >= FP32_BITS), None) \
         if first is not None and first.algorithm == "allgather" else None
-    events = step_collectives(layers, buckets, [kinds[lc] for lc in layer_codecs], native=native, rider=rider,
-                              per_tensor={key for lc, key in kinds.items() if _per_tensor(lc.label)},
-                              message_mb=message_mb)
+    events, n_buckets = step_collectives(
+        layers, [kinds[lc] for lc in layer_codecs], native=native, rider=rider, message_mb=message_mb,
+        per_tensor={key for lc, key in kinds.items() if _per_tensor(lc.label)}, bucket_bytes=bucket_bytes,
+        first_bucket_bytes=first_bucket_bytes) if topo.world > 1 else ([], 0)
     sends: list[tuple[float, float, float]] = []           # (ready, duration, decode) per collective, in order
     encode_total, sent = 0.0, 0.0
-    for pos, i in enumerate(order):
+    for pos, i in enumerate(order if topo.world > 1 else ()):
         t += backward_fraction * layers[i].compute_s
         while events and events[0][0] == pos:
             _, key, numel, riders = events.pop(0)
@@ -281,7 +244,7 @@ def simulate_step(
             encode_total += enc
             sent += cost.bytes_per_rank
             sends.append((t, cost.time_s, dec))
-    if not buckets:
+    if topo.world == 1:
         t = compute
     backward_end = d = t
     comm_free = comm_busy = 0.0
@@ -292,35 +255,47 @@ def simulate_step(
     step = max(d, comm_free, backward_end)
     decode_total = sum(dec for _, _, dec in sends)
     exposed = max(0.0, step - compute - encode_total - decode_total)
-    return step, Breakdown(compute, exposed, encode_total, decode_total, comm_busy), sent, len(buckets)
+    return step, Breakdown(compute, exposed, encode_total, decode_total, comm_busy), sent, n_buckets
 
 
-def step_collectives(layers: Sequence[Layer], buckets: Sequence[Bucket], specs: Sequence[str], *,
-                     native: Collection[str], rider: str | None = None, per_tensor: Collection[str] = (),
-                     message_mb: float | str = "auto") -> list[tuple[int, str, int, int]]:
+def step_collectives(layers: Sequence[Layer], specs: Sequence[str], *, native: Collection[str],
+                     rider: str | None = None, per_tensor: Collection[str] = (), message_mb: float | str = "auto",
+                     bucket_bytes: float = DDP_BUCKET_BYTES,
+                     first_bucket_bytes: float | None = None) -> tuple[list[tuple[int, str, int, int]], int]:
     """The collectives of a step in the order the hook issues them, on :func:`lowbit.timeline.plan_step`'s
-    plan of the layers (``specs[i]``: layer i's codec; ``buckets`` from :func:`make_buckets`):
-    ``(position in backward order after whose backward it goes, spec, values, fp32 values riding)``; a
-    message once its last layer is ready, a bucket's native units (one per spec) when the bucket ends."""
-    order = [i for b in buckets for i in b.layers]
-    plan = plan_step([layers[i].params for i in order], [specs[i] for i in order], native=native, rider=rider,
-                     per_tensor=per_tensor, message_mb=message_mb,
-                     buckets=[k for k, b in enumerate(buckets) for _ in b.layers])
+    plan of the layers (``specs[i]``: layer i's codec): ``(position in backward order after whose backward
+    it goes, spec, values, fp32 values riding)``, a message once its last layer is ready, a bucket's
+    native units (one per spec) when the bucket ends; and the number of DDP buckets. DDP cuts the
+    buckets (:func:`lowbit.timeline.ddp_buckets`; ``first_bucket_bytes`` None: the same cap as the
+    others, 0: one bucket a layer); a layer without parameters goes with the next bucket (its backward
+    still has to finish first)."""
+    if bucket_bytes < 0 or (first_bucket_bytes is not None and first_bucket_bytes < 0):
+        raise ValueError(f"bucket size must be >= 0 bytes, got {bucket_bytes!r} / {first_bucket_bytes!r}")
+    order = list(reversed(range(len(layers))))  # backward order: the order gradients become ready
+    params = [layers[i].params for i in order]
+    real = ddp_buckets([n for n in params if n], bucket_bytes,
+                       first_bytes=bucket_bytes if first_bucket_bytes is None else first_bucket_bytes)
+    buckets, nxt = [], real[-1] if real else 0
+    for n in reversed(params):  # from the input side: a layer without parameters takes the next one's bucket
+        nxt = real.pop() if n else nxt
+        buckets.append(nxt)
+    buckets.reverse()
+    plan = plan_step(params, [specs[i] for i in order], native=native, rider=rider, per_tensor=per_tensor,
+                     message_mb=message_mb, buckets=buckets)
     completes = {m.last: m for m in plan.messages}
     native_at = set(plan.native)
     out: list[tuple[int, str, int, int]] = []
     units: dict[str, int] = {}
-    for pos, i in enumerate(order):
+    for pos, n in enumerate(params):
         m = completes.get(pos)
         if m is not None:
-            out.append((pos, m.spec, sum(layers[order[j]].params for j in m.members),
-                        sum(layers[order[j]].params for j in m.riders)))
+            out.append((pos, m.spec, sum(params[j] for j in m.members), sum(params[j] for j in m.riders)))
         if pos in native_at:
-            units[specs[i]] = units.get(specs[i], 0) + layers[i].params
-        if pos + 1 == len(order) or plan.buckets[pos + 1] != plan.buckets[pos]:
-            out += [(pos, spec, n, 0) for spec, n in units.items()]
+            units[specs[order[pos]]] = units.get(specs[order[pos]], 0) + n
+        if pos + 1 == len(params) or buckets[pos + 1] != buckets[pos]:
+            out += [(pos, spec, k, 0) for spec, k in units.items()]
             units = {}
-    return [e for e in out if e[2] + e[3] > 0]  # parameter-free layers send nothing
+    return [e for e in out if e[2] + e[3] > 0], len(set(buckets))  # parameter-free layers send nothing
 
 
 def _per_tensor(label: str) -> bool:
@@ -387,7 +362,7 @@ def predict(
     encode_Bps: float | None = None,
     decode_Bps: float | None = None,
     overlap: bool = True,
-    bucket_bytes: float = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: float = DDP_BUCKET_BYTES,
     backward_fraction: float = 2 / 3,
     network: str = "",
     layer_codecs: Sequence[LayerCodec] | None = None,
