@@ -4,6 +4,7 @@
 #   MODE=nodes bash benchmarks/run_device_fsdp.sh                 (4 GPUs as 2 emulated nodes of 2)
 #   MODE=paired PAIRED=fsdp_bf16,bf16 bash benchmarks/run_device_fsdp.sh   (2 GPUs over NVLink: B against A step by
 #                                                                  step, both models in memory; LINK=sockets too)
+#   MODE=pairednodes PAIRED=fsdp_bf16,h_q8_p8 bash benchmarks/run_device_fsdp.sh   (4 GPUs as 2 emulated nodes, paired)
 #   MODE=train bash benchmarks/run_device_fsdp.sh                 (2 GPUs over NVLink: 1,500 steps on pysource)
 #   MODE=trainpair bash benchmarks/run_device_fsdp.sh             (4 GPUs: two such runs side by side, GPUs 0-1
 #                                                                  and 2-3, PAIR="fsdp q8_p8": half the wall time)
@@ -34,6 +35,11 @@ for mode in ${MODE:-nvlink sockets}; do
       env "${env_link[@]}" torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --link "${LINK:-nvlink}" --model "$MODEL" \
         --batch "$BATCH" --steps "$STEPS" --warmup "$WARMUP" --commit "${COMMIT:-}" --paired "${PAIRED:-fsdp_bf16,bf16}" \
         --out "$OUT/fsdp_paired_2x${card}_${LINK:-nvlink}_${MODEL}_$(echo "${PAIRED:-fsdp_bf16,bf16}" | tr , _).json" 2>&1 | quiet ;;
+    pairednodes)
+      LOWBIT_NODE_SIZE=2 torchrun --nproc-per-node 4 --no-python benchmarks/emulated_node.sh benchmarks/bench_fsdp.py \
+        --link 2nodes --node-size 2 --model "$MODEL" --batch "$BATCH" --steps "$STEPS" --warmup "$WARMUP" \
+        --commit "${COMMIT:-}" --paired "${PAIRED:-fsdp_bf16,h_q8_p8}" \
+        --out "$OUT/fsdp_paired_4x${card}_2nodes_${MODEL}_$(echo "${PAIRED:-fsdp_bf16,h_q8_p8}" | tr , _).json" 2>&1 | quiet ;;
     train)
       torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --link nvlink --model "$MODEL" --batch "$BATCH" \
         --train "${TRAIN_STEPS:-1500}" --eval-every "${EVAL_EVERY:-250}" --commit "${COMMIT:-}" \
