@@ -22,7 +22,7 @@ import lowbit.codecs
 from lowbit.codecs import base as codec_base
 from lowbit.codecs.base import Codec, get_codec, register_codec
 from lowbit.perfmodel import advise as adv
-from lowbit.perfmodel.fit import short_codec
+from lowbit.perfmodel.model import codec_fact, short_codec
 from lowbit.study import config as study_config
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "lowbit"
@@ -140,7 +140,7 @@ def test_no_layer_compares_against_a_codec_name() -> None:
 def test_short_labels_and_ladder(spec: str, short: str, rung: int) -> None:
     codec = get_codec(spec)
     assert codec.short_label == short_codec(spec) == short
-    assert codec.rung == rung == adv._rung(spec)
+    assert codec.rung == rung == codec_fact(spec, "rung", 0)
 
 
 def test_short_codec_of_a_spec_that_names_no_codec() -> None:
@@ -176,7 +176,7 @@ def test_the_toy_plugin_gets_every_fact_from_the_defaults(registry_restored) -> 
     assert not toy.sums_on_wire and toy.biased and toy.seeds_feedback
     assert abs(toy.code_bits - 8.0) < 1e-3 and toy.rung == 4  # 8 bits a value (and one scale): qsgd8's rung
     assert study_config.codec_label("toy8", True) == "toy8 +EF"
-    assert short_codec("toy8") == "toy8" and adv._rung("toy8") == 4
+    assert short_codec("toy8") == "toy8" and codec_fact("toy8", "rung", 0) == 4
     cand = adv.Candidate("toy8", "toy8")
     assert (cand.rung, cand.error_feedback, cand.label, cand.canonical) == (4, True, "toy8 +EF", "toy8")
     assert study_config._feedback("auto", toy) and not study_config._feedback("auto", get_codec("qsgd"))
@@ -218,7 +218,7 @@ def test_a_codec_defined_in_one_file_is_asked_for_its_facts(registry_restored) -
     register_codec(_Sign2)
     spec = "test_sign2:bucket=64"
     codec = get_codec(spec)
-    assert codec.rung == adv._rung(spec) == 2 and codec.bits_per_value(1 << 16) == 2.5
+    assert codec.rung == codec_fact(spec, "rung", 0) == 2 and codec.bits_per_value(1 << 16) == 2.5
     assert short_codec(spec) == "sign2/64" and study_config.codec_label(spec) == "Sign 2bit/64"
     assert study_config._feedback("auto", codec) is False and study_config._feedback("biased", codec) is True
     cand = adv.Candidate("sign2", spec)

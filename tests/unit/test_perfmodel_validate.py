@@ -18,7 +18,7 @@ from lowbit.cli import main as lowbit_main
 from lowbit.perfmodel import advise as adv
 from lowbit.perfmodel.calibrate import (
     Calibration,
-    CodecCost,
+    CodecFit,
     LinkFit,
     RunRecord,
     fit_bench,
@@ -28,7 +28,7 @@ from lowbit.perfmodel.calibrate import (
 from lowbit.perfmodel.model import bits_per_value
 from lowbit.perfmodel.collectives import Topology, collective
 from lowbit.perfmodel.links import Link
-from lowbit.perfmodel.model import Cluster, codec_work
+from lowbit.perfmodel.model import Cluster, codec_fact, codec_work
 from lowbit.cli.advise import advice_json, format_advice
 from lowbit.cli.predict import format_validation, validate_path
 from lowbit.perfmodel.fit import calibrate, model_step
@@ -100,8 +100,8 @@ def test_nccl_socket_transport_and_bad_bench_files(tmp_path):
 TRUE = Calibration(
     links={"gloo": {"allreduce": LinkFit(1e-3, 0.5e9, "allreduce", 4, 0.0, "bench test"),
                     "scatter_gather": LinkFit(1.5e-3, 0.3e9, "scatter_gather", 4, 0.0, "bench test")}},
-    codecs={"gloo": {"scatter_gather": {_canon(Q8): CodecCost(5e-4, 1 / 1e9, 3e-4, 1 / 2e9, 4, "bench test")},
-                     "allreduce": {"fp16": CodecCost(1e-4, 1 / 4e9, 1e-4, 1 / 4e9, 4, "bench test")}}},
+    codecs={"gloo": {"scatter_gather": {_canon(Q8): CodecFit(5e-4, 1 / 1e9, 3e-4, 1 / 2e9, 4, "bench test")},
+                     "allreduce": {"fp16": CodecFit(1e-4, 1 / 4e9, 1e-4, 1 / 4e9, 4, "bench test")}}},
     compute={"net|data|32|cpu": {"step_s": 0.004, "per_sample_s": 0.004 / 32, "runs": 3}},
     compute_at_world={"net|data|32|gloo|cpu|2": {"step_s": 0.007, "runs": 9}},
     world_factor={"gloo|cpu|2": {"factor": 1.75, "settings": 1}},
@@ -254,7 +254,7 @@ def test_advice_default_codec_does_not_depend_on_set_order(monkeypatch):
     # (bn_inception: a profile without a model build; the network does not enter the tie-break)
     a = adv.advise("bn_inception", _setup(8, 8, "nvlink"), evidence=[])
     q8, dm = adv.CANDIDATES[1].canonical, adv.CANDIDATES[2].canonical
-    assert adv._rung(q8) == adv._rung(dm)  # a tie on the ladder: the order must not decide it
+    assert codec_fact(q8, "rung", 0) == codec_fact(dm, "rung", 0)  # a tie on the ladder: the order must not decide it
     defaults = set()
     for reverse in (False, True):
         monkeypatch.setattr(_OrderedSet, "reverse_order", reverse)
@@ -304,7 +304,7 @@ def test_advise_compresses_a_communication_bound_network():
     assert a.prediction.speedup_vs_fp32 > 1.5
     assert a.assignment["Linear"] != "fp32"
     # no evidence on vgg19: the seed's finding puts convolutions at least one rung above fc layers
-    assert adv._rung(a.assignment["Conv2d"]) > adv._rung(a.assignment["Linear"])
+    assert codec_fact(a.assignment["Conv2d"], "rung", 0) > codec_fact(a.assignment["Linear"], "rung", 0)
     text = format_advice(a)
     assert "rests on the seeds' published findings only" in text and "Grubic et al." in text
     _round_trip(a)

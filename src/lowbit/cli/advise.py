@@ -18,9 +18,8 @@ from lowbit.perfmodel.advise import (CANDIDATES, CONV_FINDING, SEED_FINDINGS, Ad
 from lowbit.perfmodel.calibrate import Calibration, OverheadKey, RunRecord, ScaleKey
 from lowbit.perfmodel.collectives import modeled_algorithms
 from lowbit.perfmodel.links import Link
-from lowbit.perfmodel.model import Cluster
+from lowbit.perfmodel.model import Cluster, short_codec
 from lowbit.perfmodel.networks import NETWORKS, get_network
-from lowbit.perfmodel.fit import short_codec
 from lowbit.study.store import load_run_records
 
 __all__ = ["register", "run_advise", "format_advice", "advice_json", "policy_code", "speed_setup",

@@ -24,11 +24,11 @@ from lowbit.cli.advise import _one_of, add_cluster_arguments, add_codec_rate_arg
 from lowbit.extras import require
 from lowbit.perfmodel import advise as advise_mod
 from lowbit.perfmodel import dettmers
-from lowbit.perfmodel.calibrate import HUGE_BW, Calibration, canonical_spec
-from lowbit.perfmodel.fit import calibrate, short_codec
+from lowbit.perfmodel.calibrate import HUGE_BW, Calibration
+from lowbit.perfmodel.fit import calibrate
 from lowbit.perfmodel.collectives import modeled_algorithms
 from lowbit.perfmodel.links import PRESETS
-from lowbit.perfmodel.model import Cluster, Prediction, bits_per_value, predict_network
+from lowbit.perfmodel.model import Cluster, Prediction, bits_per_value, codec_fact, predict_network, short_codec
 from lowbit.perfmodel.networks import NETWORKS, get_network
 from lowbit.perfmodel.validate import TARGET_MEDIAN_ABS_ERROR, RunPrediction, ValidationReport, validate
 from lowbit.study.store import load_run_records, resolve_results_path
@@ -312,7 +312,7 @@ def _predict_calibrated(args: argparse.Namespace) -> Prediction:
         inter=args.inter, nics_per_node=args.nics_per_node, device_tflops=args.device_tflops,
         algorithm="scatter_gather" if args.algorithm in ("auto", "allreduce", "hierarchical") else args.algorithm))
     net = get_network(args.network)
-    codec = canonical_spec(args.codec)
+    codec = codec_fact(args.codec, "spec", args.codec)
     assignment = {g: codec for g in advise_mod.network_groups(net)}
     args.intra = setup.cluster.intra
     args.device_tflops = setup.device_tflops

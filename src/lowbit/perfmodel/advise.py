@@ -28,12 +28,12 @@ import torch
 from lowbit.choose import FASTER_THAN_FP32, WITHIN_BEST, Tried, pick
 from lowbit.codecs.base import Codec, get_codec
 from lowbit.models import build_model
-from lowbit.perfmodel.calibrate import Calibration, RunRecord, sums_on_wire
+from lowbit.perfmodel.calibrate import Calibration, RunRecord
 from lowbit.perfmodel.collectives import modeled_algorithms
 from lowbit.perfmodel.links import Link
-from lowbit.perfmodel.model import Cluster, LayerCodec, Prediction, bits_per_value, layers_for_network, predict
+from lowbit.perfmodel.model import (Cluster, LayerCodec, Prediction, bits_per_value, codec_fact, layers_for_network,
+                                    predict, short_codec)
 from lowbit.perfmodel.networks import Network, get_network
-from lowbit.perfmodel.fit import short_codec
 from lowbit.policy import Policy
 
 __all__ = ["Candidate", "CANDIDATES", "SEED_FINDINGS", "Advice", "advise",
@@ -324,7 +324,7 @@ def predict_assignment(net: Network, assignment: dict[str, str], setup: SpeedSet
     pred = predict(layers, setup.cluster, batch_per_gpu=setup.batch, network=net.name, layer_codecs=codecs)
     base = predict(layers, setup.cluster, batch_per_gpu=setup.batch, network=net.name,
                    layer_codecs=[fp32] * len(layers))
-    native = all(sums_on_wire(s) for s in assignment.values())
+    native = all(codec_fact(s, "sums_on_wire", False) for s in assignment.values())
     if setup.cluster.gpus > 1:
         step = pred.step_s + (setup.overhead_native_s if native else setup.overhead_compressed_s)
         fp32_step = base.step_s + setup.overhead_native_s
@@ -357,20 +357,13 @@ class Advice:
         specs = sorted(set(self.assignment.values()))
         if len(specs) == 1:
             return {"default": specs[0], "by_type": {}, "by_name": {}}
-        default = max(specs, key=_rung)  # the most bits; of a tie (qsgd8, dettmers), the first in spec order
+        # the most bits (the codec's rung); of a tie (qsgd8, dettmers), the first in spec order
+        default = max(specs, key=lambda s: codec_fact(s, "rung", 0))
         by_type = {t: spec for g, spec in sorted(self.assignment.items()) for t in GROUP_TYPES[g]}
         return {"default": default, "by_type": by_type, "by_name": {}}
 
     def policy(self) -> Any:
         return Policy(**self.policy_dict())
-
-
-def _rung(spec: str) -> int:
-    """The codec's place on the bits ladder (0: not a codec)."""
-    try:
-        return get_codec(spec).rung
-    except ValueError:
-        return 0
 
 
 def advise(

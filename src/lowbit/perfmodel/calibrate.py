@@ -33,13 +33,12 @@ from typing import Any
 import numpy as np
 
 from lowbit.timeline import DDP_FIRST_BUCKET_BYTES
-from lowbit.codecs.base import get_codec
 from lowbit.perfmodel.collectives import Topology, collective
 from lowbit.perfmodel.links import Link
-from lowbit.perfmodel.model import Layer, bits_per_value, codec_work, step_collectives
+from lowbit.perfmodel.model import Layer, bits_per_value, codec_fact, codec_work, step_collectives
 from lowbit.perfmodel.networks import get_network
 
-__all__ = ["fit_link", "design_row", "sums_on_wire", "canonical_spec", "LinkFit", "CodecFit", "RunRecord",
+__all__ = ["fit_link", "design_row", "LinkFit", "CodecFit", "RunRecord",
            "Calibration", "load_bench", "transport_key", "ScaleKey",
            "OverheadKey", "fit_bench", "fit_study", "fit_comm_in_situ", "run_groups",
            "run_layers", "network_profile", "pure_compute_s"]
@@ -49,25 +48,6 @@ SCHEMA = 1
 HUGE_BW = 1e15  # bytes/s standing for "no measurable per-byte cost" (JSON has no infinity)
 #: The tables of a :class:`Calibration` fitted on study runs, key -> entry (besides the links and codec costs).
 STUDY_TABLES = ("compute", "compute_at_world", "world_factor", "step_overhead_s")
-
-
-# ------------------------------------------------------------------------------------------ codec facts
-# The codec's own facts (lowbit.get_codec); a spec that no longer parses (an old result row; "auto", a
-# choice and not a codec) is taken as it is and does not sum on the wire.
-def sums_on_wire(spec: str) -> bool:
-    """Whether the codec is summed by the native allreduce (fp32, fp16, bf16)."""
-    try:
-        return get_codec(spec).sums_on_wire
-    except ValueError:
-        return False
-
-
-def canonical_spec(spec: str) -> str:
-    """The codec's canonical spec (every parameter explicit)."""
-    try:
-        return get_codec(spec).spec
-    except ValueError:
-        return spec
 
 
 # ------------------------------------------------------------------------------------------ link fit
@@ -182,10 +162,6 @@ class CodecFit:
                     decode_call_s=self.decode_call_s)
 
 
-#: Its former name, beside lowbit.choose.CodecCost (tests/unit/test_perfmodel_validate.py imports it).
-CodecCost = CodecFit
-
-
 def _relative(a: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Rows scaled by 1/y: least squares on relative errors, so no single slow point dominates the fit."""
     w = 1.0 / np.maximum(y, 1e-12)
@@ -270,7 +246,7 @@ def fit_bench(bench: dict[str, Any]) -> tuple[str, dict[str, LinkFit], dict[str,
             if r.get("torch"):
                 continue  # torch's own allreduce: not one of lowbit's algorithms
             t = float(r["t_comm_s"]) or float(r["time_s"])
-            codec = canonical_spec(r["codec"])
+            codec = codec_fact(r["codec"], "spec", r["codec"])
             if r["algorithm"] == "allreduce":
                 if codec != "fp32":  # the link comes from the native fp32 allreduce rows
                     continue
@@ -291,7 +267,7 @@ def fit_bench(bench: dict[str, Any]) -> tuple[str, dict[str, LinkFit], dict[str,
     codecs: dict[str, dict[str, CodecFit]] = {}
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in rows:
-        codec = canonical_spec(r["codec"])
+        codec = codec_fact(r["codec"], "spec", r["codec"])
         if codec == "fp32" or r.get("torch"):
             continue  # fp32 is never encoded
         groups.setdefault((r["algorithm"], codec), []).append(r)
@@ -412,7 +388,7 @@ class RunRecord:
     def overhead_key(self) -> str:
         """Overheads differ between native (fp32/fp16/bf16: one allreduce) and compressed codecs (encode on
         the training thread, several collectives per bucket)."""
-        return str(OverheadKey(self.scale, sums_on_wire(self.codec_name)))
+        return str(OverheadKey(self.scale, codec_fact(self.codec_name, "sums_on_wire", False)))
 
     @property
     def codec_name(self) -> str:
@@ -633,7 +609,7 @@ def fit_study(runs: Iterable[RunRecord]) -> Calibration:
     one: dict[str, list[RunRecord]] = {}
     at_k: dict[str, list[RunRecord]] = {}
     for r in runs:
-        if r.world == 1 and sums_on_wire(r.codec_name):
+        if r.world == 1 and codec_fact(r.codec_name, "sums_on_wire", False):
             one.setdefault(r.compute_key, []).append(r)
         elif r.world > 1:
             at_k.setdefault(r.setting_key, []).append(r)

@@ -12,23 +12,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lowbit.timeline import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES
-from lowbit.codecs.base import get_codec
 from lowbit.perfmodel.calibrate import (Calibration, RunRecord, fit_bench, fit_comm_in_situ, fit_study,
                                         load_bench, run_layers)
 from lowbit.perfmodel.collectives import Topology
 from lowbit.perfmodel.links import Link
-from lowbit.perfmodel.model import Breakdown, Layer, LayerCodec, bits_per_value, simulate_step
+from lowbit.perfmodel.model import Breakdown, Layer, LayerCodec, bits_per_value, short_codec, simulate_step
 
-__all__ = ["short_codec", "model_step", "fit_overhead", "calibrate"]
-
-
-def short_codec(spec: str) -> str:
-    """The codec's :attr:`~lowbit.Codec.short_label`: ``qsgd:bits=4,bucket=512,...`` -> ``qsgd4/512``,
-    ``onebit:bucket=64`` -> ``onebit/64``; a spec that names no known codec, its name."""
-    try:
-        return get_codec(spec).short_label
-    except ValueError:
-        return spec.partition(":")[0]
+__all__ = ["model_step", "fit_overhead", "calibrate"]
 
 
 def _compute_for(run: RunRecord, cal: Calibration) -> tuple[float | None, str]:

@@ -39,11 +39,27 @@ from lowbit.perfmodel.links import Link, parse_link
 from lowbit.perfmodel.networks import Network, get_network
 from lowbit.timeline import DDP_BUCKET_BYTES, ddp_buckets, plan_step
 
-__all__ = ["bits_per_value", "Layer", "LayerCodec", "Cluster", "Breakdown", "Prediction", "layers_from_dict",
+__all__ = ["codec_fact", "short_codec", "bits_per_value", "Layer", "LayerCodec", "Cluster", "Breakdown", "Prediction", "layers_from_dict",
            "layers_from_flops", "layers_for_network", "step_collectives", "codec_work", "simulate_step",
            "resolve_algorithm", "predict", "predict_network"]
 
 FP32_BITS = 32.0
+
+
+def codec_fact(spec: str, fact: str, default: Any = None) -> Any:
+    """One of the codec's own facts (an attribute of :class:`lowbit.Codec`: ``sums_on_wire``, ``spec``,
+    ``short_label``, ``per_tensor``, ``rung``) for a spec; ``default`` for a spec that names no codec (an
+    old result row's, or ``"auto"``, a choice and not a codec)."""
+    try:
+        return getattr(get_codec(spec), fact)
+    except ValueError:
+        return default
+
+
+def short_codec(spec: str) -> str:
+    """The codec's :attr:`~lowbit.Codec.short_label` (``qsgd:bits=4,bucket=512`` -> ``qsgd4/512``); for a
+    spec that names no codec, its name."""
+    return codec_fact(spec, "short_label", spec.partition(":")[0])
 
 
 def bits_per_value(codec: object, numel: int = 1 << 20) -> float:
@@ -224,7 +240,7 @@ def simulate_step(
         if first is not None and first.algorithm == "allgather" else None
     events, n_buckets = step_collectives(
         layers, [kinds[lc] for lc in layer_codecs], native=native, rider=rider, message_mb=message_mb,
-        per_tensor={key for lc, key in kinds.items() if _per_tensor(lc.label)}, bucket_bytes=bucket_bytes,
+        per_tensor={key for lc, key in kinds.items() if codec_fact(lc.label, "per_tensor", False)}, bucket_bytes=bucket_bytes,
         first_bucket_bytes=first_bucket_bytes) if topo.world > 1 else ([], 0)
     sends: list[tuple[float, float, float]] = []           # (ready, duration, decode) per collective, in order
     encode_total, sent = 0.0, 0.0
@@ -296,14 +312,6 @@ def step_collectives(layers: Sequence[Layer], specs: Sequence[str], *, native: C
             out += [(pos, spec, k, 0) for spec, k in units.items()]
             units = {}
     return [e for e in out if e[2] + e[3] > 0], len(set(buckets))  # parameter-free layers send nothing
-
-
-def _per_tensor(label: str) -> bool:
-    """Whether the codec of a spec sends each tensor alone (a label that is no spec: no)."""
-    try:
-        return bool(label) and get_codec(label).per_tensor
-    except ValueError:
-        return False
 
 
 def resolve_algorithm(algorithm: str, codec: Any, world: int) -> str:

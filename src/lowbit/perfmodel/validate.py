@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from lowbit.perfmodel.calibrate import STUDY_TABLES, Calibration, RunRecord, config_id, fit_comm_in_situ, fit_study
-from lowbit.perfmodel.fit import fit_overhead, model_step, short_codec
+from lowbit.perfmodel.fit import fit_overhead, model_step
+from lowbit.perfmodel.model import short_codec
 
 __all__ = ["RunPrediction", "ValidationReport", "predict_run", "validate",
            "TARGET_MEDIAN_ABS_ERROR"]

@@ -10,7 +10,8 @@ import math
 from typing import Any
 
 from lowbit.baselines import is_baseline
-from lowbit.perfmodel.calibrate import RunRecord, sums_on_wire
+from lowbit.perfmodel.calibrate import RunRecord
+from lowbit.perfmodel.model import codec_fact
 
 __all__ = ["run_record"]
 
@@ -38,7 +39,7 @@ def run_record(row: dict[str, Any]) -> RunRecord | None:
         return None  # lowbit.ddp's codec="auto" chooses per tensor while training; the row holds no codec
     if is_baseline(codec):
         return None  # PyTorch's own hooks: not lowbit's collectives, which the model prices
-    algo = "allreduce" if sums_on_wire(codec) else str(c.get("algorithm") or "scatter_gather")
+    algo = "allreduce" if codec_fact(codec, "sums_on_wire", False) else str(c.get("algorithm") or "scatter_gather")
     if algo == "none":
         algo = "scatter_gather"
     rest = {k: v for k, v in c.items() if k not in (
