@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import math
 import statistics
 from importlib import resources
@@ -55,7 +56,7 @@ GROUP_TYPES = {"Conv2d": ("Conv2d",), "Linear": ("Linear",), "LSTM": ("LSTM",)}
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """A codec configuration that advice may assign, with what the seeds published about its accuracy:
-    ``seed_bounds``, the loss in points per layer group (None: a loss that no tolerance covers), and
+    ``seed_bounds``, the loss in points per layer group (none given: a loss that no tolerance covers), and
     ``seed_finding``, the finding cited. ``name`` keys its verdicts and evidence cells. The rest the codec
     says: its place on the bits ladder, whether it needs error feedback, its label."""
 
@@ -88,41 +89,16 @@ class Candidate:
         return self.codec.short_label + (" +EF" if self.error_feedback else "")
 
 
-def _every_group(bound: float) -> dict[str, float | None]:
-    return {"Conv2d": bound, "Linear": bound, "LSTM": bound}
-
-
 FP32 = Candidate("fp32", "fp32")
-#: What advice chooses among, most bits first, with the seeds' findings on each.
-CANDIDATES: tuple[Candidate, ...] = (
-    Candidate("fp16", "fp16", _every_group(0.0),
-              "16-bit floats lose less than the 8-bit codecs below, which the seeds found lossless"),
-    Candidate("qsgd8", "qsgd:bits=8,bucket=512", _every_group(0.0),
-              "Grubic et al., EDBT 2018, Sec. 1 and 5.1: 8-bit QSGD (bucket 512) 'always matches or even "
-              "improves final accuracy (within 0.5%)' on AlexNet, ResNet-50/110/152, BN-Inception, VGG19 "
-              "and an LSTM"),
-    Candidate("dettmers", "dettmers:type=dynamic", _every_group(0.0),
-              "Dettmers, ICLR 2016, abstract and Sec. 5: 8-bit approximations 'do not decrease "
-              "predictive performance on MNIST, CIFAR10, and ImageNet'"),
-    Candidate("qsgd4", "qsgd:bits=4,bucket=512", _every_group(0.1),
-              "Grubic et al. 2018, Sec. 1: 4-bit QSGD (bucket 512) 'always preserves the same accuracy "
-              "(within 0.1%)'"),
-    Candidate("qsgd2", "qsgd:bits=2,bucket=128", {"Conv2d": None, "Linear": None, "LSTM": 0.0},
-              "Grubic et al. 2018, Sec. 5.1: 2-bit QSGD 'has accuracy loss of at least 1 percentage point, "
-              "consistently across image classification datasets'; 'not the case for non-convolutional "
-              "networks (LSTMs), which appear to be able to handle quantization to very low precision'"),
-    Candidate("onebit", "onebit:bucket=64", _every_group(0.2),
-              "Grubic et al. 2018, Sec. 1 and 5.1: 1bitSGD 'within 0.2%' of full precision; the reshaped "
-              "1bitSGD* needs bucket 64 and converges more slowly per epoch (tuned per network)"),
-)
+#: What advice chooses among, most bits first, and what the seeds found (data/advise_ladder.json).
+_LADDER = json.loads((resources.files("lowbit.perfmodel") / "data" / "advise_ladder.json").read_text())
+CANDIDATES: tuple[Candidate, ...] = tuple(Candidate(c["name"], c["spec"], c["bounds"], c["finding"])
+                                          for c in _LADDER["candidates"])
 #: The candidates' findings by name: (loss bound per group, the finding).
 SEED_FINDINGS: dict[str, tuple[dict[str, float | None], str]] = {
     c.name: (c.seed_bounds, c.seed_finding) for c in CANDIDATES}
-CONV_FINDING = ("Grubic et al. 2018, Sec. 1 (caveat 1) and 5.1 'Impact of Layer Types': 'for convolutional "
-                "neural networks, the convolutional layers require more bits than the fully connected layers'")
-NCCL_FINDING = ("Grubic et al. 2018, Sec. 5.2: with NCCL 'the performance improvement ... is almost negligible' "
-                "on most networks; 'on systems where NCCL is available, the fastest approach may be simply to "
-                "run full precision with NCCL'")
+CONV_FINDING: str = _LADDER["conv_finding"]
+NCCL_FINDING: str = _LADDER["nccl_finding"]
 
 
 def _norm(name: str) -> str:
