@@ -1,10 +1,7 @@
 """Step time of synchronous data-parallel training with (compressed) gradient exchange (docs/perfmodel.md,
-section 3).
-
-Inputs: the layers in forward order (parameters; forward + backward seconds for the per-GPU batch), the
-cluster (GPUs, GPUs per node, intra- and inter-node :class:`~lowbit.perfmodel.links.Link`), the algorithm,
-the codec's bits per value, encode/decode throughput, and whether communication overlaps the backward.
-One step on two resources, the GPU's compute stream and one communication stream::
+section 3): the layers in forward order (parameters; forward + backward seconds for the per-GPU batch) on
+a :class:`Cluster`, each layer's codec (a :class:`LayerCodec`: bits, algorithm, encode/decode costs), one
+step on two resources, the GPU's compute stream and one communication stream::
 
     compute:  | forward | bwd L_n | enc M1 | bwd L_n-1 ... | enc Mm | ...decode M1..Mm... |
     comm:                          | xfer M1 |    ...      | xfer Mm |
@@ -12,23 +9,18 @@ One step on two resources, the GPU's compute stream and one communication stream
 Forward takes ``(1 - f) * sum(c_i)``, backward ``f * c_i`` per layer (``f = 2/3``: gradients for inputs and
 for weights, each about one forward). Gradients become ready in DDP's buckets, in backward order, and
 travel in the messages ``lowbit.ddp``'s hook sends (:func:`lowbit.timeline.plan_step`, one plan for the
-hook, ``codec="auto"`` and this model): quantised layers in message groups of one codec (closed at
-``message_mb``; ``"auto"``: at a bucket end once they hold 16 MiB or an eighth of the quantised
-gradients, the last bucket alone), natively summed ones (32 bits, or the native ``allreduce``) one
-collective per codec and bucket, fp32 riding in allgather messages. A message is encoded on the compute
-stream once its last layer's backward ends, then sent as soon as the comm stream is free (so it overlaps
-the backward of the layers before it); decoding runs after the backward, message by message. Values
-encoded / decoded per message are the algorithm's ``work`` (:func:`codec_work`), seconds = ``4 * values /
-throughput`` (bytes of float32 per second); fp32 is never encoded. The step ends at the last decode,
-transfer or backward. ``layer_codecs`` (a mixed-precision policy) gives every layer its own
-:class:`LayerCodec`; layers whose codecs are equal are one codec to the plan.
+hook, ``codec="auto"`` and this model). A message is encoded on the compute stream once its last layer's
+backward ends, then sent as soon as the comm stream is free (so it overlaps the backward of the layers
+before it); decoding runs after the backward, message by message. Values encoded / decoded per message
+are the algorithm's ``work`` (:func:`codec_work`), seconds = ``4 * values / throughput`` (bytes of
+float32 per second); fp32 is never encoded. The step ends at the last decode, transfer or backward.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from lowbit.codecs.base import get_codec
@@ -39,9 +31,9 @@ from lowbit.perfmodel.links import Link, parse_link
 from lowbit.perfmodel.networks import Network, get_network
 from lowbit.timeline import DDP_BUCKET_BYTES, ddp_buckets, plan_step
 
-__all__ = ["codec_fact", "short_codec", "bits_per_value", "Layer", "LayerCodec", "Cluster", "Breakdown", "Prediction", "layers_from_dict",
-           "layers_from_flops", "layers_for_network", "step_collectives", "codec_work", "simulate_step",
-           "resolve_algorithm", "predict", "predict_network"]
+__all__ = ["codec_fact", "short_codec", "bits_per_value", "Layer", "LayerCodec", "Cluster", "Breakdown", "Prediction",
+           "layers_for_network", "step_collectives", "codec_work", "simulate_step", "resolve_algorithm", "predict",
+           "predict_network"]
 
 FP32_BITS = 32.0
 
@@ -149,29 +141,13 @@ class Cluster:
         return Topology(self.gpus, self.gpus_per_node, self.intra, inter, self.nics_per_node)
 
 
-def layers_from_dict(layers: Mapping[str, tuple[int, float]]) -> list[Layer]:
-    """``{name: (params, fwd+bwd seconds)}`` in forward order -> layers."""
-    return [Layer(name, int(p), float(t)) for name, (p, t) in layers.items()]
-
-
-def layers_from_flops(
-    layers: Mapping[str, tuple[int, float]] | Iterable[tuple[str, int, float]],
-    batch_per_gpu: int,
-    device_flops: float,
-) -> list[Layer]:
-    """``{name: (params, fwd+bwd FLOPs per sample)}`` -> layers with ``time = FLOPs * batch / rate``."""
-    if device_flops <= 0:
-        raise ValueError(f"device rate must be > 0 FLOP/s, got {device_flops!r}")
-    if batch_per_gpu < 1:
-        raise ValueError(f"batch per GPU must be >= 1, got {batch_per_gpu!r}")
-    items = layers.items() if isinstance(layers, Mapping) else ((n, (p, f)) for n, p, f in layers)
-    return [Layer(name, int(p), float(f) * batch_per_gpu / device_flops) for name, (p, f) in items]
-
-
 def layers_for_network(network: str | Network, batch_per_gpu: int, device_tflops: float) -> list[Layer]:
-    """The per-layer profile of a known network (see :mod:`networks`) at a device rate in TFLOP/s."""
+    """The layers of a known network (its :mod:`networks` profile): time = FLOPs x batch / device rate."""
+    if not (device_tflops > 0 and math.isfinite(device_tflops)):
+        raise ValueError(f"device rate must be > 0 TFLOP/s, got {device_tflops!r}")
+    positive_int(batch_per_gpu, "batch per GPU")
     net = get_network(network) if isinstance(network, str) else network
-    return layers_from_flops(net.layers(), batch_per_gpu, device_tflops * 1e12)
+    return [Layer(name, int(p), float(f) * batch_per_gpu / (device_tflops * 1e12)) for name, p, f in net.layers()]
 
 
 # ------------------------------------------------------------------------------------------ pieces
@@ -196,21 +172,11 @@ class Breakdown:
     comm_s: float  # total time the comm stream is busy (hidden or not)
 
 
-def simulate_step(
-    layers: Sequence[Layer],
-    topo: Topology,
-    *,
-    algorithm: str,
-    bits: float,
-    encode_Bps: float | None = None,
-    decode_Bps: float | None = None,
-    overlap: bool = True,
-    bucket_bytes: float = DDP_BUCKET_BYTES,
-    backward_fraction: float = 2 / 3,
-    layer_codecs: Sequence[LayerCodec] | None = None,
-    first_bucket_bytes: float | None = None,
-    message_mb: float | str = "auto",
-) -> tuple[float, Breakdown, float, int]:
+def simulate_step(layers: Sequence[Layer], topo: Topology, *, algorithm: str, bits: float,
+                  encode_Bps: float | None = None, decode_Bps: float | None = None, overlap: bool = True,
+                  bucket_bytes: float = DDP_BUCKET_BYTES, backward_fraction: float = 2 / 3,
+                  layer_codecs: Sequence[LayerCodec] | None = None, first_bucket_bytes: float | None = None,
+                  message_mb: float | str = "auto") -> tuple[float, Breakdown, float, int]:
     """One step on the two-stream timeline of the module doc -> (step_s, breakdown, bytes/rank, buckets).
 
     The messages are those ``lowbit.ddp``'s hook sends (:func:`lowbit.timeline.plan_step`, its
@@ -240,8 +206,8 @@ def simulate_step(
         if first is not None and first.algorithm == "allgather" else None
     events, n_buckets = step_collectives(
         layers, [kinds[lc] for lc in layer_codecs], native=native, rider=rider, message_mb=message_mb,
-        per_tensor={key for lc, key in kinds.items() if codec_fact(lc.label, "per_tensor", False)}, bucket_bytes=bucket_bytes,
-        first_bucket_bytes=first_bucket_bytes) if topo.world > 1 else ([], 0)
+        per_tensor={key for lc, key in kinds.items() if codec_fact(lc.label, "per_tensor", False)},
+        bucket_bytes=bucket_bytes, first_bucket_bytes=first_bucket_bytes) if topo.world > 1 else ([], 0)
     sends: list[tuple[float, float, float]] = []           # (ready, duration, decode) per collective, in order
     encode_total, sent = 0.0, 0.0
     for pos, i in enumerate(order if topo.world > 1 else ()):
@@ -360,21 +326,11 @@ class Prediction:
         return dataclasses.asdict(self)
 
 
-def predict(
-    layers: Sequence[Layer] | Mapping[str, tuple[int, float]],
-    cluster: Cluster,
-    *,
-    batch_per_gpu: int,
-    codec: str | float = FP32_BITS,
-    algorithm: str = "auto",
-    encode_Bps: float | None = None,
-    decode_Bps: float | None = None,
-    overlap: bool = True,
-    bucket_bytes: float = DDP_BUCKET_BYTES,
-    backward_fraction: float = 2 / 3,
-    network: str = "",
-    layer_codecs: Sequence[LayerCodec] | None = None,
-) -> Prediction:
+def predict(layers: Sequence[Layer] | Mapping[str, tuple[int, float]], cluster: Cluster, *, batch_per_gpu: int,
+            codec: str | float = FP32_BITS, algorithm: str = "auto", encode_Bps: float | None = None,
+            decode_Bps: float | None = None, overlap: bool = True, bucket_bytes: float = DDP_BUCKET_BYTES,
+            backward_fraction: float = 2 / 3, network: str = "",
+            layer_codecs: Sequence[LayerCodec] | None = None) -> Prediction:
     """Predict one step for ``codec`` (bits per value or a codec spec) and for fp32 on the same cluster.
 
     The fp32 baseline uses the native ring allreduce (hierarchical when ``algorithm`` is hierarchical),
@@ -383,7 +339,8 @@ def predict(
     the parameter-weighted mean and ``codec`` is reported as ``"policy"`` unless given as a string.
     """
     positive_int(batch_per_gpu, "batch per GPU")
-    layer_list = layers_from_dict(layers) if isinstance(layers, Mapping) else list(layers)
+    layer_list = [Layer(n, int(p), float(t)) for n, (p, t) in layers.items()] if isinstance(layers, Mapping) \
+        else list(layers)
     if layer_codecs is not None:
         if len(layer_codecs) != len(layer_list):
             raise ValueError(f"{len(layer_codecs)} layer codecs for {len(layer_list)} layers")
@@ -408,37 +365,16 @@ def predict(
     if compute <= 0:
         raise ValueError("total compute time must be > 0 (give layer times or a device rate)")
     k = cluster.gpus
-    return Prediction(
-        network=network,
-        gpus=k,
-        gpus_per_node=cluster.gpus_per_node,
-        batch_per_gpu=batch_per_gpu,
-        algorithm=algo,
-        codec=label,
-        bits_per_value=bits,
-        step_s=step,
-        samples_per_s=k * batch_per_gpu / step,
-        single_gpu_samples_per_s=batch_per_gpu / compute,
-        scaling_efficiency=compute / step,
-        fp32_step_s=fp32_step,
-        speedup_vs_fp32=fp32_step / step,
-        breakdown=breakdown,
-        bytes_per_rank=sent,
-        buckets=nb,
-    )
+    return Prediction(network=network, gpus=k, gpus_per_node=cluster.gpus_per_node, batch_per_gpu=batch_per_gpu,
+                      algorithm=algo, codec=label, bits_per_value=bits, step_s=step,
+                      samples_per_s=k * batch_per_gpu / step, single_gpu_samples_per_s=batch_per_gpu / compute,
+                      scaling_efficiency=compute / step, fp32_step_s=fp32_step, speedup_vs_fp32=fp32_step / step,
+                      breakdown=breakdown, bytes_per_rank=sent, buckets=nb)
 
 
-def predict_network(
-    network: str | Network,
-    cluster: Cluster,
-    *,
-    batch_per_gpu: int,
-    device_tflops: float,
-    **kwargs: Any,
-) -> Prediction:
+def predict_network(network: str | Network, cluster: Cluster, *, batch_per_gpu: int, device_tflops: float,
+                    **kwargs: Any) -> Prediction:
     """:func:`predict` for a known network whose layer times are FLOPs / ``device_tflops``."""
-    if not (device_tflops > 0 and math.isfinite(device_tflops)):
-        raise ValueError(f"device rate must be > 0 TFLOP/s, got {device_tflops!r}")
     net = get_network(network) if isinstance(network, str) else network
     layers = layers_for_network(net, batch_per_gpu, device_tflops)
     return predict(layers, cluster, batch_per_gpu=batch_per_gpu, network=net.name, **kwargs)
