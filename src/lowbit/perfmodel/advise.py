@@ -37,9 +37,8 @@ from lowbit.perfmodel.model import (Cluster, LayerCodec, Prediction, bits_per_va
 from lowbit.perfmodel.networks import Network, get_network
 from lowbit.policy import Policy
 
-__all__ = ["Candidate", "CANDIDATES", "SEED_FINDINGS", "Advice", "advise",
-           "default_evidence_path", "GROUP_TYPES", "SpeedSetup",
-           "auto_algorithms"]
+__all__ = ["Candidate", "CANDIDATES", "SEED_FINDINGS", "Advice", "advise", "default_evidence_path", "GROUP_TYPES",
+           "SpeedSetup", "auto_algorithms"]
 
 
 def auto_algorithms(cluster: Cluster) -> tuple[str, ...]:
@@ -74,15 +73,12 @@ class Candidate:
         return self.codec.spec
 
     @property
-    def rung(self) -> int:
-        """The bits ladder (:attr:`lowbit.Codec.rung`): higher = more bits."""
+    def rung(self) -> int:  # the bits ladder (lowbit.Codec.rung): higher = more bits
         return self.codec.rung
 
     @property
-    def error_feedback(self) -> bool:
-        """Whether lowbit.ddp's ``error_feedback="auto"`` turns it on for this codec."""
-        codec = self.codec
-        return codec.biased and not codec.sums_on_wire
+    def error_feedback(self) -> bool:  # whether lowbit.ddp's error_feedback="auto" turns it on
+        return self.codec.biased and not self.codec.sums_on_wire
 
     @property
     def label(self) -> str:
@@ -117,11 +113,7 @@ def default_evidence_path() -> Path | None:
 def layer_group(layer_name: str) -> str:
     """Profile layer name -> ``Linear`` (fc*), ``LSTM`` (lstm*) or ``Conv2d`` (conv*, residual blocks)."""
     n = layer_name.lower()
-    if n.startswith("fc"):
-        return "Linear"
-    if n.startswith("lstm"):
-        return "LSTM"
-    return "Conv2d"
+    return "Linear" if n.startswith("fc") else "LSTM" if n.startswith("lstm") else "Conv2d"
 
 
 def network_groups(net: Network) -> dict[str, dict[str, float]]:
@@ -131,10 +123,9 @@ def network_groups(net: Network) -> dict[str, dict[str, float]]:
     f_total = sum(f for _, _, f in layers) or 1
     out: dict[str, dict[str, float]] = {}
     for name, p, f in layers:
-        g = out.setdefault(layer_group(name), {"params": 0.0, "flops": 0.0, "count": 0.0})
+        g = out.setdefault(layer_group(name), {"params": 0.0, "flops": 0.0})
         g["params"] += p / p_total
         g["flops"] += f / f_total
-        g["count"] += p
     return out
 
 
@@ -143,22 +134,11 @@ def _model_groups(network: str) -> set[str]:
     try:
         with torch.device("meta"):
             model = build_model(network)
-        found = set()
-        for mod in model.modules():
-            if any(True for _ in mod.parameters(recurse=False)):
-                t = type(mod).__name__
-                if t.startswith("Conv"):
-                    found.add("Conv2d")
-                elif t in ("Linear", "LSTM"):
-                    found.add(t)
-        return found
     except Exception:  # noqa: BLE001 - an unknown network: guess from the name
         n = network.lower()
-        if "lstm" in n:
-            return {"LSTM", "Linear"}
-        if "mlp" in n:
-            return {"Linear"}
-        return {"Conv2d", "Linear"}
+        return {"LSTM", "Linear"} if "lstm" in n else {"Linear"} if "mlp" in n else {"Conv2d", "Linear"}
+    types = {type(m).__name__ for m in model.modules() if next(m.parameters(recurse=False), None) is not None}
+    return {"Conv2d" if t.startswith("Conv") else t for t in types if t.startswith("Conv") or t in ("Linear", "LSTM")}
 
 
 # ------------------------------------------------------------------------------------------ evidence
@@ -342,14 +322,8 @@ class Advice:
         return Policy(**self.policy_dict())
 
 
-def advise(
-    network: str,
-    setup: SpeedSetup,
-    *,
-    tolerance: float = 0.5,
-    evidence: list[RunRecord] | None = None,
-    evidence_source: str = "",
-) -> Advice:
+def advise(network: str, setup: SpeedSetup, *, tolerance: float = 0.5, evidence: list[RunRecord] | None = None,
+           evidence_source: str = "") -> Advice:
     """The recommendation (module doc)."""
     if not (tolerance >= 0 and math.isfinite(tolerance)):
         raise ValueError(f"--tolerance must be a number of accuracy points >= 0, got {tolerance!r}")
@@ -381,7 +355,8 @@ def advise(
             continue
         assignment = {g: c.canonical for g, c in by_group.items()}
         quantised = any(not c.codec.sums_on_wire for c in combo)
-        algos = (auto_algorithms(setup.cluster) if setup.algorithm == "auto" else (setup.algorithm,)) if quantised else ("allreduce",)
+        algos = ((auto_algorithms(setup.cluster) if setup.algorithm == "auto" else (setup.algorithm,)) if quantised
+                 else ("allreduce",))
         algo, pred = max(((al, predict_assignment(net, assignment, dataclasses.replace(setup, algorithm=al)))
                           for al in algos), key=lambda t: t[1].speedup_vs_fp32)
         weighted_bits = sum(groups[g]["params"] * bits_per_value(assignment[g]) for g in names)
@@ -394,8 +369,8 @@ def advise(
     if conv_rule:
         notes.append("Conv2d layers were kept at least one rung above Linear layers (no study evidence on this "
                      f"network): {CONV_FINDING}.")
-    options = sorted(({"assignment": {g: short_codec(s) for g, s in t.assignment.items()}, "algorithm": t.extra.algorithm,
-                       "speedup_vs_fp32": t.speedup, "step_s": t.extra.step_s} for t in tried),
-                     key=lambda o: -o["speedup_vs_fp32"])
+    options = sorted(({"assignment": {g: short_codec(s) for g, s in t.assignment.items()},
+                       "algorithm": t.extra.algorithm, "speedup_vs_fp32": t.speedup, "step_s": t.extra.step_s}
+                      for t in tried), key=lambda o: -o["speedup_vs_fp32"])
     return Advice(net.name, groups, dict(chosen.assignment), fp32_best, chosen.extra, options, verdicts, cells,
                   evidence_source, direct, tolerance, setup, notes)
