@@ -1,19 +1,15 @@
 """Calibrate the speed model from measurements: links, codec costs and compute (docs/perfmodel.md, section 5).
 
-* **Links** per backend and transport, from ``lowbit bench allreduce --json``: the native fp32 allreduce rows
-  under the ring-allreduce cost ``t = 2(K-1) alpha + 2(K-1)/K * size * beta`` (:func:`fit_link`), and every
-  other algorithm's rows under its own cost formula: its *effective* link (on gloo an all_to_all is not an
-  allreduce, which a single link would hide).
-* **Codec costs** per codec and algorithm, from the split encode/decode times of the compressed bench rows:
-  ``t_encode = c0 + c1 * 4 * values encoded per call`` (:func:`lowbit.perfmodel.model.codec_work`), likewise
-  decoding; ``c0`` is a fixed cost per call (dispatch, kernel launches), ``1/c1`` the throughput.
-* **Compute** from study results: per network / data / batch / device, at one worker (fp32 runs), at K
-  workers, and the factor between them; the per-step overhead is :func:`lowbit.perfmodel.fit.fit_overhead`.
+* **Links** per transport and algorithm, from ``lowbit bench allreduce --json`` rows, each algorithm under its
+  own cost formula (:func:`fit_link`): its *effective* link (on gloo an all_to_all is not an allreduce).
+* **Codec costs** per codec and algorithm: ``t_encode = c0 + c1 * 4 * values encoded`` per call
+  (:func:`lowbit.perfmodel.model.codec_work`), likewise decoding: a fixed cost per call and a throughput.
+* **Compute** from study runs: at one worker, at K workers, and the factor between them.
 
-Without a bench file, links and codec costs can be fitted *in situ* from the study's own per-epoch
-communicate / encode / decode times (:func:`fit_comm_in_situ`). All fits are least squares with non-negative
-coefficients. A :class:`Calibration` holds the result and where it came from (so validation can tell whether
-it would be predicting its own training data), and saves to / loads from JSON.
+Without a bench file, links and codec costs are fitted *in situ* from the study's own communicate / encode /
+decode times (:func:`fit_comm_in_situ`). Fits are least squares with non-negative coefficients. A
+:class:`Calibration` holds the result and where it came from (so validation can tell whether it would be
+predicting its own training data), and saves to / loads from JSON.
 """
 
 from __future__ import annotations
@@ -38,10 +34,9 @@ from lowbit.perfmodel.links import Link
 from lowbit.perfmodel.model import Layer, bits_per_value, codec_fact, codec_work, step_collectives
 from lowbit.perfmodel.networks import get_network
 
-__all__ = ["fit_link", "design_row", "LinkFit", "CodecFit", "RunRecord",
-           "Calibration", "load_bench", "transport_key", "ScaleKey",
-           "OverheadKey", "fit_bench", "fit_study", "fit_comm_in_situ", "run_groups",
-           "run_layers", "network_profile", "pure_compute_s"]
+__all__ = ["fit_link", "design_row", "LinkFit", "CodecFit", "RunRecord", "Calibration", "load_bench", "transport_key",
+           "ScaleKey", "OverheadKey", "fit_bench", "fit_study", "fit_comm_in_situ", "run_groups", "run_layers",
+           "network_profile", "pure_compute_s"]
 
 _UNIT = Link(latency_s=1.0, bandwidth_Bps=1.0, name="unit")
 SCHEMA = 1
@@ -51,9 +46,7 @@ STUDY_TABLES = ("compute", "compute_at_world", "world_factor", "step_overhead_s"
 
 
 # ------------------------------------------------------------------------------------------ link fit
-def design_row(
-    size_bytes: float, world: int | None = None, algorithm: str = "allreduce"
-) -> tuple[float, float]:
+def design_row(size_bytes: float, world: int | None = None, algorithm: str = "allreduce") -> tuple[float, float]:
     """Coefficients ``(a, b)`` of ``t = a * alpha + b * beta`` for one measurement."""
     if world is None:
         return 1.0, float(size_bytes)
@@ -63,21 +56,13 @@ def design_row(
     return float(cost.steps), cost.time_s - cost.steps
 
 
-def fit_link(
-    sizes_bytes: Sequence[float],
-    times_s: Sequence[float],
-    *,
-    world: int | None = None,
-    algorithm: str = "allreduce",
-    name: str = "fitted",
-) -> Link:
+def fit_link(sizes_bytes: Sequence[float], times_s: Sequence[float], *, world: int | None = None,
+             algorithm: str = "allreduce", name: str = "fitted") -> Link:
     """Least-squares ``Link`` from measured ``(size, time)`` pairs (see module doc)."""
     sizes = np.asarray(sizes_bytes, dtype=np.float64)
     times = np.asarray(times_s, dtype=np.float64)
     if sizes.shape != times.shape or sizes.ndim != 1:
-        raise ValueError(
-            f"sizes and times must be 1-D and of equal length, got {sizes.shape} and {times.shape}"
-        )
+        raise ValueError(f"sizes and times must be 1-D and of equal length, got {sizes.shape} and {times.shape}")
     if len(np.unique(sizes)) < 2:
         raise ValueError("need timings at two or more distinct message sizes to fit latency and bandwidth")
     if not (np.all(np.isfinite(sizes)) and np.all(np.isfinite(times)) and np.all(sizes >= 0)):

@@ -1,6 +1,6 @@
 """The model applied to recorded study runs (:func:`model_step`), the per-step overhead it leaves
-(:func:`fit_overhead`), and :func:`calibrate`, which needs both. :mod:`lowbit.perfmodel.calibrate` fits the
-parts (links, codec costs, compute); :mod:`lowbit.perfmodel.validate` predicts held-out runs with these."""
+(:func:`fit_overhead`), and :func:`calibrate`, which needs both (:mod:`lowbit.perfmodel.calibrate` fits the
+parts; :mod:`lowbit.perfmodel.validate` predicts held-out runs with these)."""
 
 from __future__ import annotations
 
@@ -125,12 +125,9 @@ def fit_overhead(runs: Sequence[RunRecord], cal: Calibration) -> dict[str, dict[
     return {k: {"seconds": statistics.median(v), "runs": len(v)} for k, v in res.items()}
 
 
-def calibrate(
-    bench_paths: Sequence[str | os.PathLike[str]] = (),
-    results: Mapping[str, Sequence[RunRecord]] | Sequence[RunRecord] = (),
-    *,
-    in_situ_comm: bool | None = None,
-) -> Calibration:
+def calibrate(bench_paths: Sequence[str | os.PathLike[str]] = (),
+              results: Mapping[str, Sequence[RunRecord]] | Sequence[RunRecord] = (), *,
+              in_situ_comm: bool | None = None) -> Calibration:
     """A :class:`Calibration` from bench files and study runs (docs/perfmodel.md).
 
     ``results``: the study runs (:func:`lowbit.study.store.load_run_records` reads them from a results
@@ -140,10 +137,10 @@ def calibrate(
     """
     by_source = dict(results) if isinstance(results, Mapping) else ({"(runs given)": list(results)} if results else {})
     for source, rs in by_source.items():
-        bad = [r for r in rs if not isinstance(r, RunRecord)]
-        if isinstance(rs, (str, os.PathLike)) or bad:
+        path = rs if isinstance(rs, (str, os.PathLike)) else next((r for r in rs if isinstance(r, (str, os.PathLike))), None)
+        if path is not None:
             raise ValueError(f"calibrate: study results are given as runs (lowbit.study.store.load_run_records(path)), "
-                             f"not as paths; got {(rs if isinstance(rs, (str, os.PathLike)) else bad[0])!r} for {source!r}")
+                             f"not as paths; got {path!r} for {source!r}")
     if not bench_paths and not by_source:
         raise ValueError("nothing to calibrate from: give a bench JSON and/or study results")
     cal = Calibration()

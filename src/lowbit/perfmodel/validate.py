@@ -1,15 +1,10 @@
-"""How far off is the speed model on runs we measured? (``lowbit predict --validate RESULTS``; docs/perfmodel.md,
-section 8)
+"""How far off is the speed model on runs we measured? (``lowbit predict --validate``; docs/perfmodel.md, section 8)
 
-For every finished run of a study results file the model predicts one training step
-(:func:`lowbit.perfmodel.fit.model_step`: the run's layer profile and codecs on the overlap timeline, plus the
-per-step overhead at that backend and K) and sets it against the measured one (timed epochs, mean over ranks).
-
-**Honesty.** A model fitted on the very run it predicts is not validated. Parameters come from, in order of
-precedence: a saved calibration, whose study-derived parts serve only runs they were not fitted on; bench
-files (never fitted on the study); and the study results themselves, *refitted for every prediction without
-the predicted run's configuration* (leave-one-config-out: all its seeds; 1-worker runs, whose compute can
-only come from their own configuration, leave-one-run-out). The output says which source served each run.
+Every finished run of a study is predicted (:func:`lowbit.perfmodel.fit.model_step` plus the per-step overhead)
+and set against its measured step. A model fitted on the very run it predicts is not validated: parameters
+come from a saved calibration (its study-derived parts only for runs they were not fitted on), bench files,
+and the study itself *refitted for every prediction without the predicted run's configuration*
+(leave-one-config-out; 1-worker runs, whose compute only their own configuration gives, leave-one-run-out).
 """
 
 from __future__ import annotations
@@ -24,8 +19,7 @@ from lowbit.perfmodel.calibrate import STUDY_TABLES, Calibration, RunRecord, con
 from lowbit.perfmodel.fit import fit_overhead, model_step
 from lowbit.perfmodel.model import short_codec
 
-__all__ = ["RunPrediction", "ValidationReport", "predict_run", "validate",
-           "TARGET_MEDIAN_ABS_ERROR"]
+__all__ = ["RunPrediction", "ValidationReport", "predict_run", "validate", "TARGET_MEDIAN_ABS_ERROR"]
 
 #: The project's target for the median absolute relative error of the predicted step time.
 TARGET_MEDIAN_ABS_ERROR = 0.15
@@ -149,14 +143,8 @@ def _split(cal: Calibration) -> tuple[Calibration, Calibration]:
     return bench, study
 
 
-def validate(
-    runs: Sequence[RunRecord],
-    *,
-    calibration: Calibration | None = None,
-    bench: Calibration | None = None,
-    holdout: str = "config",
-    results_path: str = "",
-) -> ValidationReport:
+def validate(runs: Sequence[RunRecord], *, calibration: Calibration | None = None, bench: Calibration | None = None,
+             holdout: str = "config", results_path: str = "") -> ValidationReport:
     """Predict every run with parameters it was not fitted on (module doc); ``holdout`` = ``config``
     (leave-one-config-out; default) or ``run`` (leave-one-run-out)."""
     if holdout not in ("config", "run"):
@@ -165,9 +153,8 @@ def validate(
         raise ValueError("no runs to validate")
     given_bench, given_study = _split(calibration) if calibration is not None else (None, None)
     fixed = Calibration()
-    for part in (given_bench, bench):
-        if part is not None:
-            fixed = fixed.merged(part)
+    for part in (p for p in (given_bench, bench) if p is not None):
+        fixed = fixed.merged(part)
     leak_keys = set(given_study.run_keys) if given_study else set()
     leak_configs = set(given_study.config_keys) if given_study else set()
     # Study rows name the backend, not the transport (NCCL's environment is not recorded): a bench file of
