@@ -253,7 +253,8 @@ def format_validation(rep: ValidationReport) -> str:
     if _parameter_lines(rep):
         lines += ["parameters:"] + ["  " + ln for ln in _parameter_lines(rep)]
     lines.append("model: step = compute + encode + exposed communication + decode on the overlap timeline of "
-                 "lowbit.perfmodel.model (DDP buckets: 1 MiB first, then 25 MiB) + per-step overhead; samples/s = workers x batch / step")
+                 "lowbit.perfmodel.model (DDP buckets: 1 MiB first, then 25 MiB) + per-step overhead; "
+                 "samples/s = workers x batch / step")
     head = (f"{'network/data':<18} {'bs':>3} {'backend':<7} {'K':>2} {'codec':<13} {'seed':>4} "
             f"{'meas ms':>8} {'pred ms':>8} {'err %':>7} {'meas s/s':>9} {'pred s/s':>9}  "
             f"{'pred comp/enc/exp.comm/dec/ovh ms':<34} compute from")

@@ -30,9 +30,8 @@ import dataclasses
 from collections.abc import Mapping
 
 __all__ = ["SingleNodeInputs", "ClusterInputs", "SpeedupRow", "single_node_p_fc", "single_node_step_ms",
-           "single_node_speedup", "single_node_table", "cluster_forward_ms", "cluster_exposed_sync_ms",
-           "cluster_total_ms", "cluster_speedup", "cluster_table", "PAPER_SINGLE_NODE", "PAPER_CLUSTER",
-           "BASELINES_MS"]
+           "single_node_speedup", "single_node_table", "cluster_forward_ms", "cluster_total_ms", "cluster_speedup",
+           "cluster_table", "PAPER_SINGLE_NODE", "PAPER_CLUSTER", "BASELINES_MS"]
 
 #: Single-GPU AlexNet pass (ms): NervanaGPU kernels on a GTX Titan X, and cuda-convnet2 kernels.
 BASELINES_MS: dict[str, float] = {"nervanagpu": 104.1, "convnet2": 177.0}
@@ -101,12 +100,8 @@ def single_node_step_ms(total_ms: float, fc_ms: float, k_fc_par_ms: float, conv_
     return (total_ms - fc_ms) + conv_penalty_ms + k_fc_par_ms + p_fc_ms
 
 
-def single_node_speedup(
-    bits: int,
-    total_ms: float = BASELINES_MS["nervanagpu"],
-    inputs: SingleNodeInputs | None = None,
-    p_fc_as_printed: bool = False,
-) -> float:
+def single_node_speedup(bits: int, total_ms: float = BASELINES_MS["nervanagpu"], inputs: SingleNodeInputs | None = None,
+                        p_fc_as_printed: bool = False) -> float:
     """``K T / ((T - T_fc) + P_conv + K T_fc,par + P_fc)``; ``p_fc_as_printed`` uses 6.81 for 32-bit."""
     inp = inputs or SingleNodeInputs()
     p_fc = single_node_p_fc(bits, inp)
@@ -188,34 +183,22 @@ def cluster_forward_ms(b: int, inputs: ClusterInputs | None = None) -> float:
     return inp.global_batch / b * inp.fc_ms
 
 
-def cluster_exposed_sync_ms(t_sync_ms: float, inputs: ClusterInputs | None = None) -> float:
-    """``peers * (t_sync - overlap)`` when the transfer outlasts the matmul, else one ``t_sync``."""
-    inp = inputs or ClusterInputs()
-    if t_sync_ms > inp.overlap_ms:
-        return inp.peers * (t_sync_ms - inp.overlap_ms)
-    return t_sync_ms
-
-
 def cluster_total_ms(b: int, bits: int, inputs: ClusterInputs | None = None, source: str = "formula") -> float:
     """Time of the fc stage per step: exact formula, or Dettmers' printed Table 6 total."""
     inp = inputs or ClusterInputs()
     j = _bits_index(bits)
     if b not in inp.t_sync_ms:
         raise ValueError(f"no Table 6 inputs for sub-batch {b}; known: {sorted(inp.t_sync_ms)}")
-    if source == "formula":
-        return cluster_forward_ms(b, inp) + cluster_exposed_sync_ms(inp.t_sync_ms[b][j], inp)
+    if source == "formula":  # exposed: peers * (t_sync - overlap) when the transfer outlasts the matmul
+        t = inp.t_sync_ms[b][j]
+        return cluster_forward_ms(b, inp) + (inp.peers * (t - inp.overlap_ms) if t > inp.overlap_ms else t)
     if source == "table6":
         return inp.table6_total_ms[b][j]
     raise ValueError(f"unknown source {source!r}; choose 'formula' or 'table6'")
 
 
-def cluster_speedup(
-    b: int,
-    bits: int,
-    total_ms: float = BASELINES_MS["nervanagpu"],
-    inputs: ClusterInputs | None = None,
-    source: str = "table6",
-) -> float:
+def cluster_speedup(b: int, bits: int, total_ms: float = BASELINES_MS["nervanagpu"],
+                    inputs: ClusterInputs | None = None, source: str = "table6") -> float:
     """``96 * T_total / ((T_total - T_fc) + total(b))`` (Dettmers' Table 7)."""
     inp = inputs or ClusterInputs()
     fc_stage = cluster_total_ms(b, bits, inp, source)

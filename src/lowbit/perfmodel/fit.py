@@ -137,7 +137,8 @@ def calibrate(bench_paths: Sequence[str | os.PathLike[str]] = (),
     """
     by_source = dict(results) if isinstance(results, Mapping) else ({"(runs given)": list(results)} if results else {})
     for source, rs in by_source.items():
-        path = rs if isinstance(rs, (str, os.PathLike)) else next((r for r in rs if isinstance(r, (str, os.PathLike))), None)
+        paths = [rs] if isinstance(rs, (str, os.PathLike)) else [r for r in rs if isinstance(r, (str, os.PathLike))]
+        path = paths[0] if paths else None
         if path is not None:
             raise ValueError(f"calibrate: study results are given as runs (lowbit.study.store.load_run_records(path)), "
                              f"not as paths; got {path!r} for {source!r}")

@@ -8,12 +8,8 @@ the LSTM keep a uniform split (12 and 4 groups; an assumption stated in ``notes`
 lowbit.models' (and so the study's): one set of names across study, predict and advise.
 
 FLOPs: 1 MAC = 2 FLOPs and forward + backward = 3 x forward, so fwd+bwd FLOPs per sample = 6 x forward MACs.
-Published totals: parameters from Grubic et al. (EDBT 2018), Figure 3 (CNTK's implementations), except
-ResNet-110 (He et al. 2016, Table 6: 1.7M; the seed prints 1M); forward MACs: AlexNet 0.72 G (the count
-commonly quoted for Krizhevsky et al. 2012), VGG19 19.6 G, ResNet-50 3.8 G and ResNet-152 11.3 G (He et al.
-2016, Table 1), ResNet-110 0.253 G (Li et al. 2017, Table 1), BN-Inception ~2.0 G (a model-zoo figure:
-approximate), LSTM 13M parameters x 100 frames per sample (assumed: the seed gives no sequence length). The
-MLP 784-1024-1024-10 (Dettmers 2016) uses its profile's own totals.
+Where each published total comes from is the network's ``notes`` (and docs/perfmodel.md's table); the MLP
+784-1024-1024-10 (Dettmers 2016) uses its profile's own totals.
 """
 
 from __future__ import annotations
@@ -60,11 +56,6 @@ class Network:
     def fwd_bwd_gflops(self) -> float:
         """Forward + backward GFLOPs per sample: ``6 * fwd_gmacs``."""
         return FWD_BWD_FLOPS_PER_MAC * self.fwd_gmacs
-
-    @property
-    def gradient_mb(self) -> float:
-        """32-bit gradient size in MB (1e6 bytes): ``4 * params / 1e6``."""
-        return 4 * self.params / 1e6
 
     def layers(self) -> list[tuple[str, int, float]]:
         """``(name, params, fwd+bwd FLOPs per sample)`` per layer, scaled to the published totals."""
@@ -227,11 +218,14 @@ _BUILDERS: dict[str, Callable[[], Network]] = {
     "resnet152": lambda: Network("resnet152", 60_000_000, 11.3, network_profile("resnet152"),
                                  "ImageNet", "params: seed Fig. 3; MACs: He et al. 2016 Table 1"),
     "resnet110": lambda: Network("resnet110", 1_700_000, 0.253, network_profile("resnet110"), "CIFAR-10",
-                                 "params: He et al. 2016 (seed Fig. 3 prints 1M); MACs: Li et al. 2017"),
+                                 "params: He et al. 2016 Table 6 (seed Fig. 3 prints 1M); "
+                                 "MACs: Li et al. 2017 Table 1"),
     "bn_inception": lambda: Network("bn_inception", 11_000_000, 2.0, _uniform("block", 12), "ImageNet",
-                                    "MACs approximate; profile: uniform over 12 groups (assumption)"),
-    "lstm": lambda: Network("lstm", 13_000_000, 1.3, _uniform("lstm", 4), "AN4",
-                            "MACs: 13M params x 100 frames per sample (assumption); uniform profile"),
+                                    "params: seed Fig. 3; MACs ~2.0 G, a model-zoo figure (approximate); profile: "
+                                    "uniform over 12 groups (assumption)"),
+    "lstm": lambda: Network("lstm", 13_000_000, 1.3, _uniform("lstm", 4), "AN4", "params: seed Fig. 3; MACs: "
+                            "13M params x 100 frames per sample (assumed: the seed gives no sequence length); "
+                            "uniform profile"),
     "mlp": lambda: Network("mlp", sum(p.params for p in network_profile("mlp")),
                            sum(p.macs for p in network_profile("mlp")) / 1e9, network_profile("mlp"), "MNIST",
                            "784-1024-1024-10 (Dettmers 2016)"),

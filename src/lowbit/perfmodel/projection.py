@@ -92,21 +92,15 @@ def projected_speedup(ratio: float, bits: float = 8, setting: ProjectionSetting 
     return step_time(ratio, 32.0, s) / step_time(ratio, bits, s)
 
 
-def projection_curve(
-    ratios: Iterable[float], bits: float = 8, setting: ProjectionSetting | None = None
-) -> list[tuple[float, float]]:
+def projection_curve(ratios: Iterable[float], bits: float = 8,
+                     setting: ProjectionSetting | None = None) -> list[tuple[float, float]]:
     """``[(ratio, speedup)]`` over ``ratios``."""
     s = setting or seed_setting()
     return [(r, projected_speedup(r, bits, s)) for r in ratios]
 
 
-def seed_setting(
-    gpus: int = 8,
-    batch_total: int = 256,
-    one_gpu_samples_per_s: float = 240.8,
-    fp32_samples_per_s: float = 1138.3,
-    network: str = "alexnet",
-) -> ProjectionSetting:
+def seed_setting(gpus: int = 8, batch_total: int = 256, one_gpu_samples_per_s: float = 240.8,
+                 fp32_samples_per_s: float = 1138.3, network: str = "alexnet") -> ProjectionSetting:
     """The seed's Figure 16 setting, calibrated on its AlexNet NCCL throughputs (see module doc).
 
     Device rate ``R = one_gpu_samples_per_s * GFLOPs/sample``. With ``b = batch_total / gpus`` samples
