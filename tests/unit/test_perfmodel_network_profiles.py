@@ -1,4 +1,5 @@
-"""The speed model's per-layer profiles, walked from torch modules on the meta device (perfmodel.networks).
+"""The per-layer profiles the speed model rescales, walked from torch modules on the meta device
+(lowbit.models.profile).
 
 * every profile's parameters, per layer, are the module's own parameter counts, and its total is the
   exact count lowbit.models records for that network (model_info);
@@ -16,12 +17,12 @@ import pytest
 import torch
 
 from lowbit.models import available_models, build_model, model_info
-from lowbit.perfmodel import networks
-from lowbit.perfmodel.networks import LayerProfile, MODEL_SOURCES, module_profile, network_profile
+from lowbit.models import profile as profile_mod
+from lowbit.models.profile import PROFILE_NAMES, LayerProfile, layer_profile, module_profile
 
 def _expected_per_layer(name: str) -> dict[str, int]:
     """Parameter counts per profile entry straight from the module's named parameters (meta shapes)."""
-    name_of = MODEL_SOURCES[name]
+    name_of = PROFILE_NAMES[name]
     with torch.device("meta"):
         model = build_model(name)
     owner = {id(p): q for q, m in model.named_modules() for p in m.parameters(recurse=False)}
@@ -46,9 +47,9 @@ def _expected_per_layer(name: str) -> dict[str, int]:
     return out
 
 
-@pytest.mark.parametrize("name", sorted(MODEL_SOURCES))
+@pytest.mark.parametrize("name", sorted(PROFILE_NAMES))
 def test_profile_params_are_the_modules_own(name: str) -> None:
-    profile = network_profile(name)
+    profile = layer_profile(name)
     got = {lp.name: lp.params for lp in profile}
     assert len(got) == len(profile), "profile names repeat"
     assert got == _expected_per_layer(name)
@@ -59,7 +60,7 @@ def test_profile_params_are_the_modules_own(name: str) -> None:
 
 def test_every_seed_network_of_lowbit_models_has_a_profile() -> None:
     # the decoders are not networks of the speed model (their attention is a functional call no hook sees)
-    assert set(available_models()) - set(MODEL_SOURCES) == {"small_cnn", "gpt2_small", "gpt_350m", "gpt_760m", "gpt_1_3b"}
+    assert set(available_models()) - set(PROFILE_NAMES) == {"small_cnn", "gpt2_small", "gpt_350m", "gpt_760m", "gpt_1_3b"}
 
 
 def test_small_modules_real_build_matches_meta_walk() -> None:
@@ -67,8 +68,8 @@ def test_small_modules_real_build_matches_meta_walk() -> None:
     for name in ("mlp", "resnet110"):
         model = build_model(name)
         assert all(p.device.type == "cpu" for p in model.parameters())
-        real = {lp.name: lp.params for lp in module_profile(model, model_info(name).in_shape, MODEL_SOURCES[name])}
-        assert real == {lp.name: lp.params for lp in network_profile(name)}
+        real = {lp.name: lp.params for lp in module_profile(model, model_info(name).in_shape, PROFILE_NAMES[name])}
+        assert real == {lp.name: lp.params for lp in layer_profile(name)}
         assert sum(real.values()) == sum(p.numel() for p in model.parameters())
 
 
@@ -78,33 +79,33 @@ _META_FAST = ("resnet110", "mlp", "resnet50", "lstm")
 
 
 @pytest.mark.parametrize("names", [pytest.param(_META_FAST, id="one-of-each-kind"),
-                                   pytest.param(tuple(MODEL_SOURCES), marks=pytest.mark.slow, id="all")])
+                                   pytest.param(tuple(PROFILE_NAMES), marks=pytest.mark.slow, id="all")])
 def test_profiles_are_built_on_meta(names: tuple[str, ...], monkeypatch: pytest.MonkeyPatch) -> None:
     """[all] (every network) is marked slow; its fast equivalent [one-of-each-kind] walks _META_FAST."""
     devices: list[set[str]] = []
-    walk = networks.module_profile
+    walk = profile_mod.module_profile
 
     def spy(model: torch.nn.Module, *args: object) -> tuple[LayerProfile, ...]:
         devices.append({t.device.type for t in [*model.parameters(), *model.buffers()]})
         return walk(model, *args)
 
-    monkeypatch.setattr(networks, "module_profile", spy)
+    monkeypatch.setattr(profile_mod, "module_profile", spy)
     for name in names:
-        networks.network_profile.__wrapped__(name)  # bypass the cache
+        profile_mod.layer_profile.__wrapped__(name)  # bypass the cache
     assert devices == [{"meta"}] * len(names)
 
 
 def test_mac_counting_rules() -> None:
     """Counts by hand: conv out_elems x cin/groups x k^2, linear in x out x rows, LSTM gates x steps."""
-    vgg = network_profile("vgg19")
+    vgg = layer_profile("vgg19")
     assert vgg[0] == LayerProfile("conv1", 3 * 64 * 9 + 64, 64 * 224 * 224 * 3 * 9)
     assert vgg[-3] == LayerProfile("fc6", 512 * 7 * 7 * 4096 + 4096, 512 * 7 * 7 * 4096)
     # ResNet-50's first block: 1x1, 3x3, 1x1 (x4) and the projection, at 56x56, no biases, BN: 2 per channel
-    r50 = {lp.name: lp for lp in network_profile("resnet50")}
+    r50 = {lp.name: lp for lp in layer_profile("resnet50")}
     assert r50["conv2_1"].macs == 56 * 56 * (64 * 64 + 64 * 64 * 9 + 64 * 256 + 64 * 256)
     assert r50["conv2_1"].params == 64 * 64 + 64 * 64 * 9 + 2 * 64 * 256 + 2 * (64 + 64 + 256 + 256)
     # LSTMP, 16 frames: layer 1 gates 4*1024*(363+512), projection 512*1024; output 512 -> 132 per frame
-    lstm = network_profile("lstm")
+    lstm = layer_profile("lstm")
     steps = model_info("lstm").in_shape[0]
     assert lstm[0].macs == steps * (4 * 1024 * (363 + 512) + 512 * 1024)
     assert lstm[1].macs == steps * (4 * 1024 * (512 + 512) + 512 * 1024)
@@ -128,10 +129,10 @@ def test_walk_refuses_what_it_cannot_count() -> None:
 
 
 def test_profiles_are_cached_and_quick() -> None:
-    assert network_profile("resnet152") is network_profile("resnet152")
-    network_profile("mlp")  # torch's first meta operations pay a one-off import
+    assert layer_profile("resnet152") is layer_profile("resnet152")
+    layer_profile("mlp")  # torch's first meta operations pay a one-off import
     for name in ("resnet152", "bn_inception"):
         start = time.perf_counter()
-        network_profile.__wrapped__(name)
+        layer_profile.__wrapped__(name)
         assert time.perf_counter() - start < 2.0, name  # ~0.3 s measured; generous for loaded machines
-    assert math.isfinite(sum(lp.macs for lp in network_profile("resnet152")))
+    assert math.isfinite(sum(lp.macs for lp in layer_profile("resnet152")))
