@@ -30,7 +30,7 @@ from lowbit.perfmodel.collectives import Topology, collective
 from lowbit.perfmodel.links import Link
 from lowbit.perfmodel.model import Cluster, codec_fact, codec_work
 from lowbit.cli.advise import advice_json, format_advice
-from lowbit.cli.predict import format_validation, validate_path
+from lowbit.cli.predict import format_validation, validate_path, validation_method
 from lowbit.perfmodel.fit import calibrate, model_step
 from lowbit.perfmodel.validate import validate
 from lowbit.study.store import load_run_records as load_runs
@@ -185,10 +185,10 @@ def test_validation_refits_without_the_predicted_configuration(tmp_path):
     leaky = dataclasses.replace(TRUE, run_keys=[r.key for r in runs])
     rep = validate(runs, calibration=leaky)
     assert {p.holdout for p in rep.predictions} == {"leave-one-config-out", "leave-one-run-out"}
-    assert "replaced by held-out refits for 12 runs" in rep.method
+    assert "replaced by held-out refits for 12 runs" in validation_method(rep)
     # in situ (no bench, no calibration): links and codec costs from the other configurations' split times
     rep2 = validate(runs)
-    assert "leave-one-config-out" in rep2.method and "in situ" in format_validation(rep2)
+    assert "leave-one-config-out" in validation_method(rep2) and "in situ" in format_validation(rep2)
     assert all(math.isfinite(p.error) for p in rep2.predictions)
     assert rep2.summary()["single_worker"]["median_abs_error"] == pytest.approx(0.0, abs=1e-9)
 

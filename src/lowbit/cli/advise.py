@@ -22,7 +22,7 @@ from lowbit.perfmodel.model import Cluster, short_codec
 from lowbit.perfmodel.networks import NETWORKS, get_network
 from lowbit.study.store import load_run_records
 
-__all__ = ["register", "run_advise", "format_advice", "advice_json", "policy_code", "speed_setup",
+__all__ = ["register", "run_advise", "format_advice", "advice_json", "policy_code", "speed_setup", "describe_link",
            "add_cluster_arguments", "add_codec_rate_arguments"]
 
 
@@ -205,8 +205,15 @@ def _describe(cell: Cell, tol: float) -> str:
             f"{noisy}")
 
 
+def describe_link(link: Link) -> str:
+    """``name (12 GB/s, 5 us)``."""
+    bw = link.bandwidth_Bps
+    return (f"{link.name or 'custom'} ({f'{bw / 1e9:.3g} GB/s' if bw >= 1e8 else f'{bw / 1e6:.3g} MB/s'}, "
+            f"{link.latency_s * 1e6:.3g} us)")
+
+
 def _link_txt(link: Any) -> str | None:
-    return link.describe() if isinstance(link, Link) else None
+    return describe_link(link) if isinstance(link, Link) else None
 
 
 def policy_code(policy: dict[str, Any], fp32: bool = False, algorithm: str = "scatter_gather") -> str:
@@ -228,10 +235,10 @@ def policy_code(policy: dict[str, Any], fp32: bool = False, algorithm: str = "sc
 def format_advice(a: Advice) -> str:
     s, p = a.setup, a.prediction
     c = s.cluster
-    inter = f", inter {c.inter.describe()}" if isinstance(c.inter, Link) and c.gpus > c.gpus_per_node else ""
+    inter = f", inter {describe_link(c.inter)}" if isinstance(c.inter, Link) and c.gpus > c.gpus_per_node else ""
     lines = [
         f"lowbit advise: {a.network} on {c.gpus} GPU(s), {c.gpus_per_node} per node; intra "
-        f"{c.intra.describe() if isinstance(c.intra, Link) else c.intra}{inter}",
+        f"{describe_link(c.intra) if isinstance(c.intra, Link) else c.intra}{inter}",
         f"  batch {s.batch}/GPU at {s.device_tflops:.3g} TFLOP/s; quantised codecs via "
         f"{' or '.join(auto_algorithms(s.cluster)) if s.algorithm == 'auto' else s.algorithm}; "
         f"accuracy tolerance {a.tolerance:g} points"

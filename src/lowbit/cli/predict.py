@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lowbit.cli.advise import _one_of, add_cluster_arguments, add_codec_rate_arguments, speed_setup
+from lowbit.cli.advise import _one_of, add_cluster_arguments, add_codec_rate_arguments, describe_link, speed_setup
 from lowbit.extras import require
 from lowbit.perfmodel import advise as advise_mod
 from lowbit.perfmodel import dettmers
@@ -34,7 +34,7 @@ from lowbit.perfmodel.validate import TARGET_MEDIAN_ABS_ERROR, RunPrediction, Va
 from lowbit.study.store import load_run_records, resolve_results_path
 
 __all__ = ["register", "run_predict", "format_prediction", "format_sweep", "format_dettmers", "sweep",
-           "run_calibrate", "run_validate", "format_validation", "validation_json", "fitted_lines"]
+           "run_calibrate", "run_validate", "format_validation", "validation_json", "validation_method", "fitted_lines"]
 
 
 def register(subparsers: Any) -> None:
@@ -210,10 +210,30 @@ def validation_json(rep: ValidationReport) -> dict[str, Any]:
                           "decode_s": p.decode_s, "overhead_s": p.overhead_s},
             "compute_source": p.compute_source, "comm_source": p.comm_source, "holdout": p.holdout,
         }
-    return {"results": rep.results_path, "method": rep.method, "calibration": "\n".join(_parameter_lines(rep)),
-            "machine": rep.machine, "summary": rep.summary(), "runs": [run(p) for p in rep.predictions],
+    return {"results": rep.results_path, "method": validation_method(rep),
+            "calibration": "\n".join(_parameter_lines(rep)), "machine": _machine(rep), "summary": rep.summary(),
+            "runs": [run(p) for p in rep.predictions],
             "skipped": [{"key": r.key, "network": r.network, "codec": r.codec, "world": r.world, "reason": why}
                         for r, why in rep.skipped]}
+
+
+def validation_method(rep: ValidationReport) -> str:
+    """How the validation kept every prediction off the run it predicts, in words."""
+    method = ("every run is predicted from parameters fitted WITHOUT it: study-derived parameters (compute, "
+              "compute at K workers, hook overhead" + (", and the in-situ links and codec costs" if rep.in_situ else "")
+              + ") are refitted for each prediction "
+              + ("leaving out every run of the predicted run's configuration (all seeds: leave-one-config-out); "
+                 "1-worker runs leave out only themselves (leave-one-run-out: their compute comes from the other "
+                 "seeds)" if rep.holdout == "config" else "leaving out the predicted run (leave-one-run-out)"))
+    if rep.served is not None:
+        method += (f"; the saved calibration's study-derived parts served {rep.served[0]} runs they were not "
+                   f"fitted on, and were replaced by held-out refits for {rep.served[1]} runs they were fitted on")
+    return method
+
+
+def _machine(rep: ValidationReport) -> str:
+    runs = [p.run for p in rep.predictions] + [r for r, _ in rep.skipped]
+    return "; ".join(f"{d} ({b})" for d, b in sorted({(r.device_name or r.device, r.backend) for r in runs}))
 
 
 def _parameter_lines(rep: ValidationReport) -> list[str]:
@@ -247,8 +267,8 @@ def format_validation(rep: ValidationReport) -> str:
     s = rep.summary()
     lines = [
         f"Speed-model validation on {len(rep.predictions)} measured runs of {rep.results_path}",
-        f"machine: {rep.machine}",
-        "method: " + rep.method + ".",
+        f"machine: {_machine(rep)}",
+        "method: " + validation_method(rep) + ".",
     ]
     if _parameter_lines(rep):
         lines += ["parameters:"] + ["  " + ln for ln in _parameter_lines(rep)]
@@ -337,7 +357,7 @@ def run_predict(args: argparse.Namespace) -> int:
         if args.sweep:
             raise ValueError("--sweep with --calibration is not supported; give explicit links instead")
         pred = _predict_calibrated(args)
-        print(json.dumps(pred.to_dict(), indent=2) if args.json else
+        print(json.dumps(dataclasses.asdict(pred), indent=2) if args.json else
               format_prediction(pred, args) + f"\n  (calibration {args.calibration}: links, codec costs"
               f"{', device rate' if args.device_tflops else ''} and per-step overheads measured)")
         return 0
@@ -350,13 +370,13 @@ def run_predict(args: argparse.Namespace) -> int:
         rows = sweep(args)
         path = plot_sweep(rows, args.out)
         if args.json:
-            print(json.dumps({"sweep": [r.to_dict() for r in rows], "plot": path}, indent=2))
+            print(json.dumps({"sweep": [dataclasses.asdict(r) for r in rows], "plot": path}, indent=2))
         else:
             print(format_sweep(rows, args))
             print(f"plot written to {path}")
         return 0
     pred = _predict(args, args.gpus)
-    print(json.dumps(pred.to_dict(), indent=2) if args.json else format_prediction(pred, args))
+    print(json.dumps(dataclasses.asdict(pred), indent=2) if args.json else format_prediction(pred, args))
     return 0
 
 
@@ -376,7 +396,7 @@ def _header(args: argparse.Namespace, bits: float) -> str:
     return (
         f"network {net.name}: {net.params / 1e6:.1f}M params, {net.fwd_bwd_gflops:.3g} GFLOP/sample fwd+bwd; "
         f"batch {args.batch}/GPU at {args.device_tflops:g} TFLOP/s\n"
-        f"links: intra {cluster.intra.describe()}, inter {cluster.inter.describe() if cluster.inter else '-'}, "
+        f"links: intra {describe_link(cluster.intra)}, inter {describe_link(cluster.inter) if cluster.inter else '-'}, "
         f"{args.gpus_per_node} GPUs/node\n"
         f"codec {args.codec if args.bits is None else f'{args.bits:g} bits'} ({bits:.4g} bits/value)"
     )

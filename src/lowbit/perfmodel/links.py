@@ -38,13 +38,6 @@ class Link:
         """Seconds to send ``nbytes`` as ``messages`` messages: ``messages * alpha + nbytes * beta``."""
         return messages * self.latency_s + nbytes / self.bandwidth_Bps
 
-    def describe(self) -> str:
-        """Human-readable ``name (12 GB/s, 5 us)``."""
-        bw = self.bandwidth_Bps
-        bw_txt = f"{bw / 1e9:.3g} GB/s" if bw >= 1e8 else f"{bw / 1e6:.3g} MB/s"
-        lat_txt = f"{self.latency_s * 1e6:.3g} us"
-        return f"{self.name or 'custom'} ({bw_txt}, {lat_txt})"
-
 
 # --------------------------------------------------------------------------------------- presets
 # Effective per-direction bandwidth and per-message latency. Theoretical rates are the published

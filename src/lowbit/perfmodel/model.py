@@ -322,9 +322,6 @@ class Prediction:
     bytes_per_rank: float
     buckets: int
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 def predict(layers: Sequence[Layer] | Mapping[str, tuple[int, float]], cluster: Cluster, *, batch_per_gpu: int,
             codec: str | float = FP32_BITS, algorithm: str = "auto", encode_Bps: float | None = None,

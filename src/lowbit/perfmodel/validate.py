@@ -78,10 +78,10 @@ class ValidationReport:
     predictions: list[RunPrediction]
     skipped: list[tuple[RunRecord, str]]
     results_path: str
-    method: str
+    holdout: str             # "config" (leave-one-config-out) or "run"
     parameters: Calibration  # the links and codec costs given (saved calibration, bench files)
     in_situ: list[str]       # backends whose links and codec costs came from the held-out runs themselves
-    machine: str
+    served: tuple[int, int] | None  # a saved calibration's study-derived parts: (runs served, runs refitted)
 
     def summary(self) -> dict[str, Any]:
         def stats(errs: list[float]) -> dict[str, Any]:
@@ -195,17 +195,5 @@ def validate(runs: Sequence[RunRecord], *, calibration: Calibration | None = Non
                 preds.append(p)
     preds.sort(key=lambda p: (p.run.network, p.run.dataset, p.run.batch, p.run.backend, p.run.world,
                               p.run.codec_name != "fp32", p.run.codec, p.run.seed))
-    method = (
-        "every run is predicted from parameters fitted WITHOUT it: study-derived parameters (compute, "
-        "compute at K workers, hook overhead" + (", and the in-situ links and codec costs" if need_in_situ else "")
-        + ") are refitted for each prediction "
-        + ("leaving out every run of the predicted run's configuration (all seeds: leave-one-config-out); "
-           "1-worker runs leave out only themselves (leave-one-run-out: their compute comes from the other seeds)"
-           if holdout == "config" else "leaving out the predicted run (leave-one-run-out)")
-    )
-    if calibration is not None:
-        method += (f"; the saved calibration's study-derived parts served {used_given} runs they were not "
-                   f"fitted on, and were replaced by held-out refits for {refit} runs they were fitted on")
-    devices = sorted({(r.device_name or r.device, r.backend) for r in runs})
-    machine = "; ".join(f"{d} ({b})" for d, b in devices)
-    return ValidationReport(preds, skipped, results_path, method, fixed, sorted(need_in_situ), machine)
+    return ValidationReport(preds, skipped, results_path, holdout, fixed, sorted(need_in_situ),
+                            (used_given, refit) if calibration is not None else None)
