@@ -23,13 +23,13 @@ from lowbit.perfmodel.calibrate import (
     RunRecord,
     fit_bench,
     fit_comm_in_situ,
-    load_bench,
 )
 from lowbit.perfmodel.model import bits_per_value
 from lowbit.perfmodel.collectives import Topology, collective
 from lowbit.perfmodel.links import Link
 from lowbit.perfmodel.model import Cluster, codec_fact, codec_work
 from lowbit.cli.advise import advice_json, format_advice
+from lowbit.cli.bench import load_bench
 from lowbit.cli.predict import format_validation, validate_path, validation_method
 from lowbit.perfmodel.fit import calibrate, model_step
 from lowbit.perfmodel.validate import validate

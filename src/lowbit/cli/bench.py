@@ -51,7 +51,8 @@ from lowbit.env import NCCL_ENV, git_commit, loadavg, under_torchrun
 from lowbit.launch import process_group_from_env, spawn
 from lowbit.comm.measure import _SUFFIX, BenchConfig, size_label, worker
 
-__all__ = ["BenchConfig", "parse_sizes", "parse_codecs", "parse_algorithms", "register", "run", "format_table"]
+__all__ = ["BenchConfig", "parse_sizes", "parse_codecs", "parse_algorithms", "register", "run", "format_table",
+           "load_bench"]
 
 DEFAULT_SIZES = "1M,4M,16M"
 DEFAULT_CODECS = [
@@ -252,6 +253,32 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {json_path}")
     print(format_table(rows))
     return 0
+
+
+def load_bench(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read back what ``--json PATH`` wrote (the speed model calibrates on it); ValueError naming the problem."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"bench file {str(p)!r} does not exist")
+    if p.is_dir():
+        raise ValueError(f"bench file {str(p)!r} is a directory; give the JSON written by "
+                         "`lowbit bench allreduce --json PATH`")
+    try:
+        data = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"bench file {str(p)!r} is not JSON: {exc}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list) or not isinstance(data.get("meta"), dict):
+        raise ValueError(f"bench file {str(p)!r} is not `lowbit bench allreduce --json` output "
+                         "(expected an object with 'meta' and 'rows')")
+    need = ("numel", "codec", "algorithm", "time_s", "t_encode_s", "t_comm_s", "t_decode_s")
+    for i, row in enumerate(data["rows"]):
+        missing = [k for k in need if k not in row]
+        if missing:
+            raise ValueError(f"bench file {str(p)!r}: row {i} lacks {', '.join(missing)}")
+    if not data["rows"]:
+        raise ValueError(f"bench file {str(p)!r} has no rows")
+    data["meta"].setdefault("path", str(p))
+    return data
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from lowbit.cli.advise import _one_of, add_cluster_arguments, add_codec_rate_arguments, describe_link, speed_setup
+from lowbit.cli.bench import load_bench
 from lowbit.extras import require
 from lowbit.perfmodel import advise as advise_mod
 from lowbit.perfmodel import dettmers
@@ -149,7 +150,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
             results.append(path)
         else:
             bench.append(path)
-    cal = calibrate(bench, {str(resolve_results_path(r)): load_run_records(r) for r in results})
+    cal = calibrate([load_bench(b) for b in bench],
+                    {str(resolve_results_path(r)): load_run_records(r) for r in results})
     if args.save_calibration:
         cal.save(args.save_calibration)
     if args.json:
@@ -182,7 +184,7 @@ def validate_path(results: str, *, calibration_path: str | None = None, bench_pa
     saved calibration and bench files (``strict``: refuse results holding lines that are not readable rows)."""
     runs = load_run_records(results, strict=strict)
     cal = Calibration.load(calibration_path) if calibration_path else None
-    bench = calibrate(list(bench_paths)) if bench_paths else None
+    bench = calibrate([load_bench(b) for b in bench_paths]) if bench_paths else None
     return validate(runs, calibration=cal, bench=bench, holdout=holdout,
                     results_path=str(resolve_results_path(results)))
 

@@ -34,7 +34,7 @@ from lowbit.perfmodel.links import Link
 from lowbit.perfmodel.model import Layer, bits_per_value, codec_fact, codec_work, step_collectives
 from lowbit.perfmodel.networks import get_network
 
-__all__ = ["fit_link", "design_row", "LinkFit", "CodecFit", "RunRecord", "Calibration", "load_bench", "transport_key",
+__all__ = ["fit_link", "design_row", "LinkFit", "CodecFit", "RunRecord", "Calibration", "transport_key",
            "ScaleKey", "OverheadKey", "fit_bench", "fit_study", "fit_comm_in_situ", "run_groups", "run_layers",
            "network_profile", "pure_compute_s"]
 
@@ -178,32 +178,6 @@ def _codec_cost(work: Sequence[tuple[float, float]], encode_s: Sequence[float], 
 
 
 # ------------------------------------------------------------------------------------------ bench
-def load_bench(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a ``lowbit bench allreduce --json`` file; ValueError naming the problem."""
-    p = Path(path)
-    if not p.exists():
-        raise ValueError(f"bench file {str(p)!r} does not exist")
-    if p.is_dir():
-        raise ValueError(f"bench file {str(p)!r} is a directory; give the JSON written by "
-                         "`lowbit bench allreduce --json PATH`")
-    try:
-        data = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"bench file {str(p)!r} is not JSON: {exc}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("rows"), list) or not isinstance(data.get("meta"), dict):
-        raise ValueError(f"bench file {str(p)!r} is not `lowbit bench allreduce --json` output "
-                         "(expected an object with 'meta' and 'rows')")
-    need = ("numel", "codec", "algorithm", "time_s", "t_encode_s", "t_comm_s", "t_decode_s")
-    for i, row in enumerate(data["rows"]):
-        missing = [k for k in need if k not in row]
-        if missing:
-            raise ValueError(f"bench file {str(p)!r}: row {i} lacks {', '.join(missing)}")
-    if not data["rows"]:
-        raise ValueError(f"bench file {str(p)!r} has no rows")
-    data["meta"].setdefault("path", str(p))
-    return data
-
-
 def transport_key(backend: str, nccl_env: dict[str, str] | None = None) -> str:
     """``gloo``, ``nccl``, or ``nccl/socket`` when NCCL was forced off P2P, shared memory and InfiniBand."""
     env = nccl_env or {}

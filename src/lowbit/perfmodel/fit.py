@@ -12,8 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lowbit.timeline import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES
-from lowbit.perfmodel.calibrate import (Calibration, RunRecord, fit_bench, fit_comm_in_situ, fit_study,
-                                        load_bench, run_layers)
+from lowbit.perfmodel.calibrate import Calibration, RunRecord, fit_bench, fit_comm_in_situ, fit_study, run_layers
 from lowbit.perfmodel.collectives import Topology
 from lowbit.perfmodel.links import Link
 from lowbit.perfmodel.model import Breakdown, Layer, LayerCodec, bits_per_value, short_codec, simulate_step
@@ -125,11 +124,12 @@ def fit_overhead(runs: Sequence[RunRecord], cal: Calibration) -> dict[str, dict[
     return {k: {"seconds": statistics.median(v), "runs": len(v)} for k, v in res.items()}
 
 
-def calibrate(bench_paths: Sequence[str | os.PathLike[str]] = (),
+def calibrate(benches: Sequence[dict[str, Any]] = (),
               results: Mapping[str, Sequence[RunRecord]] | Sequence[RunRecord] = (), *,
               in_situ_comm: bool | None = None) -> Calibration:
     """A :class:`Calibration` from bench files and study runs (docs/perfmodel.md).
 
+    ``benches``: ``lowbit bench allreduce --json`` files as :func:`lowbit.cli.bench.load_bench` reads them;
     ``results``: the study runs (:func:`lowbit.study.store.load_run_records` reads them from a results
     file), or ``{results path: its runs}`` so that the calibration records where they came from.
     ``in_situ_comm`` (default: only when no bench file is given) also fits links and codec costs from
@@ -142,13 +142,12 @@ def calibrate(bench_paths: Sequence[str | os.PathLike[str]] = (),
         if path is not None:
             raise ValueError(f"calibrate: study results are given as runs (lowbit.study.store.load_run_records(path)), "
                              f"not as paths; got {path!r} for {source!r}")
-    if not bench_paths and not by_source:
+    if not benches and not by_source:
         raise ValueError("nothing to calibrate from: give a bench JSON and/or study results")
     cal = Calibration()
     cal.sources = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    "bench": [], "results": []}
-    for path in bench_paths:
-        bench = load_bench(path)
+    for bench in benches:
         transport, links, codecs = fit_bench(bench)
         for a, f in links.items():
             cal.links.setdefault(transport, {})[a] = f
@@ -164,7 +163,7 @@ def calibrate(bench_paths: Sequence[str | os.PathLike[str]] = (),
         cal.sources["results"].append({"path": source, "runs": len(rs)})
     if runs:
         study = fit_study(runs)
-        if in_situ_comm if in_situ_comm is not None else not bench_paths:
+        if in_situ_comm if in_situ_comm is not None else not benches:
             study = study.merged(fit_comm_in_situ(runs))
         cal = cal.merged(study)
         cal.step_overhead_s.update(fit_overhead(runs, cal))
