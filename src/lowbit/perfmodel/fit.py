@@ -43,20 +43,14 @@ def _bits(spec: str) -> float:
 
 def model_step(run: RunRecord, cal: Calibration) -> tuple[float, Breakdown, str, str] | str:
     """The modelled step of ``run`` without the overhead term: ``(step_s, breakdown, compute source,
-    communication source)``, or a string saying why it cannot be predicted.
-
-    Layers as :func:`lowbit.perfmodel.calibrate.run_layers` builds them (the network's profile, each
-    layer split into the compressed part and an fp32 part), buckets as DDP makes them (1 MiB first, then
-    25 MiB), the messages the hook sends (:func:`lowbit.timeline.plan_step`), communication overlapping
-    the rest of the backward.
-    """
+    communication source)``, or a string saying why it cannot be predicted. Layers as
+    :func:`lowbit.perfmodel.calibrate.run_layers` builds them, DDP's buckets (1 MiB first, then 25 MiB)."""
     compute, compute_src = _compute_for(run, cal)
     if compute is None:
         return compute_src
-    if run.world == 1 or run.params <= 0:
-        layer = Layer("net", max(run.params, 1), compute)
-        step, br, _, _ = simulate_step([layer], Topology(1, 1, Link(0.0, 1e15)), algorithm="allreduce",
-                                       bits=32.0)
+    if run.world == 1 or run.params <= 0:  # nothing to exchange: the step is its compute
+        step, br, _, _ = simulate_step([Layer("net", 1, compute)], Topology(1, 1, Link(0.0, 1e15)),
+                                       algorithm="allreduce", bits=32.0)
         return step, br, compute_src, "-"
     notes: set[str] = set()
     sources: set[str] = set()

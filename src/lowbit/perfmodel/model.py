@@ -87,13 +87,9 @@ class Layer:
 
 @dataclasses.dataclass(frozen=True)
 class LayerCodec:
-    """How one layer's gradients travel: bits per value, algorithm, and the codec's costs.
-
-    ``encode_Bps`` / ``decode_Bps``: bytes of float32 per second (None = free); ``encode_call_s`` /
-    ``decode_call_s``: a fixed cost per codec group per bucket (kernel launches, dispatch), which
-    dominates small tensors on a CPU. 32-bit groups are never encoded. Layers whose codecs are equal
-    (the ``label`` aside) travel in one group.
-    """
+    """How one layer's gradients travel: bits per value, algorithm, the codec's throughput (bytes of float32
+    per second; None = free) and fixed cost per message (kernel launches, dispatch: what dominates small
+    tensors on a CPU). Layers whose codecs are equal (the ``label`` aside) travel in one group."""
 
     bits: float
     algorithm: str
@@ -177,13 +173,9 @@ def simulate_step(layers: Sequence[Layer], topo: Topology, *, algorithm: str, bi
                   bucket_bytes: float = DDP_BUCKET_BYTES, backward_fraction: float = 2 / 3,
                   layer_codecs: Sequence[LayerCodec] | None = None, first_bucket_bytes: float | None = None,
                   message_mb: float | str = "auto") -> tuple[float, Breakdown, float, int]:
-    """One step on the two-stream timeline of the module doc -> (step_s, breakdown, bytes/rank, buckets).
-
-    The messages are those ``lowbit.ddp``'s hook sends (:func:`lowbit.timeline.plan_step`, its
-    ``message_mb``): quantised layers in message groups, natively summed ones (32 bits, or the native
-    ``allreduce``) one collective per codec per bucket. ``layer_codecs`` (one per layer) overrides
-    ``algorithm``/``bits``/rates layer by layer.
-    """
+    """One step on the two-stream timeline of the module doc -> (step_s, breakdown, bytes/rank, buckets), the
+    messages those of :func:`step_collectives`. ``layer_codecs`` (one per layer) overrides ``algorithm``,
+    ``bits`` and the rates layer by layer."""
     if not layers:
         raise ValueError("the network has no layers")
     if not 0 <= backward_fraction <= 1:
@@ -281,13 +273,10 @@ def step_collectives(layers: Sequence[Layer], specs: Sequence[str], *, native: C
 
 
 def resolve_algorithm(algorithm: str, codec: Any, world: int) -> str:
-    """The algorithm :func:`predict` prices for ``codec`` (a spec, or bits per value) on ``world`` GPUs.
-
-    ``auto`` resolves as lowbit's collectives resolve it for a CUDA tensor
-    (:func:`lowbit.comm.allreduce.resolve_algorithm`, one rule for both): the native ``allreduce`` for
-    codecs that sum on the wire, ``allgather`` for per-tensor codecs and for two GPUs, ``scatter_gather``
-    above. A number of bits stands for a float type that sums on the wire from 16 bits on, and for a
-    quantised codec below. Any other name must be a modelled algorithm and is priced as named."""
+    """The algorithm :func:`predict` prices for ``codec`` (a spec, or bits per value) on ``world`` GPUs:
+    ``auto`` as lowbit's collectives resolve it for a CUDA tensor (:func:`lowbit.comm.allreduce.resolve_algorithm`,
+    one rule for both; a number of bits is a float type that sums on the wire from 16 bits on, a quantised
+    codec below); any other name must be a modelled algorithm."""
     if algorithm == AUTO:
         if isinstance(codec, (int, float)):
             return "allreduce" if bits_per_value(codec) >= 16 else auto_algorithm(world, device="cuda")
@@ -328,13 +317,10 @@ def predict(layers: Sequence[Layer] | Mapping[str, tuple[int, float]], cluster: 
             decode_Bps: float | None = None, overlap: bool = True, bucket_bytes: float = DDP_BUCKET_BYTES,
             backward_fraction: float = 2 / 3, network: str = "",
             layer_codecs: Sequence[LayerCodec] | None = None) -> Prediction:
-    """Predict one step for ``codec`` (bits per value or a codec spec) and for fp32 on the same cluster.
-
-    The fp32 baseline uses the native ring allreduce (hierarchical when ``algorithm`` is hierarchical),
-    no encode/decode, and the same buckets and overlap. ``layer_codecs`` (one :class:`LayerCodec` per
-    layer) replaces ``codec``/``algorithm``/rates for a mixed-precision policy; ``bits_per_value`` is then
-    the parameter-weighted mean and ``codec`` is reported as ``"policy"`` unless given as a string.
-    """
+    """Predict one step for ``codec`` (bits per value or a codec spec) and for fp32 (the native ring allreduce,
+    hierarchical when ``algorithm`` is; the same buckets and overlap) on the same cluster. ``layer_codecs`` (one
+    :class:`LayerCodec` per layer: a mixed-precision policy) replaces ``codec``, ``algorithm`` and the rates;
+    ``bits_per_value`` is then the parameter-weighted mean, ``codec`` ``"policy"`` unless given as a string."""
     positive_int(batch_per_gpu, "batch per GPU")
     layer_list = [Layer(n, int(p), float(t)) for n, (p, t) in layers.items()] if isinstance(layers, Mapping) \
         else list(layers)
