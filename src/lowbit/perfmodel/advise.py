@@ -1,16 +1,13 @@
 """``lowbit advise``: which codec for which layers, on this cluster, at this accuracy tolerance?
 (docs/perfmodel.md, section 9)
 
-Layers are grouped by module type (``Conv2d`` with their batch norms, ``Linear``, ``LSTM``). A candidate codec
-is admissible for a group on the accuracy evidence: study runs on this network (in every (data set, workers)
-cell, its final test accuracy minus fp32's at the same seed, averaged over seeds, >= -tolerance points; the
-runs compressed every layer, so this speaks for all groups), or without them the seeds' published findings
-(``SEED_FINDINGS``) unless the study clearly contradicts them on other networks with that layer type; then
-Conv2d layers get at least one rung more bits than Linear ones (``CONV_FINDING``). Every admissible
-assignment runs through the step-time model with per-layer codecs (:func:`lowbit.perfmodel.model.predict`);
-the fastest wins, one with more bits when within 3% of it, and fp32 when none is predicted at least 1.05x
-faster (``NCCL_FINDING``). The result is a :class:`lowbit.Policy`, printed as Python to paste into
-``lowbit.ddp.register(model, policy=...)`` or as JSON (``--json``) that ``lowbit.Policy(**d["policy"])`` accepts.
+Layers are grouped by module type (``Conv2d`` with their norms, ``Linear``, ``LSTM``). A codec of the ladder
+(``data/advise_ladder.json``) is admissible for a group on the accuracy evidence: study runs on this network
+(every (data set, workers) cell's mean over seeds of its final test accuracy minus fp32's >= -tolerance
+points), or without them the seeds' published findings unless the study clearly contradicts them on other
+networks with that layer type; Conv2d layers then get at least one rung more bits than Linear ones. Every
+admissible assignment is predicted (:func:`lowbit.perfmodel.model.predict`) and :func:`lowbit.choose.pick`,
+the one decision rule, chooses (more bits within 3% of the fastest; fp32 unless one is 1.05x faster).
 """
 
 from __future__ import annotations
@@ -54,10 +51,9 @@ GROUP_TYPES = {"Conv2d": ("Conv2d",), "Linear": ("Linear",), "LSTM": ("LSTM",)}
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """A codec configuration that advice may assign, with what the seeds published about its accuracy:
-    ``seed_bounds``, the loss in points per layer group (none given: a loss that no tolerance covers), and
-    ``seed_finding``, the finding cited. ``name`` keys its verdicts and evidence cells. The rest the codec
-    says: its place on the bits ladder, whether it needs error feedback, its label."""
+    """A codec that advice may assign and what the seeds published about its accuracy: ``seed_bounds``, the loss
+    in points per layer group (none given: a loss no tolerance covers), and ``seed_finding``, the finding cited;
+    the rest the codec says (its rung, whether it needs error feedback, its label)."""
 
     name: str
     spec: str
@@ -103,8 +99,7 @@ def _norm(name: str) -> str:
 
 def default_evidence_path() -> Path | None:
     """The accuracy evidence shipped with the package: the committed 3-seed CPU study's finished runs
-    (benchmarks/results/study_cpu_default, slimmed by benchmarks/make_advise_evidence.py), the same from
-    an installed package as from a checkout."""
+    (benchmarks/results/study_cpu_default, slimmed by benchmarks/make_advise_evidence.py)."""
     p = Path(str(resources.files("lowbit.perfmodel") / "data" / "evidence_cpu_default.jsonl"))
     return p if p.is_file() else None
 

@@ -8,10 +8,8 @@ and an all-to-all pushes ``G (K - G) / K * M`` bytes out of every node over the 
 Bytes are those each rank *sends* (it receives as many).
 
 The algorithms are those of lowbit's registry (:func:`lowbit.comm.allreduce.register_algorithm`) that have a
-cost: lowbit's own algorithms' costs (and the values each encodes and decodes:
-:func:`lowbit.perfmodel.model.codec_work`) live here, in :data:`BUILTIN_COSTS`, and the registry's entries
-carry none of them (importing the speed model changes nothing in comm); a plugin brings its own ``cost``
-and ``work`` in its entry. :func:`model_of` and :func:`collective` read the entry's, else this table's.
+cost: a plugin's entry brings its own ``cost`` and ``work`` (values encoded and decoded); lowbit's own are
+here, in :data:`BUILTIN_COSTS` (importing the speed model changes nothing in comm).
 """
 
 from __future__ import annotations
@@ -46,13 +44,10 @@ class Topology:
     def __post_init__(self) -> None:
         positive_int(self.world, "number of GPUs")
         positive_int(self.gpus_per_node, "gpus per node")
-        if not isinstance(self.nics_per_node, int) or self.nics_per_node < 1:
-            raise ValueError(f"nics per node must be a positive integer, got {self.nics_per_node!r}")
+        positive_int(self.nics_per_node, "nics per node")
         if self.nodes > 1 and self.inter is None:
-            raise ValueError(
-                f"{self.world} GPUs at {self.gpus_per_node} per node span {self.nodes} nodes: "
-                "an inter-node link is needed"
-            )
+            raise ValueError(f"{self.world} GPUs at {self.gpus_per_node} per node span {self.nodes} nodes: "
+                             "an inter-node link is needed")
 
     @property
     def nodes(self) -> int:
