@@ -24,7 +24,9 @@ held-out subset every ``--eval-every`` steps (its time left out of the step time
 
 Links on one host: NVLink (default), sockets (``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1``),
 and, on 4 GPUs, two emulated nodes of two (``benchmarks/emulated_node.sh``; ``--node-size 2``). The
-``--link`` label is only written into the results.
+``--link`` label is only written into the results. With ``--node-size``, the ``hsdp_*`` configurations
+shard inside each node and replicate across nodes: FSDP2's own HSDP (2-D mesh, bf16 reduce) against
+lowbit's replicate all-reduce in 8 or 4 bits (FSDP's reduce-scatter inside the node).
 """
 
 from __future__ import annotations
@@ -67,8 +69,12 @@ CONFIGS: dict[str, tuple[torch.dtype, str | None, str | None, bool, bool]] = {
     "h_q8": (torch.float32, Q8, None, False, True),
     "h_q8_p8": (torch.float32, Q8, P8, False, True),
     "h_q4_p8": (torch.float32, Q4, P8, False, True),
+    # HSDP (--node-size L: shard inside each node of L ranks, replicate across nodes)
+    "hsdp_bf16": (torch.bfloat16, None, None, False, True),     # FSDP2's own HSDP on a 2-D mesh
+    "hsdp_q8": (torch.bfloat16, Q8, None, False, True),         # the replicas' all-reduce in lowbit's codec
+    "hsdp_q4": (torch.bfloat16, Q4, None, False, True),
 }
-BASELINES = ("fsdp", "fsdp_bf16")
+BASELINES = ("fsdp", "fsdp_bf16", "hsdp_bf16")
 
 
 def parse() -> argparse.Namespace:
@@ -96,6 +102,8 @@ def parse() -> argparse.Namespace:
     for c in args.configs.split(",") + [c for c in args.paired.split(",") if c]:
         if c not in CONFIGS:
             ap.error(f"unknown configuration {c!r}; choose from {', '.join(CONFIGS)}")
+        if c.startswith("hsdp") and not args.node_size:
+            ap.error(f"{c} shards inside nodes and replicates across them: pass --node-size")
     if args.paired and len(args.paired.split(",")) != 2:
         ap.error(f"--paired takes two configurations, A,B; got {args.paired!r}")
     return args
@@ -110,15 +118,26 @@ def build(args: argparse.Namespace, config: str, vocab: int, device: torch.devic
                             in_shape=(args.seq,), **kw)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
                               reduce_dtype=reduce_dtype)
+    mesh, replicate = None, None
+    if config.startswith("hsdp"):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world = dist.get_world_size()
+        mesh2 = init_device_mesh(device.type, (world // args.node_size, args.node_size),
+                                 mesh_dim_names=("replicate", "shard"))
+        # FSDP2's own HSDP takes the 2-D mesh; lowbit shards on the inner one and all-reduces across the outer
+        mesh, replicate = (mesh2, None) if codec is None else (mesh2["shard"], mesh2["replicate"].get_group())
     # as torchtitan shards a decoder: the token embedding, every block and the head on their own, the
     # rest (positions, final norm) in the root, so the two vocabulary-sized matrices overlap with compute
-    fully_shard(model.tok_emb, mp_policy=mp, reshard_after_forward=False)  # its backward needs no weight
+    fully_shard(model.tok_emb, mesh=mesh, mp_policy=mp, reshard_after_forward=False)  # its backward needs no weight
     for block in model.blocks:
-        fully_shard(block, mp_policy=mp)
-    fully_shard(model.head, mp_policy=mp, reshard_after_forward=False)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model.head, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     state = None
-    if codec is not None:
+    if codec is not None and replicate is not None:
+        state = lowbit.fsdp.register(model, codec=codec, replicate_group=replicate)
+    elif codec is not None:
         state = lowbit.fsdp.register(model, codec=codec, param_codec=pcodec, error_feedback=ef,
                                      # flat configurations say "one node": else register would take
                                      # $LOWBIT_NODE_SIZE / LOCAL_WORLD_SIZE and run hierarchically too

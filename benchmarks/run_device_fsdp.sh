@@ -5,6 +5,9 @@
 #   MODE=paired PAIRED=fsdp_bf16,bf16 bash benchmarks/run_device_fsdp.sh   (2 GPUs over NVLink: B against A step by
 #                                                                  step, both models in memory; LINK=sockets too)
 #   MODE=pairednodes PAIRED=fsdp_bf16,h_q8_p8 bash benchmarks/run_device_fsdp.sh   (4 GPUs as 2 emulated nodes, paired)
+#   MODE=hsdp bash benchmarks/run_device_fsdp.sh                  (4 GPUs as 2 emulated nodes: FSDP2's HSDP against
+#                                                                  lowbit's compressed replicate all-reduce)
+#   NGPU=8 NODE_SIZE=4 MODE="nodes hsdp" ...                      (8 GPUs as 2 emulated nodes of 4; issue 34)
 #   MODE=train bash benchmarks/run_device_fsdp.sh                 (2 GPUs over NVLink: 1,500 steps on pysource)
 #   MODE=trainpair bash benchmarks/run_device_fsdp.sh             (4 GPUs: two such runs side by side, GPUs 0-1
 #                                                                  and 2-3, PAIR="fsdp q8_p8": half the wall time)
@@ -14,6 +17,7 @@ export PYTHONPATH=src
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '_' | tr -cd 'A-Za-z0-9_')
+NGPU=${NGPU:-4}; NODE_SIZE=${NODE_SIZE:-2}  # for the modes on emulated nodes
 MODEL=${MODEL:-gpt_350m}; STEPS=${STEPS:-8}; WARMUP=${WARMUP:-3}; ROUNDS=${ROUNDS:-1}; BATCH=${BATCH:-8}
 common=(--model "$MODEL" --steps "$STEPS" --warmup "$WARMUP" --rounds "$ROUNDS" --batch "$BATCH" --commit "${COMMIT:-}")
 quiet() { grep -v "^W1\|Warning\|warn\|^\*\*\*\|OMP_NUM" ; }
@@ -27,19 +31,23 @@ for mode in ${MODE:-nvlink sockets}; do
         --link sockets "${common[@]}" --configs "${CONFIGS:-fsdp,fsdp_bf16,bf16,q8_p8,q4_p8,q4ef_p8}" \
         --out "$OUT/fsdp_2x${card}_sockets_${MODEL}.json" 2>&1 | quiet ;;
     nodes)
-      LOWBIT_NODE_SIZE=2 torchrun --nproc-per-node 4 --no-python benchmarks/emulated_node.sh benchmarks/bench_fsdp.py \
-        --link 2nodes --node-size 2 "${common[@]}" --configs "${CONFIGS:-fsdp,fsdp_bf16,q8_p8,h_q8,h_q8_p8,h_q4_p8}" \
-        --out "$OUT/fsdp_4x${card}_2nodes_${MODEL}.json" 2>&1 | quiet ;;
+      LOWBIT_NODE_SIZE=$NODE_SIZE torchrun --nproc-per-node $NGPU --no-python benchmarks/emulated_node.sh benchmarks/bench_fsdp.py \
+        --link 2nodes --node-size $NODE_SIZE "${common[@]}" --configs "${CONFIGS:-fsdp,fsdp_bf16,q8_p8,h_q8,h_q8_p8,h_q4_p8}" \
+        --out "$OUT/fsdp_${NGPU}x${card}_2nodes_${MODEL}.json" 2>&1 | quiet ;;
+    hsdp)
+      LOWBIT_NODE_SIZE=$NODE_SIZE torchrun --nproc-per-node $NGPU --no-python benchmarks/emulated_node.sh benchmarks/bench_fsdp.py \
+        --link 2nodes --node-size $NODE_SIZE "${common[@]}" --configs "${CONFIGS:-fsdp_bf16,hsdp_bf16,h_q8_p8,hsdp_q8,hsdp_q4}" \
+        --out "$OUT/fsdp_${NGPU}x${card}_2nodes_hsdp_${MODEL}.json" 2>&1 | quiet ;;
     paired)
       env_link=(); [ "${LINK:-nvlink}" = sockets ] && env_link=(NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1)
       env "${env_link[@]}" torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --link "${LINK:-nvlink}" --model "$MODEL" \
         --batch "$BATCH" --steps "$STEPS" --warmup "$WARMUP" --commit "${COMMIT:-}" --paired "${PAIRED:-fsdp_bf16,bf16}" \
         --out "$OUT/fsdp_paired_2x${card}_${LINK:-nvlink}_${MODEL}_$(echo "${PAIRED:-fsdp_bf16,bf16}" | tr , _).json" 2>&1 | quiet ;;
     pairednodes)
-      LOWBIT_NODE_SIZE=2 torchrun --nproc-per-node 4 --no-python benchmarks/emulated_node.sh benchmarks/bench_fsdp.py \
-        --link 2nodes --node-size 2 --model "$MODEL" --batch "$BATCH" --steps "$STEPS" --warmup "$WARMUP" \
+      LOWBIT_NODE_SIZE=$NODE_SIZE torchrun --nproc-per-node $NGPU --no-python benchmarks/emulated_node.sh benchmarks/bench_fsdp.py \
+        --link 2nodes --node-size $NODE_SIZE --model "$MODEL" --batch "$BATCH" --steps "$STEPS" --warmup "$WARMUP" \
         --commit "${COMMIT:-}" --paired "${PAIRED:-fsdp_bf16,h_q8_p8}" \
-        --out "$OUT/fsdp_paired_4x${card}_2nodes_${MODEL}_$(echo "${PAIRED:-fsdp_bf16,h_q8_p8}" | tr , _).json" 2>&1 | quiet ;;
+        --out "$OUT/fsdp_paired_${NGPU}x${card}_2nodes_${MODEL}_$(echo "${PAIRED:-fsdp_bf16,h_q8_p8}" | tr , _).json" 2>&1 | quiet ;;
     train)
       torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --link nvlink --model "$MODEL" --batch "$BATCH" \
         --train "${TRAIN_STEPS:-1500}" --eval-every "${EVAL_EVERY:-250}" --commit "${COMMIT:-}" \

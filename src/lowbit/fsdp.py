@@ -701,20 +701,27 @@ def register(
     _check_same_config(state, group if replicate_group is None else None)
     grad_groups = _make_groups(group, ns_eff)
     param_groups = _make_groups(group, ns_eff) if p_codec is not None and ns_eff is not None else None
+    # HSDP whose shard group is one node: FSDP's own reduce-scatter runs inside it (NVLink; compressing
+    # there costs host time and saves nothing), and only the replicas' all-reduce, which crosses nodes,
+    # takes the codec. With node_size splitting the shard group, its reduce-scatter is compressed between
+    # those nodes as without HSDP.
+    native_inside = replicate_group is not None and ns_eff is None
     for index, label, m, sizes, exact in plans:
-        m.set_custom_reduce_scatter(LowbitReduceScatter(state, label, index, sizes, exact, grad_codec, grad_groups))
+        if not native_inside:
+            m.set_custom_reduce_scatter(LowbitReduceScatter(state, label, index, sizes, exact, grad_codec, grad_groups))
         if p_codec is not None:
             m.set_custom_all_gather(LowbitAllGather(state, label, index, sizes, exact, p_codec, param_groups))
     if replicate_group is not None:
-        _replicate(model, modules, state, replicate_group)
+        _replicate(model, modules, state, replicate_group, count_calls=native_inside)
     return state
 
 
 def _replicate(model: nn.Module, modules: list[tuple[str, nn.Module]], state: FSDPState,
-               replicate_group: dist.ProcessGroup) -> None:
+               replicate_group: dist.ProcessGroup, count_calls: bool) -> None:
     """HSDP: every replica starts from the first replica's shards, and each module's reduced gradient
     shard is all-reduced (mean) across the replicas in the gradient codec (scatter_gather, bit-identical
-    on every replica) by FSDP's post-reduce-scatter hook."""
+    on every replica) by FSDP's post-reduce-scatter hook. ``count_calls``: FSDP's own reduce-scatter runs
+    (it does not count the calls that key the codec's rounding noise), so the hook counts them."""
     src = dist.get_global_rank(replicate_group, 0)
     with torch.no_grad():
         for p in model.parameters():
@@ -726,6 +733,8 @@ def _replicate(model: nn.Module, modules: list[tuple[str, nn.Module]], state: FS
         key = name or "<root>"
 
         def hook(grad: torch.Tensor, key: str = key) -> None:
+            if count_calls:
+                state.iter += 1
             before = CommStats()
             all_reduce(grad, state.codec, group=replicate_group, algorithm="scatter_gather", op="mean",
                        feedback=feedback, key=("replicate", key), seed=state.iter, stats=before)

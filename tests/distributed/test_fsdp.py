@@ -281,6 +281,8 @@ def _body_four(rank: int, world: int) -> dict:
     st = lf.register(m, codec="qsgd:bits=8", replicate_group=mesh["rep"].get_group())
     out["hsdp_q8_losses"] = _train(m, rank, 4)  # measured within 0.01% (was 8 steps)
     out["hsdp_full"] = _full(m)
+    # inside a shard group (a node) FSDP's own reduce-scatter runs: every byte lowbit sends crosses nodes
+    out["hsdp_bytes"] = (st.grad_stats.bytes_sent, st.grad_stats.bytes_inter, st.iter)
     return out
 
 
@@ -294,6 +296,8 @@ def test_fsdp_four_ranks_nodes_and_hsdp() -> None:
         assert 0 < inter < sent
         assert r["hsdp_diff"] < 1e-6
         assert abs(r["hsdp_q8_losses"][-1] - plain) < 0.02 * plain
+        sent, inter, calls = r["hsdp_bytes"]
+        assert 0 < sent == inter and calls > 0, r["hsdp_bytes"]
     assert all(torch.equal(rs[0]["nodes_w"], r["nodes_w"]) for r in rs)
     # replicas hold bit-identical parameters
     assert all(torch.equal(a, b) for a, b in zip(rs[0]["hsdp_full"], rs[2]["hsdp_full"]))
