@@ -7,7 +7,7 @@
 
 Modules: ``links``, ``collectives``, ``model`` (the step timeline), ``networks``, ``calibrate`` and ``fit``
 (parameters from measurements), ``validate``, ``advise``, ``dettmers`` and ``projection`` (the papers' models).
-The commands (``lowbit predict``, ``lowbit advise``) are :mod:`lowbit.cli.predict`.
+The commands are :mod:`lowbit.cli.predict` and :mod:`lowbit.cli.advise`.
 """
 
 from __future__ import annotations

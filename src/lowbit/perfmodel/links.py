@@ -1,12 +1,10 @@
 """Links of the alpha-beta (latency-bandwidth) model, named presets, and a spec parser (docs/perfmodel.md,
 section 1).
 
-A link moves ``n`` bytes in ``latency_s + n / bandwidth_Bps`` seconds (Hockney's alpha-beta model).
-``bandwidth_Bps`` is the *effective* one-direction rate a collective achieves per step (protocol, encoding and
-software overheads included); ``latency_s`` the per-message (per ring step) cost, software included. Specs: a
-preset (``"nvlink"``), a preset with overrides (``"10gbit:latency=50us"``; keys latency|lat, bandwidth|bw), or
-a custom link (``"bw=5GB/s,lat=10us"``; latency 0 when left out). Units: see :func:`parse_bandwidth` and
-:func:`parse_latency`.
+A link moves ``n`` bytes in ``latency_s + n / bandwidth_Bps`` seconds (Hockney's alpha-beta model): the
+*effective* one-direction rate a collective achieves per step and the per-message (per ring step) cost,
+software included. Specs: a preset (``"nvlink"``), a preset with overrides (``"10gbit:latency=50us"``; keys
+latency|lat, bandwidth|bw), or a custom link (``"bw=5GB/s,lat=10us"``; latency 0 when left out).
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ import dataclasses
 import math
 import re
 
-__all__ = ["Link", "PRESETS", "PRESET_NOTES", "parse_link", "parse_bandwidth", "parse_latency"]
+__all__ = ["Link", "PRESETS", "parse_link", "parse_bandwidth", "parse_latency"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,46 +38,27 @@ class Link:
 
 
 # --------------------------------------------------------------------------------------- presets
-# Effective per-direction bandwidth and per-message latency. Theoretical rates are the published
-# signalling rates; the effective rates are assumptions stated next to each one. Calibrate with
-# `lowbit.perfmodel.calibrate.fit_link` on measured allreduce timings to replace them.
-_PRESET_TABLE: dict[str, tuple[float, float, str]] = {
-    # name: (latency_s, bandwidth_Bps, source / assumption)
-    "nvlink": (2e-6, 230e9,
-               "NVLink 3 (A100 SXM): 12 links x 25 GB/s = 300 GB/s per direction; ~230 GB/s is the "
-               "all-reduce bus bandwidth nccl-tests reports on 8xA100 (assumed)"),
-    "nvlink4": (2e-6, 360e9,
-                "NVLink 4 (H100 SXM): 18 links x 25 GB/s = 450 GB/s per direction; 80% assumed"),
-    "nvlink-v100": (3e-6, 130e9,
-                    "NVLink 2 (DGX-1V, V100): 6 links x 25 GB/s = 150 GB/s per direction; ~130 assumed"),
-    "pcie3": (5e-6, 12e9,
-              "PCIe 3.0 x16: 16 lanes x 985 MB/s = 15.75 GB/s; ~12 GB/s device-to-device measured "
-              "by bandwidthTest-class tools (assumed)"),
-    "pcie3-switch": (5e-6, 5e9,
-                     "PCIe 3.0 behind shared switches, 4 GPUs: Dettmers (2016, App. 5.1) measured "
-                     "about 5 GB/s (saturating at 5.25 GB/s)"),
-    "pcie4": (5e-6, 24e9, "PCIe 4.0 x16: 31.5 GB/s theoretical; ~24 GB/s achieved (assumed)"),
-    "pcie5": (5e-6, 48e9, "PCIe 5.0 x16: 63 GB/s theoretical; ~48 GB/s achieved (assumed)"),
-    "ethernet": (50e-6, 0.117e9,
-                 "1 GbE: 125 MB/s raw, ~941 Mbit/s TCP goodput; ~50 us TCP round through the kernel"),
-    "10gbit": (30e-6, 1.15e9, "10 GbE: 1.25 GB/s raw; ~9.2 Gbit/s TCP goodput (assumed); TCP latency"),
-    "25gbit": (20e-6, 2.9e9, "25 GbE: 3.125 GB/s raw; ~93% goodput assumed"),
-    "100gbit": (5e-6, 11.5e9, "100 GbE with RDMA (RoCE): 12.5 GB/s raw; ~92% goodput assumed"),
-    "ib-qdr": (2e-6, 3.2e9,
-               "InfiniBand QDR 4x: 40 Gbit/s signalling, 32 Gbit/s data (8b/10b) = 4 GB/s; Dettmers "
-               "(2016) quotes 3 GB/s practical; 3.2 GB/s assumed"),
-    "ib-fdr": (1e-6, 6e9,
-               "InfiniBand FDR 4x: 56 Gbit/s signalling, 54.5 Gbit/s data (64b/66b) = 6.8 GB/s; "
-               "Dettmers (2016, App. 5.2) uses 6 GB/s from public MPI charts"),
-    "ib-edr": (1e-6, 12e9,
-               "InfiniBand EDR 4x: 100 Gbit/s = 12.5 GB/s; osu_bw peaks near 12 GB/s (assumed)"),
-    "ib-hdr": (1e-6, 24e9, "InfiniBand HDR 4x: 200 Gbit/s = 25 GB/s; ~24 GB/s assumed"),
+# Effective per-direction bandwidth and per-message latency: the published signalling rates and the share of
+# them assumed effective (docs/perfmodel.md, section 1, gives each source). Calibrate to replace them.
+_PRESET_TABLE: dict[str, tuple[float, float]] = {  # name: (latency_s, bandwidth_Bps)
+    "nvlink": (2e-6, 230e9),           # NVLink 3 (A100 SXM): 300 GB/s; nccl-tests' bus bandwidth on 8xA100
+    "nvlink4": (2e-6, 360e9),          # NVLink 4 (H100 SXM): 450 GB/s; 80% assumed
+    "nvlink-v100": (3e-6, 130e9),      # NVLink 2 (DGX-1V): 150 GB/s; ~130 assumed
+    "pcie3": (5e-6, 12e9),             # PCIe 3.0 x16: 15.75 GB/s; ~12 device-to-device (assumed)
+    "pcie3-switch": (5e-6, 5e9),       # PCIe 3.0 behind shared switches: Dettmers (2016, App. 5.1) measured ~5
+    "pcie4": (5e-6, 24e9),             # PCIe 4.0 x16: 31.5 GB/s; ~24 achieved (assumed)
+    "pcie5": (5e-6, 48e9),             # PCIe 5.0 x16: 63 GB/s; ~48 achieved (assumed)
+    "ethernet": (50e-6, 0.117e9),      # 1 GbE: ~941 Mbit/s TCP goodput; ~50 us TCP round through the kernel
+    "10gbit": (30e-6, 1.15e9),         # 10 GbE: ~9.2 Gbit/s TCP goodput (assumed)
+    "25gbit": (20e-6, 2.9e9),          # 25 GbE: 3.125 GB/s raw; ~93% goodput assumed
+    "100gbit": (5e-6, 11.5e9),         # 100 GbE with RDMA (RoCE): 12.5 GB/s raw; ~92% goodput assumed
+    "ib-qdr": (2e-6, 3.2e9),           # InfiniBand QDR 4x: 4 GB/s of data; Dettmers quotes 3 practical
+    "ib-fdr": (1e-6, 6e9),             # InfiniBand FDR 4x: 6.8 GB/s of data; Dettmers (App. 5.2) uses 6
+    "ib-edr": (1e-6, 12e9),            # InfiniBand EDR 4x: 12.5 GB/s; osu_bw peaks near 12 (assumed)
+    "ib-hdr": (1e-6, 24e9),            # InfiniBand HDR 4x: 25 GB/s; ~24 assumed
 }
-
-PRESETS: dict[str, Link] = {
-    name: Link(latency_s=lat, bandwidth_Bps=bw, name=name) for name, (lat, bw, _) in _PRESET_TABLE.items()
-}
-PRESET_NOTES: dict[str, str] = {name: note for name, (_, _, note) in _PRESET_TABLE.items()}
+PRESETS: dict[str, Link] = {name: Link(latency_s=lat, bandwidth_Bps=bw, name=name)
+                            for name, (lat, bw) in _PRESET_TABLE.items()}
 
 
 # --------------------------------------------------------------------------------------- parsing
