@@ -83,7 +83,7 @@ def test_calibration_recovers_links_and_codec_costs_from_bench_rows(tmp_path):
 
 
 def test_nccl_socket_transport_and_bad_bench_files(tmp_path):
-    from lowbit.perfmodel.calibrate import transport_key
+    from lowbit.cli.bench import transport_key
 
     assert transport_key("nccl", {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1"}) \
         == "nccl/socket"

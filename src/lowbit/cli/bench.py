@@ -52,7 +52,7 @@ from lowbit.launch import process_group_from_env, spawn
 from lowbit.comm.measure import _SUFFIX, BenchConfig, size_label, worker
 
 __all__ = ["BenchConfig", "parse_sizes", "parse_codecs", "parse_algorithms", "register", "run", "format_table",
-           "load_bench"]
+           "load_bench", "transport_key"]
 
 DEFAULT_SIZES = "1M,4M,16M"
 DEFAULT_CODECS = [
@@ -277,8 +277,24 @@ def load_bench(path: str | os.PathLike[str]) -> dict[str, Any]:
             raise ValueError(f"bench file {str(p)!r}: row {i} lacks {', '.join(missing)}")
     if not data["rows"]:
         raise ValueError(f"bench file {str(p)!r} has no rows")
-    data["meta"].setdefault("path", str(p))
+    meta = data["meta"]
+    meta.setdefault("path", str(p))
+    meta.setdefault("transport", transport_key(str(meta.get("backend", "?")), meta.get("nccl_env")))
     return data
+
+
+def transport_key(backend: str, nccl_env: dict[str, str] | None = None) -> str:
+    """``gloo``, ``nccl``, or ``nccl/socket`` when NCCL was forced off P2P, shared memory and InfiniBand."""
+    env = nccl_env or {}
+    if backend == "nccl" and env:
+        off = {k for k, v in env.items() if str(v) == "1"}
+        if {"NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_IB_DISABLE"} <= off:
+            return "nccl/socket"
+        if off:
+            return "nccl/" + ",".join(sorted(k.removeprefix("NCCL_").removesuffix("_DISABLE").lower() + "-off"
+                                             for k in off))
+    return backend
+
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -34,7 +34,7 @@ from lowbit.perfmodel.links import Link
 from lowbit.perfmodel.model import Layer, bits_per_value, codec_fact, codec_work, step_collectives
 from lowbit.perfmodel.networks import get_network
 
-__all__ = ["fit_link", "design_row", "LinkFit", "CodecFit", "RunRecord", "Calibration", "transport_key",
+__all__ = ["fit_link", "design_row", "LinkFit", "CodecFit", "RunRecord", "Calibration",
            "ScaleKey", "OverheadKey", "fit_bench", "fit_study", "fit_comm_in_situ", "run_groups", "run_layers",
            "network_profile", "pure_compute_s"]
 
@@ -178,24 +178,12 @@ def _codec_cost(work: Sequence[tuple[float, float]], encode_s: Sequence[float], 
 
 
 # ------------------------------------------------------------------------------------------ bench
-def transport_key(backend: str, nccl_env: dict[str, str] | None = None) -> str:
-    """``gloo``, ``nccl``, or ``nccl/socket`` when NCCL was forced off P2P, shared memory and InfiniBand."""
-    env = nccl_env or {}
-    if backend == "nccl" and env:
-        off = {k for k, v in env.items() if str(v) == "1"}
-        if {"NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_IB_DISABLE"} <= off:
-            return "nccl/socket"
-        if off:
-            return "nccl/" + ",".join(sorted(k.removeprefix("NCCL_").removesuffix("_DISABLE").lower() + "-off"
-                                             for k in off))
-    return backend
-
-
 def fit_bench(bench: dict[str, Any]) -> tuple[str, dict[str, LinkFit], dict[str, dict[str, CodecFit]]]:
-    """``(transport, {algorithm: LinkFit}, {algorithm: {codec spec: CodecFit}})`` from one bench file."""
+    """``(transport, {algorithm: LinkFit}, {algorithm: {codec spec: CodecFit}})`` from one bench file (as
+    :func:`lowbit.cli.bench.load_bench` reads it, with its transport)."""
     meta, rows = bench["meta"], bench["rows"]
     world = int(meta.get("world_size") or 0)
-    transport = transport_key(str(meta.get("backend", "?")), meta.get("nccl_env"))
+    transport = str(meta.get("transport") or meta.get("backend", "?"))
     where = (f"bench {Path(meta.get('path', '?')).name}: {meta.get('backend')} K={world} on "
              f"{meta.get('device_name', '?')}")
     links: dict[str, LinkFit] = {}
