@@ -34,9 +34,9 @@ from lowbit.perfmodel.links import Link
 from lowbit.perfmodel.model import Layer, bits_per_value, codec_fact, codec_work, step_collectives
 from lowbit.perfmodel.networks import get_network
 
-__all__ = ["fit_link", "design_row", "LinkFit", "CodecFit", "RunRecord", "Calibration",
-           "ScaleKey", "OverheadKey", "fit_bench", "fit_study", "fit_comm_in_situ", "run_groups", "run_layers",
-           "network_profile", "pure_compute_s"]
+__all__ = ["fit_link", "design_row", "LinkFit", "CodecFit", "RunRecord", "Calibration", "ScaleKey", "OverheadKey",
+           "fit_bench", "fit_study", "fit_comm_in_situ", "run_groups", "run_layers", "network_profile",
+           "pure_compute_s"]
 
 _UNIT = Link(latency_s=1.0, bandwidth_Bps=1.0, name="unit")
 SCHEMA = 1
