@@ -170,7 +170,7 @@ class BaselineState:
     """What :func:`register` installed: the baseline, torch's hook state (the process group, or the
     ``PowerSGDState``), and lowbit's :class:`~lowbit.comm.stats.CommStats`, of which :meth:`count_step`
     fills ``bytes_sent`` only: torch's hooks neither count their calls nor time their phases (``calls``,
-    ``t_encode``, ``t_comm`` and ``t_decode`` stay 0, and ``timed`` is False)."""
+    ``t_encode``, ``t_comm`` and ``t_decode`` stay 0, and ``stats.timing`` False)."""
 
     baseline: Baseline
     hook_state: Any
@@ -180,7 +180,6 @@ class BaselineState:
     serial: bool = False        # chain the buckets' hooks (PowerSGD off NCCL: module doc)
     link: bool = False          # pass the hooks' futures through the emulated link
     stats: CommStats = dataclasses.field(default_factory=CommStats)
-    timed: bool = False
     steps: int = 0
     _counted: int = 0           # PowerSGD's counter when the last step was counted
     _tail: Any = None           # the last chained bucket's future (serial)

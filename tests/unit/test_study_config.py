@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lowbit.study.config import (
     RunConfig,
@@ -17,7 +18,9 @@ from lowbit.study.config import (
     load_config,
     resolve_batch,
 )
+from lowbit.study.runner import resolve_targets
 from lowbit.study.store import ResultStore
+from lowbit.study.train import lr_factor, time_to_target, validation_subset
 
 
 def _write(tmp_path: Path, text: str) -> Path:
@@ -282,3 +285,91 @@ def test_bad_torch_hooks_are_named(codecs: list[str], needles: list[str]) -> Non
         StudyConfig(codecs=tuple(codecs))
     for needle in needles:
         assert needle in str(info.value), str(info.value)
+
+
+# ------------------------------------------------------------------------------------ time to accuracy
+_TTA = dict(networks=("mlp",), codecs=("torch:fp16", "qsgd:bits=8,bucket=512"), world_sizes=(2,), seeds=(0, 1))
+
+
+@pytest.mark.parametrize(("changes", "needles"), [
+    ({"time_budget_s": 0}, ["'time_budget_s'", "> 0"]),
+    ({"time_budget_s": "60"}, ["'time_budget_s'"]),
+    ({"target_loss": -1.0, "eval_every": 5}, ["'target_loss'"]),
+    ({"target_accuracy": 80, "eval_every": 5}, ["'target_accuracy' is a fraction"]),
+    ({"target_loss": 1.0, "target_accuracy": 0.5, "eval_every": 5}, ["one target", "'target_loss' and 'target_accuracy'"]),
+    ({"target_loss": 1.0}, ["'target_loss' needs validation", "'eval_every'", "'eval_every_s'"]),
+    ({"target_from": "torch:powersgd:rank=4", "eval_every": 5}, ["'target_from'", "not one of 'codecs'"]),
+    ({"target_from": "torch:fp8", "eval_every": 5}, ["'target_from'", "unknown torch baseline"]),
+    ({"target_from": "torch:fp16", "target_loss": 2.0, "eval_every": 5}, ["one target"]),
+    ({"target_budget_factor": 2.0, "time_budget_s": 60}, ["'target_budget_factor'", "needs both"]),
+    ({"target_budget_factor": 0.5}, ["'target_budget_factor' must be a number >= 1"]),
+    ({"eval_every": -1}, ["'eval_every'"]),
+    ({"eval_every_s": -1.0}, ["'eval_every_s'"]),
+    ({"warmup": 0.1}, ["'warmup' applies to lr_schedule = \"warmup_cosine\""]),
+    ({"warmup": 1.0, "lr_schedule": "warmup_cosine"}, ["'warmup'", "[0, 1)"]),
+    ({"autocast": "fp8"}, ["'autocast'", "bf16"]),
+    ({"autocast": "bf16"}, ["'autocast'", "CUDA"]),
+])
+def test_bad_time_to_accuracy_keys_are_named(changes: dict, needles: list[str]) -> None:
+    with pytest.raises(ValueError) as info:
+        StudyConfig(**{**_TTA, **changes})
+    for needle in needles:
+        assert needle in str(info.value), str(info.value)
+
+
+def test_time_to_accuracy_keys_only_in_the_keys_of_runs_that_use_them() -> None:
+    plain = expand_runs(StudyConfig(**_TTA))
+    assert not any(r.time_to_accuracy for r in plain)
+    timed = expand_runs(StudyConfig(**_TTA, time_budget_s=30, eval_every_s=2.0, eval_samples=64))
+    assert all(r.time_to_accuracy and r.time_budget_s == 30 for r in timed)
+    assert {r.key() for r in plain}.isdisjoint({r.key() for r in timed})
+    for r in plain:  # the fields, at their unset values, leave the key as it was before they existed
+        d = r.to_dict()
+        for field in ("time_budget_s", "target_loss", "target_accuracy", "target_from", "schedule",
+                      "eval_every", "eval_every_s", "eval_samples", "warmup", "autocast"):
+            d.pop(field)
+        assert RunConfig.from_dict(d).key() == r.key()
+
+
+def test_target_from_runs_first_and_hands_its_loss_and_steps_on() -> None:
+    cfg = StudyConfig(**{**_TTA, "codecs": ("qsgd:bits=8,bucket=512", "torch:fp16")}, time_budget_s=10,
+                      target_from="torch:fp16", target_budget_factor=2, eval_every_s=1.0, lr_schedule="warmup_cosine",
+                      warmup=0.1)
+    runs = expand_runs(cfg)
+    source = {r.seed: r for r in runs if r.is_target_source}
+    others = [r for r in runs if not r.is_target_source]
+    assert set(source) == {0, 1} and all(r.awaits_target for r in others)
+    assert {r.time_budget_s for r in source.values()} == {10} and {r.time_budget_s for r in others} == {20}
+    assert all(r.target_setting() == source[r.seed].target_setting() for r in others)
+    assert source[0].target_setting() != source[1].target_setting()  # a target per seed
+    # nothing finished yet: the sources first, the others still waiting
+    order = resolve_targets(runs, {})
+    assert [r.is_target_source for r in order] == [True, True, False, False]
+    # seed 0's source finished: its final loss and its schedule, step by step, become seed 0's, in the key
+    row = {"summary": {"final_val_loss": 1.25}, "schedule": [0.0, 0.3, 0.45, 0.8]}
+    resolved = {(r.seed, r.codec): r for r in resolve_targets(runs, {source[0].key(): row})}
+    r0 = resolved[(0, "qsgd:bits=8,bucket=512,norm=max,rounding=stochastic")]
+    assert (r0.target_loss, r0.schedule, r0.awaits_target) == (1.25, (0.0, 0.3, 0.45, 0.8), False)
+    assert r0.key() != others[0].key() and r0.key() == RunConfig.from_dict(r0.to_dict()).key()  # (as rows hold it)
+    assert r0.key() != others[0].with_target({**row, "schedule": [0.0, 0.3, 0.5, 0.8]}).key()
+    assert resolved[(1, "qsgd:bits=8,bucket=512,norm=max,rounding=stochastic")].awaits_target
+    with pytest.raises(ValueError, match="without a finite validation loss"):
+        others[0].with_target({"summary": {"final_val_loss": None}, "schedule": [0.5]})
+    with pytest.raises(ValueError, match="without a finite validation loss and its schedule"):
+        others[0].with_target({"summary": {"final_val_loss": 1.0}})
+
+
+def test_schedule_subset_and_first_point_at_target() -> None:
+    run = expand_runs(StudyConfig(**_TTA, lr_schedule="warmup_cosine", warmup=0.2))[0]
+    assert [round(lr_factor(run, p), 3) for p in (0.0, 0.1, 0.2, 0.6, 1.0, 2.0)] == [0.0, 0.5, 1.0, 0.5, 0.0, 0.0]
+    cos = expand_runs(StudyConfig(**_TTA))[0]  # cosine without warm-up, as the epoch runs use it
+    assert [round(lr_factor(cos, p), 3) for p in (0.0, 0.5, 1.0)] == [1.0, 0.5, 0.0]
+    x, y = torch.arange(10).reshape(10, 1), torch.arange(10)
+    xs, ys = validation_subset(x, y, 4)
+    assert ys.tolist() == [0, 3, 6, 9] and xs[:, 0].tolist() == ys.tolist()  # evenly spread, fixed
+    assert validation_subset(x, y, 0)[1].tolist() == list(range(10))
+    curve = [{"train_s": 1.0, "val_loss": 3.0, "val_acc": 0.2}, {"train_s": 2.0, "val_loss": float("nan"), "val_acc": None},
+             {"train_s": 3.0, "val_loss": 1.9, "val_acc": 0.4}, {"train_s": 4.0, "val_loss": 1.5, "val_acc": 0.5}]
+    assert time_to_target(curve, 2.0, None)["train_s"] == 3.0
+    assert time_to_target(curve, None, 0.45)["train_s"] == 4.0
+    assert time_to_target(curve, 1.0, None) is None

@@ -24,7 +24,7 @@ from lowbit.env import launched_rank_and_size, under_torchrun
 from lowbit.extras import require
 from lowbit.kernels.dispatch import warm_up
 from lowbit.study.config import PRESETS, load_config
-from lowbit.study.export import export_tensorboard, output_folder, write_csv
+from lowbit.study.export import export_tensorboard, output_folder, write_csv, write_curves_csv
 from lowbit.study.report import DEFAULT_PRICE_PER_GPU_HOUR, load_runs, write_report
 from lowbit.study.runner import StudyInterrupted, plan_study, run_study
 from lowbit.study.store import resolve_results_path
@@ -92,7 +92,7 @@ def _warm_up(cfg: Any, out: str) -> None:
     """Compile (or load from numba's cache) the CPU kernels of every codec still to run, here, before any
     worker or process group exists: a cold compile inside the first collective can outlast its timeout."""
     runs, finished, _ = plan_study(cfg, out)
-    todo = [r for r in runs if r.key() not in finished and r.device == "cpu" and r.world_size > 1]
+    todo = [r for r in runs if (r.awaits_target or r.key() not in finished) and r.device == "cpu" and r.world_size > 1]
     for spec in dict.fromkeys(r.codec for r in todo):
         if spec != "auto" and not is_baseline(spec):
             warm_up(get_codec(spec), "cpu")
@@ -106,9 +106,12 @@ def _study(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.preset, _overrides(args))
     if args.dry_run:
         runs, finished, store = plan_study(cfg, args.out)
-        print(f"study {cfg.name!r}: {len(runs)} runs ({len(runs) - len(finished & {r.key() for r in runs})} to do), "
-              f"results in {store.path}")
+        done = {r.key() for r in runs if not r.awaits_target} & finished
+        print(f"study {cfg.name!r}: {len(runs)} runs ({len(runs) - len(done)} to do), results in {store.path}")
         for r in runs:
+            if r.awaits_target:  # its key holds the target, known once its target_from run has run
+                print(f"  todo  {'(target to come)':<16}  {r.describe()}  [target: {r.target_from}'s final loss]")
+                continue
             mark = "done" if r.key() in finished else "todo"
             print(f"  {mark}  {r.key()}  {r.describe()}")
         return 0
@@ -158,8 +161,9 @@ def _export(args: argparse.Namespace) -> int:
     if not runs:
         raise ValueError(f"no finished runs in {resolve_results_path(args.results)}")
     if args.csv:
-        for path in write_csv(runs, args.csv):
-            print(f"csv: {path}")
+        for path in (*write_csv(runs, args.csv), write_curves_csv(runs, args.csv)):
+            if path is not None:
+                print(f"csv: {path}")
     if args.tensorboard:
         n = export_tensorboard(runs, args.tensorboard)
         print(f"tensorboard: {n} run(s) in {args.tensorboard} (tensorboard --logdir {args.tensorboard})")

@@ -45,6 +45,7 @@ import functools
 import hashlib
 import itertools
 import json
+import math
 import os
 try:
     import tomllib  # novermin — Python 3.11+; tomli is the same parser for 3.10
@@ -82,11 +83,12 @@ __all__ = [
 SCHEMA = 1
 
 BACKENDS = ("gloo", "nccl", "mpi")
-SCHEDULES = ("cosine", "constant")
+SCHEDULES = ("cosine", "constant", "warmup_cosine")
+AUTOCASTS = ("bf16",)
 DEVICES = ("auto", "cpu", "cuda")
 OPTIMIZERS = ("sgd", "rmsprop", "adam")
 
-PRESETS = ("default", "seeds", "throughput", "smoke", "fig3")
+PRESETS = ("default", "seeds", "throughput", "smoke", "fig3", "tta", "tta_cpu")
 
 _LIST_KEYS = ("networks", "datasets", "codecs", "algorithms", "world_sizes", "backends", "batch_sizes", "seeds",
               "nodes", "policies", "parallelism")
@@ -151,6 +153,23 @@ class StudyConfig:
     # "fig3": each network's epochs and initial learning rate from the Grubic paper's Figure 3 (over
     # `epochs` and `lr`; networks it does not list are an error)
     recipe: str | None = None
+    # Time to accuracy (docs/study.md): each run stops at its target or at its budget of training seconds,
+    # validating on a fixed held-out subset every `eval_every` steps or `eval_every_s` training seconds
+    time_budget_s: float | None = None
+    target_loss: float | None = None        # validation loss to reach (or:)
+    target_accuracy: float | None = None    # validation accuracy to reach, a fraction
+    # a `codecs` entry run first per setting and seed: its final validation loss is the target of the others,
+    # and its number of steps their learning-rate schedule's length
+    target_from: str | None = None
+    # the budget of the runs whose target comes from `target_from`, as a multiple of `time_budget_s`: a
+    # configuration slower per step than the one that set the target needs more time for the same schedule
+    # (it ends at the same step, where the others stop at the latest)
+    target_budget_factor: float = 1.0
+    eval_every: int = 0
+    eval_every_s: float = 0.0
+    eval_samples: int = 0                   # the fixed subset: this many test samples, evenly spaced (0: all)
+    warmup: float = 0.0                     # lr_schedule "warmup_cosine": the warm-up's share of the schedule
+    autocast: str | None = None             # "bf16": forward passes under CUDA autocast
     model_args: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
     dataset_args: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
@@ -252,6 +271,7 @@ class StudyConfig:
             object.__setattr__(self, key, float(v))
         if self.lr == 0:
             raise ValueError("study config: 'lr' must be > 0")
+        self._check_time_to_accuracy()
         for key, names, what in (("model_args", _known_models(), "model"), ("dataset_args", _known_datasets(), "data set")):
             table = getattr(self, key)
             if not isinstance(table, Mapping):
@@ -266,6 +286,67 @@ class StudyConfig:
                 except TypeError:
                     raise ValueError(f"study config: '{key}.{name}' holds a value that is not plain data: {args!r}") from None
             object.__setattr__(self, key, {k: dict(v) for k, v in table.items()})
+
+    def _check_time_to_accuracy(self) -> None:
+        for key in ("time_budget_s", "target_loss", "target_accuracy"):
+            v = getattr(self, key)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+                raise ValueError(f"study config: {key!r} must be a number > 0 (or absent), got {v!r}")
+            object.__setattr__(self, key, float(v))
+        if self.target_accuracy is not None and self.target_accuracy > 1:
+            raise ValueError(f"study config: 'target_accuracy' is a fraction (0.5 = 50%), got {self.target_accuracy!r}")
+        given = [k for k in ("target_loss", "target_accuracy", "target_from") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"study config: give one target, not {' and '.join(map(repr, given))}")
+        if self.target_from is not None:
+            names = {c if c == AUTO or is_baseline(c) else get_codec(c).spec: c for c in self.codecs}
+            spec = self.target_from
+            try:
+                canon = (spec.strip().lower() if isinstance(spec, str) and spec.strip().lower() == AUTO
+                         else get_baseline(spec).spec if is_baseline(spec) else get_codec(spec).spec)
+            except (ValueError, AttributeError) as exc:
+                raise ValueError(f"study config: 'target_from': {spec!r}: {exc}") from None
+            if canon not in names:
+                raise ValueError(f"study config: 'target_from' {spec!r} is not one of 'codecs' ({list(self.codecs)}): "
+                                 "the target comes from a configuration the study runs")
+            object.__setattr__(self, "target_from", canon)  # (as the runs name their codec)
+        v = self.target_budget_factor
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 1 <= v < math.inf:
+            raise ValueError(f"study config: 'target_budget_factor' must be a number >= 1, got {v!r}")
+        object.__setattr__(self, "target_budget_factor", float(v))
+        if v != 1 and (self.target_from is None or self.time_budget_s is None):
+            raise ValueError("study config: 'target_budget_factor' scales the budget of the runs that take their "
+                             "target from 'target_from': it needs both 'target_from' and 'time_budget_s'")
+        _check_int("eval_every", self.eval_every, 0)
+        _check_int("eval_samples", self.eval_samples, 0)
+        v = self.eval_every_s
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+            raise ValueError(f"study config: 'eval_every_s' must be a number >= 0, got {v!r}")
+        object.__setattr__(self, "eval_every_s", float(v))
+        if given and not (self.eval_every or self.eval_every_s):
+            raise ValueError(f"study config: {given[0]!r} needs validation while training: set 'eval_every' (steps) "
+                             "or 'eval_every_s' (training seconds)")
+        v = self.warmup
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+            raise ValueError(f"study config: 'warmup' is the warm-up's share of the schedule, in [0, 1), got {v!r}")
+        object.__setattr__(self, "warmup", float(v))
+        if self.warmup and self.lr_schedule != "warmup_cosine":
+            raise ValueError("study config: 'warmup' applies to lr_schedule = \"warmup_cosine\" only")
+        if self.autocast is not None:
+            _check_names("autocast", (self.autocast,), AUTOCASTS, "autocast")
+            if self.device == "cpu" or (self.device == "auto" and any(b != "nccl" for b in self.backends)):
+                raise ValueError("study config: 'autocast' runs forward passes under CUDA autocast: it needs "
+                                 "device = \"cuda\" (or the nccl backend)")
+            if any(p != "data" for p in self.parallelism):
+                raise ValueError("study config: 'autocast' applies to data parallelism only")
+
+    @property
+    def time_to_accuracy(self) -> bool:
+        """Whether runs validate while training and may stop early (a target, a budget, an eval cadence)."""
+        return any(getattr(self, k) is not None for k in ("time_budget_s", "target_loss", "target_accuracy",
+                                                            "target_from")) or bool(self.eval_every or self.eval_every_s)
 
     # -------------------------------------------------------------------------------- dict view
     def to_dict(self) -> dict[str, Any]:
@@ -472,6 +553,22 @@ class RunConfig:
     sub_batches: int = 1       # hybrid only; in the key only when > 1
     emulate_link: str | None = None  # an emulated link's speed (gloo); in the key only when set
     policy: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # per-layer overrides; in the key if any
+    # time to accuracy (StudyConfig's keys; each in the key only when set, so older runs keep theirs)
+    time_budget_s: float | None = None
+    target_loss: float | None = None    # given, or resolved from the run of `target_from` (with_target)
+    target_accuracy: float | None = None
+    target_from: str | None = None      # a label: the target's value and the schedule are what count
+    # the learning-rate schedule step by step (its progress, 0 to 1, at each step), replayed from the run
+    # that set the target ((): the schedule runs over the epochs, or over the budget's seconds)
+    schedule: tuple[float, ...] = ()
+    eval_every: int = 0
+    eval_every_s: float = 0.0
+    eval_samples: int = 0
+    warmup: float = 0.0
+    autocast: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "schedule", tuple(self.schedule))  # (a list when read back from a row)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -499,6 +596,12 @@ class RunConfig:
             d.pop("emulate_link")
         if not d["policy"]:
             d.pop("policy")  # likewise for runs without per-layer overrides
+        d.pop("target_from")  # a label: the target's value (resolved) is in target_loss
+        for field, unset in _TTA_UNSET.items():  # likewise for runs without time to accuracy
+            if d[field] == unset:
+                d.pop(field)
+        if "schedule" in d:
+            d["schedule"] = list(d["schedule"])
         d["schema"] = SCHEMA
         blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -507,13 +610,64 @@ class RunConfig:
     def codec_label(self) -> str:
         return codec_label(self.codec, self.error_feedback) + policy_label(self.policy)
 
+    @property
+    def time_to_accuracy(self) -> bool:
+        """Whether the run validates while training and may stop before its epochs end."""
+        return any(getattr(self, k) != v for k, v in _TTA_UNSET.items()) or self.target_from is not None
+
+    @property
+    def is_target_source(self) -> bool:
+        """The run whose final validation loss is the target of its setting's other runs (``target_from``)."""
+        return self.target_from is not None and self.codec == self.target_from
+
+    @property
+    def awaits_target(self) -> bool:
+        """A run whose target comes from its setting's ``target_from`` run, not yet known (:meth:`with_target`)."""
+        return self.target_from is not None and not self.is_target_source and self.target_loss is None
+
+    def target_setting(self) -> str:
+        """What a run shares with the run its target comes from: everything but the codec (and what goes
+        with it: algorithm, error feedback, per-layer policy), the target itself and the budget (which
+        ``target_budget_factor`` scales); the seed included."""
+        d = self.to_dict()
+        for field in ("codec", "algorithm", "error_feedback", "policy", "batch_preset", "target_loss",
+                      "schedule", "time_budget_s"):
+            d.pop(field)
+        return json.dumps(d, sort_keys=True)
+
+    def with_target(self, source: Mapping[str, Any]) -> RunConfig:
+        """This run with the target of its ``target_from`` run, from that run's row: its final validation
+        loss becomes ``target_loss``, and the learning-rate schedule it followed over its budget, step by
+        step (its ``schedule``), becomes this run's: the same learning rate at every step, and the schedule's
+        end (that run's number of steps) a stop."""
+        loss = (source.get("summary") or {}).get("final_val_loss")
+        schedule = source.get("schedule")
+        if not isinstance(loss, (int, float)) or not math.isfinite(loss) or not isinstance(schedule, list) \
+                or not schedule:
+            raise ValueError(f"the target of {self.describe().strip()} comes from the {self.target_from!r} run, "
+                             f"which ended without a finite validation loss and its schedule "
+                             f"(final_val_loss={loss!r}, {len(schedule) if isinstance(schedule, list) else 0} steps)")
+        return dataclasses.replace(self, target_loss=float(loss), schedule=tuple(float(p) for p in schedule))
+
     def describe(self) -> str:
         return (f"{self.network:<10} {self.dataset:<9} K={self.world_size}"
                 + (f" ({self.nodes} nodes)" if self.nodes > 1 else "")
                 + (f" {self.parallelism}" + (f"/{self.sub_batches}" if self.sub_batches > 1 else "")
                    if self.parallelism != "data" else "") + f" {self.backend:<5} "
                 f"b={self.batch_size:<4} {self.codec_label:<22} {self.algorithm:<14} "
-                f"seed={self.seed} epochs={self.epochs}")
+                f"seed={self.seed} epochs={self.epochs}" + self._describe_target())
+
+    def _describe_target(self) -> str:
+        if not self.time_to_accuracy:
+            return ""
+        out = f" budget={self.time_budget_s:g}s" if self.time_budget_s is not None else ""
+        if self.target_loss is not None:
+            out += f" target loss={self.target_loss:.4g}"
+        elif self.target_accuracy is not None:
+            out += f" target acc={self.target_accuracy:.4g}"
+        if self.is_target_source:
+            out += " (sets the target)"
+        return out
 
 
 def codec_label(spec: str, error_feedback: bool = False) -> str:
@@ -528,6 +682,10 @@ def codec_label(spec: str, error_feedback: bool = False) -> str:
 
 #: the study's name for lowbit.ddp.register(codec="auto") (a choice made while training, not a codec)
 AUTO = "auto"
+
+#: RunConfig's time-to-accuracy fields and their values when unset (then left out of the run's key)
+_TTA_UNSET = {"time_budget_s": None, "target_loss": None, "target_accuracy": None, "schedule": (),
+              "eval_every": 0, "eval_every_s": 0.0, "eval_samples": 0, "warmup": 0.0, "autocast": None}
 
 
 #: the study's error-feedback settings: ``auto`` is the seeds' practice (``Codec.seeds_feedback``: 1bitSGD
@@ -621,8 +779,9 @@ def expand_runs(cfg: StudyConfig) -> list[RunConfig]:
             eff = "none"  # no parameter gradient crosses: the codec carries activations and their gradients
         if is_baseline(spec):
             eff = "torch"  # the hook's own collectives
+        run_codec = spec if is_baseline(spec) else AUTO if spec == AUTO else codec.spec
         run = RunConfig(
-            network=network, dataset=dataset, codec=spec if is_baseline(spec) else AUTO if spec == AUTO else codec.spec,
+            network=network, dataset=dataset, codec=run_codec,
             algorithm=eff,
             error_feedback=(get_baseline(spec).error_feedback if is_baseline(spec)
                             else _feedback(ef, codec) if (ws > 1 or cfg.compress_at_world_size_1) and par != "model"
@@ -640,6 +799,12 @@ def expand_runs(cfg: StudyConfig) -> list[RunConfig]:
             policy=dict(policy) if ws > 1 or cfg.compress_at_world_size_1 else {},
             parallelism=par,
             sub_batches=cfg.sub_batches if par == "hybrid" else 1, emulate_link=cfg.emulate_link,
+            time_budget_s=(cfg.time_budget_s * cfg.target_budget_factor
+                           if cfg.time_budget_s is not None and cfg.target_from not in (None, run_codec)
+                           else cfg.time_budget_s),
+            target_loss=cfg.target_loss, target_accuracy=cfg.target_accuracy,
+            target_from=cfg.target_from, eval_every=cfg.eval_every, eval_every_s=cfg.eval_every_s,
+            eval_samples=cfg.eval_samples, warmup=cfg.warmup, autocast=cfg.autocast,
         )
         k = run.key()
         if k not in seen:

@@ -14,6 +14,12 @@ Plan:
    appends an ``epoch`` row after every epoch and a ``run`` row at the end (:mod:`lowbit.study.store`)
    and drives the progress bar. How each number is measured: :mod:`lowbit.study.metrics`.
 
+Time to accuracy with ``target_from`` (docs/study.md): in each group the runs that set a target run first;
+the others of their setting and seed take its final validation loss as their target and its learning-rate
+schedule, step by step, as theirs (:meth:`RunConfig.with_target`), from the row every rank has just computed, or,
+when that run finished in an earlier invocation, from the results file (so their keys, which hold the
+target, are known before the group starts and a resumed study skips the finished ones).
+
 Tests inject a crash with ``LOWBIT_STUDY_CRASH_AFTER_RUNS=N``: every rank raises once N runs of this
 invocation are finished and saved.
 """
@@ -44,7 +50,7 @@ from lowbit.study.export import TensorBoardLog
 from lowbit.study.store import ResultStore
 from lowbit.study.train import train_run
 
-__all__ = ["StudyResult", "StudyInterrupted", "run_study", "plan_study", "train_run", "CRASH_ENV"]
+__all__ = ["StudyResult", "StudyInterrupted", "run_study", "plan_study", "resolve_targets", "train_run", "CRASH_ENV"]
 
 CRASH_ENV = "LOWBIT_STUDY_CRASH_AFTER_RUNS"
 
@@ -149,9 +155,16 @@ def _run_group(rank: int, world: int, plan: _GroupPlan) -> int:
 
         tb = TensorBoardLog(plan.tensorboard)
     done = 0
+    targets: dict[str, dict[str, Any]] = {}  # target setting -> row of the run that set it (this group)
     try:
         for rd in plan.runs:
             run = RunConfig.from_dict(rd)
+            if run.awaits_target:  # its target_from run ran first in this group (the plan's order)
+                source = targets.get(run.target_setting())
+                if source is None:
+                    raise RuntimeError(f"the target of {run.describe().strip()} comes from its {run.target_from!r} "
+                                       "run, which did not run before it")
+                run = run.with_target(source)
 
             def on_epoch(row: dict[str, Any], run: RunConfig = run) -> None:
                 store.append({k: v for k, v in row.items() if k != "run"})
@@ -165,6 +178,8 @@ def _run_group(rank: int, world: int, plan: _GroupPlan) -> int:
                     )
 
             row = train_run(run, rank, world, on_epoch=on_epoch, launcher=plan.launcher)
+            if run.is_target_source:  # (every rank computed the same validation losses and schedule)
+                targets[run.target_setting()] = row
             row["study"] = plan.study
             if links is not None:
                 row["env"]["links"] = links  # this group's links, measured before its first run
@@ -173,6 +188,11 @@ def _run_group(rank: int, world: int, plan: _GroupPlan) -> int:
                 store.append(row)
                 s = row["summary"]
                 acc = "synthetic data" if row["labels"]["synthetic"] else f"acc {s['final_test_acc']:.2%}"
+                if run.time_to_accuracy:
+                    acc = f"val loss {s['final_val_loss']:.4f} at {s['tta_train_s']:.1f} s ({s['stop_reason']})"
+                    if s["reached_target"] is not None:
+                        acc += (f", target {s['target_loss'] if s['target_loss'] is not None else s['target_accuracy']:.4g}"
+                                + (f" in {s['time_to_target_s']:.1f} s" if s["reached_target"] else " not reached"))
                 line = (f"  done {run.describe().strip()}: {acc}, "
                         f"{s['samples_per_s']:.0f} samples/s, {s['wall_s']:.1f} s")
                 if bar is not None:
@@ -196,11 +216,26 @@ def _spawn_worker(rank: int, world: int, plan: _GroupPlan) -> int:
 
 # ------------------------------------------------------------------------------------ the study
 def plan_study(cfg: StudyConfig, out_dir: str | os.PathLike[str]) -> tuple[list[RunConfig], set[str], ResultStore]:
-    """(all runs of the grid, keys already finished, the store). Validates everything first."""
+    """(all runs of the grid, keys already finished, the store). Validates everything first. Runs whose
+    ``target_from`` run is finished carry its target (:func:`resolve_targets`); the others still await it."""
     runs = expand_runs(cfg)
     check_runs(runs)
     store = ResultStore(out_dir)
-    return runs, store.finished_keys(), store
+    finished = store.finished()
+    return resolve_targets(runs, finished), set(finished), store
+
+
+def resolve_targets(runs: list[RunConfig], finished: dict[str, dict[str, Any]]) -> list[RunConfig]:
+    """``runs`` with the target of each one whose ``target_from`` run is among the ``finished`` rows (key ->
+    run row), and the runs that set targets first within each group of workers (backend, world size,
+    nodes), the order in which the runner trains them."""
+    sources = {r.target_setting(): finished[r.key()] for r in runs if r.is_target_source and r.key() in finished}
+    out = [r.with_target(sources[r.target_setting()]) if r.awaits_target and r.target_setting() in sources else r
+           for r in runs]
+    group_of: dict[tuple[str, int, int], int] = {}
+    for r in out:
+        group_of.setdefault((r.backend, r.world_size, r.nodes), len(group_of))
+    return sorted(out, key=lambda r: (group_of[(r.backend, r.world_size, r.nodes)], not r.is_target_source))
 
 
 def _check_launchable(runs: list[RunConfig], launcher: str) -> None:
@@ -250,7 +285,7 @@ def run_study(
 
     runs, finished, store = plan_study(cfg, out_dir)
     _check_launchable(runs, "spawn")
-    pending = [r for r in runs if r.key() not in finished]
+    pending = [r for r in runs if r.awaits_target or r.key() not in finished]  # (awaiting: its key is to come)
     skipped = len(runs) - len(pending)
     log(f"lowbit study {cfg.name!r}: {len(runs)} runs in the grid, {skipped} already in {store.path}, "
         f"{len(pending)} to run")
@@ -311,8 +346,9 @@ def _run_under_torchrun(cfg: StudyConfig, out_dir: str | os.PathLike[str], progr
         # Rank 0 owns the results file (it may live on rank 0's machine only): it decides what is pending.
         box: list[Any] = [None]
         if rank == 0:
-            finished = store.finished_keys()
-            box[0] = [r.to_dict() for r in runs if r.key() not in finished]
+            rows = store.finished()
+            runs = resolve_targets(runs, rows)
+            box[0] = [r.to_dict() for r in runs if r.awaits_target or r.key() not in rows]
             log(f"lowbit study {cfg.name!r} under torchrun (K={world}): {len(runs)} runs of this world size, "
                 f"{len(runs) - len(box[0])} already in {store.path}, {len(box[0])} to run")
         dist.broadcast_object_list(box, src=0)

@@ -5,7 +5,9 @@ Rows (one JSON object per line, each with ``kind`` and the run's ``key``):
 * ``{"kind": "epoch", "key", "attempt", "epoch", ...metrics}`` — written when an epoch ends, so an
   interrupted run keeps what it measured;
 * ``{"kind": "run", "key", "attempt", "config", "env", "summary", "epochs": [...]}`` — written when a
-  run ends. A key with a ``run`` row is finished; a resumed study skips it.
+  run ends (time-to-accuracy runs add ``"curve": [...]``, their validation points, and the run that sets
+  a target ``"schedule": [...]``, its learning-rate schedule's progress at each step). A key with a ``run``
+  row is finished; a resumed study skips it.
 
 Every append is one ``write`` of a whole line, then ``flush`` and ``fsync``: a crash or Ctrl-C loses at
 most the line being written. A truncated last line (the crash case) is ignored on read, and the next
@@ -146,18 +148,28 @@ _CONFIG_OPTIONAL = {"nodes": "int>=1", "sub_batches": "int>=1", "max_steps_per_e
                     "threads_per_worker": "int>=0", "lr": "num", "momentum": "num", "weight_decay": "num",
                     "error_feedback": "bool", "dataset_args": "dict", "model_args": "dict", "policy": "dict",
                     "device": "str", "optimizer": "str", "lr_schedule": "str", "batch_preset": "str",
-                    "parallelism": "str", "emulate_link": "str?"}
+                    "parallelism": "str", "emulate_link": "str?",
+                    # time to accuracy
+                    "time_budget_s": "num?", "target_loss": "num?", "target_accuracy": "num?", "target_from": "str?",
+                    "eval_every": "int>=0", "eval_every_s": "num", "eval_samples": "int>=0",
+                    "warmup": "num", "autocast": "str?"}
 _SUMMARY = {"diverged": "bool", "timed_epochs": "ints", "auto_plan": "dict?", **{k: "num?" for k in (
     "best_test_acc", "bytes_per_step_per_rank", "comm_comp_ratio", "compressed_fraction", "compressed_params",
     "epoch_comm_s", "epoch_compute_s", "epoch_decode_s", "epoch_encode_s", "epoch_exposed_comm_s",
     "epoch_train_s", "final_test_acc", "final_test_loss", "final_test_top5", "final_train_loss",
     "gflop_per_sample", "global_batch", "n_test", "n_train", "num_classes", "params", "samples_per_s",
-    "samples_per_s_all_epochs", "steps_per_epoch", "train_s", "wall_s")}}
+    "samples_per_s_all_epochs", "steps_per_epoch", "train_s", "wall_s",
+    # time to accuracy (runs with a target, a budget or an evaluation cadence)
+    "target_loss", "target_accuracy", "time_to_target_s", "steps_to_target", "samples_to_target", "time_budget_s",
+    "schedule_steps", "steps", "tta_train_s", "eval_s", "agree_s", "eval_points", "eval_samples", "final_val_loss",
+    "final_val_acc", "best_val_loss")}, "reached_target": "bool?", "stop_reason": "str", "target_from": "str?"}
 _EPOCH = {"epoch": "int", **{k: "num?" for k in (
     "bytes_per_step_per_rank", "bytes_sent_per_rank", "comm_s", "compute_s", "decode_s", "encode_s", "eval_s",
     "exposed_comm_s", "lr", "samples", "samples_per_s", "steps", "test_acc", "test_loss", "test_top5",
     "train_loss", "train_s", "wall_s")}}
 _LABELS = {"codec": "str", "data": "str", "task": "str", "synthetic": "bool"}
+#: A point of a time-to-accuracy run's validation curve (the row's ``curve``).
+_POINT = {"step": "int>=0", "epoch": "int>=0", **{k: "num?" for k in ("train_s", "samples", "val_loss", "val_acc", "lr")}}
 _TOP = {"study": "str", "finished": "str", "started": "str"}
 
 
@@ -233,6 +245,18 @@ def _malformed(row: dict[str, Any]) -> str:
         if not isinstance(e, dict):
             return f"epochs[{i}] must be an object, got {type(e).__name__}"
         problem = _check(e, _EPOCH, f"epochs[{i}].")
+        if problem:
+            return problem
+    schedule = row.get("schedule", [])
+    if not isinstance(schedule, list) or not all(_is_num(p) for p in schedule):
+        return f"schedule must be a list of numbers, got {_short(schedule)}"
+    curve = row.get("curve", [])
+    if not isinstance(curve, list):
+        return f"curve must be a list, got {type(curve).__name__}"
+    for i, point in enumerate(curve):
+        if not isinstance(point, dict):
+            return f"curve[{i}] must be an object, got {type(point).__name__}"
+        problem = _check(point, _POINT, f"curve[{i}].", required=True)
         if problem:
             return problem
     loads = row.get("env", {}).get("loadavg_at_start")

@@ -31,7 +31,7 @@ from lowbit.policy import Policy
 from lowbit.study.config import RunConfig
 from lowbit.study.metrics import TailClock, environment, fwd_bwd_gflop_per_sample
 
-__all__ = ["train_run", "timed_epochs", "make_optimizer", "now"]
+__all__ = ["train_run", "timed_epochs", "make_optimizer", "now", "lr_factor", "validation_subset", "time_to_target"]
 
 _METRIC_FIELDS = ("train_s", "exposed_comm_s", "encode_s", "comm_s", "decode_s", "bytes_sent", "loss_sum",
                   "steps", "samples", "calls")
@@ -181,8 +181,10 @@ class _Trainer:
         else:
             self.state = lowbit.ddp.register(ddp, config=options)
         # The study reports the encode / communicate / decode split (on CUDA this synchronises the
-        # device around each phase, as a profiler does; training outside the study never pays it).
-        self.state.stats.timing = True
+        # device around each phase, as a profiler does; training outside the study never pays it). Not in
+        # a time-to-accuracy run on CUDA: its clock is the result, and PyTorch's hooks beside it pay no such
+        # synchronisations (the split is then not measured: NaN).
+        self.state.stats.timing = not (run.time_to_accuracy and cuda)
         if self.state.auto is not None:
             self.compressed = 0  # until auto decides (see auto_plan in the summary)
         else:
@@ -214,7 +216,8 @@ class _Trainer:
     def step(self, x: torch.Tensor, y: torch.Tensor, opt: torch.optim.Optimizer, clock: TailClock) -> torch.Tensor:
         if self.hybrid is not None:  # (zeroes, backward and steps the optimiser itself)
             return self.hybrid.train_step(x, y, _loss, opt)
-        loss = _loss(self.net(x), y)
+        with self._autocast():
+            loss = _loss(self.net(x), y)
         opt.zero_grad(set_to_none=True)
         clock.start()
         loss.backward()
@@ -241,7 +244,7 @@ class _Trainer:
         s0, c0 = before
         if self.state is not None and s0 is not None:
             s1 = self.state.stats
-            timed = getattr(self.state, "timed", True)  # (PyTorch's hooks do not time their phases: NaN)
+            timed = s1.timing  # (off: PyTorch's hooks, and time-to-accuracy runs on CUDA: not measured, NaN)
             m["encode_s"] = s1.t_encode - s0.t_encode if timed else math.nan
             m["comm_s"] = s1.t_comm - s0.t_comm if timed else math.nan
             m["decode_s"] = s1.t_decode - s0.t_decode if timed else math.nan
@@ -251,7 +254,15 @@ class _Trainer:
             m["bytes_sent"] += self.comm.stats.bytes_sent - c0.bytes_sent
             m["calls"] += self.comm.stats.calls - c0.calls
 
+    def _autocast(self) -> Any:
+        """The forward pass's autocast (``run.autocast``: "bf16" on CUDA), a no-op otherwise."""
+        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.run.autocast == "bf16")
+
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float]:
+        with self._autocast():
+            return self._evaluate(x, y)
+
+    def _evaluate(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float]:
         if self.hybrid is not None:  # every rank's rows, in equal numbers (the gathers need them)
             n_eq = x.shape[0] - x.shape[0] % self.world
             return _evaluate(self.hybrid, x[:n_eq], y[:n_eq], self.rank, self.world, self.device)
@@ -326,7 +337,22 @@ def _schedule(run: RunConfig, opt: torch.optim.Optimizer, total_steps: int) -> t
     if run.lr_schedule == "cosine":
         return torch.optim.lr_scheduler.LambdaLR(
             opt, lambda t: 0.5 * (1 + math.cos(math.pi * min(t, total_steps) / total_steps)))
+    if run.lr_schedule == "warmup_cosine":
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda t: lr_factor(run, t / total_steps))
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0)
+
+
+def lr_factor(run: RunConfig, progress: float) -> float:
+    """The learning rate's multiplier at ``progress`` (0 to 1) through the run's schedule: ``cosine`` from 1
+    to 0; ``warmup_cosine`` linear from 0 to 1 over the first ``warmup`` share, then cosine to 0;
+    ``constant`` 1."""
+    p = min(max(progress, 0.0), 1.0)
+    if run.lr_schedule == "constant":
+        return 1.0
+    if run.lr_schedule == "warmup_cosine" and p < run.warmup:
+        return p / run.warmup
+    w = run.warmup if run.lr_schedule == "warmup_cosine" else 0.0
+    return 0.5 * (1 + math.cos(math.pi * (p - w) / (1 - w)))
 
 
 def _train_epoch(trainer: _Trainer, loader: Any, steps: int, opt: torch.optim.Optimizer, sched: Any,
@@ -382,6 +408,167 @@ def _epoch_record(epoch: int, g: dict[str, float], test: tuple[float, float, flo
         "eval_s": eval_s,
         "wall_s": wall_s,
     }
+
+
+# ------------------------------------------------------------------------------------ time to accuracy
+def validation_subset(x: torch.Tensor, y: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fixed held-out subset a time-to-accuracy run validates on: ``n`` test samples evenly spaced
+    over the test split (all of them when ``n`` is 0 or more than there are), the same for every run."""
+    if not n or n >= x.shape[0]:
+        return x, y
+    idx = torch.linspace(0, x.shape[0] - 1, n).round().long()  # (n,) distinct: the spacing is >= 1
+    return x[idx], y[idx]
+
+
+def time_to_target(curve: list[dict[str, Any]], target_loss: float | None,
+                   target_accuracy: float | None) -> dict[str, Any] | None:
+    """The first validation point of ``curve`` that meets the target (validation loss at most
+    ``target_loss``, or accuracy at least ``target_accuracy``); None when none does."""
+    for point in curve:
+        loss, acc = point.get("val_loss"), point.get("val_acc")
+        if target_loss is not None and isinstance(loss, (int, float)) and loss <= target_loss:
+            return point
+        if target_accuracy is not None and isinstance(acc, (int, float)) and acc >= target_accuracy:
+            return point
+    return None
+
+
+class _ToTarget:
+    """A time-to-accuracy run on this rank: trains step by step until the target is met, the budget of
+    training seconds is spent, the learning-rate schedule ends (``run.schedule``) or the epochs run out,
+    validating on a fixed subset on the way.
+
+    The clock is the training steps' time only (each step timed between device synchronisations, as every
+    study run is): validations (``eval_s``) and the ranks' agreement (``agree_s``) are outside it. Every
+    rank stops at the same step: a validation's numbers are summed over the ranks, and when the clock
+    decides anything (a budget, ``eval_every_s``, a schedule over the budget) the ranks take the slowest
+    rank's clock, one small all-reduce after each step, so the decisions are identical everywhere."""
+
+    def __init__(self, run: RunConfig, trainer: _Trainer, world: int, device: torch.device,
+                 steps_per_epoch: int, x_val: torch.Tensor, y_val: torch.Tensor) -> None:
+        self.run, self.trainer, self.world, self.device = run, trainer, world, device
+        self.steps_per_epoch, self.x_val, self.y_val = steps_per_epoch, x_val, y_val
+        self.agree = world > 1 and (run.time_budget_s is not None or run.eval_every_s > 0)
+        self.local = 0.0       # this rank's training seconds
+        self.clock = 0.0       # the agreed training seconds (the slowest rank's)
+        self.step = 0
+        self.samples = 0.0     # global samples trained
+        self.eval_s = self.agree_s = 0.0
+        self.curve: list[dict[str, Any]] = []
+        self.schedule: list[float] = []  # the schedule's progress at each step (what with_target replays)
+        self.next_eval_s = run.eval_every_s
+        self.stop = ""
+        self.self_target = run.is_target_source  # its own final loss is its target (known at the end)
+
+    def progress(self) -> float:
+        """How far through the learning-rate schedule: the target's run's at this step (``run.schedule``),
+        else by the budget's training seconds, else by the epochs' steps."""
+        run = self.run
+        if run.schedule:
+            return run.schedule[self.step] if self.step < len(run.schedule) else 1.0
+        if run.time_budget_s is not None:
+            return self.clock / run.time_budget_s
+        return self.step / (self.steps_per_epoch * run.epochs)
+
+    def _agree(self) -> None:
+        if not self.agree:
+            self.clock = self.local
+            return
+        t0 = time.perf_counter()
+        t = torch.tensor([self.local], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        self.clock = float(t.item())
+        self.agree_s += time.perf_counter() - t0
+
+    def validate(self, epoch: int, lr: float) -> tuple[float, float, float]:
+        t0 = time.perf_counter()
+        loss, acc, top5 = self.trainer.evaluate(self.x_val, self.y_val)
+        self.eval_s += time.perf_counter() - t0
+        self.curve.append({"step": self.step, "train_s": self.clock, "samples": self.samples, "epoch": epoch,
+                           "val_loss": loss, "val_acc": acc, "lr": lr})
+        if not self.self_target and time_to_target(self.curve[-1:], self.run.target_loss,
+                                                   self.run.target_accuracy) is not None:
+            self.stop = "target"
+        return loss, acc, top5
+
+    def epoch(self, epoch: int, loader: Any, opt: torch.optim.Optimizer, clock: TailClock) -> dict[str, Any]:
+        """One pass over the data (or what is left of the run): the epoch's row."""
+        run, trainer, cuda = self.run, self.trainer, self.device.type == "cuda"
+        t_epoch, eval_before = time.perf_counter(), self.eval_s
+        before = trainer.counters()
+        m = dict.fromkeys(_METRIC_FIELDS, 0.0)
+        trainer.net.train()
+        lr = opt.param_groups[0]["lr"]
+        for i, (x, y) in enumerate(loader):
+            if i >= self.steps_per_epoch:
+                break
+            progress = self.progress()
+            self.schedule.append(round(progress, 7))
+            lr = run.lr * lr_factor(run, progress)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            t0 = time.perf_counter()
+            loss = trainer.step(x, y, opt, clock)
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            dt = time.perf_counter() - t0
+            trainer.after_step()
+            m["train_s"] += dt
+            m["exposed_comm_s"] += clock.tail_s() if self.world > 1 else 0.0
+            m["loss_sum"] += float(loss.detach())
+            m["steps"] += 1
+            m["samples"] += trainer.samples(x)
+            self.local += dt
+            self.step += 1
+            self.samples += trainer.samples(x) * self.world  # (samples() is this rank's share)
+            self._agree()
+            due = bool(run.eval_every and self.step % run.eval_every == 0)
+            if run.eval_every_s and self.clock >= self.next_eval_s:
+                due = True
+                while self.next_eval_s <= self.clock:
+                    self.next_eval_s += run.eval_every_s
+            if due:
+                self.validate(epoch + 1, lr)
+            if not self.stop and run.time_budget_s is not None and self.clock >= run.time_budget_s:
+                self.stop = "budget"
+            if not self.stop and run.schedule and self.step >= len(run.schedule):
+                self.stop = "schedule"
+            if self.stop:
+                break
+        trainer.add_counters(m, before)
+        g = _mean_over_ranks(m, self.world, self.device)
+        if self.curve and self.curve[-1]["step"] == self.step:  # validated at this step already
+            last = self.curve[-1]
+            test = (last["val_loss"], last["val_acc"], math.nan)
+        else:  # the epoch's (or the run's) end
+            test = self.validate(epoch + 1, lr)
+        return _epoch_record(epoch + 1, g, test, lr, self.eval_s - eval_before, time.perf_counter() - t_epoch)
+
+    def summary(self) -> dict[str, Any]:
+        """What the run adds to its summary: the target, when and whether it was met, the stop, the clock."""
+        run, curve = self.run, self.curve
+        target_loss, target_acc = run.target_loss, run.target_accuracy
+        if self.self_target:  # the run that sets its setting's target: its own final validation loss
+            target_loss = curve[-1]["val_loss"] if curve else None
+        hit = time_to_target(curve, target_loss, target_acc) if target_loss is not None or target_acc is not None \
+            else None
+        losses = [p["val_loss"] for p in curve if isinstance(p["val_loss"], float) and math.isfinite(p["val_loss"])]
+        return {
+            "target_loss": target_loss, "target_accuracy": target_acc, "target_from": run.target_from,
+            "reached_target": hit is not None if (target_loss is not None or target_acc is not None) else None,
+            "time_to_target_s": hit["train_s"] if hit else None,
+            "steps_to_target": hit["step"] if hit else None,
+            "samples_to_target": hit["samples"] if hit else None,
+            "stop_reason": self.stop or "epochs", "time_budget_s": run.time_budget_s,
+            "schedule_steps": len(run.schedule) or None,
+            "steps": self.step, "tta_train_s": self.clock, "eval_s": self.eval_s, "agree_s": self.agree_s,
+            "eval_points": len(curve), "eval_samples": int(self.x_val.shape[0]),
+            "final_val_loss": curve[-1]["val_loss"] if curve else None,
+            "final_val_acc": curve[-1]["val_acc"] if curve else None,
+            "best_val_loss": min(losses) if losses else None,
+        }
 
 
 def _steady_from(run: RunConfig, world: int, auto: Any) -> int:
@@ -441,18 +628,27 @@ def train_run(
     clock = TailClock(model.parameters() if trainer.comm is None else [], device.type == "cuda")
     epochs: list[dict[str, Any]] = []
     attempt, key = uuid.uuid4().hex[:12], run.key()
+    tta = None
+    if run.time_to_accuracy:  # stop at the target or the budget, validating on a fixed subset
+        tta = _ToTarget(run, trainer, world, device, steps, *validation_subset(x_te, y_te, run.eval_samples))
     try:
         for epoch in range(run.epochs):
-            t_epoch = time.perf_counter()
             loader.set_epoch(epoch)
-            g = _mean_over_ranks(_train_epoch(trainer, loader, steps, opt, sched, clock, world, device), world, device)
-            t_eval = time.perf_counter()
-            test = trainer.evaluate(x_te, y_te)
-            rec = _epoch_record(epoch + 1, g, test, opt.param_groups[0]["lr"], time.perf_counter() - t_eval,
-                                time.perf_counter() - t_epoch)
+            if tta is not None:
+                rec = tta.epoch(epoch, loader, opt, clock)
+            else:
+                t_epoch = time.perf_counter()
+                g = _mean_over_ranks(_train_epoch(trainer, loader, steps, opt, sched, clock, world, device), world,
+                                     device)
+                t_eval = time.perf_counter()
+                test = trainer.evaluate(x_te, y_te)
+                rec = _epoch_record(epoch + 1, g, test, opt.param_groups[0]["lr"], time.perf_counter() - t_eval,
+                                    time.perf_counter() - t_epoch)
             epochs.append(rec)
             if on_epoch is not None and rank == 0:
                 on_epoch({"kind": "epoch", "key": key, "attempt": attempt, "run": run, **rec})
+            if tta is not None and tta.stop:
+                break
     finally:
         clock.remove()
 
@@ -463,6 +659,8 @@ def train_run(
         compressed = sum(r["numel"] for r in decision.rows if r["codec"] != "fp32")
     summary = _summary(epochs, steps, t_run, params, compressed, gflop, run, world, data.num_classes,
                        int(x_tr.shape[0]), int(x_te.shape[0]), _steady_from(run, world, auto))
+    if tta is not None:
+        summary.update(tta.summary())
     if auto is not None:
         summary["auto_plan"] = None if decision is None else {
             "values_per_codec": {c: sum(r["numel"] for r in decision.rows if r["codec"] == c)
@@ -480,6 +678,8 @@ def train_run(
         "env": env,
         "summary": summary,
         "epochs": epochs,
+        **({"curve": tta.curve} if tta is not None else {}),
+        **({"schedule": tta.schedule} if tta is not None and run.is_target_source else {}),
         "started": started,
         "finished": now(),
     }
