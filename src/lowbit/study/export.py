@@ -1,9 +1,12 @@
 """Study results where users already look: CSV files (spreadsheets, pandas) and TensorBoard.
 
 * :func:`write_csv` — ``runs.csv`` (one row per finished run: its configuration, labels and every scalar
-  of its summary) and ``epochs.csv`` (one row per epoch of every finished run: the run's configuration
-  and the epoch's measurements). ``lowbit study report`` writes both beside ``index.html``;
+  of its summary; time-to-accuracy runs also their ratios to the references, ``tta_x_vs_torch_fp16``, ...)
+  and ``epochs.csv`` (one row per epoch of every finished run: the run's configuration and the epoch's
+  measurements). ``lowbit study report`` writes both beside ``index.html``;
   ``lowbit study export RESULTS --csv DIR`` writes them anywhere.
+* :func:`write_curves_csv` — ``curves.csv``: every validation point of the time-to-accuracy runs (when
+  there are any), with the run's configuration.
 * :class:`TensorBoardLog` — one TensorBoard run per study run (its directory named after the run),
   scalars per epoch under ``accuracy/``, ``loss/``, ``speed/``, ``time/`` and ``comm/``, the run's
   configuration as text. ``lowbit study --tensorboard DIR`` logs live as epochs end (rank 0);
@@ -24,8 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from lowbit.extras import require
+from lowbit.study.tta import run_ratios
 
-__all__ = ["write_csv", "TensorBoardLog", "export_tensorboard", "output_folder", "RUN_FIELDS", "EPOCH_SCALARS"]
+__all__ = ["write_csv", "write_curves_csv", "TensorBoardLog", "export_tensorboard", "output_folder", "RUN_FIELDS",
+           "EPOCH_SCALARS"]
 
 #: The configuration columns that lead both CSV files (then every other config field, sorted).
 RUN_FIELDS = ("key", "study", "network", "dataset", "codec", "label", "algorithm", "error_feedback", "world_size",
@@ -102,14 +107,17 @@ def write_csv(runs: list[dict[str, Any]], out_dir: str | os.PathLike[str]) -> tu
     cfg_cols = _config_columns(runs)
     summary_cols = sorted({k for r in runs for k, v in r["summary"].items() if _scalar(v)})
     label_cols = sorted({k for r in runs for k, v in r.get("labels", {}).items() if _scalar(v)} - {"codec"})
+    ratios = run_ratios(runs)  # time to accuracy: x times sooner than each reference (none: no columns)
+    ratio_cols = sorted({k for v in ratios.values() for k in v})
     run_rows = []
     for r in runs:
         row = {k: r.get(k) for k in cfg_cols}
         row.update({f"labels.{k}": r["labels"].get(k) for k in label_cols})
         row.update({k: r["summary"].get(k) for k in summary_cols})
+        row.update(ratios.get(r["key"], {}))
         run_rows.append(row)
     runs_path = out / "runs.csv"
-    _write(runs_path, [*cfg_cols, *(f"labels.{k}" for k in label_cols), *summary_cols], run_rows)
+    _write(runs_path, [*cfg_cols, *(f"labels.{k}" for k in label_cols), *summary_cols, *ratio_cols], run_rows)
 
     epoch_cols = sorted({k for r in runs for e in r["epoch_rows"] for k, v in e.items() if _scalar(v)} - {"epoch"})
     epoch_rows = []
@@ -119,6 +127,27 @@ def write_csv(runs: list[dict[str, Any]], out_dir: str | os.PathLike[str]) -> tu
     epochs_path = out / "epochs.csv"
     _write(epochs_path, [*cfg_cols, "epoch", *epoch_cols], epoch_rows)
     return runs_path, epochs_path
+
+
+#: A validation point's columns in curves.csv, after the run's configuration.
+CURVE_FIELDS = ("step", "epoch", "train_s", "samples", "val_loss", "val_acc", "lr")
+
+
+def write_curves_csv(runs: list[dict[str, Any]], out_dir: str | os.PathLike[str]) -> Path | None:
+    """``curves.csv`` of the time-to-accuracy runs in ``runs`` (rows of ``load_runs``): one row per validation
+    point, the run's configuration first; None (and no file) when no run has a curve."""
+    with_curve = [r for r in runs if r.get("curve")]
+    if not with_curve:
+        return None
+    out = output_folder(out_dir, "CSV folder")
+    out.mkdir(parents=True, exist_ok=True)
+    cfg_cols = _config_columns(with_curve)
+    point_cols = [f"{k}_at_point" if k in cfg_cols else k for k in CURVE_FIELDS]  # (lr: the run's, and then)
+    rows = [{**{k: r.get(k) for k in cfg_cols}, **{c: p.get(k) for c, k in zip(point_cols, CURVE_FIELDS)}}
+            for r in with_curve for p in r["curve"]]
+    path = out / "curves.csv"
+    _write(path, [*cfg_cols, *point_cols], rows)
+    return path
 
 
 def _run_dir(key: str, config: dict[str, Any] | None) -> str:

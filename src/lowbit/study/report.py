@@ -13,6 +13,11 @@ Sections (seed figure in brackets):
 6. Price vs accuracy [Figure 16 left] and speedup over fp32 against the communication/computation
    ratio with the seed's projection curve [Figure 16 right].
 
+Time-to-accuracy runs (a target, a budget: docs/study.md) add a section before these: validation loss (or
+accuracy) against training seconds, one panel per setting (network, data, workers, link), and a table of
+the time each configuration took to reach the target, with its ratio to PyTorch's fp16 hook and PowerSGD's
+(:mod:`lowbit.study.tta`).
+
 Synthetic-data runs appear only in the speed sections, labelled SYNTHETIC everywhere; their accuracy
 means nothing and is never reported. Only finished runs are used; epochs of interrupted attempts are
 counted and mentioned. Plots are drawn with matplotlib's Agg canvas (no window, no pyplot state).
@@ -35,8 +40,9 @@ from lowbit.extras import require
 from lowbit.perfmodel.projection import projection_curve, speedup_bound
 from lowbit.study import seed_data
 from lowbit.study.config import codec_label, policy_label
-from lowbit.study.export import output_folder, write_csv
+from lowbit.study.export import output_folder, write_csv, write_curves_csv
 from lowbit.study.store import read_runs, resolve_results_path
+from lowbit.study.tta import references, setting_title, tta_metric, tta_runs, tta_setting, tta_table
 
 __all__ = ["write_report", "load_runs", "accuracy_matches", "MATCH_POINTS", "DEFAULT_PRICE_PER_GPU_HOUR"]
 
@@ -67,7 +73,7 @@ def load_runs(results: str | os.PathLike[str], *, strict: bool = False) -> tuple
         cfg.setdefault("sub_batches", 1)
         r = {**cfg, "key": row["key"], "summary": row.get("summary", {}), "epoch_rows": row.get("epochs", []),
              "labels": row.get("labels", {}), "env": row.get("env", {}), "study": row.get("study", ""),
-             "finished": row.get("finished", "")}
+             "finished": row.get("finished", ""), "curve": row.get("curve") or []}
         r["label"] = codec_label(cfg["codec"], bool(cfg.get("error_feedback"))) + policy_label(cfg["policy"])
         if cfg["parallelism"] != "data":  # the codec carries activations too: say which parallelism
             r["label"] += f" [{cfg['parallelism']}" + (f", {cfg['sub_batches']} sub-batches" if cfg["sub_batches"] > 1
@@ -511,6 +517,113 @@ def _plot_speedup_ratio(runs: list[dict[str, Any]], out: Path) -> str | None:
     return _save(fig, out, "fig16_speedup_ratio.png")
 
 
+def _plot_time_to_accuracy(runs: list[dict[str, Any]], out: Path) -> str | None:
+    """Validation loss (or accuracy) against training seconds: one panel per setting, every configuration
+    (one line per seed), the target dashed, each run's arrival at it marked ●, a run that never reached it
+    ending in ×."""
+    rs = tta_runs(runs)
+    if not rs:
+        return None
+    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in rs:
+        groups[tta_setting(r)].append(r)
+    panels = sorted(groups.values(), key=lambda g: setting_title(g[0]))
+    labels = _order((r["label"], r["bits"]) for r in rs)
+    colors = _colors(labels)
+    fig, axes = _figure(len(panels), width=6.0, height=4.2, max_cols=2)
+    for ax, group in zip(axes, panels):
+        metric = tta_metric(group)
+        field, scale = ("val_acc", 100.0) if metric == "accuracy" else ("val_loss", 1.0)
+        seen: set[str] = set()
+        for r in sorted(group, key=lambda r: labels.index(r["label"])):
+            pts = [(p["train_s"], p[field] * scale) for p in r["curve"]
+                   if isinstance(p.get("train_s"), (int, float)) and isinstance(p.get(field), (int, float))]
+            if not pts:
+                continue
+            s, color = r["summary"], colors[r["label"]]
+            ax.plot([x for x, _ in pts], [y for _, y in pts], color=color, lw=1.3 if r["label"] in seen else 1.6,
+                    marker="o", ms=2, label=None if r["label"] in seen else r["label"])
+            seen.add(r["label"])
+            hit = s.get("time_to_target_s")
+            if s.get("reached_target") and isinstance(hit, (int, float)):
+                y = next((v for x, v in pts if x == hit), pts[-1][1])
+                ax.plot([hit], [y], marker="o", ms=7, mfc=color, mec="k", ls="none", zorder=5)
+            elif s.get("reached_target") is False:
+                ax.plot([pts[-1][0]], [pts[-1][1]], marker="X", ms=8, color=color, mec="k", ls="none", zorder=5,
+                        gid=f"not reached: {r['label']}")
+        targets = sorted({round(float(t) * scale, 6) for r in group
+                          for t in [r["summary"].get("target_accuracy" if metric == "accuracy" else "target_loss")]
+                          if isinstance(t, (int, float))})
+        for t in targets:
+            ax.axhline(t, color="k", ls="--", lw=0.9, alpha=0.7)
+        if targets:
+            ax.text(0.99, 0.99, f"target{'s' if len(targets) > 1 else ''} (dashed): "
+                    + ", ".join(f"{t:.4g}" for t in targets), transform=ax.transAxes, ha="right", va="top",
+                    fontsize=7)
+        finals = [y for r in group for p in r["curve"][-1:] for y in [p.get(field)] if isinstance(y, (int, float))]
+        if metric == "loss" and finals:  # the start of training is far above: zoom on where the target is
+            lo, hi = min(finals + targets), max(finals + targets)
+            pad = max(0.05 * hi, (hi - lo))
+            ax.set_ylim(lo - 0.3 * pad, hi + 2.5 * pad)
+        ax.set_title(setting_title(group[0]), fontsize=8.5)
+        ax.set_xlabel("training seconds (validation excluded)")
+        ax.set_ylabel("validation accuracy (%)" if metric == "accuracy" else "validation loss")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6.5, loc="upper right" if metric == "loss" else "lower right", bbox_to_anchor=(1, 0.93))
+    return _save(fig, out, "tta_validation_vs_time.png")
+
+
+def _tta_section(runs: list[dict[str, Any]], fig: str | None) -> str:
+    rows = tta_table(runs)
+    if not rows:
+        return ""
+    refs = references(tta_runs(runs))
+    ref_names = {r["codec"]: r["label"] for r in rows}
+    parts = ["<h2>Time to accuracy</h2>",
+             "<p class='note'>Validation on a fixed held-out subset against the training clock (each step timed "
+             "between device synchronisations; validation time left out). The target (dashed) is the run's "
+             "<code>target_loss</code> / <code>target_accuracy</code>, or, with <code>target_from</code>, the final "
+             "validation loss of that configuration's run at the same setting and seed. ● where a run first met "
+             "it; × a run that never did (it stopped at its budget or at the end of its schedule).</p>",
+             _img(fig, "validation against training seconds")]
+    header = ["setting", "configuration", "target", "time to target (s)", "steps to target", "final val"]
+    header += [f"× sooner than {ref_names.get(ref, ref)}" for ref in refs] + ["stopped"]
+    lines, classes = [], []
+    for r in rows:
+        never = r["reached"] == 0
+        if never:
+            ttt = "not reached"
+        else:
+            ttt = f"{r['time_to_target_s']:.1f}" + (f" ± {r['time_sd']:.1f}" if r["time_sd"] is not None else "")
+            if r["reached"] < r["seeds"]:
+                ttt += f" ({r['reached']} of {r['seeds']} seeds reached it)"
+            elif r["seeds"] > 1:
+                ttt += f" (n={r['seeds']})"
+        cells = [r["setting"], r["label"] + (" (sets the target)" if r["sets_target"] else ""),
+                 "—" if r["target"] is None else f"{r['target']:.4g}", ttt,
+                 "—" if r["steps_to_target"] is None else f"{r['steps_to_target']:.0f}",
+                 "—" if r["final_val"] is None else f"{r['final_val']:.4g}"]
+        for ref in refs:
+            ratio, n = r["ratios"].get(ref, (None, 0))
+            cells.append("—" if r["codec"] == ref else "not reached" if never else
+                         "—" if ratio is None else f"{ratio:.2f}x" + (f" (n={n})" if n > 1 else ""))
+        cells.append(", ".join(r["stops"]))
+        lines.append(cells)
+        fp16 = (r["ratios"].get(refs[0]) or (None, 0))[0] if refs else None
+        classes.append("bad" if never else "base" if r["codec"] in refs else "ok" if fp16 and fp16 >= 1 else "")
+    parts.append(_table(header, lines, left=2, classes=classes))
+    parts.append("<p class='note'>Time to target: training seconds until the first validation that met the target "
+                 "(mean over the seeds that reached it; validations are every <code>eval_every</code> steps or "
+                 "<code>eval_every_s</code> seconds, so this is the first validation at or after the moment, not the "
+                 "moment itself). × sooner: the reference's time to target over this configuration's, at the same "
+                 "setting and seed, then averaged over seeds (above 1: this configuration is faster); only seeds where "
+                 "both reached the target count. <b>not reached</b>: the run stopped (budget, end of its learning-rate "
+                 "schedule, epochs) above the target. The runs are in <a href='runs.csv'>runs.csv</a> "
+                 "(<code>time_to_target_s</code>, <code>steps_to_target</code>, <code>reached_target</code>, "
+                 "<code>tta_x_vs_…</code>) and their curves in <a href='curves.csv'>curves.csv</a>.</p>")
+    return "\n".join(parts)
+
+
 # ------------------------------------------------------------------------------------ HTML
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:1.5em auto;max-width:1300px;color:#222}
@@ -703,10 +816,11 @@ def write_report(
     if price_per_gpu_hour <= 0:
         raise ValueError(f"--price-per-gpu-hour must be > 0, got {price_per_gpu_hour}")
     outdir.mkdir(parents=True, exist_ok=True)
-    for old in outdir.glob("fig*.png"):
+    for old in [*outdir.glob("fig*.png"), *outdir.glob("tta*.png")]:
         old.unlink()
 
     write_csv(runs, outdir)  # runs.csv, epochs.csv: the same runs as tables
+    write_curves_csv(runs, outdir)  # curves.csv: time-to-accuracy runs' validation points (when there are any)
 
     figs = {
         "acc": _plot_accuracy(runs, outdir, "test_acc", "test accuracy (%)", "fig5_accuracy.png"),
@@ -716,6 +830,7 @@ def write_report(
         "scal": _plot_scalability(runs, outdir),
         "price": _plot_price(runs, outdir, price_per_gpu_hour),
         "ratio": _plot_speedup_ratio(runs, outdir),
+        "tta": _plot_time_to_accuracy(runs, outdir),
     }
     synthetic = any(r["synthetic"] for r in runs)
     on_cpu = all(r.get("device") != "cuda" for r in runs)
@@ -742,7 +857,8 @@ def write_report(
     if synthetic:
         h.append("<p class='note'><b>SYNTHETIC</b>: some runs train on random inputs (labelled SYNTHETIC); they "
                  "measure speed only and are left out of every accuracy table and plot.</p>")
-    h += ["<h2>1. Which codecs match fp32 within 0.5 points (Sec. 5.1)</h2>", _match_section(runs),
+    h += [_tta_section(runs, figs["tta"]),
+          "<h2>1. Which codecs match fp32 within 0.5 points (Sec. 5.1)</h2>", _match_section(runs),
           "<h2>2. Accuracy per epoch (Figure 5)</h2>",
           "<p class='note'>Test accuracy after each epoch, mean over seeds (band: ± one standard deviation). "
           "Cyan = 32bit, as in the seed. The accuracy axes are zoomed on the final accuracies: an epoch whose "
