@@ -363,12 +363,9 @@ def network_profile(network: str, params: int) -> tuple[tuple[float, float], ...
 
 
 def run_layers(run: RunRecord, compute_s: float = 1.0) -> tuple[list[Layer], list[str]]:
-    """The run's network as model layers, and the codec spec each one travels with.
-
-    Layers follow :func:`network_profile`, with ``compute_s`` spread over them by FLOPs; each layer's
-    parameters split into the part the run's codec compresses (``compressed_params``) and an fp32 part
-    (biases, small tensors: the native allreduce), as ``lowbit.ddp``'s hook sends them.
-    """
+    """The run's network as model layers (:func:`network_profile`, ``compute_s`` spread by FLOPs), and the
+    codec spec each travels with: each layer's parameters split into the part the run's codec compresses
+    (``compressed_params``) and an fp32 part (biases, small tensors), as ``lowbit.ddp``'s hook sends them."""
     comp_frac = (run.compressed_params if run.codec_name != "fp32" and run.world > 1 else 0) / max(run.params, 1)
     layers: list[Layer] = []
     specs: list[str] = []
@@ -398,12 +395,9 @@ def run_groups(run: RunRecord) -> list[tuple[str, str, int, int]]:
 
 
 def pure_compute_s(run: RunRecord) -> float:
-    """The run's compute per step without the encoding done inside the backward pass.
-
-    lowbit's hook encodes a message on the training thread as soon as its last gradient is handed over,
-    so with M messages the encoding of all but the last happens while gradients are still being computed
-    and lands in the measured compute; the speed model adds encoding separately.
-    """
+    """The run's compute per step without the encoding done inside the backward pass: the hook encodes a
+    message on the training thread once its last gradient is handed over, so with M messages the encoding of
+    all but the last lands in the measured compute (the speed model adds encoding separately)."""
     if run.codec_name == "fp32":
         return max(run.compute_s, 0.0)
     m = max(1, sum(1 for spec, _, _, _ in run_groups(run) if spec == run.codec))
@@ -413,14 +407,10 @@ def pure_compute_s(run: RunRecord) -> float:
 # ------------------------------------------------------------------------------------------ calibration
 @dataclasses.dataclass
 class Calibration:
-    """Fitted parameters of the speed model, with their provenance (see the module doc).
-
-    ``links[transport][algorithm]``, ``codecs[transport][algorithm][codec spec]``,
-    ``compute[network|dataset|batch|device]`` = ``{"step_s", "per_sample_s", "runs"}`` (world size 1),
-    ``compute_at_world[network|dataset|batch|backend|device|K]`` = ``{"step_s", "runs"}``,
-    ``world_factor[backend|device|K]`` = compute at K over compute at 1, ``step_overhead_s[backend|device|K]``.
-    ``run_keys`` / ``config_keys``: the study runs the study-derived parts were fitted on.
-    """
+    """Fitted parameters of the speed model, with their provenance: ``links[transport][algorithm]``,
+    ``codecs[transport][algorithm][codec spec]``, and the study tables (:data:`STUDY_TABLES`) keyed by the
+    runs' keys: compute at one worker and at K, the factor between them, the per-step overhead.
+    ``run_keys`` / ``config_keys``: the study runs the study-derived parts were fitted on."""
 
     links: dict[str, dict[str, LinkFit]] = dataclasses.field(default_factory=dict)
     codecs: dict[str, dict[str, dict[str, CodecFit]]] = dataclasses.field(default_factory=dict)

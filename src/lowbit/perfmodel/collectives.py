@@ -143,13 +143,11 @@ def allgather(nbytes: float, topo: Topology) -> CommCost:
 def hierarchical(nbytes: float, topo: Topology, fp32_bytes: float | None = None) -> CommCost:
     """Intra-node reduce-scatter, an exchange of each ``1/G`` shard between nodes, intra-node allgather.
 
-    Without ``fp32_bytes`` every phase carries ``nbytes`` (a native hierarchical allreduce: the shards
-    cross nodes in a ring allreduce). With ``fp32_bytes`` it is ``lowbit``'s ``algorithm="hierarchical"``:
-    the intra-node phases move fp32 (``fp32_bytes``), and between nodes the ranks of one local index
-    exchange their compressed shard (``nbytes / G``) with the flat algorithm lowbit picks for ``N``
-    ranks (allgather for 2 nodes, scatter_gather above). On one node nothing is compressed: a ring
-    allreduce of ``fp32_bytes``. The ``G`` shards cross nodes as ``G`` concurrent exchanges sharing the
-    node's ``nics_per_node`` links, so each sees ``bandwidth * min(nics, G) / G``.
+    Without ``fp32_bytes``: a native hierarchical allreduce (the shards cross nodes in a ring allreduce).
+    With it, lowbit's ``algorithm="hierarchical"``: fp32 inside a node, and between nodes the compressed
+    shard (``nbytes / G``) by the flat algorithm lowbit picks for ``N`` ranks (allgather for 2 nodes,
+    scatter_gather above); on one node a ring allreduce of ``fp32_bytes``. The ``G`` concurrent exchanges
+    share the node's ``nics_per_node`` links: each sees ``bandwidth * min(nics, G) / G``.
     """
     _check_bytes(nbytes)
     g, n = topo.local, topo.nodes

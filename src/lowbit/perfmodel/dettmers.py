@@ -5,23 +5,17 @@ section 4, sets every number beside the paper's).
 
     speedup = K * T_total / ((T_total - T_fc) + P_conv + K * T_fc,par + P_fc)
 
-``T_total`` = 104.1 ms (NervanaGPU) or 177 ms (cuda-convnet2); ``T_fc`` = 6.5 ms and ``T_fc,par`` = 3.34 ms
-summed from his Table 4; ``P_conv`` = 0.05 ms, the first conv layer's sync, which nothing hides; ``P_fc =
-sum(max(0, sync - overlapping matmul)) + 5 x sync(conv-3 activations)`` with Table 3's sync times. The
-32-bit terms sum to 7.01 ms where the paper prints 6.81 (an arithmetic slip, ``p_fc_as_printed=True``);
-both round to its 3.53x.
+with his Tables 3 and 4 (:class:`SingleNodeInputs`). The 32-bit ``P_fc`` terms sum to 7.01 ms where the paper
+prints 6.81 (an arithmetic slip, ``p_fc_as_printed=True``); both round to its 3.53x.
 
-**Cluster, 32 nodes x 3 GPUs = 96 GPUs** (global batch 12288, FDR InfiniBand; the conv-3 activations go to
-the fc layers in sub-batches of b, each transfer hidden under the 1.3 ms fc matmul of the previous one)::
+**Cluster, 32 nodes x 3 GPUs** (the conv-3 activations go to the fc layers in sub-batches of b, each transfer
+hidden under the 1.3 ms fc matmul of the previous one; :class:`ClusterInputs`)::
 
-    forward(b)  = (12288 / b) * T_fc                                   (his Table 6 "forward time")
-    exposed(b)  = 31 * max(0, t_sync(b) - 1.3 ms), or t_sync(b) when fully hidden
-    total(b)    = forward(b) + exposed(b)                              (his Table 6 "total time")
-    speedup(b)  = 96 * T_total / ((T_total - T_fc) + total(b))         (his Table 7)
+    total(b)   = (12288 / b) * T_fc + 31 * max(0, t_sync(b) - 1.3 ms)   (or one t_sync(b) when hidden)
+    speedup(b) = 96 * T_total / ((T_total - T_fc) + total(b))           (his Table 7)
 
-``source="formula"`` evaluates total(b) exactly; ``source="table6"`` takes it as Dettmers printed it (rounded,
-and 31 x 250 for b = 12288 at 32-bit), which reproduces all 24 entries of his Table 7 at their printed
-precision; the two agree within 0.3% (0.43% for the "(?)" row).
+``source="table6"`` takes total(b) as his Table 6 prints it, which reproduces all 24 entries of Table 7;
+``source="formula"`` evaluates it, within 0.3% (0.43% for the "(?)" row).
 """
 
 from __future__ import annotations
