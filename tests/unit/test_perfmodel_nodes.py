@@ -6,8 +6,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from lowbit.perfmodel.calibrate import Calibration, RunRecord
+from lowbit.perfmodel.calibrate import Calibration
 from lowbit.perfmodel.fit import model_step
+from lowbit.study.records import RunRecord
 
 BASE = RunRecord(
     key="k", network="vgg19", dataset="synthetic", batch=64, world=4, backend="nccl", device="cuda",

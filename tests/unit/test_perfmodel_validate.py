@@ -20,7 +20,6 @@ from lowbit.perfmodel.calibrate import (
     Calibration,
     CodecFit,
     LinkFit,
-    RunRecord,
     fit_bench,
     fit_comm_in_situ,
 )
@@ -33,6 +32,7 @@ from lowbit.cli.bench import load_bench
 from lowbit.cli.predict import format_validation, validate_path, validation_method
 from lowbit.perfmodel.fit import calibrate, model_step
 from lowbit.perfmodel.validate import validate
+from lowbit.study.records import RunRecord
 from lowbit.study.store import load_run_records as load_runs
 from lowbit.policy import Policy
 
@@ -364,7 +364,7 @@ def test_bad_inputs_raise_value_errors(tmp_path):
 
 
 def test_calibration_keys_are_typed_and_round_trip() -> None:
-    from lowbit.perfmodel.calibrate import OverheadKey, ScaleKey
+    from lowbit.study.records import OverheadKey, ScaleKey
 
     for sk in (ScaleKey("gloo", "cpu", 2), ScaleKey("nccl", "cuda", 4, nodes=2)):
         assert ScaleKey.parse(str(sk)) == sk

@@ -15,11 +15,12 @@ from typing import Any
 
 from lowbit.perfmodel.advise import (CANDIDATES, CONV_FINDING, SEED_FINDINGS, Advice, Cell, SpeedSetup,
                                      advise, auto_algorithms, default_evidence_path)
-from lowbit.perfmodel.calibrate import Calibration, OverheadKey, RunRecord, ScaleKey
+from lowbit.perfmodel.calibrate import Calibration
 from lowbit.perfmodel.collectives import modeled_algorithms
 from lowbit.perfmodel.links import Link
 from lowbit.perfmodel.model import Cluster, short_codec
 from lowbit.perfmodel.networks import NETWORKS, get_network
+from lowbit.study.records import OverheadKey, RunRecord, ScaleKey
 from lowbit.study.store import load_run_records
 
 __all__ = ["register", "run_advise", "format_advice", "advice_json", "policy_code", "speed_setup", "describe_link",

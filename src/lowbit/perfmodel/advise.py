@@ -26,7 +26,7 @@ import torch
 from lowbit.choose import FASTER_THAN_FP32, WITHIN_BEST, Tried, pick
 from lowbit.codecs.base import Codec, get_codec
 from lowbit.models import build_model
-from lowbit.perfmodel.calibrate import Calibration, RunRecord
+from lowbit.perfmodel.calibrate import Calibration, Run
 from lowbit.perfmodel.collectives import modeled_algorithms
 from lowbit.perfmodel.links import Link
 from lowbit.perfmodel.model import (Cluster, LayerCodec, Prediction, bits_per_value, codec_fact, layers_for_network,
@@ -167,15 +167,15 @@ class Cell:
         return not self.matches(tol) and not self.noisy(tol)
 
 
-def evidence_cells(runs: list[RunRecord]) -> dict[str, list[Cell]]:
+def evidence_cells(runs: list[Run]) -> dict[str, list[Cell]]:
     """Candidate name -> cells, pairing each run with the fp32 run of the same setting and seed."""
     real = [r for r in runs if not r.synthetic and r.world > 1 and math.isfinite(r.final_test_acc)]
 
-    def pair_key(r: RunRecord) -> tuple[Any, ...]:
+    def pair_key(r: Run) -> tuple[Any, ...]:
         return (r.network, r.dataset, r.batch, r.world, r.backend, r.device, r.config_rest, r.seed)
 
     base = {pair_key(r): r for r in real if r.codec_name == "fp32"}
-    by: dict[tuple[str, tuple[Any, ...]], list[tuple[float, float, RunRecord]]] = {}
+    by: dict[tuple[str, tuple[Any, ...]], list[tuple[float, float, Run]]] = {}
     canon = {c.canonical: c for c in CANDIDATES}
     for r in real:
         cand = canon.get(r.codec)
@@ -317,7 +317,7 @@ class Advice:
         return Policy(**self.policy_dict())
 
 
-def advise(network: str, setup: SpeedSetup, *, tolerance: float = 0.5, evidence: list[RunRecord] | None = None,
+def advise(network: str, setup: SpeedSetup, *, tolerance: float = 0.5, evidence: list[Run] | None = None,
            evidence_source: str = "") -> Advice:
     """The recommendation (module doc)."""
     if not (tolerance >= 0 and math.isfinite(tolerance)):

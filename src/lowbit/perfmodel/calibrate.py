@@ -34,15 +34,17 @@ from lowbit.perfmodel.links import Link
 from lowbit.perfmodel.model import Layer, bits_per_value, codec_fact, codec_work, step_collectives
 from lowbit.perfmodel.networks import get_network
 
-__all__ = ["fit_link", "design_row", "LinkFit", "CodecFit", "RunRecord", "Calibration", "ScaleKey", "OverheadKey",
-           "fit_bench", "fit_study", "fit_comm_in_situ", "run_groups", "run_layers", "network_profile",
-           "pure_compute_s"]
+__all__ = ["fit_link", "design_row", "LinkFit", "CodecFit", "Run", "Calibration", "fit_bench", "fit_study",
+           "fit_comm_in_situ", "run_groups", "run_layers", "network_profile", "pure_compute_s"]
 
 _UNIT = Link(latency_s=1.0, bandwidth_Bps=1.0, name="unit")
 SCHEMA = 1
 HUGE_BW = 1e15  # bytes/s standing for "no measurable per-byte cost" (JSON has no infinity)
 #: The tables of a :class:`Calibration` fitted on study runs, key -> entry (besides the links and codec costs).
 STUDY_TABLES = ("compute", "compute_at_world", "world_factor", "step_overhead_s")
+#: A finished study run as the study records it (:class:`lowbit.study.records.RunRecord`: its times per step and
+#: its keys into a calibration's tables): the speed model reads its fields; the study sits above this layer.
+Run = Any
 
 
 # ------------------------------------------------------------------------------------------ link fit
@@ -227,125 +229,6 @@ def fit_bench(bench: dict[str, Any]) -> tuple[str, dict[str, LinkFit], dict[str,
 
 
 # ------------------------------------------------------------------------------------------ study runs
-@dataclasses.dataclass(frozen=True)
-class ScaleKey:
-    """Backend, device, workers and emulated nodes: the scale a factor or an overhead belongs to
-    (:attr:`Calibration.world_factor`, :attr:`Calibration.step_overhead_s`)."""
-
-    backend: str
-    device: str
-    world: int
-    nodes: int = 1
-
-    def __str__(self) -> str:
-        return f"{self.backend}|{self.device}|{self.world}" + (f"|{self.nodes}nodes" if self.nodes > 1 else "")
-
-    @classmethod
-    def parse(cls, text: str) -> "ScaleKey":
-        parts = text.split("|")
-        if len(parts) not in (3, 4) or (len(parts) == 4 and not parts[3].endswith("nodes")):
-            raise ValueError(f"not a scale key: {text!r} (backend|device|K[|Nnodes])")
-        return cls(parts[0], parts[1], int(parts[2]), int(parts[3].removesuffix("nodes")) if len(parts) == 4 else 1)
-
-
-@dataclasses.dataclass(frozen=True)
-class OverheadKey:
-    """A scale and whether the codec sums on the wire (native: fp32/fp16/bf16, one allreduce) or is
-    compressed (encode on the training thread, several collectives per bucket): their overheads differ."""
-
-    scale: ScaleKey
-    native: bool
-
-    def __str__(self) -> str:
-        return f"{self.scale}|{'native' if self.native else 'compressed'}"
-
-    @classmethod
-    def parse(cls, text: str) -> "OverheadKey | ScaleKey":
-        """An overhead key, or the plain scale key that holds the overhead of both kinds together."""
-        head, _, kind = text.rpartition("|")
-        if kind in ("native", "compressed"):
-            return cls(ScaleKey.parse(head), kind == "native")
-        return ScaleKey.parse(text)
-
-
-@dataclasses.dataclass(frozen=True)
-class RunRecord:
-    """One finished study run as the speed model sees it (times per training step, averaged over ranks
-    and over the timed epochs)."""
-
-    key: str
-    network: str
-    dataset: str
-    batch: int
-    world: int
-    backend: str
-    device: str
-    codec: str
-    algorithm: str           # the algorithm the compressed group used (allreduce for fp32/fp16/bf16)
-    error_feedback: bool
-    seed: int
-    synthetic: bool
-    params: int
-    compressed_params: int
-    step_s: float
-    compute_s: float
-    exposed_s: float
-    encode_s: float
-    comm_s: float
-    decode_s: float
-    bytes_per_step: float
-    samples_per_s: float
-    final_test_acc: float
-    epochs: int
-    lr: float
-    device_name: str = ""
-    config_rest: str = ""    # the rest of the training configuration, for pairing runs
-    gflop_per_sample: float = math.nan  # forward + backward, counted by the study (FlopCounterMode)
-    nodes: int = 1                      # emulated nodes the workers were split into
-    intra_Bps: float = math.nan         # the links the run's group measured (bus bandwidth of a 16 MiB
-    inter_Bps: float = math.nan         # allreduce inside a node / between nodes; study rows' env.links)
-
-    @property
-    def config_key(self) -> tuple[Any, ...]:
-        """Everything but the seed: the runs of one configuration (leave-one-config-out holds them out)."""
-        return (self.network, self.dataset, self.batch, self.world, self.backend, self.device, self.codec,
-                self.algorithm, self.error_feedback, self.config_rest)
-
-    # The run's keys into the Calibration's tables (their text, as JSON holds it):
-    @property
-    def setting_key(self) -> str:
-        """Network, data, batch, backend, device and workers: what sets the compute of a step
-        (:attr:`Calibration.compute_at_world`)."""
-        return f"{self.network}|{self.dataset}|{self.batch}|{self.backend}|{self.device}|{self.world}"
-
-    @property
-    def compute_key(self) -> str:
-        """Network, data, batch and device: what sets one worker's compute (:attr:`Calibration.compute`)."""
-        return f"{self.network}|{self.dataset}|{self.batch}|{self.device}"
-
-    @property
-    def scale(self) -> ScaleKey:
-        return ScaleKey(self.backend, self.device, self.world, self.nodes)
-
-    @property
-    def scale_key(self) -> str:
-        return str(self.scale)
-
-    @property
-    def overhead_key(self) -> str:
-        """Overheads differ between native (fp32/fp16/bf16: one allreduce) and compressed codecs (encode on
-        the training thread, several collectives per bucket)."""
-        return str(OverheadKey(self.scale, codec_fact(self.codec_name, "sums_on_wire", False)))
-
-    @property
-    def codec_name(self) -> str:
-        return self.codec.split(":", 1)[0]
-
-    @property
-    def label(self) -> str:
-        return f"{self.network}/{self.dataset}"
-
-
 @functools.lru_cache(maxsize=64)
 def network_profile(network: str, params: int) -> tuple[tuple[float, float], ...]:
     """Per-layer ``(params share, compute share)`` in forward order: the :mod:`networks` profile of the
@@ -362,7 +245,7 @@ def network_profile(network: str, params: int) -> tuple[tuple[float, float], ...
     return tuple((p / p_total, f / f_total) for _, p, f in layers)
 
 
-def run_layers(run: RunRecord, compute_s: float = 1.0) -> tuple[list[Layer], list[str]]:
+def run_layers(run: Run, compute_s: float = 1.0) -> tuple[list[Layer], list[str]]:
     """The run's network as model layers (:func:`network_profile`, ``compute_s`` spread by FLOPs), and the
     codec spec each travels with: each layer's parameters split into the part the run's codec compresses
     (``compressed_params``) and an fp32 part (biases, small tensors), as ``lowbit.ddp``'s hook sends them."""
@@ -381,7 +264,7 @@ def run_layers(run: RunRecord, compute_s: float = 1.0) -> tuple[list[Layer], lis
     return layers, specs
 
 
-def run_groups(run: RunRecord) -> list[tuple[str, str, int, int]]:
+def run_groups(run: Run) -> list[tuple[str, str, int, int]]:
     """The collectives of one step, as the hook issues them on the run's layers (DDP's buckets: 1 MiB
     first, then 25 MiB; :func:`lowbit.perfmodel.model.step_collectives`): ``[(codec spec, algorithm,
     values, fp32 values riding), ...]``."""
@@ -394,7 +277,7 @@ def run_groups(run: RunRecord) -> list[tuple[str, str, int, int]]:
     return [(spec, "allreduce" if spec in native else run.algorithm, n, riders) for _, spec, n, riders in events]
 
 
-def pure_compute_s(run: RunRecord) -> float:
+def pure_compute_s(run: Run) -> float:
     """The run's compute per step without the encoding done inside the backward pass: the hook encodes a
     message on the training thread once its last gradient is handed over, so with M messages the encoding of
     all but the last lands in the measured compute (the speed model adds encoding separately)."""
@@ -533,18 +416,14 @@ def _mean_cost(costs: list[CodecFit], source: str) -> CodecFit:
     return CodecFit(*means, sum(c.points for c in costs), source)
 
 
-def config_id(run: RunRecord) -> str:
-    return json.dumps(run.config_key, sort_keys=True, default=str)
-
-
-def fit_study(runs: Iterable[RunRecord]) -> Calibration:
+def fit_study(runs: Iterable[Run]) -> Calibration:
     """Compute at one worker, compute at K workers (without in-backward encoding: :func:`pure_compute_s`)
     and the factor between them. The per-step overhead needs the whole model:
     :func:`lowbit.perfmodel.fit.fit_overhead`."""
     runs = [r for r in runs if r.step_s > 0]
-    cal = Calibration(run_keys=[r.key for r in runs], config_keys=sorted({config_id(r) for r in runs}))
-    one: dict[str, list[RunRecord]] = {}
-    at_k: dict[str, list[RunRecord]] = {}
+    cal = Calibration(run_keys=[r.key for r in runs], config_keys=sorted({r.config_id for r in runs}))
+    one: dict[str, list[Run]] = {}
+    at_k: dict[str, list[Run]] = {}
     for r in runs:
         if r.world == 1 and codec_fact(r.codec_name, "sums_on_wire", False):
             one.setdefault(r.compute_key, []).append(r)
@@ -569,7 +448,7 @@ def fit_study(runs: Iterable[RunRecord]) -> Calibration:
     return cal
 
 
-def fit_comm_in_situ(runs: Iterable[RunRecord]) -> Calibration:
+def fit_comm_in_situ(runs: Iterable[Run]) -> Calibration:
     """Links and codec costs from the study's own communicate / encode / decode times per step.
 
     Per backend, one least squares (on relative errors) over runs: ``comm_s = sum over the step's collectives of
@@ -577,8 +456,8 @@ def fit_comm_in_situ(runs: Iterable[RunRecord]) -> Calibration:
     and algorithm: ``encode_s = calls c0 + 4 * values c1`` (and decode), as for bench rows.
     """
     runs = [r for r in runs if r.world > 1 and r.step_s > 0]
-    cal = Calibration(run_keys=[r.key for r in runs], config_keys=sorted({config_id(r) for r in runs}))
-    by_backend: dict[str, list[RunRecord]] = {}
+    cal = Calibration(run_keys=[r.key for r in runs], config_keys=sorted({r.config_id for r in runs}))
+    by_backend: dict[str, list[Run]] = {}
     for r in runs:
         by_backend.setdefault(r.backend, []).append(r)
     for transport, all_rs in by_backend.items():
@@ -608,7 +487,7 @@ def fit_comm_in_situ(runs: Iterable[RunRecord]) -> Calibration:
                 cal.links.setdefault(transport, {})[a] = LinkFit(
                     alpha, 1.0 / beta if beta > 0 else HUGE_BW, a, n_pts, rel,
                     f"in situ: {transport} study runs' communicate time per step ({len(rs)} runs, joint fit)")
-        by_codec: dict[tuple[str, str], list[RunRecord]] = {}
+        by_codec: dict[tuple[str, str], list[Run]] = {}
         for r in all_rs:
             if r.codec_name != "fp32":
                 by_codec.setdefault((r.algorithm, r.codec), []).append(r)

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lowbit.timeline import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES
-from lowbit.perfmodel.calibrate import Calibration, RunRecord, fit_bench, fit_comm_in_situ, fit_study, run_layers
+from lowbit.perfmodel.calibrate import Calibration, Run, fit_bench, fit_comm_in_situ, fit_study, run_layers
 from lowbit.perfmodel.collectives import Topology
 from lowbit.perfmodel.links import Link
 from lowbit.perfmodel.model import Breakdown, Layer, LayerCodec, bits_per_value, short_codec, simulate_step
@@ -20,7 +20,7 @@ from lowbit.perfmodel.model import Breakdown, Layer, LayerCodec, bits_per_value,
 __all__ = ["model_step", "fit_overhead", "calibrate"]
 
 
-def _compute_for(run: RunRecord, cal: Calibration) -> tuple[float | None, str]:
+def _compute_for(run: Run, cal: Calibration) -> tuple[float | None, str]:
     one = cal.compute.get(run.compute_key)
     if run.world == 1:
         return (one["step_s"], "1-worker fp32 runs") if one else (
@@ -41,7 +41,7 @@ def _bits(spec: str) -> float:
     return bits_per_value(spec)
 
 
-def model_step(run: RunRecord, cal: Calibration) -> tuple[float, Breakdown, str, str] | str:
+def model_step(run: Run, cal: Calibration) -> tuple[float, Breakdown, str, str] | str:
     """The modelled step of ``run`` without the overhead term: ``(step_s, breakdown, compute source,
     communication source)``, or a string saying why it cannot be predicted. Layers as
     :func:`lowbit.perfmodel.calibrate.run_layers` builds them, DDP's buckets (1 MiB first, then 25 MiB)."""
@@ -104,7 +104,7 @@ def model_step(run: RunRecord, cal: Calibration) -> tuple[float, Breakdown, str,
     return step, br, compute_src, comm_src
 
 
-def fit_overhead(runs: Sequence[RunRecord], cal: Calibration) -> dict[str, dict[str, Any]]:
+def fit_overhead(runs: Sequence[Run], cal: Calibration) -> dict[str, dict[str, Any]]:
     """Per backend / device / K, for native and compressed codecs apart and together: the median of
     (measured - modelled step) over the multi-worker ``runs``."""
     res: dict[str, list[float]] = {}
@@ -119,7 +119,7 @@ def fit_overhead(runs: Sequence[RunRecord], cal: Calibration) -> dict[str, dict[
 
 
 def calibrate(benches: Sequence[dict[str, Any]] = (),
-              results: Mapping[str, Sequence[RunRecord]] | Sequence[RunRecord] = (), *,
+              results: Mapping[str, Sequence[Run]] | Sequence[Run] = (), *,
               in_situ_comm: bool | None = None) -> Calibration:
     """A :class:`Calibration` from bench files and study runs (docs/perfmodel.md).
 
@@ -151,7 +151,7 @@ def calibrate(benches: Sequence[dict[str, Any]] = (),
         cal.sources["bench"].append({k: m.get(k) for k in (
             "path", "backend", "world_size", "device_name", "hostname", "timestamp", "kernel_backend",
             "loadavg_1_5_15_before", "loadavg_1_5_15_after", "nccl_env", "label")})
-    runs: list[RunRecord] = []
+    runs: list[Run] = []
     for source, rs in by_source.items():
         runs += rs
         cal.sources["results"].append({"path": source, "runs": len(rs)})

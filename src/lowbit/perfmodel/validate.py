@@ -15,7 +15,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from lowbit.perfmodel.calibrate import STUDY_TABLES, Calibration, RunRecord, config_id, fit_comm_in_situ, fit_study
+from lowbit.perfmodel.calibrate import STUDY_TABLES, Calibration, Run, fit_comm_in_situ, fit_study
 from lowbit.perfmodel.fit import fit_overhead, model_step
 from lowbit.perfmodel.model import short_codec
 
@@ -29,7 +29,7 @@ TARGET_MEDIAN_ABS_ERROR = 0.15
 class RunPrediction:
     """The model's step time for one measured run, its parts, and where each input came from."""
 
-    run: RunRecord
+    run: Run
     step_s: float
     compute_s: float
     encode_s: float
@@ -54,7 +54,7 @@ class RunPrediction:
         return self.run.world * self.run.batch / self.run.step_s
 
 
-def predict_run(run: RunRecord, cal: Calibration, holdout: str = "") -> RunPrediction | str:
+def predict_run(run: Run, cal: Calibration, holdout: str = "") -> RunPrediction | str:
     """The model's step for ``run`` under ``cal`` (overhead included), or why it cannot predict it."""
     m = model_step(run, cal)
     if isinstance(m, str):
@@ -76,7 +76,7 @@ def predict_run(run: RunRecord, cal: Calibration, holdout: str = "") -> RunPredi
 @dataclasses.dataclass
 class ValidationReport:
     predictions: list[RunPrediction]
-    skipped: list[tuple[RunRecord, str]]
+    skipped: list[tuple[Run, str]]
     results_path: str
     holdout: str             # "config" (leave-one-config-out) or "run"
     parameters: Calibration  # the links and codec costs given (saved calibration, bench files)
@@ -97,7 +97,7 @@ class ValidationReport:
         runs = [(abs(p.error), p.run.world > 1) for p in self.predictions]
         by_config: dict[str, list[RunPrediction]] = {}
         for p in self.predictions:
-            by_config.setdefault(config_id(p.run), []).append(p)
+            by_config.setdefault(p.run.config_id, []).append(p)
         cfg, oracle = [], []
         for ps in by_config.values():
             meas = statistics.fmean(p.run.step_s for p in ps)
@@ -143,7 +143,7 @@ def _split(cal: Calibration) -> tuple[Calibration, Calibration]:
     return bench, study
 
 
-def validate(runs: Sequence[RunRecord], *, calibration: Calibration | None = None, bench: Calibration | None = None,
+def validate(runs: Sequence[Run], *, calibration: Calibration | None = None, bench: Calibration | None = None,
              holdout: str = "config", results_path: str = "") -> ValidationReport:
     """Predict every run with parameters it was not fitted on (module doc); ``holdout`` = ``config``
     (leave-one-config-out; default) or ``run`` (leave-one-run-out)."""
@@ -161,12 +161,12 @@ def validate(runs: Sequence[RunRecord], *, calibration: Calibration | None = Non
     # the same backend (e.g. nccl/socket) serves them; say so.
     need_in_situ = {r.backend for r in runs if not any(t.split("/")[0] == r.backend for t in fixed.links)}
 
-    folds: dict[str, list[RunRecord]] = {}
+    folds: dict[str, list[Run]] = {}
     for r in runs:
-        unit = r.key if (holdout == "run" or r.world == 1) else config_id(r)
+        unit = r.key if (holdout == "run" or r.world == 1) else r.config_id
         folds.setdefault(unit, []).append(r)
     preds: list[RunPrediction] = []
-    skipped: list[tuple[RunRecord, str]] = []
+    skipped: list[tuple[Run, str]] = []
     used_given = refit = 0
     overhead_cache: dict[tuple[str, str], dict[str, Any]] = {}
     for unit, fold in folds.items():
@@ -177,7 +177,7 @@ def validate(runs: Sequence[RunRecord], *, calibration: Calibration | None = Non
         if in_situ:
             refit_cal = refit_cal.merged(fit_comm_in_situ(in_situ))
         for r in fold:
-            use_given = given_study is not None and r.key not in leak_keys and config_id(r) not in leak_configs
+            use_given = given_study is not None and r.key not in leak_keys and r.config_id not in leak_configs
             cal = (fixed.merged(given_study) if use_given else fixed).merged(refit_cal)
             used_given += use_given
             refit += not use_given

@@ -30,8 +30,7 @@ from typing import Any
 
 from lowbit.baselines import get_baseline, is_baseline
 from lowbit.codecs.base import get_codec
-from lowbit.perfmodel.calibrate import RunRecord
-from lowbit.study.records import run_record
+from lowbit.study.records import RunRecord, run_record
 
 __all__ = ["ResultStore", "ResultsWarning", "resolve_results_path", "read_runs", "load_run_records", "RESULTS_NAME"]
 
