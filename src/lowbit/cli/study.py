@@ -85,6 +85,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "max_train_samples": args.max_train_samples,
         "threads_per_worker": args.threads_per_worker,
         "device": args.device,
+        "time_budget_s": args.time_budget_s,
     }
 
 
@@ -206,6 +207,9 @@ def register(sub: Any) -> None:
     p.add_argument("--max-train-samples", type=int, metavar="N", help="train on the first N samples only")
     p.add_argument("--threads-per-worker", type=int, metavar="T", help="CPU threads per worker (0: cores / workers)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--time-budget-s", type=float, metavar="S",
+                   help="time to accuracy: training seconds per run (with target_from, the run that sets the target; "
+                        "the others get target_budget_factor times more); docs/study.md")
     p.add_argument("--launcher", choices=["auto", "spawn", "torchrun"], default="auto",
                    help="spawn local workers, or run as one rank of a torchrun launch (auto: torchrun if its "
                         "environment is set)")
