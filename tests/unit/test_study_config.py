@@ -373,3 +373,23 @@ def test_schedule_subset_and_first_point_at_target() -> None:
     assert time_to_target(curve, 2.0, None)["train_s"] == 3.0
     assert time_to_target(curve, None, 0.45)["train_s"] == 4.0
     assert time_to_target(curve, 1.0, None) is None
+
+
+def test_time_to_accuracy_presets() -> None:
+    gpu, cpu = load_config(preset="tta"), load_config(preset="tta_cpu")
+    for cfg in (gpu, cpu):  # the same configurations, the fp16 hook setting the target
+        assert cfg.target_from == "torch:fp16" and cfg.codecs[0] == "torch:fp16" and len(cfg.codecs) == 7
+        assert {"torch:ddp", "torch:powersgd:rank=4,start_iter=2", "onebit:bucket=64", "auto"} <= set(cfg.codecs)
+        assert cfg.lr_schedule == "warmup_cosine" and cfg.time_budget_s * cfg.target_budget_factor <= 300
+        runs = expand_runs(cfg)
+        assert [r.is_target_source for r in runs] == [True] + [False] * 6
+        assert [r.codec_label for r in runs if r.codec == "onebit:bucket=64"] == ["1bitSGD*/64 +EF"]
+    assert gpu.backends == ("nccl",) and gpu.autocast == "bf16" and gpu.dataset_args["pysource"]["seq_len"] == 256
+    assert cpu.backends == ("gloo",) and cpu.emulate_link == "50mbit"
+    check_runs(expand_runs(cpu))
+
+
+@pytest.mark.slow
+def test_gpu_time_to_accuracy_preset_checks_on_meta() -> None:
+    """GPT-2 small on the whole pysource corpus (reading it: seconds), on the meta device."""
+    check_runs(expand_runs(load_config(preset="tta")))
