@@ -247,7 +247,6 @@ class SpeedSetup:
 
 
 def _layer_codec(spec: str, setup: SpeedSetup) -> LayerCodec:
-    bits = bits_per_value(spec)
     codec = get_codec(spec)
     algo = "allreduce" if codec.sums_on_wire else setup.algorithm
     kw: dict[str, Any] = dict(encode_Bps=setup.encode_Bps, decode_Bps=setup.decode_Bps)
@@ -261,7 +260,7 @@ def _layer_codec(spec: str, setup: SpeedSetup) -> LayerCodec:
             cost, _ = cal.codec_for(setup.transport, algo, codec.spec)
             if cost is not None:
                 kw = cost.terms()
-    return LayerCodec(bits, algo, link=link, label=spec, **kw)
+    return LayerCodec(bits_per_value(spec), algo, link=link, label=spec, **kw)
 
 
 def predict_assignment(net: Network, assignment: dict[str, str], setup: SpeedSetup) -> Prediction:
@@ -276,15 +275,11 @@ def predict_assignment(net: Network, assignment: dict[str, str], setup: SpeedSet
     base = predict(layers, setup.cluster, batch_per_gpu=setup.batch, network=net.name,
                    layer_codecs=[fp32] * len(layers))
     native = all(codec_fact(s, "sums_on_wire", False) for s in assignment.values())
-    if setup.cluster.gpus > 1:
-        step = pred.step_s + (setup.overhead_native_s if native else setup.overhead_compressed_s)
-        fp32_step = base.step_s + setup.overhead_native_s
-    else:
-        step, fp32_step = pred.step_s, base.step_s
-    k = setup.cluster.gpus
+    k = setup.cluster.gpus  # the per-step overheads (of a calibration) on several GPUs only
+    step = pred.step_s + ((setup.overhead_native_s if native else setup.overhead_compressed_s) if k > 1 else 0.0)
+    fp32_step = base.step_s + (setup.overhead_native_s if k > 1 else 0.0)
     return dataclasses.replace(pred, step_s=step, fp32_step_s=fp32_step, speedup_vs_fp32=fp32_step / step,
-                               samples_per_s=k * setup.batch / step,
-                               scaling_efficiency=pred.breakdown.compute_s / step)
+                               samples_per_s=k * setup.batch / step, scaling_efficiency=pred.breakdown.compute_s / step)
 
 
 # ------------------------------------------------------------------------------------------ advice

@@ -341,10 +341,8 @@ class Calibration:
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
-        def fits(d: dict[str, Any]) -> Any:
-            if dataclasses.is_dataclass(d):
-                return dataclasses.asdict(d)
-            return {k: fits(v) for k, v in d.items()}
+        def fits(d: Any) -> Any:
+            return dataclasses.asdict(d) if dataclasses.is_dataclass(d) else {k: fits(v) for k, v in d.items()}
 
         return {"schema": SCHEMA, "kind": "lowbit.perfmodel calibration", "links": fits(self.links),
                 "codecs": fits(self.codecs), **{name: getattr(self, name) for name in STUDY_TABLES},

@@ -40,17 +40,12 @@ class SingleNodeInputs:
     #: Table 4, fc layers, baseline ms (fprop, bprop, update): 9216->3072, 3072->3072, 3072->1000.
     fc_times_ms: tuple[tuple[float, float, float], ...] = ((1.3, 1.3, 1.5), (0.45, 0.45, 0.5), (0.4, 0.4, 0.2))
     #: Table 4, same layers with the output divided by 4 (model parallel).
-    fc_par_times_ms: tuple[tuple[float, float, float], ...] = (
-        (0.9, 0.9, 0.43), (0.3, 0.3, 0.13), (0.15, 0.15, 0.08))
+    fc_par_times_ms: tuple[tuple[float, float, float], ...] = ((0.9, 0.9, 0.43), (0.3, 0.3, 0.13), (0.15, 0.15, 0.08))
     #: Table 3: sync of the first conv layer's gradients, the only data-parallel sync not hidden.
     conv_penalty_ms: float = 0.05
-    #: Table 3 sync times (32-bit, 8-bit) in ms.
+    #: Table 3 sync times (32-bit, 8-bit) in ms: conv-3 activations, fc 9216->3072, 3072->3072, 3072->1000.
     sync_ms: Mapping[str, tuple[float, float]] = dataclasses.field(default_factory=lambda: {
-        "conv3_act": (0.9, 0.4),    # conv 3 activations
-        "fc1": (1.1, 0.5),          # fc 9216->3072
-        "fc2": (1.1, 0.5),          # fc 3072->3072
-        "fc3": (0.4, 0.25),         # fc 3072->1000
-    })
+        "conv3_act": (0.9, 0.4), "fc1": (1.1, 0.5), "fc2": (1.1, 0.5), "fc3": (0.4, 0.25)})
     #: The six overlapped transfers of P_fc: (message, ms of matmul that hides it), in the paper's order.
     #: Which 1.1 ms message sits in the 5th and 6th term is not stated; fc1 and fc2 sync equally fast.
     overlapped: tuple[tuple[str, float], ...] = (
@@ -107,8 +102,7 @@ def single_node_speedup(bits: int, total_ms: float = BASELINES_MS["nervanagpu"],
 
 #: The paper's printed single-node speedups, for side-by-side display: (baseline, bits) -> speedup.
 PAPER_SINGLE_NODE: dict[tuple[str, int], float] = {
-    ("nervanagpu", 32): 3.53, ("nervanagpu", 8): 3.67, ("convnet2", 32): 3.71, ("convnet2", 8): 3.80,
-}
+    ("nervanagpu", 32): 3.53, ("nervanagpu", 8): 3.67, ("convnet2", 32): 3.71, ("convnet2", 8): 3.80}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,13 +123,11 @@ def single_node_table(inputs: SingleNodeInputs | None = None) -> list[SpeedupRow
     rows = []
     for base, total in BASELINES_MS.items():
         for bits in (32, 8):
-            p_fc = single_node_p_fc(bits, inp)
-            rows.append(SpeedupRow(base, bits, single_node_speedup(bits, total, inp),
-                                   PAPER_SINGLE_NODE[(base, bits)],
-                                   detail=f"P_fc = {p_fc:.2f} ms (sum of terms)"))
+            paper = PAPER_SINGLE_NODE[(base, bits)]
+            rows.append(SpeedupRow(base, bits, single_node_speedup(bits, total, inp), paper,
+                                   detail=f"P_fc = {single_node_p_fc(bits, inp):.2f} ms (sum of terms)"))
             if bits == 32:
-                rows.append(SpeedupRow(base, bits, single_node_speedup(bits, total, inp, p_fc_as_printed=True),
-                                       PAPER_SINGLE_NODE[(base, bits)],
+                rows.append(SpeedupRow(base, bits, single_node_speedup(bits, total, inp, p_fc_as_printed=True), paper,
                                        detail=f"P_fc = {inp.p_fc_32_printed_ms:.2f} ms (as printed)"))
     return rows
 
@@ -152,14 +144,12 @@ class ClusterInputs:
     overlap_ms: float = 1.3         # fc matmul under which the next sub-batch's transfer hides
     #: Table 6, single-pass sync time of the conv-3 activations (32-bit, 8-bit), ms, per sub-batch b.
     t_sync_ms: Mapping[int, tuple[float, float]] = dataclasses.field(default_factory=lambda: {
-        128: (2.1, 0.35), 256: (4.2, 0.55), 512: (7.15, 1.13),
-        1024: (17.4, 2.25), 2048: (25.5, 3.26), 12288: (250.0, 31.0),
-    })
+        128: (2.1, 0.35), 256: (4.2, 0.55), 512: (7.15, 1.13), 1024: (17.4, 2.25), 2048: (25.5, 3.26),
+        12288: (250.0, 31.0)})
     #: Table 6, "Total time (ms)" as printed (forward + exposed sync, rounded by Dettmers).
     table6_total_ms: Mapping[int, tuple[float, float]] = dataclasses.field(default_factory=lambda: {
-        128: (650.0, 624.0), 256: (402.0, 312.0), 512: (337.0, 157.0),
-        1024: (577.0, 108.0), 2048: (789.0, 100.0), 12288: (7750.0, 928.0),
-    })
+        128: (650.0, 624.0), 256: (402.0, 312.0), 512: (337.0, 157.0), 1024: (577.0, 108.0), 2048: (789.0, 100.0),
+        12288: (7750.0, 928.0)})
 
     @property
     def gpus(self) -> int:
@@ -202,13 +192,9 @@ def cluster_speedup(b: int, bits: int, total_ms: float = BASELINES_MS["nervanagp
 #: Dettmers' Table 7 as printed, for side-by-side display: (b, bits) -> (NervanaGPU, convnet2).
 #: (The 2048 row is printed as "2056".)
 PAPER_CLUSTER: dict[tuple[int, int], tuple[float, float]] = {
-    (128, 32): (13.4, 20.7), (128, 8): (13.8, 21.4),
-    (256, 32): (20.0, 29.7), (256, 8): (24.4, 35.2),
-    (512, 32): (23.0, 33.5), (512, 8): (39.3, 51.9),
-    (1024, 32): (14.8, 22.7), (1024, 8): (48.6, 61.0),
-    (2048, 32): (11.3, 17.7), (2048, 8): (50.6, 62.8),
-    (12288, 32): (1.3, 2.15), (12288, 8): (9.7, 15.5),
-}
+    (128, 32): (13.4, 20.7), (128, 8): (13.8, 21.4), (256, 32): (20.0, 29.7), (256, 8): (24.4, 35.2),
+    (512, 32): (23.0, 33.5), (512, 8): (39.3, 51.9), (1024, 32): (14.8, 22.7), (1024, 8): (48.6, 61.0),
+    (2048, 32): (11.3, 17.7), (2048, 8): (50.6, 62.8), (12288, 32): (1.3, 2.15), (12288, 8): (9.7, 15.5)}
 
 
 def cluster_table(inputs: ClusterInputs | None = None, source: str = "table6") -> list[SpeedupRow]:

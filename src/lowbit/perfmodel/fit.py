@@ -11,7 +11,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lowbit.timeline import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES
+from lowbit.timeline import DDP_FIRST_BUCKET_BYTES
 from lowbit.perfmodel.calibrate import Calibration, Run, fit_bench, fit_comm_in_situ, fit_study, run_layers
 from lowbit.perfmodel.collectives import Topology
 from lowbit.perfmodel.links import Link
@@ -36,9 +36,7 @@ def _compute_for(run: Run, cal: Calibration) -> tuple[float | None, str]:
     return None, "no compute measured for this network/data/batch"
 
 
-@functools.lru_cache(maxsize=256)
-def _bits(spec: str) -> float:
-    return bits_per_value(spec)
+_bits = functools.lru_cache(maxsize=256)(bits_per_value)  # a spec's bits per value, parsed once
 
 
 def model_step(run: Run, cal: Calibration) -> tuple[float, Breakdown, str, str] | str:
@@ -65,9 +63,7 @@ def model_step(run: Run, cal: Calibration) -> tuple[float, Breakdown, str, str] 
     lcs: dict[str, LayerCodec] = {}
     for spec, algo in specs:
         link = None
-        if nodes > 1:
-            # as emulated nodes: the links the run's group measured, inside a node and between nodes (the
-            # one-node fit's latency, when there is one); the algorithms' formulas split the traffic
+        if nodes > 1:  # as emulated nodes: the links the run's group measured (the one-node fit's latency)
             sources.add(f"measured links (intra {intra_Bps / 1e9:.3g} GB/s, inter {run.inter_Bps / 1e9:.3g} GB/s)")
         else:
             fit, note = cal.link_for(run.backend, algo)
@@ -95,9 +91,8 @@ def model_step(run: Run, cal: Calibration) -> tuple[float, Breakdown, str, str] 
         topo = Topology(run.world, run.world // nodes, Link(alpha, intra_Bps), Link(alpha, run.inter_Bps))
     else:
         topo = Topology(run.world, run.world, next(iter(lcs.values())).link or Link(0.0, 1e15))
-    step, br, _, _ = simulate_step(layers, topo, algorithm="allreduce", bits=32.0, overlap=True,
-                                   bucket_bytes=DDP_BUCKET_BYTES, first_bucket_bytes=DDP_FIRST_BUCKET_BYTES,
-                                   layer_codecs=codecs)
+    step, br, _, _ = simulate_step(layers, topo, algorithm="allreduce", bits=32.0, layer_codecs=codecs,
+                                   first_bucket_bytes=DDP_FIRST_BUCKET_BYTES)  # DDP's buckets: 1 MiB, then 25 MiB
     comm_src = "; ".join(sorted(sources))
     if notes:
         comm_src += " (" + "; ".join(sorted(notes)) + ")"
@@ -132,15 +127,13 @@ def calibrate(benches: Sequence[dict[str, Any]] = (),
     by_source = dict(results) if isinstance(results, Mapping) else ({"(runs given)": list(results)} if results else {})
     for source, rs in by_source.items():
         paths = [rs] if isinstance(rs, (str, os.PathLike)) else [r for r in rs if isinstance(r, (str, os.PathLike))]
-        path = paths[0] if paths else None
-        if path is not None:
+        if paths:
             raise ValueError(f"calibrate: study results are given as runs (lowbit.study.store.load_run_records(path)), "
-                             f"not as paths; got {path!r} for {source!r}")
+                             f"not as paths; got {paths[0]!r} for {source!r}")
     if not benches and not by_source:
         raise ValueError("nothing to calibrate from: give a bench JSON and/or study results")
-    cal = Calibration()
-    cal.sources = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   "bench": [], "results": []}
+    cal = Calibration(sources={"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                               "bench": [], "results": []})
     for bench in benches:
         transport, links, codecs = fit_bench(bench)
         for a, f in links.items():

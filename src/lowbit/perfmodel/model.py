@@ -148,8 +148,8 @@ def layers_for_network(network: str | Network, batch_per_gpu: int, device_tflops
 
 # ------------------------------------------------------------------------------------------ pieces
 def codec_work(algorithm: str, numel: int, world: int, gpus_per_node: int, bits: float) -> tuple[float, float]:
-    """Values ``(encoded, decoded)`` per rank for one bucket (see the table in the module doc): the
-    registry's ``work`` of the algorithm (default: each value encoded and decoded once)."""
+    """Values ``(encoded, decoded)`` per rank for one message: the registry's ``work`` of the algorithm
+    (default: each value encoded and decoded once)."""
     if world == 1 or bits >= FP32_BITS:
         return 0.0, 0.0
     n, k, g = float(numel), world, min(gpus_per_node, world)
@@ -236,13 +236,10 @@ def step_collectives(layers: Sequence[Layer], specs: Sequence[str], *, native: C
                      rider: str | None = None, per_tensor: Collection[str] = (), message_mb: float | str = "auto",
                      bucket_bytes: float = DDP_BUCKET_BYTES,
                      first_bucket_bytes: float | None = None) -> tuple[list[tuple[int, str, int, int]], int]:
-    """The collectives of a step in the order the hook issues them, on :func:`lowbit.timeline.plan_step`'s
-    plan of the layers (``specs[i]``: layer i's codec): ``(position in backward order after whose backward
-    it goes, spec, values, fp32 values riding)``, a message once its last layer is ready, a bucket's
-    native units (one per spec) when the bucket ends; and the number of DDP buckets. DDP cuts the
-    buckets (:func:`lowbit.timeline.ddp_buckets`; ``first_bucket_bytes`` None: the same cap as the
-    others, 0: one bucket a layer); a layer without parameters goes with the next bucket (its backward
-    still has to finish first)."""
+    """The collectives of a step in the order the hook issues them on :func:`lowbit.timeline.plan_step`'s plan
+    of the layers (``specs[i]``: layer i's codec), ``(backward position after which it goes, spec, values, fp32
+    values riding)``, and the number of DDP buckets (:func:`lowbit.timeline.ddp_buckets`; ``first_bucket_bytes``
+    None: the others' cap, 0: a bucket a layer; a layer without parameters goes with the next bucket)."""
     if bucket_bytes < 0 or (first_bucket_bytes is not None and first_bucket_bytes < 0):
         raise ValueError(f"bucket size must be >= 0 bytes, got {bucket_bytes!r} / {first_bucket_bytes!r}")
     order = list(reversed(range(len(layers))))  # backward order: the order gradients become ready

@@ -1,15 +1,12 @@
 """The seed study's networks as parameter counts and FLOPs, so the model runs without building them
 (docs/perfmodel.md, section 6).
 
-Each :class:`Network` carries the *published* totals (parameters; forward multiply-accumulates per sample),
-which only rescale its per-layer *profile* in forward order: lowbit.models' network of the same name,
-walked on the meta device (:func:`lowbit.models.profile.layer_profile`); BN-Inception and the LSTM keep a
-uniform split (12 and 4 groups; an assumption stated in ``notes``). The names are lowbit.models' (and so
-the study's): one set of names across study, predict and advise.
-
-FLOPs: 1 MAC = 2 FLOPs and forward + backward = 3 x forward, so fwd+bwd FLOPs per sample = 6 x forward MACs.
-Where each published total comes from is the network's ``notes`` (and docs/perfmodel.md's table); the MLP
-784-1024-1024-10 (Dettmers 2016) uses its profile's own totals.
+Each :class:`Network` carries the *published* totals (parameters; forward multiply-accumulates per sample; its
+``notes`` say where they come from), which only rescale its per-layer *profile* in forward order: lowbit.models'
+network of the same name, walked on the meta device (:func:`lowbit.models.profile.layer_profile`); BN-Inception
+and the LSTM keep a uniform split (12 and 4 groups, an assumption), the MLP its profile's own totals. The names
+are lowbit.models' (and so the study's). 1 MAC = 2 FLOPs and forward + backward = 3 x forward, so fwd+bwd FLOPs
+per sample = 6 x forward MACs.
 """
 
 from __future__ import annotations

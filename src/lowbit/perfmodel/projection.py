@@ -65,11 +65,9 @@ def comm_comp_ratio(params: float, gflop: float) -> float:
 def network_ratio(network: str | Network, batch_per_gpu: int = 1, per: str = "step") -> float:
     """A network's ratio per GPU-step at ``batch_per_gpu`` (``per="step"``) or per sample."""
     net = get_network(network) if isinstance(network, str) else network
-    if per == "sample":
-        return comm_comp_ratio(net.params, net.fwd_bwd_gflops)
-    if per == "step":
-        return comm_comp_ratio(net.params, net.fwd_bwd_gflops * batch_per_gpu)
-    raise ValueError(f"per must be 'step' or 'sample', got {per!r}")
+    if per not in ("step", "sample"):
+        raise ValueError(f"per must be 'step' or 'sample', got {per!r}")
+    return comm_comp_ratio(net.params, net.fwd_bwd_gflops * (batch_per_gpu if per == "step" else 1))
 
 
 def step_time(ratio: float, bits: float, setting: ProjectionSetting) -> float:

@@ -85,12 +85,9 @@ class ValidationReport:
 
     def summary(self) -> dict[str, Any]:
         def stats(errs: list[float]) -> dict[str, Any]:
-            if not errs:
-                return {"runs": 0}
-            return {"runs": len(errs), "median_abs_error": statistics.median(errs),
-                    "mean_abs_error": statistics.fmean(errs),
-                    "within_15pct": sum(e <= 0.15 for e in errs) / len(errs),
-                    "max_abs_error": max(errs)}
+            return ({"runs": len(errs), "median_abs_error": statistics.median(errs),
+                     "mean_abs_error": statistics.fmean(errs), "within_15pct": sum(e <= 0.15 for e in errs) / len(errs),
+                     "max_abs_error": max(errs)} if errs else {"runs": 0})
         signed = [p.error for p in self.predictions]
         # (|error|, multi-worker) per run; per configuration, the model against the mean over its seeds; and
         # for context, how far each run is from the mean of the other seeds of its configuration
@@ -112,18 +109,14 @@ class ValidationReport:
         for p in self.predictions:
             if p.run.world > 1:
                 by_codec.setdefault(short_codec(p.run.codec), []).append(abs(p.error))
-        return {
-            "all": stats(only(runs)),
-            "multi_worker": stats(only(runs, True)),
-            "single_worker": stats(only(runs, False)),
-            "median_signed_error": statistics.median(signed) if signed else math.nan,
-            "config_mean": stats(only(cfg)),
-            "config_mean_multi_worker": stats(only(cfg, True)),
-            "seed_scatter": stats(only(oracle)),
-            "seed_scatter_multi_worker": stats(only(oracle, True)),
-            "median_abs_error_by_codec_multi_worker": {k: statistics.median(v) for k, v in sorted(by_codec.items())},
-            "target_median_abs_error": TARGET_MEDIAN_ABS_ERROR,
-        }
+        return {"all": stats(only(runs)), "multi_worker": stats(only(runs, True)),
+                "single_worker": stats(only(runs, False)),
+                "median_signed_error": statistics.median(signed) if signed else math.nan,
+                "config_mean": stats(only(cfg)), "config_mean_multi_worker": stats(only(cfg, True)),
+                "seed_scatter": stats(only(oracle)), "seed_scatter_multi_worker": stats(only(oracle, True)),
+                "median_abs_error_by_codec_multi_worker": {k: statistics.median(v)
+                                                           for k, v in sorted(by_codec.items())},
+                "target_median_abs_error": TARGET_MEDIAN_ABS_ERROR}
 
 
 def _split(cal: Calibration) -> tuple[Calibration, Calibration]:
