@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from lowbit.study.export import write_csv, write_curves_csv
+from lowbit.study.records import run_record
 from lowbit.study.report import _tta_section, load_runs
 from lowbit.study.store import ResultStore, ResultsWarning
 from lowbit.study.tta import link_label, run_ratios, setting_title, tta_table
@@ -139,3 +140,11 @@ def test_reader_skips_rows_with_bad_new_fields(tmp_path: Path, change, why: str)
     assert notes["malformed_rows"] == 1 and len(runs) == len(rows) - 1
     assert any(why in str(w.message) for w in caught if issubclass(w.category, ResultsWarning)), \
         [str(w.message) for w in caught]
+
+
+def test_the_speed_model_leaves_torch_hooks_out(tmp_path: Path) -> None:
+    row = next(r for r in ResultStore(_rows(tmp_path)).rows() if r["config"]["codec"] == "torch:fp16")
+    row["epochs"][0].update(steps=10, train_s=1.0)  # (timed steps: what the model needs of any run)
+    assert run_record(row) is None  # PyTorch's hooks are not lowbit's collectives, which the model prices
+    row["config"]["codec"] = "fp32"
+    assert run_record(row) is not None  # (the same row with a codec is one it describes)
