@@ -1,6 +1,7 @@
 """``codec="auto"``: the DDP hook measures this job, then chooses per parameter tensor a codec that pays.
 
     state = lowbit.ddp.register(model, codec="auto")                       # fp32, bf16, 8-bit QSGD
+    state = lowbit.ddp.register(model, codec="auto", auto_level="bold")    # ... and 4-bit QSGD, 1bitSGD*
     state = lowbit.ddp.register(model, codec="auto", allow=["fp32", "bf16", "qsgd:bits=8", "qsgd:bits=4"])
 
 How (on the job's own first steps, nothing extra for the user to run):
@@ -19,6 +20,24 @@ How (on the job's own first steps, nothing extra for the user to run):
    the measured timeline; L-GreCo's dynamic program under an error budget (``error_budget`` times uniform
    8-bit QSGD's error, default 1.0). If nothing is predicted at least 2 % faster than fp32, that is the
    decision and no hook is ever installed: plain DDP.
+
+   *How far it may go* is ``auto_level``: ``"conservative"`` (the default) is the rule above;
+   ``"bold"`` adds 4-bit QSGD and 1bitSGD* (error feedback on, as ``error_feedback="auto"`` gives every
+   biased codec) to the allowed codecs and lets the summed error reach ``error_budget`` times the larger
+   of uniform 8-bit QSGD's error and the gradients' own *sampling noise*: how much the ranks' gradients
+   of a tensor differ from their mean (one sum of the gradient samples over the group), E|g_r - mean|^2
+   K/(K-1), the noise a rank's batch already carries. At budget 1.0 compression adds at most as much
+   noise as the batch has, as training at half the batch would; ranks that see the same data have no
+   noise, and bold is then as strict as the default. Which codecs pass is decided by those measured
+   errors, tensor by tensor, then by the trials' speed: not by codec names.
+
+   *Several nodes* (``node_size=``, ``$LOWBIT_NODE_SIZE`` or torchrun's ``LOCAL_WORLD_SIZE`` smaller than
+   the group, ``algorithm="auto"``): each quantised codec is also probed through the hierarchical
+   algorithm and becomes a choice of its own (``"qsgd:bits=8,bucket=512@hierarchical"``, :func:`lowbit.
+   choose.choice`), priced from its own measured costs (three phases a message, a 1/G shard encoded and
+   sent between nodes) and given the codec's measured error; the search takes flat or hierarchical per
+   tensor, and the finalists include each codec both ways. The decision names the algorithm of every
+   tensor and finalist (``Decision.algorithms``, the table's algorithm column).
 5. **Try**: otherwise lowbit's hook is registered and the finalists (the predicted best, each allowed
    codec as a fixed codec would apply it) run one warm-up and ``trial_steps`` timed steps each;
    :func:`lowbit.choose.pick` (the rule ``lowbit advise`` uses) chooses on the measured step times against
@@ -31,11 +50,20 @@ again) and, with ``remeasure_every=N``, probed and tried again every N steps, fp
 among the finalists, in case the link changed (the backward timeline and the errors are kept); a tensor
 whose codec changes then starts with an empty error-feedback residual. A hook registered by a framework
 (:func:`lowbit.ddp.make_state`) reduces in fp32 until the decision.
+
+6. **Guard** (``guard_every``, default 50; 0: off): while something is compressed, every ``guard_every``
+   steps one step's gradients are sampled and the chosen codecs checked: non-finite gradients or
+   residuals, the codec's error against its value at the decision, error-feedback residual growth, and
+   the loss the user may report (``state.auto.report_loss(loss)``). Every rank's numbers are gathered
+   and summed in rank order, so every rank takes the same step-ups (:mod:`lowbit.guard` has the rule);
+   each is logged once (rank 0, ``WARNING``), kept in ``state.auto.changes`` and ``state.auto.assignment``
+   and saved in checkpoints, and re-measuring keeps a stepped-up tensor at its new precision or above.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections.abc import Mapping
@@ -45,22 +73,37 @@ import torch
 import torch.distributed as dist
 
 from lowbit.choose import (AUTO_FASTER_THAN_FP32, WITHIN_BEST, CodecCost, Decision, TensorTiming, Timeline, Tried,
-                           compute_time, ddp_buckets, decide, explain, pick, simulate, weighted_bits)
+                           choice, compute_time, ddp_buckets, decide, explain, pick, simulate, split_choice,
+                           weighted_bits)
 from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
-from lowbit.comm.allreduce import resolve_algorithm, start
+from lowbit.comm.allreduce import AUTO, get_algorithm, resolve_algorithm, start
+from lowbit.comm.hierarchical import node_size_for
+from lowbit.guard import Guard, combine
 
-__all__ = ["AutoTuner", "DEFAULT_ALLOW", "BASELINE", "TunedState"]
+__all__ = ["AutoTuner", "AUTO_LEVELS", "DEFAULT_ALLOW", "BOLD_ALLOW", "BASELINE", "TunedState", "default_allow"]
 
 log = logging.getLogger("lowbit.ddp")
 
+#: how far ``codec="auto"`` may go (``auto_level``): "conservative" (the default) keeps within uniform 8-bit
+#: QSGD's error; "bold" also allows 4-bit QSGD and 1bitSGD* with error feedback, up to the gradients' own
+#: sampling noise between the ranks (module doc)
+AUTO_LEVELS = ("conservative", "bold")
 #: what ``codec="auto"`` chooses among unless told otherwise
 DEFAULT_ALLOW = ("fp32", "bf16", "qsgd:bits=8,bucket=512")
+#: ... and with ``auto_level="bold"`` (1bitSGD* gets error feedback from ``error_feedback="auto"``)
+BOLD_ALLOW = DEFAULT_ALLOW + ("qsgd:bits=4,bucket=512", "onebit:bucket=64")
 #: the error budget is relative to this codec everywhere (L-GreCo's uniform baseline)
 BASELINE = "qsgd:bits=8,bucket=512"
 #: values of each tensor whose compression error is measured (a prefix; scaled to the tensor)
 ERROR_SAMPLE = 1 << 16
 _FP32 = get_codec("fp32").spec
+_HIERARCHICAL = "hierarchical"
+
+
+def default_allow(level: str = "conservative") -> tuple[str, ...]:
+    """The codecs ``codec="auto"`` chooses among at ``level`` unless ``allow`` says otherwise."""
+    return BOLD_ALLOW if level == "bold" else DEFAULT_ALLOW
 
 
 class TunedState(Protocol):
@@ -68,6 +111,7 @@ class TunedState(Protocol):
     :class:`lowbit.ddp.LowbitState` (a layer above, so named here by its shape, not imported)."""
 
     plan: Mapping[str, Codec]             # parameter name -> codec (read; changed through set_plan)
+    residuals: Mapping[str, torch.Tensor]  # parameter name -> error-feedback residual (read by the guard)
     order: Mapping[str, int]              # parameter name -> position in model order
     process_group: Optional[dist.ProcessGroup]
     iter: int                             # read; changed through count_step / hook_starts
@@ -97,8 +141,13 @@ class AutoTuner:
 
     def __init__(self, allow: Optional[Sequence[str]] = None, error_budget: Optional[float] = 1.0,
                  measure_steps: int = 3, remeasure_every: int = 0,
-                 faster_than_fp32: float = AUTO_FASTER_THAN_FP32) -> None:
-        canon = [get_codec(s).spec for s in (DEFAULT_ALLOW if allow is None else allow)]
+                 faster_than_fp32: float = AUTO_FASTER_THAN_FP32, *, level: str = "conservative",
+                 guard_every: int = 50) -> None:
+        if level not in AUTO_LEVELS:
+            raise ValueError(f"auto_level must be one of {AUTO_LEVELS}, got {level!r}")
+        self.level = level
+        self.guard_every = guard_every
+        canon = [get_codec(s).spec for s in (default_allow(level) if allow is None else allow)]
         if _FP32 not in canon:
             canon.insert(0, _FP32)
         self.allow = list(dict.fromkeys(canon))
@@ -112,13 +161,21 @@ class AutoTuner:
         #                        the first step on, auto's fp32 step was 7-17 % above the steady one
         #                        (ResNet-50, AlexNet, 2x H100 over sockets; docs/results.md)
         self.trial_steps = 2   # timed steps per finalist (after one warm-up step); 0: trust the prediction
-        self.max_trials = 4    # finalists tried at most
+        self.max_trials = 6 if level == "bold" else 4  # finalists tried at most (bold: more codecs to try)
         self.phase = "measure"  # -> "trial" -> "done"
         self._pending: Optional[Decision] = None
         self._trial, self._marks, self._trial_times = 0, [], []  # type: ignore[var-annotated]
         self.decision: Optional[Decision] = None
         self.decided_iter: Optional[int] = None
         self.measured: Optional[dict[str, Any]] = None  # the agreed measurements the decision came from
+        self.node_size: Optional[int] = None  # ranks per node when auto weighed the hierarchical algorithm
+        self.assignment: dict[str, str] = {}  # what runs now: the decision, with the guard's step-ups
+        self.guard = Guard(guard_every, [(s, float(get_codec(s).bits_per_value(1 << 20))) for s in self.allow],
+                           [s for s in self.allow if _hierarchical_ok(get_codec(s))], fp32=_FP32)
+        self._watch: Optional[int] = None  # the step whose gradients the guard samples
+        self._guard_samples: dict[str, tuple[torch.Tensor, int]] = {}
+        self._loss_sum: Any = None  # losses reported since the last check (a device tensor: no host sync)
+        self._loss_n = 0
         self._steps: list[dict[str, Any]] = []  # per measured step: forward mark and gradient marks
         self._samples: dict[str, tuple[torch.Tensor, int]] = {}
         self.forwards = 0  # training forward passes seen (= the step about to run)
@@ -126,12 +183,42 @@ class AutoTuner:
         self._grad_handles: list[Any] = []
         self._install: Optional[Callable[[], None]] = None
         self._state: Optional[TunedState] = None
+        self._module: Optional[torch.nn.Module] = None
         self._device = torch.device("cpu")
 
     # ------------------------------------------------------------------------------ configuration
     def config(self) -> dict[str, Any]:
-        return {"allow": self.allow, "error_budget": self.error_budget, "measure_steps": self.measure_steps,
-                "remeasure_every": self.remeasure_every}
+        out = {"allow": self.allow, "error_budget": self.error_budget, "measure_steps": self.measure_steps,
+               "remeasure_every": self.remeasure_every}
+        # (only where not the default: checkpoints saved before these options existed still load)
+        if getattr(self, "level", "conservative") != "conservative":
+            out["level"] = self.level
+        if getattr(self, "guard_every", 50) != 50:
+            out["guard_every"] = self.guard_every
+        return out
+
+    @property
+    def changes(self) -> list[dict[str, Any]]:
+        """The guard's step-ups so far: each a dict of step, tensor, from, to and reason."""
+        return self.guard.changes
+
+    def report_loss(self, loss: Any) -> None:
+        """Report this step's training loss (a float or a tensor: added on its device, no host sync), for
+        the guard's loss rule (:mod:`lowbit.guard`); optional. Call it once a step, on every rank."""
+        if isinstance(loss, torch.Tensor):
+            v = loss.detach().reshape(()).float()
+            self._loss_sum = v.clone() if self._loss_sum is None else self._loss_sum + v
+        else:
+            self._loss_sum = float(loss) + (0.0 if self._loss_sum is None else self._loss_sum)
+        self._loss_n += 1
+
+    def _take_loss(self) -> Optional[float]:
+        """The mean loss reported since the last call (None: none reported); resets the sum."""
+        if not self._loss_n:
+            return None
+        total, n = self._loss_sum, self._loss_n
+        self._loss_sum, self._loss_n = None, 0
+        return float(total) / n
 
     def attach(self, module: torch.nn.Module, state: TunedState,
                install: Optional[Callable[[], None]] = None) -> None:
@@ -141,7 +228,7 @@ class AutoTuner:
         only once compression pays (until then DDP's own allreduce runs untouched); None: the hook is
         already installed and reduces in fp32 until the decision. DDP's bucket caps are the state's."""
         self.detach()
-        self._state, self._install = state, install
+        self._state, self._install, self._module = state, install, module
         self._device = _device_of(module)
         self._handle = module.register_forward_pre_hook(self._on_forward)
         self._grad_handles = [p.register_post_accumulate_grad_hook(self._on_grad(name))
@@ -199,6 +286,8 @@ class AutoTuner:
         elif self.remeasure_every and self.decided_iter is not None and \
                 step - self.decided_iter >= self.remeasure_every:
             self._predict(st, step)
+        elif self._guarding():
+            self._guard_step(st, step)
 
     # ------------------------------------------------------------------------------ steps 2-5
     def _predict(self, state: TunedState, step: int) -> None:
@@ -210,25 +299,28 @@ class AutoTuner:
             timeline = self._timeline(state)
             specs = self.allow + [get_codec(BASELINE).spec]
             errors = {name: _errors(x, n, specs) for name, (x, n) in self._samples.items()}
+            norms = {name: _norm(x, n) for name, (x, n) in self._samples.items()}
+            # bold: how much the ranks' gradients differ (a collective: every rank, the same tensors)
+            noise = self._noise(state, group, world) if self.level == "bold" else {}
             self._samples = {}
         else:  # re-measuring: the link only
             timeline = _timeline_of(self.measured, state.message_mb, self._rides(state))
             errors = self.measured["errors"]
+            norms, noise = self.measured.get("norms", {}), self.measured.get("noise", {})
+        nodes = self._nodes(state, world)  # ranks per node when several nodes are known, else None
         mine = {"tensors": [dict(name=t.name, numel=t.numel, ready_s=t.ready_s, bucket=t.bucket)
                             for t in timeline.tensors],
                 "backward_end_s": timeline.backward_end_s, "step_s": timeline.step_s,
-                "costs": self._probe(state, group, device, timeline, world),
-                "errors": errors}
+                "costs": self._probe(state, group, device, timeline, world, nodes),
+                "errors": errors, "norms": norms, "noise": noise, "node_size": nodes}
         agreed = _average(C.all_gather_object(mine, group))  # the same numbers on every rank
+        self.node_size = agreed["node_size"]
         costs = {s: CodecCost(**c) for s, c in agreed["costs"].items()}
         timeline = _timeline_of(agreed, state.message_mb, self._rides(state))
-        limit = None
-        base = get_codec(BASELINE).spec
-        if self.error_budget is not None and agreed["errors"]:
-            limit = self.error_budget * sum(e.get(base, 0.0) for e in agreed["errors"].values())
-        pred = decide(timeline, costs, agreed["errors"], error_limit=limit, fp32=_FP32,
-                      within_best=WITHIN_BEST, faster_than_fp32=self.faster_than_fp32,
-                      max_finalists=self.max_trials)
+        pred = decide(timeline, costs, _by_choice(agreed["errors"], costs), error_limit=self._error_limit(agreed),
+                      fp32=_FP32, within_best=WITHIN_BEST, faster_than_fp32=self.faster_than_fp32,
+                      max_finalists=self.max_trials,
+                      only={n: self.guard.allowed(n, costs) for n in self.guard.floors} or None)
         self.measured = agreed
         self._steps = []
         self._release(keep_forward=True)  # (the forward pre-hook times the trials)
@@ -291,7 +383,10 @@ class AutoTuner:
     def _finish(self, state: TunedState, step: int, decision: Decision) -> None:
         rank, world = C.world(state.process_group)
         self.decision, self.decided_iter, self.phase = decision, step, "done"
-        self._release(keep_forward=bool(self.remeasure_every))
+        self.assignment = dict(decision.assignment)
+        self._watch, self._guard_samples = None, {}
+        self.guard.start(step, self._take_loss())  # the loss reported so far: the fp32 steps' reference
+        self._release(keep_forward=bool(self.remeasure_every) or self._guarding())
         state.set_plan(decision.assignment)
         if rank == 0 and decision.fp32_is_best and not getattr(self, "_said_fp32", False):  # (older pickles)
             # the one outcome where auto compresses nothing: said once, as a warning, with the reason
@@ -315,6 +410,131 @@ class AutoTuner:
         state.hook_starts(step)  # the hook counts steps from here on
         install, self._install = self._install, None
         install()
+
+    def _error_limit(self, agreed: dict[str, Any]) -> Optional[float]:
+        """The most error an assignment may add (None: no limit): ``error_budget`` times uniform 8-bit
+        QSGD's summed error, or with ``auto_level="bold"`` times the larger of that and the gradients'
+        summed sampling noise."""
+        if self.error_budget is None or not agreed["errors"]:
+            return None
+        base = get_codec(BASELINE).spec
+        ref = sum(e.get(base, 0.0) for e in agreed["errors"].values())
+        if self.level == "bold":
+            ref = max(ref, sum(agreed.get("noise", {}).values()))
+        return self.error_budget * ref
+
+    def _nodes(self, state: TunedState, world: int) -> Optional[int]:
+        """Ranks per node when the group spans several nodes of several ranks each and the algorithm is
+        left to auto (``node_size=``, ``$LOWBIT_NODE_SIZE``, torchrun's ``LOCAL_WORLD_SIZE``): then the
+        hierarchical algorithm is weighed too. None on one node, one rank a node, or when unknown."""
+        if state.algorithm != AUTO or world < 4:
+            return None
+        try:
+            g = node_size_for(state.process_group, state.node_size)
+        except ValueError:
+            return None  # not known, or not whole nodes: the flat algorithms only
+        return g if 1 < g < world else None
+
+    def _noise(self, state: TunedState, group: Optional[dist.ProcessGroup], k: int) -> dict[str, float]:
+        """Per tensor, the sampling noise of one rank's gradient: E|g_r - mean|^2 * K/(K-1) over the
+        ranks, on the gradient samples (scaled to the tensor), from one sum of the samples over the group.
+        Every rank sends the same layout (the model's tensors in order, zeros where it has no sample)."""
+        names = [n for n in state.plan if n in state.numels]
+        parts = []
+        for n in names:
+            x = self._samples.get(n)
+            m = min(state.numels[n], ERROR_SAMPLE)
+            parts.append(x[0] if x is not None else torch.zeros(m, device=self._device))
+        if not parts or k < 2:
+            return {}
+        mine = torch.cat(parts)
+        total = mine.clone()
+        C.wait(C.all_reduce_async(total, group), "all_reduce", group)
+        dev = mine - total / k
+        out, pos = {}, 0
+        for n, x in zip(names, parts):
+            m = x.numel()
+            if n in self._samples and m:
+                out[n] = float((dev[pos:pos + m].double() ** 2).sum()) * state.numels[n] / m * k / (k - 1)
+            pos += m
+        return out
+
+    # ------------------------------------------------------------------------------ the guard
+    def _guarding(self) -> bool:
+        """Whether the guard watches: it is on and something is compressed."""
+        return bool(getattr(self, "guard_every", 0)) and self.phase == "done" and \
+            any(k != _FP32 for k in self.assignment.values())
+
+    def _guard_step(self, state: TunedState, step: int) -> None:
+        """At a forward pass after the decision: check the watched step once its backward pass has run,
+        and watch the step the guard asks for (module lowbit.guard)."""
+        if self._watch is not None and step > self._watch:
+            self._check(state, step)
+        nxt = self.guard.next_check
+        if self._guarding() and self._watch is None and nxt is not None and step >= nxt:
+            self._watch = step
+            self._guard_samples = {}
+            names = {n for n, k in self.assignment.items() if k != _FP32}
+            self._grad_handles = [p.register_post_accumulate_grad_hook(self._on_guard_grad(name))
+                                  for name, p in self._params() if name in names]
+
+    def _on_guard_grad(self, name: str) -> Callable[[torch.Tensor], None]:
+        def hook(p: torch.Tensor) -> None:
+            if p.grad is not None and self.forwards - 1 == self._watch:
+                g = p.grad.reshape(-1)
+                self._guard_samples[name] = (g[: min(g.numel(), ERROR_SAMPLE)].detach().float().clone(), g.numel())
+        return hook
+
+    def _check(self, state: TunedState, step: int) -> None:
+        """The guard's check of the watched step, from what every rank saw (lowbit.guard.combine), and the
+        step-ups it decides, the same on every rank; each logged once (rank 0)."""
+        self._release(keep_forward=True)
+        samples, self._guard_samples, watched, self._watch = self._guard_samples, {}, self._watch, None
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)  # (the hook thread's residual updates included)
+        tensors = {}
+        for name, key in sorted(self.assignment.items()):
+            if key == _FP32:
+                continue
+            spec = split_choice(key)[0]
+            x, n = samples.get(name, (torch.zeros(0), state.numels.get(name, 0)))
+            finite = bool(torch.isfinite(x).all())
+            res = state.residuals.get(name)
+            tensors[name] = {"err": _errors(x, n, [spec])[spec] if finite else 0.0,
+                             "norm": _norm(x, n) if finite else 0.0, "finite": finite,
+                             "residual": None if res is None else float((res.double() ** 2).sum()),
+                             "values": int(x.numel())}
+        loss = self._take_loss()
+        mine = {"tensors": tensors, "loss": None if loss is None or not math.isfinite(loss) else loss,
+                "loss_finite": loss is None or math.isfinite(loss)}
+        stats = combine(C.all_gather_object(mine, state.process_group))
+        measured = self.measured or {}
+        reference = {}
+        for name, key in self.assignment.items():
+            e, norm = measured.get("errors", {}).get(name), measured.get("norms", {}).get(name)
+            spec = split_choice(key)[0]
+            reference[name] = e[spec] / norm if e is not None and norm and spec in e else None
+        changes = self.guard.check(step, self.assignment, stats, reference)
+        if not changes:
+            return
+        rank, _ = C.world(state.process_group)
+        if rank == 0:  # one message a check: the tensors that made the same change for the same reason together
+            same: dict[tuple[str, str, str], list[str]] = {}
+            for name, (to, reason) in changes.items():
+                same.setdefault((self.assignment[name], to, reason), []).append(name)
+            log.warning("lowbit.ddp codec='auto' guard, step %d: %d tensor(s) step up\n%s", watched, len(changes),
+                        "\n".join(f"  {frm} -> {to} ({len(names)}: {', '.join(names[:8])}"
+                                  f"{', ...' if len(names) > 8 else ''}): {reason}"
+                                  for (frm, to, reason), names in same.items()))
+        for name, (to, _) in changes.items():
+            self.assignment[name] = to
+        state.set_plan(dict(self.assignment))
+        if not self._guarding():
+            self._release(keep_forward=bool(self.remeasure_every))
+
+    def _params(self) -> list[tuple[str, torch.Tensor]]:
+        module = self._module
+        return [] if module is None else [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 
     def _timeline(self, state: TunedState) -> Timeline:
         """Median gradient-ready offsets over the measured steps (the first measured step is a warm-up
@@ -350,27 +570,39 @@ class AutoTuner:
         return bool(quantised) and resolve_algorithm(state.algorithm, quantised[0], k) == "allgather"
 
     def _probe(self, state: TunedState, group: Optional[dist.ProcessGroup], device: torch.device,
-               timeline: Timeline, k: int) -> dict[str, dict[str, Any]]:
+               timeline: Timeline, k: int, nodes: Optional[int] = None) -> dict[str, dict[str, Any]]:
         """Each allowed codec's exchange at two sizes, and its encoding alone: fitted as seconds per message
-        plus seconds per value."""
+        plus seconds per value. With ``nodes`` ranks per node (several nodes), each quantised codec that can
+        send a shard of a tensor is also probed through the hierarchical algorithm, as a choice of its own
+        (``spec@hierarchical``; it encodes a 1/``nodes`` shard)."""
         total = sum(t.numel for t in timeline.tensors)
         big = int(min(max(total // 3, 1 << 16), 1 << 24))
         small = max(big // 16, 1 << 12)
+        choices = [(spec, None) for spec in self.allow]
+        if nodes:
+            choices += [(spec, _HIERARCHICAL) for spec in self.allow if _hierarchical_ok(get_codec(spec))]
+
         def probe(data: torch.Tensor) -> dict[str, dict[str, Any]]:
             out: dict[str, dict[str, Any]] = {}
-            for spec in self.allow:
+            enc_of: dict[str, float] = {}
+            for spec, via in choices:
                 codec = get_codec(spec)
-                algo = "allreduce" if codec.sums_on_wire else resolve_algorithm(state.algorithm, codec, k)
+                algo = "allreduce" if codec.sums_on_wire else resolve_algorithm(via or state.algorithm, codec, k)
+                size = nodes if via == _HIERARCHICAL else state.node_size
                 times = [_min_time(lambda n=n: start(data[:n].clone(), codec, group, algo, "mean",
-                                                     node_size=state.node_size).wait(), device)
+                                                     node_size=size).wait(), device)
                          for n in (small, big)]
-                enc = 0.0 if codec.sums_on_wire else _min_time(lambda: codec.encode(data, seed=1), device) / big
+                if spec not in enc_of:
+                    enc_of[spec] = 0.0 if codec.sums_on_wire else \
+                        _min_time(lambda: codec.encode(data, seed=1), device) / big
+                enc = enc_of[spec] / (nodes if via == _HIERARCHICAL else 1)
                 slope = max((times[1] - times[0]) / (big - small), 0.0)
                 alpha = max(times[0] - slope * small, 0.0)
                 link = max(slope - enc, slope * 0.05)  # what is left for the link and decoding
-                out[spec] = {"spec": spec, "bits": float(codec.bits_per_value(1 << 20)),
-                             "native": bool(codec.sums_on_wire), "alpha_s": alpha, "s_per_value": link,
-                             "encode_s_per_value": enc, "per_tensor": bool(codec.per_tensor)}
+                out[choice(spec, via)] = {"spec": choice(spec, via), "bits": float(codec.bits_per_value(1 << 20)),
+                                          "native": bool(codec.sums_on_wire), "alpha_s": alpha, "s_per_value": link,
+                                          "encode_s_per_value": enc, "per_tensor": bool(codec.per_tensor),
+                                          "algorithm": algo}
             return out
 
         out = probe(torch.randn(big, generator=torch.Generator(device="cpu").manual_seed(12345)).to(device))
@@ -382,7 +614,8 @@ class AutoTuner:
     # ------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         return {"config": self.config(), "decided_iter": self.decided_iter, "measured": self.measured,
-                "decision": None if self.decision is None else self.decision.to_dict()}
+                "decision": None if self.decision is None else self.decision.to_dict(),
+                "assignment": dict(self.assignment), "node_size": self.node_size, "guard": self.guard.state_dict()}
 
     def load_state_dict(self, state: TunedState, d: dict[str, Any]) -> None:
         if not isinstance(d, dict) or d.get("config") != self.config():
@@ -391,22 +624,43 @@ class AutoTuner:
         if d.get("decision") is None:
             return  # saved while still measuring: measure again
         dec = Decision(**d["decision"])
-        unknown = sorted(set(dec.assignment) - set(state.plan))
-        bad = sorted({s for s in dec.assignment.values() if s not in self.allow})
-        if unknown or bad or set(dec.assignment) != set(state.plan):
-            raise ValueError("lowbit checkpoint: the codec='auto' decision does not fit this model/allow list "
-                             f"(unknown tensors {unknown[:3]}, codecs not allowed {bad})")
+        assignment = d.get("assignment") or dec.assignment  # (saved before the guard: the decision's)
+        for a in (dec.assignment, assignment):
+            unknown = sorted(set(a) - set(state.plan))
+            bad = sorted({s for s in a.values() if not self._known_choice(s)})
+            if unknown or bad or set(a) != set(state.plan):
+                raise ValueError("lowbit checkpoint: the codec='auto' decision does not fit this model/allow list "
+                                 f"(unknown tensors {unknown[:3]}, codecs not allowed {bad})")
         self.decision, self.measured, self.decided_iter = dec, d.get("measured"), d.get("decided_iter")
+        self.node_size = d.get("node_size")
+        self.assignment = dict(assignment)
+        self.guard.start(self.decided_iter or 0)
+        if d.get("guard") is not None:
+            self.guard.load_state_dict(d["guard"])
         self.phase, self._pending, self._marks, self._steps, self._samples = "done", None, [], [], {}
-        self._release(keep_forward=bool(self.remeasure_every))
-        state.set_plan(dec.assignment)
+        self._watch, self._guard_samples = None, {}
+        self._release(keep_forward=bool(self.remeasure_every) or self._guarding())
+        state.set_plan(dict(self.assignment))
         self._maybe_install(state, self.decided_iter or 0)
+
+    def _known_choice(self, key: str) -> bool:
+        """Whether ``key`` names an allowed codec (and a registered algorithm, where it names one)."""
+        spec, algorithm = split_choice(key)
+        if spec not in self.allow:
+            return False
+        if algorithm is not None:
+            try:
+                get_algorithm(algorithm)
+            except ValueError:
+                return False
+        return True
 
     def __getstate__(self) -> dict[str, Any]:
         d = dict(self.__dict__)
-        for k in ("_handle", "_install", "_state"):
+        for k in ("_handle", "_install", "_state", "_module", "_watch", "_loss_sum"):
             d[k] = None
         d["_grad_handles"], d["_steps"], d["_samples"], d["_marks"] = [], [], {}, []
+        d["_guard_samples"], d["_loss_n"] = {}, 0
         if d.get("phase") == "trial":  # unpickled mid-trial: measure again
             d["phase"], d["_pending"], d["measured"] = "measure", None, None
         return d
@@ -468,6 +722,22 @@ def _errors(x: torch.Tensor, n: int, specs: Sequence[str]) -> dict[str, float]:
         y = codec.decode(codec.encode(x, seed=7), x.numel())
         out[spec] = float(((y - x) ** 2).sum()) * scale
     return out
+
+
+def _norm(x: torch.Tensor, n: int) -> float:
+    """The squared norm of a gradient of ``n`` values, from ``x``, a prefix of it."""
+    return float((x.double() ** 2).sum()) * n / max(x.numel(), 1)
+
+
+def _hierarchical_ok(codec: Codec) -> bool:
+    """Whether the hierarchical algorithm compresses this codec between nodes (it shards each tensor:
+    codecs summed on the wire and per-tensor codecs go their own ways)."""
+    return not codec.sums_on_wire and not codec.per_tensor
+
+
+def _by_choice(errors: Mapping[str, Mapping[str, float]], costs: Mapping[str, Any]) -> dict[str, dict[str, float]]:
+    """Per tensor, each choice's error: its codec's (the same measured error, flat or hierarchical)."""
+    return {name: {key: e.get(split_choice(key)[0], 0.0) for key in costs} for name, e in errors.items()}
 
 
 def _average(per_rank: list[Any]) -> Any:

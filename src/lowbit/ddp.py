@@ -35,6 +35,9 @@ Tuning guide (:class:`DDPConfig`'s options):
 
 * ``codec`` / ``policy`` — 8-bit QSGD (bucket 512) recovered full accuracy in every experiment of the
   seed; 4-bit usually does; 2-bit loses about a point on conv nets. onebit needs error feedback.
+  ``codec="auto"`` measures and chooses per tensor (:mod:`lowbit.autotune`): ``auto_level`` says how far
+  it may go (``"conservative"``: within 8-bit QSGD's error; ``"bold"``: 4-bit QSGD and 1bitSGD* too, up to
+  the gradients' sampling noise), ``guard_every`` how often its guard checks the choice while training.
 * ``algorithm`` — ``auto`` (default): ``allgather`` for two ranks, ``scatter_gather`` above (it sends
   about 2(K-1)/K payloads per rank and scales; allgather sends (K-1)). ``hierarchical``: several
   machines — native fp32 inside each node, compressed only between nodes (``node_size`` ranks per
@@ -87,8 +90,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lowbit.autotune import DEFAULT_ALLOW, AutoTuner
-from lowbit.choose import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, ddp_bucket_caps, message_limit
+from lowbit.autotune import AUTO_LEVELS, AutoTuner, default_allow
+from lowbit.choose import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, ddp_bucket_caps, choice, message_limit, split_choice
 from lowbit.timeline import plan_step
 from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
@@ -125,8 +128,9 @@ class DDPConfig:
     ``error_feedback`` (on for biased codecs), ``message_mb`` (groups end where DDP's buckets end) and
     ``hook_thread`` (on for CUDA). The module docstring is the tuning guide.
 
-    ``allow``, ``error_budget``, ``measure_steps`` and ``remeasure_every`` go with ``codec="auto"``
-    (:mod:`lowbit.autotune`); ``one_node_native`` with :func:`register` only.
+    ``allow``, ``error_budget``, ``measure_steps``, ``remeasure_every``, ``auto_level`` and
+    ``guard_every`` go with ``codec="auto"`` (:mod:`lowbit.autotune`); ``one_node_native`` with
+    :func:`register` only.
     """
 
     codec: Union[str, Codec, None] = None
@@ -143,6 +147,8 @@ class DDPConfig:
     error_budget: Optional[float] = 1.0
     measure_steps: int = 3
     remeasure_every: int = 0
+    auto_level: str = "conservative"
+    guard_every: int = 50
 
     def __post_init__(self) -> None:
         if isinstance(self.allow, (list, tuple)):
@@ -198,10 +204,18 @@ class DDPConfig:
             raise ValueError(f"node_size must be a positive int (ranks per node), got {self.node_size!r}")
         if not isinstance(self.one_node_native, bool):
             raise ValueError(f"one_node_native must be True or False, got {self.one_node_native!r}")
+        if not isinstance(self.auto_level, str) or self.auto_level not in AUTO_LEVELS:
+            raise ValueError(f"auto_level must be one of {', '.join(map(repr, AUTO_LEVELS))} ('conservative', the "
+                             "default: at most uniform 8-bit QSGD's error; 'bold': also 4-bit QSGD and 1bitSGD with "
+                             f"error feedback, up to the gradients' own sampling noise), got {self.auto_level!r}")
+        if not _is_int(self.guard_every, 0):
+            raise ValueError(f"guard_every must be an int >= 0 (steps between codec='auto''s guard checks; 0: no "
+                             f"guard), got {self.guard_every!r}")
         if not self.auto:
             if (self.allow is not None or self.remeasure_every or self.measure_steps != 3
-                    or self.error_budget != 1.0):
-                raise ValueError("allow=, error_budget=, measure_steps= and remeasure_every= go with codec='auto'")
+                    or self.error_budget != 1.0 or self.auto_level != "conservative" or self.guard_every != 50):
+                raise ValueError("allow=, error_budget=, measure_steps=, remeasure_every=, auto_level= and "
+                                 "guard_every= go with codec='auto'")
             return
         if isinstance(self.allow, str):
             raise ValueError(f"allow must be a list of codec specs, got the string {self.allow!r}")
@@ -209,11 +223,11 @@ class DDPConfig:
             raise ValueError(f"allow must be a list of codec specs, got {self.allow!r}")
         if self.allow is not None and not self.allow:
             raise ValueError("allow must name at least one codec (fp32 is always allowed)")
-        allowed = [get_codec(s) for s in (self.allow if self.allow is not None else DEFAULT_ALLOW)]
+        allowed = [get_codec(s) for s in (self.allow if self.allow is not None else default_allow(self.auto_level))]
         eb = self.error_budget
         if eb is not None and (isinstance(eb, bool) or not isinstance(eb, (int, float)) or not eb > 0):
-            raise ValueError(f"error_budget must be a number > 0 (times uniform 8-bit QSGD's error) or None, "
-                             f"got {eb!r}")
+            raise ValueError(f"error_budget must be a number > 0 (times uniform 8-bit QSGD's error; with "
+                             f"auto_level='bold', times the gradients' sampling noise) or None, got {eb!r}")
         if not _is_int(self.measure_steps, 1):
             raise ValueError(f"measure_steps must be an int >= 1, got {self.measure_steps!r}")
         if not _is_int(self.remeasure_every, 0):
@@ -377,19 +391,25 @@ def _plan_groups(state: "LowbitState", k: int, device: torch.device) -> Dict[str
         return {}
     ride = resolve_algorithm(state.algorithm, quantised[0], k) == "allgather"
     codecs = [state.plan[n] for n in names]
+    # per tensor: its algorithm (codec="auto" on several nodes may send some tensors hierarchically) and the
+    # key its messages are planned by (tensors of one codec but different algorithms go in different messages)
+    own = getattr(state, "algorithms", {})
+    algos = [resolve_algorithm(own.get(n, state.algorithm), c, k) for n, c in zip(names, codecs)]
+    keys = [c.spec if c.sums_on_wire else choice(c.spec, own.get(n)) for n, c in zip(names, codecs)]
     # the one plan of a step's messages (lowbit.timeline), which auto's replay and the speed model price
-    plan = plan_step([state._numels[n] for n in names], [c.spec for c in codecs],
-                     native={c.spec for c in codecs if c.sums_on_wire},
-                     per_tensor={c.spec for c in codecs if c.per_tensor},
+    plan = plan_step([state._numels[n] for n in names], keys,
+                     native={key for key, c in zip(keys, codecs) if c.sums_on_wire},
+                     per_tensor={key for key, c in zip(keys, codecs) if c.per_tensor},
                      rider=_FP32.spec if ride else None, message_mb=state.message_mb,
                      bucket_bytes=getattr(state, "bucket_bytes", DDP_BUCKET_BYTES),
-                     first_bucket_bytes=getattr(state, "first_bucket_bytes", DDP_FIRST_BUCKET_BYTES))
+                     first_bucket_bytes=getattr(state, "first_bucket_bytes", DDP_FIRST_BUCKET_BYTES),
+                     riderless={key for key, c, a in zip(keys, codecs, algos) if not c.sums_on_wire and a != "allgather"})
     out: Dict[str, _Group] = {}
     for i, m in enumerate(plan.messages):
         codec = codecs[m.members[0]]
         members = [(names[j], state._numels[names[j]]) for j in m.members]
         exact = [(names[j], state._numels[names[j]]) for j in m.riders]
-        g = _Group(state, i, codec, members, exact, resolve_algorithm(state.algorithm, codec, k), device)
+        g = _Group(state, i, codec, members, exact, algos[m.members[0]], device)
         for name, _ in members + exact:
             out[name] = g
     return out
@@ -475,6 +495,7 @@ class LowbitState:
         self.process_group = process_group
         self.options = self._resolved(options)
         self.plan = plan                      # parameter name -> codec
+        self.algorithms: Dict[str, str] = {}  # parameter name -> its algorithm, where not self.algorithm (auto)
         self.auto = auto                      # codec="auto": its measurements and decision
         self.params = params                  # id(parameter) -> name
         self.order = {name: i for i, name in enumerate(plan)}  # model order of the parameters
@@ -519,13 +540,22 @@ class LowbitState:
         return options
 
     def set_plan(self, assignment: Dict[str, str]) -> None:
-        """Make ``assignment`` (parameter name -> codec spec; fp32 where absent) the plan, as ``codec="auto"``
-        decides or tries: message groups are rebuilt on the next bucket; residuals of tensors that keep an
-        error-feedback codec are kept, the others dropped (a tensor whose codec changes starts empty)."""
-        plan = {name: get_codec(assignment.get(name, _FP32.spec)) for name in self.plan}
-        keep = {n for n, c in plan.items() if self.uses_feedback(c) and self.plan[n].spec == c.spec}
+        """Make ``assignment`` the plan, as ``codec="auto"`` decides, tries or steps up: parameter name ->
+        codec spec, or a spec and the algorithm that tensor goes by (:func:`lowbit.choose.choice`,
+        ``"qsgd:bits=8,bucket=512@hierarchical"``); fp32 where absent. Message groups are rebuilt on the
+        next bucket; residuals of tensors that keep an error-feedback codec and algorithm are kept, the
+        others dropped (a tensor whose codec changes starts empty)."""
+        split = {name: split_choice(assignment.get(name, _FP32.spec)) for name in self.plan}
+        plan = {name: get_codec(spec) for name, (spec, _) in split.items()}
+        algorithms = {name: algo for name, (_, algo) in split.items() if algo}
+        for algo in set(algorithms.values()):
+            get_algorithm(algo)  # an unknown name: a ValueError naming the known ones
+        old = getattr(self, "algorithms", {})
+        keep = {n for n, c in plan.items() if self.uses_feedback(c) and self.plan[n].spec == c.spec
+                and old.get(n) == algorithms.get(n)}
         self.residuals = {n: v.detach().clone() for n, v in self.residuals.items() if n in keep}
         self.plan = plan
+        self.algorithms = algorithms
         self._forget_messages()
         self._refresh_native()
 
@@ -937,6 +967,8 @@ def make_state(
     remeasure_every: int = 0,
     hook_thread: Union[bool, str] = "auto",
     *,
+    auto_level: str = "conservative",
+    guard_every: int = 50,
     config: Optional[DDPConfig] = None,
 ) -> LowbitState:
     """Build the hook's state for ``module`` (the model *inside* DDP) without registering it.
@@ -955,7 +987,7 @@ def make_state(
     options = DDPConfig.of(config, codec=codec, algorithm=algorithm, policy=policy, error_feedback=error_feedback,
                            start_iter=start_iter, seed=seed, message_mb=message_mb, node_size=node_size, allow=allow,
                            error_budget=error_budget, measure_steps=measure_steps, remeasure_every=remeasure_every,
-                           hook_thread=hook_thread)
+                           hook_thread=hook_thread, auto_level=auto_level, guard_every=guard_every)
     state = _state_for(module, options, process_group)
     state.open_thread_group(module)
     return state
@@ -968,7 +1000,8 @@ def _state_for(module: nn.Module, options: DDPConfig, process_group: Optional[di
     (registered for the state) reduces in fp32 until the tuner decides."""
     tuner = None
     if options.auto:
-        tuner = AutoTuner(options.allow, options.error_budget, options.measure_steps, options.remeasure_every)
+        tuner = AutoTuner(options.allow, options.error_budget, options.measure_steps, options.remeasure_every,
+                          level=options.auto_level, guard_every=options.guard_every)
     named = list(module.named_parameters())
     state = LowbitState(options, options.resolved_policy().resolve(module),
                         {id(p): name for name, p in named if p.requires_grad}, process_group=process_group,
@@ -1016,6 +1049,8 @@ def register(
     remeasure_every: int = 0,
     hook_thread: Union[bool, str] = "auto",
     *,
+    auto_level: str = "conservative",
+    guard_every: int = 50,
     config: Optional[DDPConfig] = None,
 ) -> LowbitState:
     """Install lowbit's comm hook on ``ddp_model`` and return its state.
@@ -1026,7 +1061,10 @@ def register(
     ``codec="auto"`` measures the first steps and then chooses per parameter tensor among ``allow``
     (default fp32, bf16, 8-bit QSGD) what makes the step fastest within ``error_budget`` times uniform
     8-bit QSGD's error, fp32 wherever compression does not pay (:mod:`lowbit.autotune`; the decision is
-    on ``state.auto.decision``).
+    on ``state.auto.decision``); on several nodes it weighs the hierarchical algorithm too, per tensor.
+    ``auto_level="bold"`` also allows 4-bit QSGD and 1bitSGD with error feedback, up to ``error_budget``
+    times the gradients' own sampling noise; ``guard_every`` steps apart its guard checks the chosen
+    codecs while training and steps a tensor up in precision when they go bad (0: no guard).
     Collective: every rank must call it; a configuration that differs across ranks raises
     :class:`ConfigMismatchError` on every rank. ``algorithm="hierarchical"`` with the whole group in one
     node (``state.one_node``) installs no hook: nothing would be compressed, and DDP's own allreduce is
@@ -1042,7 +1080,8 @@ def register(
     options = DDPConfig.of(config, codec=codec, algorithm=algorithm, policy=policy, error_feedback=error_feedback,
                            start_iter=start_iter, seed=seed, message_mb=message_mb, node_size=node_size,
                            one_node_native=one_node_native, allow=allow, error_budget=error_budget,
-                           measure_steps=measure_steps, remeasure_every=remeasure_every, hook_thread=hook_thread)
+                           measure_steps=measure_steps, remeasure_every=remeasure_every, hook_thread=hook_thread,
+                           auto_level=auto_level, guard_every=guard_every)
     group = process_group if process_group is not None else getattr(ddp_model, "process_group", None)
     state = _state_for(module, options, group, ddp_bucket_caps(ddp_model))
     _check_same_config(state, group, state.wants_thread_group(module))

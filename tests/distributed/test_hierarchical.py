@@ -26,7 +26,8 @@ BOUND = {"qsgd:bits=8,bucket=512": 0.02, "dettmers:type=dynamic,bucket=4096": 0.
 
 @pytest.fixture(scope="module")
 def ranks() -> list:
-    parts = (("allreduce", _body, ()), ("ddp", _ddp_body, ()), ("one_node", _one_node_body, ()))
+    parts = (("allreduce", _body, ()), ("ddp", _ddp_body, ()), ("one_node", _one_node_body, ()),
+             ("auto", _auto_body, ()))
     return spawn(run_parts, 4, parts, backend="gloo", timeout_s=120)
 
 
@@ -146,6 +147,52 @@ def test_ddp_hook_hierarchical_keeps_replicas_identical(ranks: list) -> None:
         for a, b in zip(res[0][0], res[r][0]):
             assert torch.equal(a, b)
     assert 0 < res[0][2] < res[0][1]
+
+
+def _auto_body(rank: int, world: int) -> dict:
+    """codec="auto" told of 2 nodes of 2 (node_size=2): it probes and weighs the hierarchical algorithm too.
+    Every lowbit collective crosses an emulated 20 MB/s link, so compression pays and the finalists run."""
+    import lowbit.comm.collectives as C
+
+    C.emulate_link(20e6)
+    try:
+        torch.manual_seed(0)
+        model = DDP(nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)))
+        state = lowbit.ddp.make_state(model.module, codec="auto", node_size=2, measure_steps=2)
+        model.register_comm_hook(state, lowbit.ddp.hook)  # (a framework's way: the fp32 steps cross the link too)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(state.auto.last_decision_step(state.start_iter) + 2):
+            x = torch.randn(32, 64, generator=g)
+            loss = nn.functional.cross_entropy(model(x), torch.randint(0, 10, (32,), generator=g))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        C.emulate_link(None)
+    d = state.auto.decision
+    return {"node_size": state.auto.node_size, "costs": state.auto.measured["costs"], "assignment": d.assignment,
+            "tried": [(label, d.algorithms_of(a)) for label, a, _ in d.finalists], "measured": d.measured_s,
+            "chosen": d.algorithms_of(d.assignment), "table": d.table(), "now": dict(state.algorithms),
+            "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def test_auto_weighs_the_hierarchical_algorithm_on_two_nodes(ranks: list) -> None:
+    res = part(ranks, "auto")
+    r0 = res[0]
+    assert r0["node_size"] == 2
+    hier = {k: c for k, c in r0["costs"].items() if k.endswith("@hierarchical")}
+    assert hier and all(c["algorithm"] == "hierarchical" for c in hier.values())  # probed, as choices of their own
+    assert {c["algorithm"] for k, c in r0["costs"].items() if k not in hier} == {"allreduce", "scatter_gather"}
+    # tried on the job (measured), and named, flat and hierarchical alike
+    assert any("hierarchical" in algos for _, algos in r0["tried"]), r0["table"]
+    assert any("scatter_gather" in algos for _, algos in r0["tried"]), r0["table"]
+    assert all(label in r0["measured"] for label, _ in r0["tried"])
+    assert "hierarchical" in r0["table"] and r0["chosen"]
+    for r in res[1:]:
+        assert r["assignment"] == r0["assignment"] and r["now"] == r0["now"]
+        for a, b in zip(r0["params"], r["params"]):
+            assert torch.equal(a, b)  # replicas identical through every finalist's algorithms
 
 
 def _one_node_body(rank: int, world: int) -> tuple[list, bool, int, int]:

@@ -52,6 +52,13 @@ def test_keyword_only_and_frozen() -> None:
     (dict(codec="auto", measure_steps=0), "measure_steps"),
     (dict(codec="auto", remeasure_every=-1), "remeasure_every"),
     (dict(codec="auto", algorithm="allreduce"), "algorithm 'allreduce'"),
+    (dict(codec="auto", auto_level="wild"), "auto_level must be one of 'conservative', 'bold'"),
+    (dict(codec="auto", auto_level=None), "auto_level"),
+    (dict(codec="qsgd:bits=8", auto_level="bold"), "go with codec='auto'"),
+    (dict(codec="auto", guard_every=-1), "guard_every"),
+    (dict(codec="auto", guard_every=True), "guard_every"),
+    (dict(codec="fp16", guard_every=0), "go with codec='auto'"),
+    (dict(codec="auto", algorithm="allreduce", auto_level="bold"), "algorithm 'allreduce'"),
 ])
 def test_each_bad_option_is_named(options: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -63,6 +70,11 @@ def test_each_bad_option_is_named(options: dict, match: str) -> None:
 
 def test_good_options_pass() -> None:
     D.DDPConfig(codec="auto", algorithm="allreduce", allow=["fp32", "bf16"], error_budget=None, remeasure_every=4)
+    D.DDPConfig(codec="auto", auto_level="bold", guard_every=0)
+    bold = D.make_state(_net(), codec="auto", auto_level="bold")
+    assert "onebit:bucket=64" in " ".join(bold.auto.allow) and "qsgd:bits=4" in " ".join(bold.auto.allow)
+    assert bold.auto.config()["level"] == "bold"
+    assert "level" not in D.make_state(_net(), codec="auto").auto.config()  # older checkpoints still load
     D.DDPConfig(policy=lowbit.Policy("qsgd:bits=4"), error_feedback=True, message_mb=float("inf"), node_size=2,
                 hook_thread=False, seed=-3)
 
@@ -120,3 +132,16 @@ def test_a_state_pickles_with_its_options() -> None:
     state = D.make_state(_net(), codec="qsgd:bits=4", seed=3)
     back = pickle.loads(pickle.dumps(state))
     assert back.options == state.options and back.config() == state.config()
+
+
+def test_the_bold_error_limit_is_the_larger_of_8_bit_qsgd_error_and_the_sampling_noise() -> None:
+    from lowbit.autotune import BASELINE, AutoTuner
+
+    q8 = lowbit.get_codec(BASELINE).spec
+    agreed = {"errors": {"w": {q8: 2.0}, "b": {q8: 0.0}}, "noise": {"w": 40.0, "b": 10.0}}
+    assert AutoTuner()._error_limit(agreed) == 2.0  # conservative: the noise plays no part
+    assert AutoTuner(level="bold")._error_limit(agreed) == 50.0
+    assert AutoTuner(error_budget=0.1, level="bold")._error_limit(agreed) == pytest.approx(5.0)
+    quiet = {**agreed, "noise": {"w": 0.5}}  # ranks that see (nearly) the same gradients: never below 8-bit's
+    assert AutoTuner(level="bold")._error_limit(quiet) == 2.0
+    assert AutoTuner(error_budget=None, level="bold")._error_limit(agreed) is None

@@ -112,6 +112,18 @@ def test_plan_step_is_pure_arithmetic() -> None:
         timeline.plan_step([1, 2], ["q", "q", "q"], native=())
 
 
+def test_messages_whose_algorithm_takes_no_riders_carry_none() -> None:
+    """scatter_gather and hierarchical messages (``riderless``) take no fp32 riders: the fp32 tensor goes
+    natively, and riders waiting for the next message do too when that one takes none."""
+    p = timeline.plan_step([100, 5, 100], ["q", "f", "q"], native={"f"}, rider="f", riderless={"q"})
+    assert p.messages == (timeline.Message("q", (0, 2)),) and p.native == (1,)
+    p = timeline.plan_step([5, 100, 5, 100], ["f", "h", "f", "q"], native={"f"}, rider="f", riderless={"h"},
+                           message_mb=0)
+    assert p.messages == (timeline.Message("h", (1,)), timeline.Message("q", (3,), (2,))) and p.native == (0,)
+    p = timeline.plan_step([100, 5], ["h", "f"], native={"f"}, rider="f", riderless={"h"}, message_mb=1)
+    assert p.messages == (timeline.Message("h", (0,)),) and p.native == (1,)  # no last message to ride in
+
+
 @pytest.mark.parametrize("message_mb, algorithm, fp32_prefix", [("auto", "scatter_gather", ""), (0.5, "scatter_gather", ""),
                                                                 ("auto", "allgather", "0."), (2, "allgather", "0.")])
 def test_the_speed_model_prices_the_plan_the_hook_sends(monkeypatch, message_mb, algorithm: str, fp32_prefix: str) -> None:
@@ -135,3 +147,31 @@ def test_the_speed_model_prices_the_plan_the_hook_sends(monkeypatch, message_mb,
     ready = list(reversed(names))
     priced = [(get_codec(Q8).spec, [ready[i] for i in m.members], [ready[i] for i in m.riders]) for m in seen[0].messages]
     assert priced == hook and hook
+
+
+def test_the_hook_splits_messages_by_algorithm_as_the_replay_prices_them() -> None:
+    """codec="auto" on several nodes sends some tensors hierarchically (state.algorithms): the hook's groups
+    never mix algorithms, and are the messages the replay prices for the same choices."""
+    model = _model()
+    state = D.make_state(model, Q8, message_mb="auto")
+    state.bucket_bytes = 1 * MiB
+    state.algorithms = {n: "hierarchical" for n, _ in model.named_parameters() if n in ("2.weight", "6.weight")}
+    groups = sorted({id(g): g for g in D._plan_groups(state, 4, torch.device("cpu")).values()}.values(),
+                    key=lambda g: g.index)
+    hook = [(g.algorithm, sorted(g.slot)) for g in groups]
+    assert ("hierarchical", ["2.weight"]) in hook and ("hierarchical", ["6.weight"]) in hook
+    assert all(g.exact == 0 for g in groups)  # neither scatter_gather nor hierarchical takes riders
+    names = [n for n in reversed(list(state.plan))]
+    numels = [state._numels[n] for n in names]
+    tl = choose.Timeline(tuple(choose.TensorTiming(n, k, 0.0, b) for n, k, b in
+                               zip(names, numels, timeline.ddp_buckets(numels, MiB))), 0.0, 1.0, "auto")
+    assignment = {n: choose.choice(state.plan[n].spec, state.algorithms.get(n)) for n in names}
+    costs = {}
+    for key in set(assignment.values()):
+        spec, algo = choose.split_choice(key)
+        c = get_codec(spec)
+        costs[key] = choose.CodecCost(key, c.bits_per_value(1 << 20), c.sums_on_wire, 1.0, 0.0,
+                                      algorithm="allreduce" if c.sums_on_wire else algo or "scatter_gather")
+    priced = [(costs[m.spec].algorithm, sorted(names[i] for i in m.members))
+              for m in choose.step_plan(tl, assignment, costs).messages]
+    assert priced == hook
