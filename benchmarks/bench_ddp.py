@@ -21,7 +21,8 @@ Hook configs (``--hooks``, separated by ``;`` since codec specs contain commas):
 * ``lowbit:SPEC`` — ``lowbit.ddp.register(ddp_model, codec=SPEC)`` (``--lowbit-algorithm`` passed as
   ``algorithm=`` only when given; everything else is the library's default, so onebit gets error feedback);
   ``lowbit[mb=256,algorithm=allgather,thread=0]:SPEC`` sets ``message_mb`` / ``algorithm`` /
-  ``hook_thread`` for that config alone, so one run can compare them.
+  ``hook_thread`` for that config alone, so one run can compare them; ``lowbit:auto`` is ``codec="auto"``
+  and ``lowbit[level=bold]:auto`` its bold setting (``auto_level``; ``guard=N``: ``guard_every``).
 
 Protocol, per model: the model is built once per rank (same seed); for each hook config a deep copy goes
 to the device, is wrapped in DDP and gets the hook; SGD (lr 0.01, momentum 0.9) runs ``--warmup`` steps
@@ -140,7 +141,8 @@ def _flag(text: str) -> bool:
 
 
 _flag.__name__ = "0/1"
-LOWBIT_OPTS = {"mb": ("message_mb", float), "algorithm": ("algorithm", str), "thread": ("hook_thread", _flag)}
+LOWBIT_OPTS = {"mb": ("message_mb", float), "algorithm": ("algorithm", str), "thread": ("hook_thread", _flag),
+               "level": ("auto_level", str), "guard": ("guard_every", int)}
 
 
 def lowbit_hook(hook: str) -> tuple[str, dict[str, Any]] | None:
@@ -303,6 +305,10 @@ def run_config(ctx: Ctx, initial: nn.Module, feed: dict[str, Any], x: torch.Tens
                                      for c in sorted({r["codec"] for r in d.rows})},
                 "chosen": d.chosen, "measured_step_ms": {k: v * 1e3 for k, v in d.measured_s.items()},
                 "finalists_predicted_step_ms": {lab: pred * 1e3 for lab, _, pred in d.finalists},
+                # the algorithms of every finalist tried and of the choice (hierarchical on several nodes)
+                "finalists_algorithms": {lab: d.algorithms_of(a) for lab, a, _ in d.finalists},
+                "algorithms_chosen": d.algorithms_of(d.assignment), "node_size": auto.node_size,
+                "level": auto.level, "guard_changes": list(auto.changes),
                 "costs": auto.measured["costs"] if auto.measured else None, "table": d.table()}
         if profile_dir is not None:
             profile(ctx, functools.partial(train_step, ddp, opt, x, y, bf16), profile_dir, tag)
@@ -414,6 +420,49 @@ def table(results: dict[str, Any], hooks: list[str], key: str, fmt: str) -> str:
             else:
                 cells.append(_fmt(v, fmt))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _spec_of(hook: str) -> str | None:
+    """The canonical codec spec of a fixed lowbit config (None: not lowbit, or codec="auto")."""
+    parsed = lowbit_hook(hook)
+    if parsed is None or parsed[0].strip().lower() == "auto":
+        return None
+    try:
+        from lowbit.codecs.base import get_codec
+
+        return get_codec(parsed[0]).spec
+    except ValueError:
+        return None
+
+
+def auto_targets(results: dict[str, Any], hooks: list[str]) -> str:
+    """Issue 29's ratios, per model, for each ``codec="auto"`` config: against plain DDP, the best fixed
+    8-bit lowbit config (any algorithm), the best fixed lowbit config of a codec its level allows, and
+    PowerSGD rank 4 (empty when the run lacks it)."""
+    from lowbit.autotune import default_allow
+    from lowbit.codecs.base import get_codec
+
+    autos = [h for h in hooks if (p := lowbit_hook(h)) is not None and p[0].strip().lower() == "auto"]
+    if not autos:
+        return ""
+    eight = {get_codec("qsgd:bits=8,bucket=512").spec}
+    lines = ["| model | auto config | / ddp | / best fixed 8-bit | / best fixed it allows | / powersgd |",
+             "|---|---|---:|---:|---:|---:|"]
+    for name, mres in results.items():
+        sps = {h: mres["hooks"].get(h, {}).get("samples_per_s") for h in hooks}
+
+        def best(specs: set[str]) -> float | None:
+            vals = [v for h, v in sps.items() if v and _spec_of(h) in specs]
+            return max(vals) if vals else None
+
+        for h in autos:
+            level = lowbit_hook(h)[1].get("auto_level", "conservative")  # type: ignore[index]
+            allowed = {get_codec(s).spec for s in default_allow(level)}
+            v = sps.get(h)
+            cells = [v / ref if v and ref else None
+                     for ref in (sps.get("ddp"), best(eight), best(allowed), sps.get("powersgd"))]
+            lines.append(f"| {name} | {h} | " + " | ".join(_fmt(c, ".2f") for c in cells) + " |")
     return "\n".join(lines)
 
 
@@ -658,6 +707,10 @@ def main(argv: list[str] | None = None) -> int:
         print(table(results, hooks, "samples_per_s", ".1f"))
         print("\n### throughput ratio vs plain DDP\n")
         print(table(results, hooks, "ratio_vs_ddp", ".2f"))
+        targets = auto_targets(results, hooks)
+        if targets:
+            print("\n### codec='auto' against the fixed configurations of this run (issue 29's targets)\n")
+            print(targets)
         if errors:
             print(f"\n{len(errors)} error(s); see 'errors' in the JSON")
         print(f"\nwrote {out}", flush=True)

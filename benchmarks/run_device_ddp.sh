@@ -4,6 +4,9 @@
 #   MODE=nodes bash benchmarks/run_device_ddp.sh                              (4 GPUs as 2 emulated nodes)
 #   MODE=single4 (4 GPUs as one node)   MODE=alltests (every GPU test, on 4 GPUs)
 #   MODE=study4 (4 GPUs: the study as 1 and 2 emulated nodes, then lowbit predict --validate)
+#   issue 29's targets, codec="auto" (default and bold) beside the fixed codecs, plain DDP, fp16 and PowerSGD:
+#   MODE=auto_nvlink / auto_sockets (2 GPUs)   MODE=auto_nodes (4 GPUs as 2 emulated nodes; MODELS default
+#   vgg19,alexnet,gpt2_small). Split MODELS across calls to stay within a 10-minute command.
 set -uo pipefail
 export PYTHONPATH=src
 OUT=${OUT:-/tmp/out}
@@ -44,6 +47,18 @@ for mode in ${MODE:-tests nvlink}; do
         --link 2nodes --models "$MODELS" --hooks "${HOOKS:-ddp;fp16;powersgd;lowbit:qsgd:bits=4,bucket=512;lowbit[algorithm=hierarchical]:qsgd:bits=8,bucket=512;lowbit[algorithm=hierarchical]:qsgd:bits=4,bucket=512;lowbit[algorithm=hierarchical]:onebit:bucket=64}" \
         --steps "$STEPS" --rounds "$ROUNDS" --warmup "$WARMUP" --out "$OUT/ddp_4x${card}_2nodes.json" 2>&1 \
         | grep -v "^W1\|Warning\|warn" | tail -40 ;;
+    auto_nvlink|auto_sockets)  # issue 29: auto / bold against every fixed config of bold's set and the baselines
+      link=${mode#auto_}
+      env_link=(); [ "$link" = sockets ] && env_link=(NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1)
+      env "${env_link[@]}" torchrun --nproc-per-node 2 benchmarks/bench_ddp.py --link "$link" --models "$MODELS" \
+        --hooks "${HOOKS:-ddp;fp16;powersgd;lowbit:qsgd:bits=8,bucket=512;lowbit:qsgd:bits=4,bucket=512;lowbit:onebit:bucket=64;lowbit:auto;lowbit[level=bold]:auto}" \
+        --steps "$STEPS" --rounds "$ROUNDS" --warmup "$WARMUP" --out "$OUT/ddp_2x${card}_${link}_auto29_${MODELS//,/_}.json" 2>&1 \
+        | grep -v "^W1\|Warning\|warn" | tail -60 ;;
+    auto_nodes)  # issue 29: the same on 4 GPUs as 2 emulated nodes, flat and hierarchical fixed configs
+      LOWBIT_NODE_SIZE=2 torchrun --nproc-per-node 4 --no-python benchmarks/emulated_node.sh benchmarks/bench_ddp.py \
+        --link 2nodes --models "${MODELS/resnet50,/}" --hooks "${HOOKS:-ddp;fp16;powersgd;lowbit:qsgd:bits=8,bucket=512;lowbit[algorithm=hierarchical]:qsgd:bits=8,bucket=512;lowbit:qsgd:bits=4,bucket=512;lowbit[algorithm=hierarchical]:qsgd:bits=4,bucket=512;lowbit:onebit:bucket=64;lowbit[algorithm=hierarchical]:onebit:bucket=64;lowbit:auto;lowbit[level=bold]:auto}" \
+        --steps "$STEPS" --rounds "$ROUNDS" --warmup "$WARMUP" --out "$OUT/ddp_4x${card}_2nodes_auto29_${MODELS//,/_}.json" 2>&1 \
+        | grep -v "^W1\|Warning\|warn" | tail -60 ;;
     profile)
       for h in ${PROFILE_HOOKS:-ddp lowbit:qsgd:bits=8,bucket=512}; do
         torchrun --nproc-per-node 2 benchmarks/bench_ddp.py --link nvlink --models "${PROFILE_MODEL:-gpt2_small}" \

@@ -115,6 +115,7 @@ def test_lowbit_hook_options() -> None:
     assert bench_ddp.lowbit_hook("lowbit:qsgd:bits=8") == ("qsgd:bits=8", {})
     assert bench_ddp.lowbit_hook("lowbit[mb=256,algorithm=allgather]:qsgd:bits=4,bucket=512") == (
         "qsgd:bits=4,bucket=512", {"message_mb": 256.0, "algorithm": "allgather"})
+    assert bench_ddp.lowbit_hook("lowbit[level=bold,guard=10]:auto") == ("auto", {"auto_level": "bold", "guard_every": 10})
     assert bench_ddp.lowbit_hook("fp16") is None
     for bad in ("lowbit[mb=x]:fp32", "lowbit[size=3]:fp32", "lowbit[mb]:fp32"):
         try:
