@@ -665,6 +665,17 @@ class AutoTuner:
             d["phase"], d["_pending"], d["measured"] = "measure", None, None
         return d
 
+    def __setstate__(self, d: dict[str, Any]) -> None:
+        self.__dict__.update(d)
+        if "guard" not in d:  # pickled before the levels and the guard: the defaults (the guard from now on)
+            self.level, self.guard_every, self.node_size = "conservative", 50, None
+            self.assignment = dict(self.decision.assignment) if self.decision is not None else {}
+            self.guard = Guard(50, [(s, float(get_codec(s).bits_per_value(1 << 20))) for s in self.allow],
+                               [s for s in self.allow if _hierarchical_ok(get_codec(s))], fp32=_FP32)
+            if self.decided_iter is not None:
+                self.guard.start(self.decided_iter)
+            self._watch, self._guard_samples, self._loss_sum, self._loss_n, self._module = None, {}, None, 0, None
+
 
 # ------------------------------------------------------------------------------------------ helpers
 def _timeline_of(d: dict[str, Any], message_mb: Any, ride: bool = False) -> Timeline:
