@@ -58,6 +58,7 @@ PREFIX = "torch:"
 _KINDS = ("ddp", "fp16", "bf16", "powersgd")
 _PARAMS = {"ddp": (), "fp16": (), "bf16": (), "powersgd": ("rank", "start_iter")}
 _VALUE_BYTES = {"ddp": 4, "fp16": 2, "bf16": 2}
+_NCCL_ONLY = {"bf16": "PyTorch's bf16_compress_hook runs on NCCL only (CUDA 11+, NCCL 2.10+)"}
 _MIN_COMPRESSION_RATE = 2  # PowerSGDState's default, which register keeps
 
 
@@ -229,9 +230,9 @@ def register(ddp_model: nn.Module, baseline: Any, *, process_group: Optional[dis
     else:
         hook_state = group
     backend = dist.get_backend(group) if dist.is_initialized() else ""
-    if b.kind == "bf16" and backend != "nccl":
-        raise ValueError(f"torch:bf16: PyTorch's bf16_compress_hook runs on NCCL only (CUDA 11+, NCCL 2.10+); "
-                         f"this group's backend is {backend or 'not initialised'} (torch:fp16 runs on gloo)")
+    if b.kind in _NCCL_ONLY and backend != "nccl":
+        raise ValueError(f"torch:{b.kind}: {_NCCL_ONLY[b.kind]}; this group's backend is "
+                         f"{backend or 'not initialised'} (torch:fp16 runs on gloo)")
     state = BaselineState(b, hook_state, group, numel, world, link=link,
                           serial=b.kind == "powersgd" and world > 1 and backend != "nccl")
     if b.kind == "ddp" and not link:

@@ -33,6 +33,8 @@ from lowbit.study.metrics import TailClock, environment, fwd_bwd_gflop_per_sampl
 
 __all__ = ["train_run", "timed_epochs", "make_optimizer", "now", "lr_factor", "validation_subset", "time_to_target"]
 
+_AUTOCAST_DTYPES = {"bf16": torch.bfloat16}  # config.AUTOCASTS -> the dtype of CUDA autocast
+
 _METRIC_FIELDS = ("train_s", "exposed_comm_s", "encode_s", "comm_s", "decode_s", "bytes_sent", "loss_sum",
                   "steps", "samples", "calls")
 
@@ -256,7 +258,8 @@ class _Trainer:
 
     def _autocast(self) -> Any:
         """The forward pass's autocast (``run.autocast``: "bf16" on CUDA), a no-op otherwise."""
-        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.run.autocast == "bf16")
+        dtype = _AUTOCAST_DTYPES.get(self.run.autocast)
+        return torch.autocast("cuda", dtype=dtype or torch.bfloat16, enabled=dtype is not None)
 
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float]:
         with self._autocast():
