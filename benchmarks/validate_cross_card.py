@@ -271,10 +271,16 @@ def step_s(st: _Step, c: CodecCost) -> float:
     return st.tensors.step_s + st.replay(c)
 
 
+#: the fits' grid: points per coordinate and rounds (tests of the script's structure use a coarser one)
+GRID_POINTS, GRID_ROUNDS = 13, 4
+
+
 def _grid_fit(loss: Callable[[Sequence[float]], float], ranges: Sequence[tuple[float, float]],
-              zero: Sequence[bool], points: int = 13, rounds: int = 4) -> tuple[list[float], float]:
-    """Minimise ``loss`` over a log-spaced grid per coordinate (plus 0 where ``zero``): ``rounds`` grids,
-    each after the first spanning two steps of the previous one either side of its best point."""
+              zero: Sequence[bool]) -> tuple[list[float], float]:
+    """Minimise ``loss`` over a log-spaced grid per coordinate (plus 0 where ``zero``): ``GRID_ROUNDS``
+    grids of ``GRID_POINTS`` points, each after the first spanning two steps of the previous one either side
+    of its best point."""
+    points, rounds = GRID_POINTS, GRID_ROUNDS
     lo = [math.log(a) for a, _ in ranges]
     hi = [math.log(b) for _, b in ranges]
     best, best_loss = None, math.inf
