@@ -60,3 +60,10 @@ def test_the_study_warms_its_codecs_up_before_any_worker(tmp_path: Path, monkeyp
     main(["study", "--networks", "mlp", "--datasets", "digits", "--codecs", "fp32", "onebit:bucket=64",
           "--world-sizes", "2", "--epochs", "1", "--device", "cpu", "--out", str(tmp_path / "out")])
     assert calls == ["warm fp32 cpu", "warm onebit:bucket=64 cpu", "workers"], calls
+    calls.clear()  # codec="auto" at the bold level: the codecs it may probe
+    main(["study", "--networks", "mlp", "--datasets", "digits", "--codecs", "auto:bold", "--world-sizes", "2",
+          "--epochs", "1", "--device", "cpu", "--out", str(tmp_path / "bold")])
+    import lowbit
+    from lowbit.autotune import BOLD_ALLOW
+
+    assert calls == [f"warm {lowbit.get_codec(s).spec} cpu" for s in BOLD_ALLOW] + ["workers"], calls

@@ -232,6 +232,48 @@ def test_auto_runs_across_workers_only_and_keys_keep_without_an_emulated_link() 
     assert RunConfig.from_dict(d).key() == runs[0].key()
 
 
+def test_auto_levels_parse_validate_label_and_build_the_hook_options() -> None:
+    """'auto:bold' is codec="auto" at auto_level="bold" (error feedback for the biased codecs it may choose);
+    plain 'auto' stays the default level, its name and run keys unchanged; an unknown level is refused."""
+    import lowbit.ddp
+    from lowbit.cli.study import _study_spec
+    from lowbit.study.config import DEFAULT_AUTO_LEVEL, auto_level
+    from lowbit.study.store import _malformed
+    from lowbit.study.train import ddp_options
+
+    assert DEFAULT_AUTO_LEVEL == lowbit.ddp.DDPConfig.__dataclass_fields__["auto_level"].default
+    cfg = StudyConfig(networks=("mlp",), datasets=("digits",), codecs=("fp32", "auto", " Auto:Bold "),
+                      world_sizes=(2,), emulate_link="100mbit")
+    assert cfg.codecs == ("fp32", "auto", "auto:bold")
+    fp32, auto, bold = expand_runs(cfg)
+    assert (auto.codec, auto.error_feedback, bold.codec, bold.error_feedback) == ("auto", False, "auto:bold", True)
+    plain = expand_runs(cfg.replace(codecs=("fp32", "auto")))
+    assert [r.key() for r in plain] == [fp32.key(), auto.key()] and bold.key() != auto.key()
+    assert codec_label("auto") == auto.codec_label and "bold" not in auto.codec_label
+    assert bold.codec_label.startswith("auto (bold: ") and "QSGD 4bit/512" in bold.codec_label \
+        and "1bitSGD*/64 +EF" in bold.codec_label
+    assert (auto_level("auto"), auto_level("auto:bold"), auto_level("auto:conservative"), auto_level("fp32")) == \
+        ("conservative", "bold", "conservative", None)
+    for spec in ("auto:wild", "auto:"):
+        with pytest.raises(ValueError, match=r"'codecs'.*conservative, bold"):
+            StudyConfig(codecs=(spec,))
+    with pytest.raises(ValueError, match="twice"):
+        StudyConfig(codecs=("auto", "auto:conservative"))  # the same runs under two names
+    assert cfg.replace(target_from="AUTO:bold", eval_every=5).target_from == "auto:bold"
+    # the command line takes the same names; the hook gets codec="auto" at the run's level
+    assert (_study_spec("auto:BOLD"), _study_spec("auto"), _study_spec("fp32")) == ("auto:bold", "auto", None)
+    with pytest.raises(ValueError, match="wild"):
+        _study_spec("auto:wild")
+    opts = {r.codec: ddp_options(r, None, r.algorithm, None) for r in (fp32, auto, bold)}
+    assert (opts["auto:bold"].auto, opts["auto:bold"].auto_level, opts["auto:bold"].error_feedback) == (True, "bold", "auto")
+    assert (opts["auto"].auto, opts["auto"].auto_level, opts["auto"].error_feedback) == (True, "conservative", False)
+    assert not opts["fp32"].auto and opts["fp32"].codec == "fp32"
+    # result rows: a known level reads back, an unknown one is named
+    row = {"kind": "run", "key": bold.key(), "config": bold.to_dict(), "summary": {}, "epochs": [], "labels": {}}
+    assert _malformed(row) == ""
+    assert "wild" in _malformed({**row, "config": {**bold.to_dict(), "codec": "auto:wild"}})
+
+
 def test_fig3_recipe_sets_each_networks_epochs_and_learning_rate() -> None:
     cfg = load_config(preset="fig3")
     runs = expand_runs(cfg)

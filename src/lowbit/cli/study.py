@@ -17,13 +17,14 @@ import argparse
 import sys
 from typing import Any
 
+from lowbit.autotune import default_allow
 from lowbit.baselines import get_baseline, is_baseline
 from lowbit.codecs.base import get_codec, parse_codec_list
 from lowbit.comm.allreduce import algorithms
 from lowbit.env import launched_rank_and_size, under_torchrun
 from lowbit.extras import require
 from lowbit.kernels.dispatch import warm_up
-from lowbit.study.config import PRESETS, load_config
+from lowbit.study.config import PRESETS, auto_level, auto_spec, is_auto, load_config
 from lowbit.study.export import export_tensorboard, output_folder, write_csv, write_curves_csv
 from lowbit.study.report import DEFAULT_PRICE_PER_GPU_HOUR, load_runs, write_report
 from lowbit.study.runner import StudyInterrupted, plan_study, run_study
@@ -60,8 +61,11 @@ def _batches(values: list[str] | None) -> list[int | str] | None:
     return [int(v) if v.isdigit() else v for v in values]
 
 
-def _baseline_spec(spec: str) -> str | None:
-    """PyTorch's hooks beside the codecs in --codecs (torch:fp16, torch:powersgd:rank=4): canonical spec."""
+def _study_spec(spec: str) -> str | None:
+    """What --codecs takes beside codecs, as its canonical spec: codec="auto" at a level (auto, auto:bold)
+    and PyTorch's hooks (torch:fp16, torch:powersgd:rank=4)."""
+    if is_auto(spec):
+        return auto_spec(auto_level(spec))  # (a ValueError names an unknown level)
     return get_baseline(spec).spec if is_baseline(spec) else None
 
 
@@ -69,7 +73,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "networks": _csv_or_list(args.networks),
         "datasets": _csv_or_list(args.datasets),
-        "codecs": (parse_codec_list(args.codecs, what="--codecs", also=("auto",), other=_baseline_spec)
+        "codecs": (parse_codec_list(args.codecs, what="--codecs", other=_study_spec)
                    if args.codecs else None),
         "algorithms": _csv_or_list(args.algorithms),
         "world_sizes": _ints(args.world_sizes, "world-sizes"),
@@ -94,8 +98,9 @@ def _warm_up(cfg: Any, out: str) -> None:
     worker or process group exists: a cold compile inside the first collective can outlast its timeout."""
     runs, finished, _ = plan_study(cfg, out)
     todo = [r for r in runs if (r.awaits_target or r.key() not in finished) and r.device == "cpu" and r.world_size > 1]
-    for spec in dict.fromkeys(r.codec for r in todo):
-        if spec != "auto" and not is_baseline(spec):
+    specs = [s for r in todo for s in (default_allow(auto_level(r.codec)) if is_auto(r.codec) else (r.codec,))]
+    for spec in dict.fromkeys(specs):  # (auto: the codecs it may probe)
+        if not is_baseline(spec):
             warm_up(get_codec(spec), "cpu")
 
 

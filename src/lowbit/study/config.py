@@ -7,7 +7,8 @@ seeds, every point trained for ``epochs`` epochs. Example (every key is optional
     extends = "default"                 # start from a preset (default, seeds, throughput, smoke)
     networks = ["mlp", "small_cnn"]     # lowbit.models names
     datasets = ["digits", "mnist1d"]    # lowbit.data names ("synthetic" = random inputs, throughput only)
-    codecs = ["fp32", "qsgd:bits=4,bucket=512", "onebit:bucket=64"]   # lowbit.get_codec specs
+    codecs = ["fp32", "qsgd:bits=4,bucket=512", "onebit:bucket=64"]   # lowbit.get_codec specs; "auto" is
+                                        # lowbit.ddp's codec="auto", "auto:bold" its auto_level="bold"
     algorithms = ["scatter_gather"]     # for quantised codecs; fp32/fp16/bf16 always use the native allreduce
     world_sizes = [1, 2]
     nodes = [1]                         # [1, 2]: each world size also as 2 emulated nodes (docs/multinode.md)
@@ -56,7 +57,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from lowbit.autotune import DEFAULT_ALLOW
+from lowbit.autotune import AUTO_LEVELS, default_allow
 from lowbit.baselines import get_baseline, is_baseline
 from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm.allreduce import algorithms as registered_algorithms
@@ -76,6 +77,8 @@ __all__ = [
     "check_runs",
     "codec_label",
     "policy_label",
+    "auto_level",
+    "is_auto",
     "SCHEMA",
 ]
 
@@ -192,8 +195,12 @@ class StudyConfig:
         for spec in self.codecs:
             if not isinstance(spec, str):
                 raise ValueError(f"study config: 'codecs' entries are spec strings, got {spec!r}")
-            if spec.strip().lower() == AUTO:  # lowbit.ddp's codec="auto": chosen per tensor while training
-                canon.append(AUTO)
+            try:
+                level = auto_level(spec)  # lowbit.ddp's codec="auto": chosen per tensor while training
+            except ValueError as exc:
+                raise ValueError(f"study config: 'codecs': {exc}") from None
+            if level is not None:
+                canon.append(auto_spec(level))
                 continue
             if is_baseline(spec):  # PyTorch's own hooks (lowbit.baselines): torch:fp16, torch:powersgd:rank=4
                 try:
@@ -207,7 +214,7 @@ class StudyConfig:
                 raise ValueError(f"study config: 'codecs': {spec!r}: {exc}") from None
         if len(set(canon)) != len(canon):
             raise ValueError(f"study config: 'codecs' lists the same codec twice: {list(self.codecs)}")
-        object.__setattr__(self, "codecs", tuple(AUTO if c == AUTO else c if is_baseline(c) else s
+        object.__setattr__(self, "codecs", tuple(c if is_auto(c) or is_baseline(c) else s
                                                  for c, s in zip(canon, self.codecs)))
         for ws in self.world_sizes:
             _check_int("world_sizes", ws, 1)
@@ -301,10 +308,10 @@ class StudyConfig:
         if len(given) > 1:
             raise ValueError(f"study config: give one target, not {' and '.join(map(repr, given))}")
         if self.target_from is not None:
-            names = {c if c == AUTO or is_baseline(c) else get_codec(c).spec: c for c in self.codecs}
+            names = {c if is_auto(c) or is_baseline(c) else get_codec(c).spec: c for c in self.codecs}
             spec = self.target_from
             try:
-                canon = (spec.strip().lower() if isinstance(spec, str) and spec.strip().lower() == AUTO
+                canon = (auto_spec(auto_level(spec)) if is_auto(spec)
                          else get_baseline(spec).spec if is_baseline(spec) else get_codec(spec).spec)
             except (ValueError, AttributeError) as exc:
                 raise ValueError(f"study config: 'target_from': {spec!r}: {exc}") from None
@@ -672,16 +679,48 @@ class RunConfig:
 
 def codec_label(spec: str, error_feedback: bool = False) -> str:
     """Short label in the seed's style: 32bit, 16bit, QSGD 4bit/512, 1bitSGD*/64 +EF, ...; ``auto`` with
-    the codecs it chooses among."""
-    if spec == AUTO:
-        return "auto (" + "|".join(get_codec(s).label for s in DEFAULT_ALLOW) + ")"
+    the codecs it chooses among (``auto:bold``: "auto (bold: ...)", with error feedback on its biased ones)."""
+    level = auto_level(spec)
+    if level is not None:
+        labels = "|".join(get_codec(s).label + (" +EF" if error_feedback and get_codec(s).biased else "")
+                          for s in default_allow(level))
+        return f"auto ({labels})" if level == DEFAULT_AUTO_LEVEL else f"auto ({level}: {labels})"
     if is_baseline(spec):  # PyTorch's hooks: PowerSGD's error feedback is its own, always on
         return get_baseline(spec).label
     return get_codec(spec).label + (" +EF" if error_feedback else "")
 
 
-#: the study's name for lowbit.ddp.register(codec="auto") (a choice made while training, not a codec)
+#: the study's name for lowbit.ddp.register(codec="auto") (a choice made while training, not a codec);
+#: ``"auto:LEVEL"`` names its ``auto_level`` (``"auto:bold"``), and plain ``"auto"`` the default level
 AUTO = "auto"
+#: lowbit.ddp.DDPConfig's default ``auto_level``: the level a plain ``"auto"`` runs (and spells it)
+DEFAULT_AUTO_LEVEL = "conservative"
+
+
+def is_auto(spec: object) -> bool:
+    """Whether a study codec entry (or a run's codec) is lowbit.ddp's ``codec="auto"``, at any level."""
+    return isinstance(spec, str) and spec.strip().lower().partition(":")[0].strip() == AUTO
+
+
+def auto_level(spec: object) -> str | None:
+    """The ``auto_level`` a study codec entry names: ``"auto"`` the default (conservative), ``"auto:bold"``
+    bold; None when the entry is not ``auto``. A ``ValueError`` names an unknown level and the known ones."""
+    if not is_auto(spec):
+        return None
+    _, sep, level = str(spec).strip().lower().partition(":")
+    level = level.strip()
+    if not sep:
+        return DEFAULT_AUTO_LEVEL
+    if level not in AUTO_LEVELS:
+        raise ValueError(f"{spec!r}: codec='auto''s level must be one of {', '.join(AUTO_LEVELS)} ('auto:bold'; "
+                         f"plain 'auto' is the default, {DEFAULT_AUTO_LEVEL}), got {level!r}")
+    return level
+
+
+def auto_spec(level: str) -> str:
+    """The canonical study name of ``codec="auto"`` at ``level``: ``"auto"`` for the default level (the
+    name, and so the run keys, of the runs made before levels existed), else ``"auto:LEVEL"``."""
+    return AUTO if level == DEFAULT_AUTO_LEVEL else f"{AUTO}:{level}"
 
 #: RunConfig's time-to-accuracy fields and their values when unset (then left out of the run's key)
 _TTA_UNSET = {"time_budget_s": None, "target_loss": None, "target_accuracy": None, "schedule": (),
@@ -744,7 +783,7 @@ def expand_runs(cfg: StudyConfig) -> list[RunConfig]:
             if policy or par != "data" or ws == 1:
                 continue  # PyTorch's DDP hooks: whole-model, data-parallel gradients, across workers
             codec = get_codec("fp32")  # (what the grid's rules below see: it sums on the wire, no policy)
-        elif spec == AUTO:
+        elif is_auto(spec):
             if policy or par != "data" or (ws == 1 and not cfg.compress_at_world_size_1):
                 continue  # auto chooses the codecs itself, for data-parallel gradients, across workers
             codec = get_codec("fp32")  # (until it decides; it needs a collective algorithm all the same)
@@ -753,7 +792,7 @@ def expand_runs(cfg: StudyConfig) -> list[RunConfig]:
         # overrides equal to the run's codec change nothing: drop them (one run, one key)
         policy = {k: {n: c for n, c in t.items() if c != codec.spec} for k, t in policy.items()}
         policy = {k: t for k, t in policy.items() if t}
-        quantised = spec == AUTO or not codec.sums_on_wire or any(
+        quantised = is_auto(spec) or not codec.sums_on_wire or any(
             not get_codec(c).sums_on_wire for t in policy.values() for c in t.values())
         if ws == 1 and not cfg.compress_at_world_size_1 and (codec.name != "fp32" or policy):
             continue
@@ -779,11 +818,15 @@ def expand_runs(cfg: StudyConfig) -> list[RunConfig]:
             eff = "none"  # no parameter gradient crosses: the codec carries activations and their gradients
         if is_baseline(spec):
             eff = "torch"  # the hook's own collectives
-        run_codec = spec if is_baseline(spec) else AUTO if spec == AUTO else codec.spec
+        run_codec = spec if is_baseline(spec) or is_auto(spec) else codec.spec
         run = RunConfig(
             network=network, dataset=dataset, codec=run_codec,
             algorithm=eff,
             error_feedback=(get_baseline(spec).error_feedback if is_baseline(spec)
+                            # auto: on when it may choose a biased codec (bold's 1bitSGD*), for those alone
+                            # (lowbit.ddp's error_feedback="auto"); the default level's codecs take none
+                            else any(get_codec(s).biased for s in default_allow(auto_level(spec)))
+                            if is_auto(spec)
                             else _feedback(ef, codec) if (ws > 1 or cfg.compress_at_world_size_1) and par != "model"
                             else False),  # (activations take no error feedback)
             world_size=ws, backend=backend, device=device, batch_size=per_worker,

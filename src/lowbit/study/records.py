@@ -13,6 +13,7 @@ from typing import Any
 
 from lowbit.baselines import is_baseline
 from lowbit.perfmodel.model import codec_fact
+from lowbit.study.config import is_auto
 
 __all__ = ["RunRecord", "ScaleKey", "OverheadKey", "run_record"]
 
@@ -160,7 +161,7 @@ def run_record(row: dict[str, Any]) -> RunRecord | None:
         return None  # model / hybrid parallelism and the simulated NCCL are not what this model describes
     world = int(c.get("world_size", 1))
     codec = str(c.get("codec", "fp32"))
-    if codec == "auto":
+    if is_auto(codec):
         return None  # lowbit.ddp's codec="auto" chooses per tensor while training; the row holds no codec
     if is_baseline(codec):
         return None  # PyTorch's own hooks: not lowbit's collectives, which the model prices

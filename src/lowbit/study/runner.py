@@ -45,7 +45,7 @@ from lowbit.comm.hierarchical import topology
 from lowbit.env import launched_rank_and_size, under_torchrun
 from lowbit.extras import require
 from lowbit.launch import WorkerError, emulate_node, init_from_env, spawn
-from lowbit.study.config import RunConfig, StudyConfig, check_runs, expand_runs
+from lowbit.study.config import RunConfig, StudyConfig, check_runs, expand_runs, is_auto
 from lowbit.study.export import TensorBoardLog
 from lowbit.study.store import ResultStore
 from lowbit.study.train import train_run
@@ -90,7 +90,7 @@ def _warm_up_codecs(specs: set[str], device: torch.device) -> None:
     for n in (4096, 4099):  # (Triton specialises on sizes divisible by 16 or not: compile both)
         x = torch.randn(n, device=device)
         for spec in sorted(specs):
-            if spec == "auto" or is_baseline(spec):
+            if is_auto(spec) or is_baseline(spec):
                 continue  # (auto's codecs warm up when it probes them; PyTorch's hooks have no kernels)
             codec = get_codec(spec)
             if codec.name == "fp32":

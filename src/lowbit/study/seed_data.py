@@ -195,7 +195,9 @@ def fig4_batch_per_worker(network: str, world_size: int) -> int:
 def seed_precision(codec_spec: str) -> tuple[str, str]:
     """The seed's (precision label, bucket) of a codec spec; ("", "") when the seed has none (and for the
     study's "auto", a choice rather than a codec)."""
-    if codec_spec == "auto" or is_baseline(codec_spec):
+    from lowbit.study.config import is_auto  # (config imports this module)
+
+    if is_auto(codec_spec) or is_baseline(codec_spec):
         return "", ""
     return SEED_PRECISIONS.get(get_codec(codec_spec).spec, ("", ""))
 

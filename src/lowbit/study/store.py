@@ -30,6 +30,7 @@ from typing import Any
 
 from lowbit.baselines import get_baseline, is_baseline
 from lowbit.codecs.base import get_codec
+from lowbit.study.config import auto_level, is_auto
 from lowbit.study.records import RunRecord, run_record
 
 __all__ = ["ResultStore", "ResultsWarning", "resolve_results_path", "read_runs", "load_run_records", "RESULTS_NAME"]
@@ -229,7 +230,9 @@ def _malformed(row: dict[str, Any]) -> str:
     try:
         if is_baseline(cfg["codec"]):  # PyTorch's hooks (lowbit.baselines)
             get_baseline(cfg["codec"])
-        elif cfg["codec"] != "auto":  # (codec="auto" chooses while training)
+        elif is_auto(cfg["codec"]):  # (codec="auto" chooses while training; "auto:bold": its level)
+            auto_level(cfg["codec"])
+        else:
             get_codec(cfg["codec"])
     except ValueError as exc:
         return f"config.codec: {exc}"

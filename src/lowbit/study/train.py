@@ -28,7 +28,7 @@ from lowbit.models import build_model
 from lowbit.parallel import Hybrid, ParallelComm, hybrid_parts, model_parallel_chain, parallelize
 from lowbit.perfmodel.links import parse_bandwidth
 from lowbit.policy import Policy
-from lowbit.study.config import RunConfig
+from lowbit.study.config import DEFAULT_AUTO_LEVEL, RunConfig, auto_level
 from lowbit.study.metrics import TailClock, environment, fwd_bwd_gflop_per_sample
 
 __all__ = ["train_run", "timed_epochs", "make_optimizer", "now", "lr_factor", "validation_subset", "time_to_target"]
@@ -128,6 +128,19 @@ def _mean_over_ranks(values: dict[str, float], world: int, device: torch.device)
     return out
 
 
+def ddp_options(run: RunConfig, policy: Policy | None, algorithm: str, node_size: int | None) -> lowbit.ddp.DDPConfig:
+    """lowbit's DDP hook options for a data-parallel run: its codec (or ``policy``), or ``codec="auto"`` at
+    the level its name gives (``"auto:bold"``: ``auto_level="bold"``, with error feedback for the biased
+    codecs it may choose, lowbit.ddp's ``error_feedback="auto"``)."""
+    level = auto_level(run.codec)  # None: not auto
+    # (hierarchical in one node keeps the hook, so its bytes and times are measured: one_node_native)
+    return lowbit.ddp.DDPConfig(codec=None if policy else run.codec if level is None else "auto", policy=policy,
+                                algorithm=algorithm,
+                                error_feedback="auto" if level is not None and run.error_feedback
+                                else run.error_feedback, start_iter=run.start_iter, seed=run.seed,
+                                node_size=node_size, one_node_native=False, auto_level=level or DEFAULT_AUTO_LEVEL)
+
+
 class _Trainer:
     """How one run trains on this rank under its parallelism: the module the loop drives, the DDP hook's
     state (gradients), the activations' ParallelComm (model / hybrid), and one step, the loader, the
@@ -171,10 +184,7 @@ class _Trainer:
             grads = model
             ddp = DDP(model, device_ids=[device.index] if cuda else None)
             policy = Policy(default=run.codec, **run.policy) if run.policy else None
-        # (hierarchical in one node keeps the hook, so its bytes and times are measured: one_node_native)
-        options = lowbit.ddp.DDPConfig(codec=None if policy else run.codec, policy=policy, algorithm=algorithm,
-                                       error_feedback=run.error_feedback, start_iter=run.start_iter, seed=run.seed,
-                                       node_size=node_size, one_node_native=False)
+        options = ddp_options(run, policy, algorithm, node_size)
         if options.auto and run.emulate_link:
             # the hook up front (as a framework registers it), so that the fp32 steps auto measures cross
             # the emulated link too (DDP's own allreduce would not)
@@ -574,6 +584,27 @@ class _ToTarget:
         }
 
 
+def _auto_why(auto: Any, decision: Any) -> dict[str, Any]:
+    """Why codec="auto" chose what it did, for the run's row: per tensor its codec (and, where the guard
+    stepped it up later, what ran at the end), the finalists' predicted and measured steps, and the error
+    limit against each allowed codec's summed error over the tensors (and, at the bold level, the
+    gradients' summed sampling noise), as the decision's search weighed them."""
+    measured = auto.measured or {}
+    errors = measured.get("errors") or {}
+    per_codec: dict[str, float] = {}
+    for e in errors.values():
+        for spec, v in e.items():
+            per_codec[spec] = per_codec.get(spec, 0.0) + float(v)
+    return {"per_tensor": {r["name"]: r["codec"] for r in decision.rows},
+            "stepped_up": {n: c for n, c in auto.assignment.items() if c != decision.assignment.get(n)},
+            "finalists": [{"label": label, "predicted_step_s": pred, "measured_step_s": decision.measured_s.get(label)}
+                          for label, _, pred in decision.finalists],
+            "measured_fp32_step_s": decision.measured_s.get("fp32"),
+            "error": decision.error, "error_limit": decision.error_limit,
+            "summed_error_per_codec": per_codec,
+            "summed_noise": sum(float(v) for v in (measured.get("noise") or {}).values()) or None}
+
+
 def _steady_from(run: RunConfig, world: int, auto: Any) -> int:
     """The first step whose speed counts (:func:`timed_epochs`)."""
     if lowbit.baselines.is_baseline(run.codec):  # PowerSGD compresses from its start_iter; the casts at once
@@ -669,7 +700,7 @@ def train_run(
             "values_per_codec": {c: sum(r["numel"] for r in decision.rows if r["codec"] == c)
                                  for c in sorted({r["codec"] for r in decision.rows})},
             "chosen": decision.chosen, "decided_at_step": auto.decided_iter,
-            "predicted_speedup_vs_fp32": decision.speedup}
+            "predicted_speedup_vs_fp32": decision.speedup, **_auto_why(auto, decision)}
     return {
         "kind": "run",
         "key": key,
