@@ -15,8 +15,7 @@ Transcribed from the paper's text; the order of the GPU columns is :data:`GPUS`.
 
 from __future__ import annotations
 
-from lowbit.baselines import is_baseline
-from lowbit.codecs.base import get_codec
+from lowbit.codecs.base import available_codecs, get_codec
 
 __all__ = [
     "GPUS",
@@ -193,11 +192,10 @@ def fig4_batch_per_worker(network: str, world_size: int) -> int:
 
 
 def seed_precision(codec_spec: str) -> tuple[str, str]:
-    """The seed's (precision label, bucket) of a codec spec; ("", "") when the seed has none (and for the
-    study's "auto", a choice rather than a codec)."""
-    from lowbit.study.config import is_auto  # (config imports this module)
-
-    if is_auto(codec_spec) or is_baseline(codec_spec):
+    """The seed's (precision label, bucket) of a codec spec; ("", "") when the seed has none, and for a
+    study entry that is not a lowbit codec (the study's "auto" at any level, a choice rather than a codec;
+    PyTorch's hooks)."""
+    if codec_spec.partition(":")[0].strip().lower() not in available_codecs():
         return "", ""
     return SEED_PRECISIONS.get(get_codec(codec_spec).spec, ("", ""))
 
