@@ -142,12 +142,19 @@ def _body_remeasure(rank: int, world: int, sleep_s: float = 0.0, batch: int = 40
     model = DDP(_net())
     state = lowbit.ddp.make_state(model.module, codec="auto", remeasure_every=4)
     model.register_comm_hook(state, lowbit.ddp.hook)
-    _train(model, 9, batch, sleep_s=sleep_s)
+    # the first decision: at step 5 when the probe predicts fp32, later when a loaded machine makes the
+    # prediction try finalists first (2 or 3 steps each); the fresh-clone CI once had none after 9 steps
+    step = 0
+    while state.auto.decision is None and step < 40:
+        _train(model, 1, batch, start=step, sleep_s=sleep_s)
+        step += 1
     first = dict(state.auto.decision.assignment)
-    _slow_link(link)  # the link slows down: the next probe (step 11) sees it
-    _train(model, 20, batch, start=9, sleep_s=sleep_s)
+    switched = step
+    _slow_link(link)  # the link slows down: the next probe (remeasure_every=4 after the decision) sees it
+    _train(model, 20, batch, start=step, sleep_s=sleep_s)
     d = state.auto.decision
-    return {"first": first, "then": d.assignment, "measured": d.measured_s, "decided": state.auto.decided_iter}
+    return {"first": first, "then": d.assignment, "measured": d.measured_s, "decided": state.auto.decided_iter,
+            "switched": switched}
 
 
 def test_remeasure_follows_a_link_that_slows_down_emulated() -> None:
@@ -158,7 +165,7 @@ def test_remeasure_follows_a_link_that_slows_down_emulated() -> None:
     assert res[0]["then"] == res[1]["then"]
     assert set(res[0]["first"].values()) == {"fp32"}  # compute-bound on a fast link
     assert res[0]["then"]["2.weight"] != "fp32", res[0]["measured"]
-    assert "fp32" in res[0]["measured"] and res[0]["decided"] > 11
+    assert "fp32" in res[0]["measured"] and res[0]["decided"] > res[0]["switched"]
 
 
 @pytest.mark.slow
@@ -170,7 +177,7 @@ def test_remeasure_follows_a_link_that_slows_down() -> None:
     assert set(res[0]["first"].values()) == {"fp32"}  # compute-bound on a fast link
     # the slow link makes compression pay (bf16 or 8-bit QSGD: the big batch's compute hides much of either)
     assert res[0]["then"]["2.weight"] != "fp32", res[0]["measured"]
-    assert "fp32" in res[0]["measured"] and res[0]["decided"] > 11
+    assert "fp32" in res[0]["measured"] and res[0]["decided"] > res[0]["switched"]
 
 
 def _body_ckpt(rank: int, world: int, path: str) -> dict:
