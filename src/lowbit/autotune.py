@@ -81,7 +81,8 @@ from lowbit.comm.allreduce import AUTO, get_algorithm, resolve_algorithm, start
 from lowbit.comm.hierarchical import node_size_for
 from lowbit.guard import Guard, combine
 
-__all__ = ["AutoTuner", "AUTO_LEVELS", "DEFAULT_ALLOW", "BOLD_ALLOW", "BASELINE", "TunedState", "default_allow"]
+__all__ = ["AutoTuner", "AUTO_LEVELS", "DEFAULT_ALLOW", "BOLD_ALLOW", "BASELINE", "TunedState", "default_allow",
+           "sampling_noise"]
 
 log = logging.getLogger("lowbit.ddp")
 
@@ -436,28 +437,10 @@ class AutoTuner:
         return g if 1 < g < world else None
 
     def _noise(self, state: TunedState, group: Optional[dist.ProcessGroup], k: int) -> dict[str, float]:
-        """Per tensor, the sampling noise of one rank's gradient: E|g_r - mean|^2 * K/(K-1) over the
-        ranks, on the gradient samples (scaled to the tensor), from one sum of the samples over the group.
-        Every rank sends the same layout (the model's tensors in order, zeros where it has no sample)."""
-        names = [n for n in state.plan if n in state.numels]
-        parts = []
-        for n in names:
-            x = self._samples.get(n)
-            m = min(state.numels[n], ERROR_SAMPLE)
-            parts.append(x[0] if x is not None else torch.zeros(m, device=self._device))
-        if not parts or k < 2:
-            return {}
-        mine = torch.cat(parts)
-        total = mine.clone()
-        C.wait(C.all_reduce_async(total, group), "all_reduce", group)
-        dev = mine - total / k
-        out, pos = {}, 0
-        for n, x in zip(names, parts):
-            m = x.numel()
-            if n in self._samples and m:
-                out[n] = float((dev[pos:pos + m].double() ** 2).sum()) * state.numels[n] / m * k / (k - 1)
-            pos += m
-        return out
+        """Per tensor, the sampling noise of one rank's gradient (:func:`sampling_noise`), over the model's
+        tensors in order (every rank: the same layout)."""
+        numels = {n: state.numels[n] for n in state.plan if n in state.numels}
+        return sampling_noise(self._samples, numels, group, k, self._device)
 
     # ------------------------------------------------------------------------------ the guard
     def _guarding(self) -> bool:
@@ -749,6 +732,31 @@ def _hierarchical_ok(codec: Codec) -> bool:
 def _by_choice(errors: Mapping[str, Mapping[str, float]], costs: Mapping[str, Any]) -> dict[str, dict[str, float]]:
     """Per tensor, each choice's error: its codec's (the same measured error, flat or hierarchical)."""
     return {name: {key: e.get(split_choice(key)[0], 0.0) for key in costs} for name, e in errors.items()}
+
+
+def sampling_noise(samples: Mapping[str, tuple[torch.Tensor, int]], numels: Mapping[str, int],
+                   group: Optional[dist.ProcessGroup], k: int, device: torch.device) -> dict[str, float]:
+    """Per tensor, the sampling noise of one rank's gradient: E|g_r - mean|^2 * K/(K-1) over the ranks, on
+    the gradient samples (``samples[name]``: a sample of ``min(numel, ERROR_SAMPLE)`` values and the
+    gradient's size, which scales it), from one sum of the samples over the group. Every rank passes
+    the same ``numels`` (names in the same order); zeros stand in where it has no sample."""
+    parts = []
+    for name, numel in numels.items():
+        x = samples.get(name)
+        parts.append(x[0] if x is not None else torch.zeros(min(numel, ERROR_SAMPLE), device=device))
+    if not parts or k < 2:
+        return {}
+    mine = torch.cat(parts)
+    total = mine.clone()
+    C.wait(C.all_reduce_async(total, group), "all_reduce", group)
+    dev = mine - total / k
+    out, pos = {}, 0
+    for (name, numel), x in zip(numels.items(), parts):
+        m = x.numel()
+        if name in samples and m:
+            out[name] = float((dev[pos:pos + m].double() ** 2).sum()) * numel / m * k / (k - 1)
+        pos += m
+    return out
 
 
 def _average(per_rank: list[Any]) -> Any:

@@ -274,14 +274,17 @@ def all_reduce_async(t: torch.Tensor, group: dist.ProcessGroup | None) -> object
                   t.numel() * t.element_size())
 
 
-def reduce_scatter_async(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> object:
-    """Issue the native sum reduce-scatter of flat ``inp`` (``world * out.numel()`` values) into ``out``
-    (this rank's chunk); returns the Work (gloo's has no future: :func:`wait` on it)."""
+def reduce_scatter_async(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None,
+                         op: object = None) -> object:
+    """Issue the native reduce-scatter of flat ``inp`` (``world * out.numel()`` values) into ``out`` (this
+    rank's chunk), a sum unless ``op`` says otherwise (torch's ReduceOp: FSDP passes AVG or PREMUL_SUM);
+    returns the Work (gloo's has no future: :func:`wait` on it)."""
     _, size = world(group)
     if size == 1:
         out.copy_(inp[: out.numel()])
         return done(None, out.device)
-    return _issue("reduce_scatter_tensor", group, lambda: _scatter_fn(out, inp, group=group, async_op=True),
+    op = dist.ReduceOp.SUM if op is None else op
+    return _issue("reduce_scatter_tensor", group, lambda: _scatter_fn(out, inp, group=group, op=op, async_op=True),
                   inp.numel() * inp.element_size())
 
 
