@@ -37,6 +37,10 @@ node. HSDP (replicate x shard): shard with ``fully_shard`` on the inner (node) m
 ``replicate_group=``; lowbit all-reduces the reduced shards across it (compressed, bit-identical on
 every replica) through FSDP's ``set_all_reduce_hook``.
 
+``codec="auto"`` (:mod:`lowbit.fsdp_auto`): each module's reduce-scatter starts as FSDP's own (the
+custom reduce-scatter calls ``reduce_scatter_tensor`` in FSDP's reduce dtype and op) and takes, per module,
+whatever the first steps measure to pay: a codec within the level's error limit, or FSDP's own.
+
 Policy: parameters that the policy keeps in fp32 (by default the seed's rule: 1-D tensors and tensors
 below 10,000 values, such as norms and biases) ride exactly in the same message (float32 for
 gradients, the parameter dtype for parameters); every other parameter of a group takes the group's
@@ -63,6 +67,7 @@ from lowbit.comm.allreduce import CommStats, _framed, _slot, _zeros, all_reduce
 from lowbit.comm.hierarchical import node_size_for
 from lowbit.ddp import ConfigMismatchError
 from lowbit.feedback import ErrorFeedback, restore_unless_finite
+from lowbit.fsdp_auto import NATIVE, FSDPAuto, spread_sample
 from lowbit.policy import Policy
 
 __all__ = ["FSDPState", "LowbitReduceScatter", "LowbitAllGather", "register", "MIN_TORCH"]
@@ -222,9 +227,11 @@ class FSDPState:
     ``stats`` (:class:`lowbit.comm.CommStats`) counts calls and the bytes this rank put on the wire
     (``bytes_inter``: of those, what crossed nodes); ``grad_stats`` and ``param_stats`` split them by
     direction. ``state_dict()`` / ``load_state_dict()`` carry the residuals (per rank) through checkpoints.
+    With ``codec="auto"``, ``codec`` is None and ``auto`` (:class:`lowbit.fsdp_auto.FSDPAuto`) holds what
+    each module runs and why; checkpoints carry it too.
     """
 
-    def __init__(self, codec: Codec, param_codec: Codec | None, error_feedback: bool, policy: Policy | None,
+    def __init__(self, codec: Codec | None, param_codec: Codec | None, error_feedback: bool, policy: Policy | None,
                  node_size: int | None, replicate_group: dist.ProcessGroup | None, rank: int, world_size: int,
                  device: torch.device) -> None:
         self.codec = codec
@@ -239,6 +246,7 @@ class FSDPState:
         self.feedback = ErrorFeedback(codec) if error_feedback else None
         self.modules: list[str] = []
         self.iter = 0  # reduce-scatter calls (keys the gradient codec's rounding noise)
+        self.auto: FSDPAuto | None = None
 
     @property
     def stats(self) -> CommStats:
@@ -247,13 +255,20 @@ class FSDPState:
                          bytes_inter=g.bytes_inter + p.bytes_inter)
 
     def config(self) -> dict[str, Any]:
-        return {"codec": self.codec.spec, "param_codec": None if self.param_codec is None else self.param_codec.spec,
-                "error_feedback": self.error_feedback, "policy": None if self.policy is None else self.policy.fingerprint(),
-                "node_size": self.node_size, "replicate": self.replicate_group is not None, "modules": self.modules}
+        out = {"codec": "auto" if self.codec is None else self.codec.spec,
+               "param_codec": None if self.param_codec is None else self.param_codec.spec,
+               "error_feedback": self.error_feedback, "policy": None if self.policy is None else self.policy.fingerprint(),
+               "node_size": self.node_size, "replicate": self.replicate_group is not None, "modules": self.modules}
+        if self.auto is not None:
+            out["auto"] = self.auto.config()
+        return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"config": self.config(), "rank": self.rank, "world_size": self.world_size, "iter": self.iter,
-                "feedback": None if self.feedback is None else self.feedback.state_dict()}
+        out = {"config": self.config(), "rank": self.rank, "world_size": self.world_size, "iter": self.iter,
+               "feedback": None if self.feedback is None else self.feedback.state_dict()}
+        if self.auto is not None:
+            out["auto"] = self.auto.state_dict()
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict):
@@ -271,6 +286,8 @@ class FSDPState:
             raise ValueError(f"lowbit.fsdp checkpoint: iter must be a non-negative int below 2**62, got {it!r}")
         if (state["feedback"] is None) != (self.feedback is None):
             raise ValueError("lowbit.fsdp checkpoint and this state disagree on error feedback")
+        if self.auto is not None:  # first: a module whose choice changes drops its residual
+            self.auto.load_state_dict(state.get("auto"))
         if self.feedback is not None:
             self.feedback.load_state_dict(state["feedback"], device=self.device)
         self.iter = it
@@ -343,7 +360,44 @@ def _make_groups(group: dist.ProcessGroup, node_size: int | None) -> _Groups:
 
 
 class LowbitReduceScatter(_Comm):
-    """FSDP2's ``ReduceScatter`` for one FSDP module: gradients cross the wire in the state's codec."""
+    """FSDP2's ``ReduceScatter`` for one FSDP module: gradients cross the wire in the state's codec, or, as
+    ``codec="auto"`` chooses (:meth:`set_choice`), in another codec or FSDP's own reduce-scatter."""
+
+    def __init__(self, state: FSDPState, name: str, index: int, sizes: list[int], exact: list[bool],
+                 codec: Codec | None, groups: _Groups | None) -> None:
+        super().__init__(state, name, index, sizes, exact, codec, groups)  # type: ignore[arg-type]
+        self.native = codec is None  # FSDP's own reduce-scatter (codec="auto" starts there)
+        self.choice = NATIVE if codec is None else codec.spec
+        self.ef = state.feedback is not None and codec is not None and not codec.sums_on_wire
+
+    def set_choice(self, key: str) -> None:
+        """codec="auto": from the next call, ``key``: a codec spec, or ``NATIVE`` (FSDP's own reduce-scatter
+        in its reduce dtype). Error feedback for the biased codecs; a module whose choice changes starts
+        with an empty residual."""
+        fb = self.state.feedback
+        if fb is not None:
+            for k in [k for k in fb.residuals if k[0] == self.name]:
+                del fb.residuals[k]
+        self.choice, self.native = key, key == NATIVE
+        self.codec = None if self.native else get_codec(key)  # type: ignore[assignment]
+        self._layouts = {}
+        self.ef = fb is not None and not self.native and self.codec.biased
+
+    def sample(self, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """codec="auto": a sample of this rank's gradient rows ((K, S); :func:`lowbit.fsdp_auto.spread_sample`)
+        with the values the policy keeps exact read as zeros (they cross exactly), and how many values it
+        stands for."""
+        k, s = rows.shape
+        if any(self.exact) and sum(self.sizes) == s:
+            exact = torch.repeat_interleave(torch.tensor(self.exact), torch.tensor(self.sizes)).to(rows.device)
+            rows = rows.masked_fill(exact, 0)  # (K, S), a copy
+        return spread_sample(rows.reshape(-1)), k * s
+
+    def residual_sq(self) -> torch.Tensor | None:
+        """The squared norm of this module's error-feedback residual (a device scalar), None without one."""
+        fb = self.state.feedback
+        res = [e for key, e in fb.residuals.items() if key[0] == self.name] if fb is not None and self.ef else []
+        return sum((e.double() ** 2).sum() for e in res) if res else None  # type: ignore[return-value]
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: object = None, async_op: bool = False) -> None:
@@ -352,6 +406,14 @@ class LowbitReduceScatter(_Comm):
         s = output_tensor.numel()
         if input_tensor.numel() != k * s:
             raise ValueError(f"lowbit.fsdp: reduce-scatter input has {input_tensor.numel()} values, expected {k} x {s}")
+        if st.auto is not None:
+            st.auto.observe(self, input_tensor.view(k, s))
+        if self.native:  # FSDP's own reduce-scatter, in its reduce dtype and op
+            st.iter += 1
+            st.grad_stats.calls += 1
+            C.wait(C.reduce_scatter_async(output_tensor, input_tensor, group, op), "reduce_scatter_tensor", group)
+            st.grad_stats.bytes_sent += (k - 1) * s * input_tensor.element_size()
+            return
         scale = _op_scale(op, k)
         intra, cross, nodes, local = self.split(group)
         x = input_tensor.view(k, s)
@@ -394,7 +456,7 @@ class LowbitReduceScatter(_Comm):
         wd = lay.cast
         if wd is not None:
             return self._exchange_cast(x, group, s, out, lay, wd, idx, ex)
-        ef = st.feedback is not None and not codec.sums_on_wire
+        ef = self.ef and not codec.sums_on_wire  # (a row the exact codec carries whole needs none)
         res = st.feedback.residual((self.name, s), n * s, dev).view(n, s) if ef else None
         parts: list[tuple[int, torch.Tensor, int]] = []
         for i in range(n):
@@ -620,6 +682,8 @@ def register(
     node_size: int | None = None,
     policy: Policy | str | None = None,
     replicate_group: dist.ProcessGroup | None = None,
+    auto_level: str | None = None,
+    guard_every: int | None = None,
 ) -> FSDPState:
     """Make every ``fully_shard`` module of ``model`` reduce-scatter gradients in ``codec`` and (with
     ``param_codec``) all-gather parameters in ``param_codec``. Call it on every rank, after
@@ -638,6 +702,12 @@ def register(
     the group across which the shards are replicated (their reduced gradients are all-reduced across
     it in ``codec``, and the parameters are broadcast from its first rank now).
 
+    ``codec="auto"`` (:mod:`lowbit.fsdp_auto`): each module's gradient exchange, FSDP's own or a codec,
+    chosen by measured error and measured step time on the first steps; ``auto_level`` ``"conservative"``
+    (default: bf16, 8-bit QSGD) or ``"bold"`` (also 4-bit QSGD and 1bitSGD* with error feedback), its guard
+    checking every ``guard_every`` steps (default 50; 0: never). Not with ``error_feedback`` (auto turns it
+    on for the biased codecs it chooses) nor ``replicate_group``.
+
     Ranks that disagree on any of this get the same :class:`lowbit.ddp.ConfigMismatchError`.
     """
     FSDPModule, _ = _fsdp_api()
@@ -645,9 +715,10 @@ def register(
         raise ValueError(f"lowbit.fsdp.register expects an nn.Module, got {type(model).__name__}")
     if not isinstance(error_feedback, bool):
         raise ValueError(f"lowbit.fsdp.register: error_feedback must be True or False, got {error_feedback!r}")
-    grad_codec = _check_codec(codec, "codec")
+    tuner = _check_auto(codec, auto_level, guard_every, error_feedback, replicate_group)
+    grad_codec = None if tuner is not None else _check_codec(codec, "codec")
     p_codec = None if param_codec is None else _check_codec(param_codec, "param_codec")
-    if error_feedback and grad_codec.sums_on_wire:
+    if error_feedback and grad_codec is not None and grad_codec.sums_on_wire:
         raise ValueError(f"lowbit.fsdp.register: {grad_codec.spec} is lossless up to a cast; it takes no error feedback")
     pol = None if policy is None else Policy.coerce(policy)
     modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
@@ -678,6 +749,10 @@ def register(
     ns_eff = ns if ns < k else None
     local0 = params[0].to_local() if hasattr(params[0], "to_local") else params[0]
     state = FSDPState(grad_codec, p_codec, error_feedback, pol, ns_eff, replicate_group, rank, k, local0.device)
+    if tuner is not None:
+        state.auto = tuner
+        biased = [spec for spec in tuner.allow if get_codec(spec).biased]  # (1bitSGD* at the bold level)
+        state.feedback = ErrorFeedback(biased[0]) if biased else None
 
     resolved = rule.resolve(model)
     plans = []
@@ -688,8 +763,8 @@ def register(
         exact = []
         for pname, _ in owned:
             c = resolved.get(prefix + pname, grad_codec)
-            exact.append(c.spec == "fp32")  # the policy keeps it in full precision
-            if not exact[-1] and pol is not None and c.spec != grad_codec.spec:
+            exact.append(c is not None and c.spec == "fp32")  # the policy keeps it in full precision
+            if not exact[-1] and pol is not None and grad_codec is not None and c.spec != grad_codec.spec:
                 raise ValueError(f"lowbit.fsdp.register: the policy gives {prefix + pname} {c.spec}, but an FSDP "
                                  f"module's rows cross in one codec ({grad_codec.spec}) with the parameters the "
                                  "policy keeps in fp32 patched exactly; give the parameter's module its own "
@@ -706,14 +781,40 @@ def register(
     # takes the codec. With node_size splitting the shard group, its reduce-scatter is compressed between
     # those nodes as without HSDP.
     native_inside = replicate_group is not None and ns_eff is None
+    exchanges = []
     for index, label, m, sizes, exact in plans:
         if not native_inside:
-            m.set_custom_reduce_scatter(LowbitReduceScatter(state, label, index, sizes, exact, grad_codec, grad_groups))
+            rs = LowbitReduceScatter(state, label, index, sizes, exact, grad_codec, grad_groups)
+            m.set_custom_reduce_scatter(rs)
+            exchanges.append((label, k * sum(sizes), rs))
         if p_codec is not None:
             m.set_custom_all_gather(LowbitAllGather(state, label, index, sizes, exact, p_codec, param_groups))
+    if tuner is not None:
+        tuner.attach(model, group, local0.device, exchanges)
     if replicate_group is not None:
         _replicate(model, modules, state, replicate_group, count_calls=native_inside)
     return state
+
+
+def _check_auto(codec: Codec | str, auto_level: str | None, guard_every: int | None, error_feedback: bool,
+                replicate_group: dist.ProcessGroup | None) -> FSDPAuto | None:
+    """codec="auto"'s tuner, its options checked; None for any other codec (which takes no auto option)."""
+    if not (isinstance(codec, str) and codec == "auto"):
+        if auto_level is not None or guard_every is not None:
+            raise ValueError("lowbit.fsdp.register: auto_level= and guard_every= go with codec='auto'")
+        return None
+    if guard_every is not None and (isinstance(guard_every, bool) or not isinstance(guard_every, int) or guard_every < 0):
+        raise ValueError(f"lowbit.fsdp.register: guard_every must be an int >= 0 (steps between codec='auto''s "
+                         f"guard checks; 0: no guard), got {guard_every!r}")
+    if error_feedback:
+        raise ValueError("lowbit.fsdp.register: codec='auto' turns error feedback on for the biased codecs it "
+                         "chooses (1bitSGD* at auto_level='bold'); leave error_feedback off")
+    if replicate_group is not None:
+        raise ValueError("lowbit.fsdp.register: codec='auto' does not run under HSDP (replicate_group=); give a codec")
+    try:
+        return FSDPAuto("conservative" if auto_level is None else auto_level, 50 if guard_every is None else guard_every)
+    except ValueError as e:
+        raise ValueError(f"lowbit.fsdp.register: {e}") from None
 
 
 def _replicate(model: nn.Module, modules: list[tuple[str, nn.Module]], state: FSDPState,

@@ -1,0 +1,338 @@
+"""``codec="auto"`` for :mod:`lowbit.fsdp`: each FSDP module's gradient exchange, chosen by measurement.
+
+    state = lowbit.fsdp.register(model, codec="auto")                      # native, bf16, 8-bit QSGD
+    state = lowbit.fsdp.register(model, codec="auto", auto_level="bold")   # ... 4-bit QSGD, 1bitSGD*
+
+The rules of DDP's ``codec="auto"`` (:mod:`lowbit.autotune`) on FSDP's unit of communication, one
+reduce-scatter per ``fully_shard`` module. The candidates: FSDP's own reduce-scatter in its reduce dtype
+(``"native"``), and the codecs of the level (:func:`lowbit.autotune.default_allow`): ``"conservative"``
+(the default) bf16 on the wire and 8-bit QSGD, ``"bold"`` also 4-bit QSGD and 1bitSGD* (error feedback
+on: it is biased). Measured on the job's own first steps, nothing extra to run:
+
+1. **Warm up** (``warmup_steps``, 2): every module reduce-scatters natively. On the last of them each
+   module's reduce-scatter input (this rank's unsharded gradient) is sampled (:func:`spread_sample`; the
+   values the policy keeps exact read as zeros: they cross exactly) and each codec's squared error on
+   the sample measured.
+2. **Agree and admit**: the ranks' errors are averaged in rank order, so every rank holds the same
+   numbers. A codec is admitted for a module when its error there is at most 8-bit QSGD's
+   (conservative), or at most the larger of that and the gradients' sampling noise between the ranks
+   (bold, :func:`lowbit.autotune.sampling_noise`): by measured error, not by codec name.
+3. **Finalists**: native everywhere, and for each codec, every module of at least 10,000 values taking it
+   where it is admitted (else the next admitted one up the ladder, more bits; native at the top), the
+   smaller modules native.
+4. **Try**: each finalist runs one warm-up step, then ``trial_steps`` (2) rounds of one timed step each,
+   forward start to forward start (the whole step): rounds, so that a machine or link that drifts (the
+   first steps of a job run slower) weighs on every finalist alike. A rank's time of a finalist is its
+   fastest timed step (the least disturbed); the ranks' times are gathered and the slowest rank's
+   counts. :func:`lowbit.choose.pick` chooses, as for DDP: native unless a finalist is at least 2 %
+   faster; of the finalists within 3 % of the fastest, the one with the most bits (the more precise).
+
+Measuring takes ``warmup_steps + (1 + trial_steps) x finalists`` steps (11 at the conservative level, 17
+at the bold one), some of them under a slower candidate: a few steps' time, once a job. The decision is
+logged once (rank 0, INFO, :meth:`FSDPAuto.table`), kept on ``state.auto`` and saved in
+``state.state_dict()``: a resumed job does not measure again.
+
+5. **Guard** (``guard_every`` steps apart, default 50; 0: off) while a module is compressed: one step's
+   reduce-scatter inputs are sampled, and :class:`lowbit.guard.Guard`'s rule, on the ranks' numbers
+   summed in rank order (so every rank alike), steps a module up the ladder (native at the top): a
+   gradient not finite at two checks in a row or a non-finite residual (straight to native), the codec's
+   error grown past 4x its value at the decision, an error-feedback residual growing. Each change is
+   logged once (rank 0, WARNING), kept in ``state.auto.changes`` and ``state.auto.assignment`` and in
+   checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any, Optional, Protocol
+
+import torch
+import torch.distributed as dist
+
+from lowbit.autotune import (AUTO_LEVELS, BASELINE, ERROR_SAMPLE, _average, _elapsed, _errors, _mark, _norm,
+                             default_allow, sampling_noise)
+from lowbit.choose import AUTO_FASTER_THAN_FP32, UNIFORM_MIN_NUMEL, WITHIN_BEST, Tried, pick
+from lowbit.codecs.base import get_codec
+from lowbit.comm import collectives as C
+from lowbit.guard import Guard, combine
+
+__all__ = ["FSDPAuto", "NATIVE", "spread_sample"]
+
+log = logging.getLogger("lowbit.fsdp")
+
+#: the choice of FSDP's own reduce-scatter (in its reduce dtype): the top of the ladder
+NATIVE = "native"
+#: a gradient sample is this many runs of neighbouring values, spread evenly over the buffer
+RUNS = 16
+
+
+class Exchange(Protocol):
+    """What the tuner asks of a module's reduce-scatter (:class:`lowbit.fsdp.LowbitReduceScatter`, a layer
+    that imports this one, so named here by its shape)."""
+
+    name: str
+    choice: str  # NATIVE or a codec spec
+
+    def set_choice(self, key: str) -> None: ...
+    def sample(self, rows: torch.Tensor) -> tuple[torch.Tensor, int]: ...
+    def residual_sq(self) -> Optional[torch.Tensor]: ...
+
+
+def spread_sample(x: torch.Tensor) -> torch.Tensor:
+    """Up to ``ERROR_SAMPLE`` values of flat ``x``, a float32 copy: all of them, or ``RUNS`` runs of
+    neighbouring values spread evenly over it (runs: a codec's buckets see neighbours, as on the wire)."""
+    n = x.numel()
+    if n <= ERROR_SAMPLE:
+        return x.float().clone()
+    run = ERROR_SAMPLE // RUNS
+    return torch.cat([x[a : a + run] for a in torch.linspace(0, n - run, RUNS).long().tolist()]).float()
+
+
+def _short(key: str) -> str:
+    """A choice's short label (``qsgd8/512``, ``native``)."""
+    return key if key in (NATIVE, "") else get_codec(key).short_label
+
+
+class FSDPAuto:
+    """The measurements, decision and guard of ``lowbit.fsdp.register(..., codec="auto")`` (module doc), on
+    ``state.auto``: ``finalists`` (label -> per-module choice) with their ``measured_s`` (seconds a step,
+    the slowest rank's), the agreed ``errors`` (module -> codec -> squared error), ``norms``, ``noise`` and
+    ``limits``, ``decision`` (module -> choice, at ``decided_iter``), ``assignment`` (what runs now: the
+    decision with the guard's step-ups, listed in ``changes``)."""
+
+    def __init__(self, level: str = "conservative", guard_every: int = 50) -> None:
+        if level not in AUTO_LEVELS:
+            raise ValueError(f"auto_level must be one of {', '.join(map(repr, AUTO_LEVELS))} ('conservative', the "
+                             "default: at most 8-bit QSGD's error; 'bold': also 4-bit QSGD and 1bitSGD with error "
+                             f"feedback, up to the gradients' own sampling noise), got {level!r}")
+        self.level, self.guard_every = level, guard_every
+        fp32 = get_codec("fp32").spec
+        self.allow = [s for s in dict.fromkeys(get_codec(c).spec for c in default_allow(level)) if s != fp32]
+        self.bits = {s: float(get_codec(s).bits_per_value(1 << 20)) for s in self.allow}
+        self.guard = Guard(guard_every, list(self.bits.items()), fp32=NATIVE)
+        self.warmup_steps, self.trial_steps = 2, 2
+        self.phase = "measure"  # -> "trial" -> "done"
+        self.forwards = 0  # training forward passes of the model seen (= the step about to run)
+        self.exchanges: dict[str, Exchange] = {}
+        self.numels: dict[str, int] = {}  # module -> values of its reduce-scatter (all ranks' rows)
+        self.errors: dict[str, dict[str, float]] = {}
+        self.norms: dict[str, float] = {}
+        self.noise: dict[str, float] = {}
+        self.limits: dict[str, float] = {}
+        self.finalists: list[tuple[str, dict[str, str]]] = []
+        self.measured_s: dict[str, float] = {}
+        self.chosen = ""
+        self.decision: Optional[dict[str, str]] = None
+        self.decided_iter: Optional[int] = None
+        self.assignment: dict[str, str] = {}
+        self._group: Optional[dist.ProcessGroup] = None
+        self._device = torch.device("cpu")
+        self._samples: dict[str, tuple[torch.Tensor, int]] = {}
+        self._seen: dict[str, tuple[torch.Tensor, int, torch.Tensor, Optional[torch.Tensor]]] = {}
+        self._watch: Optional[int] = None  # the step whose gradients the guard samples
+        self._schedule: list[tuple[int, bool]] = []  # trial steps to come: (finalist, timed)
+        self._last: Optional[tuple[Any, int, bool]] = None  # the trial step running: (mark, finalist, timed)
+        self._times: dict[int, list[float]] = {}
+
+    def config(self) -> dict[str, Any]:
+        return {"level": self.level, "guard_every": self.guard_every}
+
+    @property
+    def changes(self) -> list[dict[str, Any]]:
+        """The guard's step-ups so far: each a dict of step, tensor (the module), from, to and reason."""
+        return self.guard.changes
+
+    def attach(self, model: torch.nn.Module, group: dist.ProcessGroup, device: torch.device,
+               exchanges: Sequence[tuple[str, int, Exchange]]) -> None:
+        """Tune ``exchanges`` ((module, values, its reduce-scatter)), counting ``model``'s training forward
+        passes; every module starts native."""
+        self._group, self._device = group, device
+        for name, numel, ex in exchanges:
+            self.exchanges[name], self.numels[name] = ex, numel
+        self._apply({n: NATIVE for n in self.exchanges})
+        model.register_forward_pre_hook(self._on_forward)
+
+    # ------------------------------------------------------------------------------ the steps
+    def _on_forward(self, module: torch.nn.Module, _inp: Any) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return  # evaluation passes are not steps
+        step = self.forwards
+        self.forwards += 1
+        if self.phase == "measure" and step >= self.warmup_steps:
+            self._admit()
+            self._trial_mark(step)
+        elif self.phase == "trial":
+            self._trial_mark(step)
+        elif self._guarding():
+            self._guard_step(step)
+
+    def observe(self, ex: Exchange, rows: torch.Tensor) -> None:
+        """Called by each reduce-scatter with this rank's gradient rows ((K, S)): sampled on the last warm-up
+        step, and for the guard on its watched step (the sample, a finiteness flag and the residual stay on
+        the device until the check)."""
+        step = self.forwards - 1
+        if self.phase == "measure" and step == self.warmup_steps - 1:
+            self._samples[ex.name] = ex.sample(rows)
+        elif step == self._watch and ex.choice != NATIVE:
+            x, n = ex.sample(rows)
+            self._seen[ex.name] = (x, n, torch.isfinite(rows).all(), ex.residual_sq())
+
+    def _admit(self) -> None:
+        """Steps 2-3: agree on the errors (and bold's sampling noise), the limits, the finalists."""
+        specs = list(dict.fromkeys([*self.allow, get_codec(BASELINE).spec]))
+        mine: dict[str, Any] = {"errors": {}, "norms": {}, "noise": {}}
+        for name in self.numels:
+            got = self._samples.get(name)
+            mine["errors"][name] = _errors(got[0], got[1], specs) if got else dict.fromkeys(specs, math.nan)
+            mine["norms"][name] = _norm(got[0], got[1]) if got else math.nan
+        if self.level == "bold":  # a collective: every rank, the same modules in the same order
+            noise = sampling_noise(self._samples, self.numels, self._group, C.world(self._group)[1], self._device)
+            mine["noise"] = {n: noise.get(n, 0.0) for n in self.numels}
+        agreed = _average(C.all_gather_object(mine, self._group))
+        self.errors, self.norms, self.noise = agreed["errors"], agreed["norms"], agreed["noise"]
+        base = get_codec(BASELINE).spec
+        self.limits = {n: max(e[base], self.noise.get(n, 0.0)) for n, e in self.errors.items()}
+        self._samples = {}
+        self.finalists = [(NATIVE, {n: NATIVE for n in self.numels})]
+        for spec in sorted(self.allow, key=lambda s: -self.bits[s]):
+            a = {n: self._fit(n, spec) if v >= UNIFORM_MIN_NUMEL else NATIVE for n, v in self.numels.items()}
+            if all(a != b for _, b in self.finalists):
+                self.finalists.append((spec, a))
+        n = len(self.finalists)
+        self._schedule = [(f, False) for f in range(n)] + [(f, True) for _ in range(self.trial_steps) for f in range(n)]
+        self._last, self._times = None, {}
+        self.phase = "trial"
+
+    def _fit(self, name: str, spec: str) -> str:
+        """``spec`` for module ``name`` if admitted there, else the next admitted choice up the ladder."""
+        key = spec
+        while key != NATIVE and not self.errors[name].get(key, math.nan) <= self.limits[name] * (1 + 1e-9):
+            key = self.guard.up(key)
+        return key
+
+    def _trial_mark(self, step: int) -> None:
+        """At a forward pass during the trials: the step that ended is timed if it was a timed one; the
+        next runs its finalist; after the last, agree and choose."""
+        now = _mark(self._device)
+        if self._last is not None and self._last[2]:
+            self._times.setdefault(self._last[1], []).append(_elapsed(self._last[0], now))
+        if len(self.finalists) > 1 and self._schedule:
+            f, timed = self._schedule.pop(0)
+            self._apply(self.finalists[f][1])
+            self._last = (now, f, timed)
+            return
+        if len(self.finalists) > 1:
+            mine = [min(self._times[f]) for f in range(len(self.finalists))]
+            per_rank = C.all_gather_object(mine, self._group)
+            self.measured_s = {label: max(col) for (label, _), col in zip(self.finalists, zip(*per_rank))}
+        native_s = self.measured_s.get(NATIVE, 1.0)
+        tried = [Tried(a, native_s / self.measured_s[label], self._bits_of(a), label) for label, a in self.finalists[1:]]
+        best, _ = pick(tried, Tried(self.finalists[0][1], 1.0, 32.0, NATIVE), within_best=WITHIN_BEST,
+                       faster_than_fp32=AUTO_FASTER_THAN_FP32)
+        self.chosen, self.decision, self.decided_iter, self.phase = best.extra, dict(best.assignment), step, "done"
+        self.assignment = dict(self.decision)
+        self._apply(self.assignment)
+        self._last, self._times = None, {}
+        self.guard.start(step)
+        if C.world(self._group)[0] == 0:
+            log.info("lowbit.fsdp codec='auto' at step %d (%d ranks, %s):\n%s", step, C.world(self._group)[1],
+                     self.level, self.table())
+
+    def _bits_of(self, assignment: dict[str, str]) -> float:
+        total = sum(self.numels.values()) or 1
+        return sum(v * self.bits.get(assignment[n], 32.0) for n, v in self.numels.items()) / total
+
+    def _apply(self, assignment: dict[str, str]) -> None:
+        for name, key in assignment.items():
+            if self.exchanges[name].choice != key:
+                self.exchanges[name].set_choice(key)
+
+    def table(self) -> str:
+        """The decision: per module its values, choice, and each codec's error over the module's limit
+        (at most 1: admitted); the finalists' measured steps; the guard's changes."""
+        specs = sorted(self.allow, key=lambda s: -self.bits[s])
+        lines = [f"{'module':<28} {'values':>11}  {'choice':<12} error / limit (<= 1: admitted):",
+                 f"{'':<54}" + "".join(f"{_short(s):>11}" for s in specs)]
+        for name, numel in self.numels.items():
+            lim = self.limits.get(name, math.nan)
+            errs = [self.errors.get(name, {}).get(s, math.nan) / lim if lim > 0 else 0.0 for s in specs]
+            lines.append(f"{name[:28]:<28} {numel:>11,}  {_short(self.assignment.get(name, NATIVE)):<12}"
+                         + "".join(f"{e:>11.3g}" for e in errs))
+        if self.measured_s:
+            lines.append("measured step (the slowest rank's): "
+                         + ", ".join(f"{_short(label)} {s * 1e3:.2f} ms" for label, s in self.measured_s.items()))
+        lines.append(f"chosen: {_short(self.chosen)}" + (" (native everywhere: compression did not pay)"
+                                                         if self.chosen == NATIVE else ""))
+        lines += [f"guard, step {c['step']}: {c['tensor']} {_short(c['from'])} -> {_short(c['to'])}: {c['reason']}"
+                  for c in self.changes]
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------------------ the guard
+    def _guarding(self) -> bool:
+        return bool(self.guard_every) and self.phase == "done" and any(k != NATIVE for k in self.assignment.values())
+
+    def _guard_step(self, step: int) -> None:
+        if self._watch is not None and step > self._watch:
+            self._check(step)
+        nxt = self.guard.next_check
+        if self._guarding() and self._watch is None and nxt is not None and step >= nxt:
+            self._watch, self._seen = step, {}
+
+    def _check(self, step: int) -> None:
+        """The guard's check of the watched step from every rank's numbers (lowbit.guard.combine); the
+        step-ups it decides, the same on every rank, logged once (rank 0)."""
+        seen, self._seen, watched, self._watch = self._seen, {}, self._watch, None
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)  # (the samples were taken on FSDP's reduce-scatter stream)
+        tensors = {}
+        for name, key in self.assignment.items():
+            if key == NATIVE:
+                continue
+            x, n, finite, res = seen.get(name, (torch.zeros(0), 0, torch.tensor(True), None))
+            ok = bool(finite)
+            tensors[name] = {"err": _errors(x, n, [key])[key] if ok else 0.0, "norm": _norm(x, n) if ok else 0.0,
+                             "finite": ok, "residual": None if res is None else float(res), "values": int(x.numel())}
+        stats = combine(C.all_gather_object({"tensors": tensors, "loss": None}, self._group))
+        reference = {n: self.errors[n][k] / self.norms[n] if self.norms.get(n) and k in self.errors.get(n, {}) else None
+                     for n, k in self.assignment.items()}
+        changes = self.guard.check(step, self.assignment, stats, reference)
+        if not changes:
+            return
+        if C.world(self._group)[0] == 0:
+            log.warning("lowbit.fsdp codec='auto' guard, step %d: %d module(s) step up\n%s", watched, len(changes),
+                        "\n".join(f"  {n}: {_short(self.assignment[n])} -> {_short(to)}: {why}"
+                                  for n, (to, why) in changes.items()))
+        for name, (to, _) in changes.items():
+            self.assignment[name] = to
+        self._apply(self.assignment)
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        return {"forwards": self.forwards, "decided_iter": self.decided_iter, "decision": self.decision,
+                "assignment": dict(self.assignment), "chosen": self.chosen,
+                "finalists": [[label, dict(a)] for label, a in self.finalists], "measured_s": dict(self.measured_s),
+                "errors": self.errors, "norms": self.norms, "noise": self.noise, "limits": self.limits,
+                "guard": self.guard.state_dict()}
+
+    def load_state_dict(self, d: Any) -> None:
+        """Resume a decision (nothing is measured again); one saved while measuring: measure again."""
+        if not isinstance(d, dict) or "decision" not in d:
+            raise ValueError(f"lowbit.fsdp checkpoint: its codec='auto' entry is not FSDPAuto.state_dict()'s: {d!r:.200}")
+        if d["decision"] is None:
+            return
+        for a in (d["decision"], d["assignment"]):
+            if set(a) != set(self.exchanges) or any(k != NATIVE and k not in self.allow for k in a.values()):
+                raise ValueError("lowbit.fsdp checkpoint: the codec='auto' decision does not fit this model "
+                                 f"(modules {sorted(a)[:4]} against {sorted(self.exchanges)[:4]}, choices "
+                                 f"{sorted(set(a.values()))}, allowed {[NATIVE, *self.allow]})")
+        self.decision, self.assignment = dict(d["decision"]), dict(d["assignment"])
+        self.forwards, self.decided_iter, self.chosen = d["forwards"], d["decided_iter"], d["chosen"]
+        self.finalists = [(label, dict(a)) for label, a in d["finalists"]]
+        self.measured_s, self.errors, self.norms = d["measured_s"], d["errors"], d["norms"]
+        self.noise, self.limits = d["noise"], d["limits"]
+        self.guard.load_state_dict(d["guard"])
+        self.phase, self._samples, self._seen, self._watch = "done", {}, {}, None
+        self._schedule, self._last, self._times = [], None, {}
+        self._apply(self.assignment)

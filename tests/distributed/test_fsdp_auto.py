@@ -1,0 +1,268 @@
+"""lowbit.fsdp's codec="auto" on FSDP2 over gloo (CPU): native on a fast link, the big modules compressed on
+an emulated slow one, every rank alike, the decision kept in checkpoints, the guard stepping a module up.
+
+The 2-rank checks share one spawn (tests/distributed/shared_spawn.py); each part sets its own link."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import lowbit
+import lowbit.comm.collectives as C
+from lowbit.launch import spawn
+from tests.distributed.shared_spawn import part, run_parts
+
+fsdp_api = pytest.importorskip("torch.distributed.fsdp")
+if not hasattr(fsdp_api.FSDPModule, "set_custom_reduce_scatter"):  # pragma: no cover
+    pytest.skip("this torch's FSDP2 has no custom reduce-scatter", allow_module_level=True)
+
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+
+import lowbit.fsdp as lf  # noqa: E402
+
+Q8 = lowbit.get_codec("qsgd:bits=8,bucket=512").spec
+BLOCKS = ("blocks.0", "blocks.1")
+
+
+class Net(nn.Module):
+    """Two blocks (each its own fully_shard) and a root below 10,000 values (auto keeps it native). Width
+    256: blocks of 66,304 values and a root of 9,476; width 100: blocks of 10,300 (barely big)."""
+
+    def __init__(self, width: int = 256) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(32, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU())
+                                    for _ in range(2))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for b in self.blocks:
+            x = x + b(x)
+        return self.head(x)
+
+
+def _model(width: int = 256, **kw) -> tuple[nn.Module, lf.FSDPState]:
+    m = Net(width)
+    for b in m.blocks:
+        fully_shard(b)
+    fully_shard(m)
+    return m, lf.register(m, codec="auto", **kw)
+
+
+def _train(model: nn.Module, rank: int, steps: int, start: int = 0, nan_at: int | None = None) -> None:
+    """SGD on random regression batches (each rank its own: the ranks' gradients differ); ``nan_at``: that
+    step's loss (so every gradient) is NaN."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for i in range(start, start + steps):
+        g = torch.Generator().manual_seed(1000 * i + rank)
+        x = torch.randn(16, 32, generator=g)
+        loss = (model(x) - x[:, :4]).pow(2).mean()
+        if i == nan_at:
+            loss = loss * float("nan")
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _running(state: lf.FSDPState) -> dict[str, str]:
+    """What each module's reduce-scatter runs now (not what the tuner says it runs)."""
+    return {name: ex.choice for name, ex in state.auto.exchanges.items()}
+
+
+def _decision(state: lf.FSDPState) -> dict:
+    a = state.auto
+    return {"decision": a.decision, "decided": a.decided_iter, "measured": a.measured_s, "chosen": a.chosen,
+            "finalists": [label for label, _ in a.finalists], "errors": a.errors, "limits": a.limits,
+            "noise": a.noise, "running": _running(state), "table": a.table()}
+
+
+def _body_slow(rank: int, world: int, path: str) -> dict:
+    """20 MB/s (rank 1: 10 MB/s, so the ranks measure differently): a block's fp32 gradients (265 KB a
+    reduce-scatter) take 13-26 ms a step each. Then a checkpoint resumed by a new job, whose guard steps
+    the compressed modules up when the gradients turn NaN."""
+    C.emulate_link(20e6 / (1 + rank))
+    m, st = _model(guard_every=2)
+    _train(m, rank, 12)
+    out = _decision(st)
+    out["bytes_per_step"] = _bytes_per_step(m, st, rank, 12)
+    torch.save(st.state_dict(), f"{path}.{rank}")
+    m2, st2 = _model(guard_every=2)
+    st2.load_state_dict(torch.load(f"{path}.{rank}", weights_only=False))
+    out["resumed"] = {"phase": st2.auto.phase, "running": _running(st2), "decided": st2.auto.decided_iter}
+    _train(m2, rank, 2, start=13)
+    out["resumed_after"] = {"phase": st2.auto.phase, "running": _running(st2), "measured": st2.auto.measured_s}
+    _train(m2, rank, 6, start=15, nan_at=15)
+    out["guard"] = {"changes": st2.auto.changes, "assignment": dict(st2.auto.assignment), "running": _running(st2)}
+    again = _model(guard_every=2)[1]
+    again.load_state_dict(st2.state_dict())
+    out["guard_resumed"] = {"changes": again.auto.changes, "running": _running(again)}
+    C.emulate_link(None)
+    return out
+
+
+def _body_bold(rank: int, world: int) -> dict:
+    """auto_level="bold" over the same slow link: 4-bit QSGD and 1bitSGD* weighed up to the sampling noise."""
+    C.emulate_link(20e6 / (1 + rank))
+    m, st = _model(auto_level="bold", guard_every=0)
+    _train(m, rank, 2 + 3 * 5 + 1)
+    out = _decision(st)
+    out["residuals"] = sorted({key[0] for key in st.feedback.residuals})
+    C.emulate_link(None)
+    return out
+
+
+def _bytes_per_step(m: nn.Module, st: lf.FSDPState, rank: int, start: int) -> int:
+    before = st.grad_stats.bytes_sent
+    _train(m, rank, 1, start=start)
+    return st.grad_stats.bytes_sent - before
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list:
+    path = str(tmp_path_factory.mktemp("fsdp_auto") / "auto.pt")
+    parts = (("slow", _body_slow, (path,)), ("bold", _body_bold, ()))
+    return spawn(run_parts, 2, parts, backend="gloo", timeout_s=240)
+
+
+def test_slow_link_compresses_the_big_modules_and_ranks_agree(ranks: list) -> None:
+    r0, r1 = part(ranks, "slow")
+    for key in ("decision", "measured", "chosen", "errors", "limits"):
+        assert r0[key] == r1[key], key  # the slowest rank's times and the averaged errors: the same everywhere
+    d = r0["decision"]
+    assert d["<root>"] == "native"  # below 10,000 values
+    assert all(d[b] != "native" for b in BLOCKS), r0["table"]
+    assert r0["running"] == d
+    assert r0["decided"] == 2 + 3 * len(r0["finalists"])  # 2 warm-up steps, then 1 + 2 steps a finalist
+    # the conservative level: every codec within 8-bit QSGD's error, which is its own limit
+    for name in BLOCKS:
+        assert r0["errors"][name][Q8] == r0["limits"][name] > 0
+        assert r0["errors"][name][d[name]] <= r0["limits"][name]
+    assert r0["measured"][r0["chosen"]] < 0.9 * r0["measured"]["native"], r0["table"]
+    native_bytes = 2 * 66_304 * 4 // 2 + 9_476 * 4 // 2  # (K-1) x S float32 values a module, K = 2 (no padding)
+    assert 0 < r0["bytes_per_step"] < 0.7 * native_bytes
+
+
+def test_checkpoint_resumes_the_decision_without_measuring(ranks: list) -> None:
+    for r in part(ranks, "slow"):
+        assert r["resumed"] == {"phase": "done", "running": r["decision"], "decided": r["decided"]}
+        assert r["resumed_after"] == {"phase": "done", "running": r["decision"], "measured": r["measured"]}
+
+
+def test_guard_steps_a_module_with_non_finite_gradients_up_to_native(ranks: list) -> None:
+    r0, r1 = (r["guard"] for r in part(ranks, "slow"))
+    assert r0 == r1  # every rank alike
+    stepped = {c["tensor"] for c in r0["changes"]}
+    compressed = {n for n, k in part(ranks, "slow")[0]["decision"].items() if k != "native"}
+    assert stepped == compressed and all(c["to"] == "native" and "not finite" in c["reason"] for c in r0["changes"])
+    assert all(c["step"] > 15 for c in r0["changes"])  # after the NaN step, not before
+    assert set(r0["assignment"].values()) == set(r0["running"].values()) == {"native"}
+    resumed = part(ranks, "slow")[0]["guard_resumed"]
+    assert resumed["changes"] == r0["changes"] and resumed["running"] == r0["running"]
+
+
+def test_bad_auto_options_are_refused() -> None:
+    lin = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="auto_level must be one of 'conservative', 'bold'"):
+        lf.register(lin, codec="auto", auto_level="reckless")
+    with pytest.raises(ValueError, match="go with codec='auto'"):
+        lf.register(lin, codec="qsgd:bits=8", auto_level="bold")
+    with pytest.raises(ValueError, match="go with codec='auto'"):
+        lf.register(lin, codec="qsgd:bits=8", guard_every=10)
+    with pytest.raises(ValueError, match="guard_every must be an int >= 0"):
+        lf.register(lin, codec="auto", guard_every=-1)
+    with pytest.raises(ValueError, match="leave error_feedback off"):
+        lf.register(lin, codec="auto", error_feedback=True)
+    with pytest.raises(ValueError, match="fully_shard"):  # the options were fine: on to the model's checks
+        lf.register(lin, codec="auto", auto_level="bold", guard_every=0)
+
+
+def test_bold_weighs_4_bit_and_1bitsgd_up_to_the_sampling_noise(ranks: list) -> None:
+    r0, r1 = part(ranks, "bold")
+    for key in ("decision", "measured", "errors", "limits", "noise"):
+        assert r0[key] == r1[key], key
+    q4, one = (lowbit.get_codec(s).spec for s in ("qsgd:bits=4,bucket=512", "onebit:bucket=64"))
+    for name in ("<root>", *BLOCKS):
+        e = r0["errors"][name]
+        assert e[one] > e[q4] > e[Q8] > e["bf16"] > 0  # measured on the module's own gradient
+        assert r0["noise"][name] > 0  # each rank its own batches
+        assert r0["limits"][name] == max(e[Q8], r0["noise"][name])
+    # the finalists: each codec wherever its error is within the module's limit, else the next one up
+    admitted = [c for c in (q4, one) if all(r0["errors"][b][c] <= r0["limits"][b] for b in BLOCKS)]
+    assert admitted, r0["table"]  # (this model's noise admits at least 4-bit QSGD)
+    assert all(c in r0["finalists"] for c in admitted) and set(r0["finalists"]) == set(r0["measured"])
+    d = r0["decision"]
+    assert all(r0["errors"][n][k] <= r0["limits"][n] for n, k in d.items() if k != "native"), r0["table"]
+    # 1bitSGD* runs with error feedback (its residuals exist exactly for the modules that run it)
+    assert r0["residuals"] == sorted(n for n, k in d.items() if k == one)
+
+
+# ------------------------------------------------------------------------------------------ the rule alone
+class _Exchange:
+    """A module's reduce-scatter as the tuner sees it, in one process: a call costs ``costs[choice]``
+    seconds (a sleep: a link and codecs of known speed) and shows the tuner random gradient rows."""
+
+    def __init__(self, name: str, numel: int, costs: dict[str, float]) -> None:
+        self.name, self.choice, self.costs = name, lf.NATIVE, costs
+        self.rows = torch.randn(2, numel // 2, generator=torch.Generator().manual_seed(numel))
+
+    def set_choice(self, key: str) -> None:
+        self.choice = key
+
+    def sample(self, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return lowbit.fsdp_auto.spread_sample(rows.reshape(-1)), rows.numel()
+
+    def residual_sq(self) -> None:
+        return None
+
+
+def _tune(costs: dict[str, float], base_s: float, level: str = "conservative") -> lowbit.fsdp_auto.FSDPAuto:
+    """Run steps of a big module (40,000 values) and a small one (4,000) until the tuner decides; a step
+    also computes for ``base_s``."""
+    tuner = lowbit.fsdp_auto.FSDPAuto(level, guard_every=0)
+    model = nn.Linear(2, 2)
+    exchanges = [_Exchange("big", 40_000, costs), _Exchange("small", 4_000, costs)]
+    tuner.attach(model, None, torch.device("cpu"), [(ex.name, ex.rows.numel(), ex) for ex in exchanges])
+    while tuner.decision is None and tuner.forwards < 30:
+        model(torch.zeros(1, 2))
+        for ex in exchanges:
+            tuner.observe(ex, ex.rows)
+            time.sleep(ex.costs[ex.choice])
+        time.sleep(base_s)
+    return tuner
+
+
+BF16 = lowbit.get_codec("bf16").spec
+
+
+def test_native_when_the_codecs_cost_more_than_they_save() -> None:
+    """A fast link: FSDP's reduce-scatter 1 ms a call, lowbit's 6-8 ms (its host time)."""
+    t = _tune({lf.NATIVE: 0.001, BF16: 0.006, Q8: 0.008}, base_s=0.01)
+    assert [label for label, _ in t.finalists] == [lf.NATIVE, BF16, Q8]  # tried ...
+    assert t.chosen == lf.NATIVE and set(t.decision.values()) == {lf.NATIVE}, t.table()  # ... and lost
+    assert t.measured_s[lf.NATIVE] < min(t.measured_s[BF16], t.measured_s[Q8])
+    assert t.decided_iter == 2 + 3 * 3
+
+
+def test_compresses_the_big_module_and_a_tie_goes_to_the_more_precise() -> None:
+    # a slow link: 8-bit QSGD clearly fastest
+    t = _tune({lf.NATIVE: 0.02, BF16: 0.015, Q8: 0.004}, base_s=0.01)
+    assert t.decision == {"big": Q8, "small": lf.NATIVE} == {n: ex.choice for n, ex in t.exchanges.items()}, t.table()
+    # bf16 and 8-bit QSGD within 3 % of each other (53.0 and 52.9 ms a step): bf16, the more precise
+    t = _tune({lf.NATIVE: 0.01, BF16: 0.003, Q8: 0.0029}, base_s=0.04)
+    assert t.decision == {"big": BF16, "small": lf.NATIVE}, t.table()
+
+
+def test_bold_admits_no_codec_whose_error_exceeds_the_limit() -> None:
+    """One rank: no sampling noise, so bold's limit is 8-bit QSGD's error, which 4-bit QSGD and 1bitSGD*
+    exceed: however fast they would be, they are not tried."""
+    q4, one = (lowbit.get_codec(s).spec for s in ("qsgd:bits=4,bucket=512", "onebit:bucket=64"))
+    t = _tune({lf.NATIVE: 0.02, BF16: 0.015, Q8: 0.01, q4: 0.001, one: 0.001}, base_s=0.005, level="bold")
+    assert t.errors["big"][q4] > t.limits["big"] == t.errors["big"][Q8]
+    assert [label for label, _ in t.finalists] == [lf.NATIVE, BF16, Q8]
+    assert t.decision["big"] == Q8, t.table()
