@@ -139,9 +139,10 @@ def start_method() -> str:
         # and what DDP's and FSDP's first construction would import in every child (torch._dynamo and its
         # ~900 modules: ~7 s on a 2-core machine). A module that fails to import is skipped.
         # numba's kernels and scikit-learn's data sets too (~2 s of CPU a rank each, in the study's workers).
+        # Last, gc.freeze() of all that (lowbit._forkserver_freeze): the children's collections skip it.
         multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "torch.nn.parallel",
                                                 "torch.distributed.fsdp", "lowbit", "lowbit.kernels.numba",
-                                                "sklearn.datasets"])
+                                                "sklearn.datasets", "lowbit._forkserver_freeze"])
         _PRELOADED.append(True)
     return method
 
