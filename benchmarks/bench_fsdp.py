@@ -54,7 +54,8 @@ Q8 = "qsgd:bits=8,bucket=512"
 Q4 = "qsgd:bits=4,bucket=512"
 P8 = "qsgd:bits=8,bucket=512,rounding=nearest"
 
-#: name -> (FSDP reduce dtype, gradient codec or None for FSDP's own, parameter codec, error feedback, hierarchical)
+#: name -> (FSDP reduce dtype, gradient codec or None for FSDP's own, parameter codec, error feedback, hierarchical);
+#: "auto" / "auto:bold" are lowbit.fsdp's codec="auto" at its two levels (warmed up until it has decided)
 CONFIGS: dict[str, tuple[torch.dtype, str | None, str | None, bool, bool]] = {
     "fsdp": (torch.float32, None, None, False, False),          # FSDP2's defaults with bf16 parameters
     "fsdp_bf16": (torch.bfloat16, None, None, False, False),    # the strong 16-bit baseline
@@ -69,6 +70,10 @@ CONFIGS: dict[str, tuple[torch.dtype, str | None, str | None, bool, bool]] = {
     "h_q8": (torch.float32, Q8, None, False, True),
     "h_q8_p8": (torch.float32, Q8, P8, False, True),
     "h_q4_p8": (torch.float32, Q4, P8, False, True),
+    "auto": (torch.float32, "auto", None, False, False),         # per module: FSDP's own, bf16 or 8-bit QSGD
+    "auto_bold": (torch.float32, "auto:bold", None, False, False),  # ... or 4-bit QSGD, 1bitSGD* (error feedback)
+    "auto_p8": (torch.float32, "auto", P8, False, False),
+    "h_auto": (torch.float32, "auto", None, False, True),        # codecs between nodes only (--node-size)
     # HSDP (--node-size L: shard inside each node of L ranks, replicate across nodes)
     "hsdp_bf16": (torch.bfloat16, None, None, False, True),     # FSDP2's own HSDP on a 2-D mesh
     "hsdp_q8": (torch.bfloat16, Q8, None, False, True),         # the replicas' all-reduce in lowbit's codec
@@ -138,7 +143,9 @@ def build(args: argparse.Namespace, config: str, vocab: int, device: torch.devic
     if codec is not None and replicate is not None:
         state = lowbit.fsdp.register(model, codec=codec, replicate_group=replicate)
     elif codec is not None:
-        state = lowbit.fsdp.register(model, codec=codec, param_codec=pcodec, error_feedback=ef,
+        name, _, level = codec.partition(":")
+        auto = dict(codec="auto", auto_level=level or None) if name == "auto" else dict(codec=codec, error_feedback=ef)
+        state = lowbit.fsdp.register(model, **auto, param_codec=pcodec,
                                      # flat configurations say "one node": else register would take
                                      # $LOWBIT_NODE_SIZE / LOCAL_WORLD_SIZE and run hierarchically too
                                      node_size=args.node_size if hier else dist.get_world_size())
@@ -162,6 +169,25 @@ def wire(state) -> tuple[int, int, int]:
     if state is None:
         return 0, 0, 0
     return state.grad_stats.bytes_sent, state.param_stats.bytes_sent, state.stats.bytes_inter
+
+
+def warm_up(model, opt, state, batches, steps: int) -> None:
+    """``steps`` steps, and with codec="auto" as many more as it takes to decide (its measuring steps are
+    not the steady state the timed steps measure)."""
+    i = 0
+    while i < steps or (state is not None and state.auto is not None and state.auto.decision is None):
+        b = batches[i % 2]
+        step(model, opt, b[:, :-1], b[:, 1:])
+        i += 1
+
+
+def auto_row(state) -> dict:
+    """codec="auto"'s decision for a result row (empty for any other configuration)."""
+    if state is None or state.auto is None:
+        return {}
+    a = state.auto
+    return {"auto": {"chosen": a.chosen, "decision": a.decision, "measured_s": a.measured_s,
+                     "decided_step": a.decided_iter, "changes": a.changes}}
 
 
 def sync(device: torch.device) -> None:
@@ -189,9 +215,7 @@ def throughput(args, rank, world, device, write) -> None:
             model, opt, state = build(args, name, vocab, device)
             batches = [torch.randint(0, vocab, (args.batch, args.seq + 1), generator=g).to(device)
                        for _ in range(2)]
-            for i in range(args.warmup):
-                b = batches[i % 2]
-                step(model, opt, b[:, :-1], b[:, 1:])
+            warm_up(model, opt, state, batches, args.warmup)
             sync(device)
             before = wire(state)
             t0 = time.perf_counter()
@@ -212,7 +236,7 @@ def throughput(args, rank, world, device, write) -> None:
                    "peak_mem_gb": max(peaks) / 2**30, "loss": float(loss),
                    "grad_bytes_per_step": (after[0] - before[0]) / args.steps,
                    "param_bytes_per_step": (after[1] - before[1]) / args.steps,
-                   "inter_bytes_per_step": (after[2] - before[2]) / args.steps}
+                   "inter_bytes_per_step": (after[2] - before[2]) / args.steps, **auto_row(state)}
             write(row)
             if name in args.profile.split(",") and rnd == 0:
                 profile(args, name, rank, device, model, opt, batches)
@@ -228,10 +252,7 @@ def paired(args, rank, world, device, write) -> None:
     g = torch.Generator(device="cpu").manual_seed(1234 + rank)
     batches = [torch.randint(0, vocab, (args.batch, args.seq + 1), generator=g).to(device) for _ in range(2)]
     for name in names:
-        model, opt, _ = built[name]
-        for i in range(args.warmup):
-            b = batches[i % 2]
-            step(model, opt, b[:, :-1], b[:, 1:])
+        warm_up(*built[name], batches, args.warmup)
     times: dict[str, list[float]] = {n: [] for n in names}
     for i in range(args.steps):
         order = names if i % 2 == 0 else names[::-1]
@@ -249,7 +270,8 @@ def paired(args, rank, world, device, write) -> None:
     write({"mode": "paired", "config": b, "baseline": a, "pairs": len(ratios), "ratio_median": q[1],
            "ratio_q1": q[0], "ratio_q3": q[2], "ratio_mean": statistics.fmean(ratios),
            "step_s_median": {n: statistics.median(t) for n, t in times.items()}, "step_s": times,
-           "tokens_per_s_median": {n: world * args.batch * args.seq / statistics.median(t) for n, t in times.items()}})
+           "tokens_per_s_median": {n: world * args.batch * args.seq / statistics.median(t) for n, t in times.items()},
+           **auto_row(built[b][2])})
 
 
 def profile(args, name, rank, device, model, opt, batches) -> None:

@@ -8,6 +8,9 @@
 #   MODE=hsdp bash benchmarks/run_device_fsdp.sh                  (4 GPUs as 2 emulated nodes: FSDP2's HSDP against
 #                                                                  lowbit's compressed replicate all-reduce)
 #   NGPU=8 NODE_SIZE=4 MODE="nodes hsdp" ...                      (8 GPUs as 2 emulated nodes of 4; issue 34)
+#   MODE=auto bash benchmarks/run_device_fsdp.sh                  (2 GPUs, NVLink then sockets: codec="auto" at both levels
+#                                                                  beside FSDP2's baselines and the fixed codecs; issue 29)
+#   MODE=autonodes bash benchmarks/run_device_fsdp.sh             (4 GPUs as 2 emulated nodes: auto, flat and h_auto)
 #   MODE=train bash benchmarks/run_device_fsdp.sh                 (2 GPUs over NVLink: 1,500 steps on pysource)
 #   MODE=trainpair bash benchmarks/run_device_fsdp.sh             (4 GPUs: two such runs side by side, GPUs 0-1
 #                                                                  and 2-3, PAIR="fsdp q8_p8": half the wall time)
@@ -34,6 +37,16 @@ for mode in ${MODE:-nvlink sockets}; do
       LOWBIT_NODE_SIZE=$NODE_SIZE torchrun --nproc-per-node $NGPU --no-python benchmarks/emulated_node.sh benchmarks/bench_fsdp.py \
         --link 2nodes --node-size $NODE_SIZE "${common[@]}" --configs "${CONFIGS:-fsdp,fsdp_bf16,q8_p8,h_q8,h_q8_p8,h_q4_p8}" \
         --out "$OUT/fsdp_${NGPU}x${card}_2nodes_${MODEL}.json" 2>&1 | quiet ;;
+    auto)
+      for link in nvlink sockets; do
+        env_link=(); [ $link = sockets ] && env_link=(NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1)
+        env "${env_link[@]}" torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --link $link "${common[@]}" \
+          --configs "${CONFIGS:-fsdp,fsdp_bf16,bf16,q8,q4,auto,auto_bold}" --out "$OUT/fsdp_auto_2x${card}_${link}_${MODEL}.json" 2>&1 | quiet
+      done ;;
+    autonodes)
+      LOWBIT_NODE_SIZE=$NODE_SIZE torchrun --nproc-per-node $NGPU --no-python benchmarks/emulated_node.sh benchmarks/bench_fsdp.py \
+        --link 2nodes --node-size $NODE_SIZE "${common[@]}" --configs "${CONFIGS:-fsdp,fsdp_bf16,h_q8,auto,h_auto}" \
+        --out "$OUT/fsdp_auto_${NGPU}x${card}_2nodes_${MODEL}.json" 2>&1 | quiet ;;
     hsdp)
       LOWBIT_NODE_SIZE=$NODE_SIZE torchrun --nproc-per-node $NGPU --no-python benchmarks/emulated_node.sh benchmarks/bench_fsdp.py \
         --link 2nodes --node-size $NODE_SIZE "${common[@]}" --configs "${CONFIGS:-fsdp_bf16,hsdp_bf16,h_q8_p8,hsdp_q8,hsdp_q4}" \
