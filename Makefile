@@ -25,7 +25,7 @@ study: $(STAMP)
 	$(BIN)/lowbit study
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # The tests marked slow (each has a fast equivalent in `make test`); CI runs them after `make test`.
 test-slow: $(STAMP)

@@ -2,8 +2,8 @@
 link, the same on every rank, and kept in checkpoints; its guard stepping a diverging codec up.
 
 The 2-rank checks on a slow link run in one shared spawn (tests/distributed/shared_spawn.py), each part
-setting its own emulated link; those that judge a fast link (compute-bound, re-measuring) and the slow
-tests spawn their own."""
+setting its own emulated link; the slow tests spawn their own. Those that judge a fast link (compute-bound,
+re-measuring) are in test_auto_fastlink.py, which runs alone under `make test`'s two workers."""
 
 from __future__ import annotations
 
@@ -115,69 +115,6 @@ def test_register_installs_the_hook_for_the_trials_only_when_compression_is_pred
     assert res[0]["plan"] == res[1]["plan"] and res[0]["chosen"] == res[1]["chosen"]
     assert res[0]["hooks"] == 1 and res[0]["finalists"] >= 2  # predicted to pay: tried, with lowbit's hook
     assert "(measured" in res[0]["chosen"]
-
-
-def test_compute_bound_job_keeps_fp32_emulated() -> None:
-    """Fast equivalent of test_compute_bound_job_keeps_fp32: a backward pass made long by sleeping
-    (0.1 s a step) instead of by a batch of 4096, so it hides every allreduce on local gloo whatever
-    the machine's load."""
-    res = spawn(_body, 2, None, 64, False, 0.1, backend="gloo")
-    assert res[0]["plan"] == res[1]["plan"]
-    assert res[0]["fp32"] and set(res[0]["plan"].values()) == {"fp32"}
-    assert res[0]["hooks"] == 0, res[0]["table"]  # DDP's own allreduce stays: no Python hook to slow it
-
-
-@pytest.mark.slow
-def test_compute_bound_job_keeps_fp32() -> None:
-    """Real compute (fast equivalent: test_compute_bound_job_keeps_fp32_emulated)."""
-    # A batch of 4096 makes the backward pass long enough to hide every allreduce on local gloo.
-    res = spawn(_body, 2, None, 4096, False, backend="gloo")
-    assert res[0]["plan"] == res[1]["plan"]
-    assert res[0]["fp32"] and set(res[0]["plan"].values()) == {"fp32"}
-    assert res[0]["hooks"] == 0, res[0]["table"]  # DDP's own allreduce stays: no Python hook to slow it
-
-
-def _body_remeasure(rank: int, world: int, sleep_s: float = 0.0, batch: int = 4096, link: float = 20e6) -> dict:
-    _slow_link(None)  # the real (fast) loopback at first
-    model = DDP(_net())
-    state = lowbit.ddp.make_state(model.module, codec="auto", remeasure_every=4)
-    model.register_comm_hook(state, lowbit.ddp.hook)
-    # the first decision: at step 5 when the probe predicts fp32, later when a loaded machine makes the
-    # prediction try finalists first (2 or 3 steps each); the fresh-clone CI once had none after 9 steps
-    step = 0
-    while state.auto.decision is None and step < 40:
-        _train(model, 1, batch, start=step, sleep_s=sleep_s)
-        step += 1
-    first = dict(state.auto.decision.assignment)
-    switched = step
-    _slow_link(link)  # the link slows down: the next probe (remeasure_every=4 after the decision) sees it
-    _train(model, 20, batch, start=step, sleep_s=sleep_s)
-    d = state.auto.decision
-    return {"first": first, "then": d.assignment, "measured": d.measured_s, "decided": state.auto.decided_iter,
-            "switched": switched}
-
-
-def test_remeasure_follows_a_link_that_slows_down_emulated() -> None:
-    """Fast equivalent of test_remeasure_follows_a_link_that_slows_down: the long backward pass is a
-    sleep (0.1 s a step, batch 64), which hides the fast loopback's allreduces but not those of a
-    20 MB/s link (~5 MB of fp32 gradients a step: 0.26-0.52 s)."""
-    res = spawn(_body_remeasure, 2, 0.1, 64, 20e6, backend="gloo")
-    assert res[0]["then"] == res[1]["then"]
-    assert set(res[0]["first"].values()) == {"fp32"}  # compute-bound on a fast link
-    assert res[0]["then"]["2.weight"] != "fp32", res[0]["measured"]
-    assert "fp32" in res[0]["measured"] and res[0]["decided"] > res[0]["switched"]
-
-
-@pytest.mark.slow
-def test_remeasure_follows_a_link_that_slows_down() -> None:
-    """Real compute (fast equivalent: test_remeasure_follows_a_link_that_slows_down_emulated); its
-    batch of 4096 needs an idle machine: at a load of 13 a step took 5.9 s and hid even the slow link."""
-    res = spawn(_body_remeasure, 2, backend="gloo")
-    assert res[0]["then"] == res[1]["then"]
-    assert set(res[0]["first"].values()) == {"fp32"}  # compute-bound on a fast link
-    # the slow link makes compression pay (bf16 or 8-bit QSGD: the big batch's compute hides much of either)
-    assert res[0]["then"]["2.weight"] != "fp32", res[0]["measured"]
-    assert "fp32" in res[0]["measured"] and res[0]["decided"] > res[0]["switched"]
 
 
 def _body_ckpt(rank: int, world: int, path: str) -> dict:
