@@ -75,7 +75,8 @@ def _train(model: nn.Module, steps: int, batch: int = 64, start: int = 0, sleep_
 
 
 def _body(rank: int, world: int, bytes_per_s: float | None, batch: int, framework: bool = True,
-          sleep_s: float = 0.0) -> dict:
+          sleep_s: float = 0.0, until_decided: bool = False) -> dict:
+    """22 steps, or (``until_decided``) as many as it takes auto to decide."""
     if bytes_per_s:
         # ranks measure differently (rank 1 holds the link longer), yet must decide the same
         _slow_link(bytes_per_s / (1 + rank))
@@ -88,7 +89,13 @@ def _body(rank: int, world: int, bytes_per_s: float | None, batch: int, framewor
         model.register_comm_hook(state, lowbit.ddp.hook)
     else:
         state = lowbit.ddp.register(model, codec="auto")
-    _train(model, 22, batch, sleep_s=sleep_s)
+    if until_decided:
+        step = 0
+        while state.auto.decision is None and step < 22:
+            _train(model, 1, batch, start=step, sleep_s=sleep_s)
+            step += 1
+    else:
+        _train(model, 22, batch, sleep_s=sleep_s)
     d = state.auto.decision
     return {"plan": d.assignment, "fp32": d.fp32_is_best, "rows": d.rows, "iter": state.auto.decided_iter,
             "finalists": len(d.finalists), "measured": d.measured_s, "chosen": d.chosen, "table": d.table(),

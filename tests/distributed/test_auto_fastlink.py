@@ -20,7 +20,7 @@ def test_compute_bound_job_keeps_fp32_emulated() -> None:
     """Fast equivalent of test_compute_bound_job_keeps_fp32: a backward pass made long by sleeping
     (0.1 s a step) instead of by a batch of 4096, so it hides every allreduce on local gloo whatever
     the machine's load."""
-    res = spawn(_body, 2, None, 64, False, 0.1, backend="gloo")
+    res = spawn(_body, 2, None, 64, False, 0.1, True, backend="gloo")
     assert res[0]["plan"] == res[1]["plan"]
     assert res[0]["fp32"] and set(res[0]["plan"].values()) == {"fp32"}
     assert res[0]["hooks"] == 0, res[0]["table"]  # DDP's own allreduce stays: no Python hook to slow it
@@ -50,7 +50,9 @@ def _body_remeasure(rank: int, world: int, sleep_s: float = 0.0, batch: int = 40
     first = dict(state.auto.decision.assignment)
     switched = step
     _slow_link(link)  # the link slows down: the next probe (remeasure_every=4 after the decision) sees it
-    _train(model, 20, batch, start=step, sleep_s=sleep_s)
+    while state.auto.decided_iter <= switched and step < switched + 20:  # until the decision that follows
+        _train(model, 1, batch, start=step, sleep_s=sleep_s)
+        step += 1
     d = state.auto.decision
     return {"first": first, "then": d.assignment, "measured": d.measured_s, "decided": state.auto.decided_iter,
             "switched": switched}
