@@ -30,7 +30,7 @@ by bits per value, except where it says fp32; fp32 is the top):
 
 A tensor stepped up keeps that precision as a floor: re-measuring (``remeasure_every``) chooses among
 the codecs at or above it only. The guard's state (floors, the changes made, its references) is plain
-data, saved in the DDP state's checkpoints.
+data, saved in the DDP (or FSDP) state's checkpoints.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Optional
 
-__all__ = ["Guard", "combine", "ERROR_DRIFT", "RESIDUAL_GROWTH", "LOSS_RISE", "MIN_DRIFT_VALUES"]
+__all__ = ["Guard", "ReportedLoss", "combine", "ERROR_DRIFT", "RESIDUAL_GROWTH", "LOSS_RISE", "MIN_DRIFT_VALUES"]
 
 #: a codec's relative error this many times its value at decision time: one level up
 ERROR_DRIFT = 4.0
@@ -76,6 +76,40 @@ def combine(per_rank: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {"tensors": tensors,
             "loss": (sum(losses) / len(losses)) if losses else None,
             "loss_finite": all(bool(r.get("loss_finite", True)) for r in per_rank)}
+
+
+class ReportedLoss:
+    """The losses the user reports between two checks (``state.auto.report_loss(loss)``, the loss rule's
+    input): summed where they are (a tensor on its device: no host sync until the check), taken as their
+    mean by :meth:`take` and handed to :func:`combine` as :meth:`entry` makes them. Not saved in
+    checkpoints (the guard's references are)."""
+
+    def __init__(self) -> None:
+        self.total: Any = None
+        self.n = 0
+
+    def add(self, loss: Any) -> None:
+        """One step's loss: a float or a tensor of one value (detached; added on its device)."""
+        if hasattr(loss, "detach"):
+            v = loss.detach().reshape(()).float()
+            self.total = v.clone() if self.total is None else self.total + v
+        else:
+            self.total = float(loss) + (0.0 if self.total is None else self.total)
+        self.n += 1
+
+    def take(self) -> Optional[float]:
+        """The mean of the losses added since the last call (None: none); starts a new sum."""
+        if not self.n:
+            return None
+        total, n = self.total, self.n
+        self.total, self.n = None, 0
+        return float(total) / n
+
+    @staticmethod
+    def entry(loss: Optional[float]) -> dict[str, Any]:
+        """A rank's ``loss`` and ``loss_finite`` for :func:`combine` (a non-finite mean: not averaged, flagged)."""
+        finite = loss is None or math.isfinite(loss)
+        return {"loss": loss if finite else None, "loss_finite": finite}
 
 
 class Guard:

@@ -7,7 +7,9 @@ import math
 
 import pytest
 
-from lowbit.guard import ERROR_DRIFT, LOSS_RISE, RESIDUAL_GROWTH, Guard, combine
+import torch
+
+from lowbit.guard import ERROR_DRIFT, LOSS_RISE, RESIDUAL_GROWTH, Guard, ReportedLoss, combine
 
 Q1, Q4, Q8, ONE = "qsgd:bits=1", "qsgd:bits=4", "qsgd:bits=8", "onebit:bucket=64"
 LADDER = [("fp32", 32.0), ("bf16", 16.0), (Q8, 8.06), (Q4, 4.06), (ONE, 2.0)]
@@ -117,3 +119,17 @@ def test_the_state_round_trips() -> None:
     assert h.state_dict() == g.state_dict() and h.floors == {"w": 8.06} and len(h.changes) == 1
     with pytest.raises(ValueError, match="guard state must be a dict"):
         h.load_state_dict([])  # type: ignore[arg-type]
+
+
+def test_reported_losses_are_averaged_between_takes_and_a_non_finite_mean_is_flagged() -> None:
+    r = ReportedLoss()
+    assert r.take() is None and ReportedLoss.entry(None) == {"loss": None, "loss_finite": True}
+    r.add(torch.tensor(1.0, requires_grad=True) * 2)  # a tensor (detached), then floats
+    r.add(4.0)
+    r.add(6)
+    assert r.take() == 4.0 and r.take() is None  # the mean since the last take; then a new sum
+    r.add(1.0)
+    r.add(float("nan"))
+    loss = r.take()
+    assert math.isnan(loss) and ReportedLoss.entry(loss) == {"loss": None, "loss_finite": False}
+    assert ReportedLoss.entry(2.5) == {"loss": 2.5, "loss_finite": True}
