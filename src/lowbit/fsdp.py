@@ -684,6 +684,8 @@ def register(
     replicate_group: dist.ProcessGroup | None = None,
     auto_level: str | None = None,
     guard_every: int | None = None,
+    allow: Sequence[Codec | str] | None = None,
+    error_budget: float | None = 1.0,
 ) -> FSDPState:
     """Make every ``fully_shard`` module of ``model`` reduce-scatter gradients in ``codec`` and (with
     ``param_codec``) all-gather parameters in ``param_codec``. Call it on every rank, after
@@ -704,9 +706,12 @@ def register(
 
     ``codec="auto"`` (:mod:`lowbit.fsdp_auto`): each module's gradient exchange, FSDP's own or a codec,
     chosen by measured error and measured step time on the first steps; ``auto_level`` ``"conservative"``
-    (default: bf16, 8-bit QSGD) or ``"bold"`` (also 4-bit QSGD and 1bitSGD* with error feedback), its guard
-    checking every ``guard_every`` steps (default 50; 0: never). Not with ``error_feedback`` (auto turns it
-    on for the biased codecs it chooses) nor ``replicate_group``.
+    (default: bf16, 8-bit QSGD) or ``"bold"`` (also 4-bit QSGD and 1bitSGD* with error feedback), or the
+    codecs of ``allow`` (FSDP's own reduce-scatter, ``"native"``, is always allowed), each admitted for a
+    module when its error is at most ``error_budget`` (default 1.0; None: no limit) times 8-bit QSGD's there
+    (bold: or the ranks' sampling noise); its guard checking every ``guard_every`` steps (default 50; 0:
+    never), with the loss reported through ``state.auto.report_loss(loss)``. Not with ``error_feedback``
+    (auto turns it on for the biased codecs it chooses) nor ``replicate_group``.
 
     Ranks that disagree on any of this get the same :class:`lowbit.ddp.ConfigMismatchError`.
     """
@@ -715,7 +720,7 @@ def register(
         raise ValueError(f"lowbit.fsdp.register expects an nn.Module, got {type(model).__name__}")
     if not isinstance(error_feedback, bool):
         raise ValueError(f"lowbit.fsdp.register: error_feedback must be True or False, got {error_feedback!r}")
-    tuner = _check_auto(codec, auto_level, guard_every, error_feedback, replicate_group)
+    tuner = _check_auto(codec, auto_level, guard_every, allow, error_budget, error_feedback, replicate_group)
     grad_codec = None if tuner is not None else _check_codec(codec, "codec")
     p_codec = None if param_codec is None else _check_codec(param_codec, "param_codec")
     if error_feedback and grad_codec is not None and grad_codec.sums_on_wire:
@@ -796,23 +801,45 @@ def register(
     return state
 
 
-def _check_auto(codec: Codec | str, auto_level: str | None, guard_every: int | None, error_feedback: bool,
+def _check_auto(codec: Codec | str, auto_level: str | None, guard_every: int | None,
+                allow: Sequence[Codec | str] | None, error_budget: float | None, error_feedback: bool,
                 replicate_group: dist.ProcessGroup | None) -> FSDPAuto | None:
-    """codec="auto"'s tuner, its options checked; None for any other codec (which takes no auto option)."""
+    """codec="auto"'s tuner, its options checked (as lowbit.ddp.DDPConfig checks DDP's); None for any other
+    codec (which takes no auto option)."""
     if not (isinstance(codec, str) and codec == "auto"):
-        if auto_level is not None or guard_every is not None:
-            raise ValueError("lowbit.fsdp.register: auto_level= and guard_every= go with codec='auto'")
+        if auto_level is not None or guard_every is not None or allow is not None or error_budget != 1.0:
+            raise ValueError("lowbit.fsdp.register: allow=, error_budget=, auto_level= and guard_every= go with "
+                             "codec='auto'")
         return None
     if guard_every is not None and (isinstance(guard_every, bool) or not isinstance(guard_every, int) or guard_every < 0):
         raise ValueError(f"lowbit.fsdp.register: guard_every must be an int >= 0 (steps between codec='auto''s "
                          f"guard checks; 0: no guard), got {guard_every!r}")
+    if isinstance(allow, str):
+        raise ValueError(f"lowbit.fsdp.register: allow must be a list of codec specs, got the string {allow!r}")
+    if allow is not None and not isinstance(allow, (list, tuple)):
+        raise ValueError(f"lowbit.fsdp.register: allow must be a list of codec specs, got {allow!r}")
+    if allow is not None and not allow:
+        raise ValueError("lowbit.fsdp.register: allow must name at least one codec (native, FSDP's own "
+                         "reduce-scatter, is always allowed)")
+    for c in allow or ():
+        if c != NATIVE:
+            try:
+                _check_codec(c, "allow's codec")  # a spec, known, with its own buckets
+            except ValueError as e:
+                msg = str(e) if str(e).startswith("lowbit.fsdp") else f"lowbit.fsdp.register: allow: {e}"
+                raise ValueError(msg) from None
+    eb = error_budget
+    if eb is not None and (isinstance(eb, bool) or not isinstance(eb, (int, float)) or not eb > 0):
+        raise ValueError(f"lowbit.fsdp.register: error_budget must be a number > 0 (times 8-bit QSGD's error on "
+                         f"each module; with auto_level='bold', or the gradients' sampling noise) or None, got {eb!r}")
     if error_feedback:
         raise ValueError("lowbit.fsdp.register: codec='auto' turns error feedback on for the biased codecs it "
                          "chooses (1bitSGD* at auto_level='bold'); leave error_feedback off")
     if replicate_group is not None:
         raise ValueError("lowbit.fsdp.register: codec='auto' does not run under HSDP (replicate_group=); give a codec")
     try:
-        return FSDPAuto("conservative" if auto_level is None else auto_level, 50 if guard_every is None else guard_every)
+        return FSDPAuto("conservative" if auto_level is None else auto_level,
+                        50 if guard_every is None else guard_every, allow, error_budget)
     except ValueError as e:
         raise ValueError(f"lowbit.fsdp.register: {e}") from None
 

@@ -2,21 +2,26 @@
 
     state = lowbit.fsdp.register(model, codec="auto")                      # native, bf16, 8-bit QSGD
     state = lowbit.fsdp.register(model, codec="auto", auto_level="bold")   # ... 4-bit QSGD, 1bitSGD*
+    state = lowbit.fsdp.register(model, codec="auto", allow=["bf16"])      # native or bf16
+    state.auto.report_loss(loss)                                           # optional, each step: the guard
 
 The rules of DDP's ``codec="auto"`` (:mod:`lowbit.autotune`) on FSDP's unit of communication, one
 reduce-scatter per ``fully_shard`` module. The candidates: FSDP's own reduce-scatter in its reduce dtype
-(``"native"``), and the codecs of the level (:func:`lowbit.autotune.default_allow`): ``"conservative"``
-(the default) bf16 on the wire and 8-bit QSGD, ``"bold"`` also 4-bit QSGD and 1bitSGD* (error feedback
-on: it is biased). Measured on the job's own first steps, nothing extra to run:
+(``"native"``, always allowed), and the codecs of ``allow``, by default those of the level
+(:func:`lowbit.autotune.default_allow`): ``"conservative"`` (the default) bf16 on the wire and 8-bit QSGD,
+``"bold"`` also 4-bit QSGD and 1bitSGD* (error feedback on for the biased codecs). Measured on the job's
+own first steps, nothing extra to run:
 
 1. **Warm up** (``warmup_steps``, 2): every module reduce-scatters natively. On the last of them each
    module's reduce-scatter input (this rank's unsharded gradient) is sampled (:func:`spread_sample`; the
    values the policy keeps exact read as zeros: they cross exactly) and each codec's squared error on
    the sample measured.
 2. **Agree and admit**: the ranks' errors are averaged in rank order, so every rank holds the same
-   numbers. A codec is admitted for a module when its error there is at most 8-bit QSGD's
-   (conservative), or at most the larger of that and the gradients' sampling noise between the ranks
-   (bold, :func:`lowbit.autotune.sampling_noise`): by measured error, not by codec name.
+   numbers. A codec is admitted for a module when its error there is at most ``error_budget`` (default 1)
+   times 8-bit QSGD's (conservative), or times the larger of that and the gradients' sampling noise
+   between the ranks (bold, :func:`lowbit.autotune.sampling_noise`): by measured error, not by codec
+   name. DDP's budget bounds the error summed over the tensors, this one each module's (``None``: no
+   limit, every allowed codec admitted).
 3. **Finalists**: native everywhere, and for each codec, every module of at least 10,000 values taking it
    where it is admitted (else the next admitted one up the ladder, more bits; native at the top), the
    smaller modules native.
@@ -36,9 +41,11 @@ logged once (rank 0, INFO, :meth:`FSDPAuto.table`), kept on ``state.auto`` and s
    reduce-scatter inputs are sampled, and :class:`lowbit.guard.Guard`'s rule, on the ranks' numbers
    summed in rank order (so every rank alike), steps a module up the ladder (native at the top): a
    gradient not finite at two checks in a row or a non-finite residual (straight to native), the codec's
-   error grown past 4x its value at the decision, an error-feedback residual growing. Each change is
-   logged once (rank 0, WARNING), kept in ``state.auto.changes`` and ``state.auto.assignment`` and in
-   checkpoints.
+   error grown past 4x its value at the decision, an error-feedback residual growing; and the loss the
+   user may report (:meth:`FSDPAuto.report_loss`), averaged over the ranks: not finite on any rank, every
+   compressed module to native; 1.5x its lowest mean so far (the steps before the decision included) and
+   not coming down, every compressed module one step up. Each change is logged once (rank 0, WARNING),
+   kept in ``state.auto.changes`` and ``state.auto.assignment`` and in checkpoints.
 """
 
 from __future__ import annotations
@@ -56,7 +63,7 @@ from lowbit.autotune import (AUTO_LEVELS, BASELINE, ERROR_SAMPLE, _average, _ela
 from lowbit.choose import AUTO_FASTER_THAN_FP32, UNIFORM_MIN_NUMEL, WITHIN_BEST, Tried, pick
 from lowbit.codecs.base import get_codec
 from lowbit.comm import collectives as C
-from lowbit.guard import Guard, combine
+from lowbit.guard import Guard, ReportedLoss, combine
 
 __all__ = ["FSDPAuto", "NATIVE", "spread_sample"]
 
@@ -64,6 +71,7 @@ log = logging.getLogger("lowbit.fsdp")
 
 #: the choice of FSDP's own reduce-scatter (in its reduce dtype): the top of the ladder
 NATIVE = "native"
+_FP32 = get_codec("fp32").spec
 #: a gradient sample is this many runs of neighbouring values, spread evenly over the buffer
 RUNS = 16
 
@@ -90,6 +98,13 @@ def spread_sample(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x[a : a + run] for a in torch.linspace(0, n - run, RUNS).long().tolist()]).float()
 
 
+def _specs(codecs: Sequence[Any]) -> list[str]:
+    """``allow``'s codecs as canonical specs, in order, once each; ``"native"`` and ``"fp32"`` dropped
+    (native is always allowed, and is what fp32 means here: FSDP's own reduce-scatter)."""
+    out = [NATIVE if c == NATIVE else get_codec(c).spec for c in codecs]
+    return [s for s in dict.fromkeys(out) if s not in (NATIVE, _FP32)]
+
+
 def _short(key: str) -> str:
     """A choice's short label (``qsgd8/512``, ``native``)."""
     return key if key in (NATIVE, "") else get_codec(key).short_label
@@ -100,16 +115,21 @@ class FSDPAuto:
     ``state.auto``: ``finalists`` (label -> per-module choice) with their ``measured_s`` (seconds a step,
     the slowest rank's), the agreed ``errors`` (module -> codec -> squared error), ``norms``, ``noise`` and
     ``limits``, ``decision`` (module -> choice, at ``decided_iter``), ``assignment`` (what runs now: the
-    decision with the guard's step-ups, listed in ``changes``)."""
+    decision with the guard's step-ups, listed in ``changes``). ``allow``: the codecs to choose among
+    besides native (default: the level's; ``"native"`` and ``"fp32"`` name native, always allowed), kept
+    as canonical specs; ``error_budget``: the admission limit's factor (None: no limit). The options come
+    checked by :func:`lowbit.fsdp.register`."""
 
-    def __init__(self, level: str = "conservative", guard_every: int = 50) -> None:
+    def __init__(self, level: str = "conservative", guard_every: int = 50, allow: Optional[Sequence[Any]] = None,
+                 error_budget: Optional[float] = 1.0) -> None:
         if level not in AUTO_LEVELS:
             raise ValueError(f"auto_level must be one of {', '.join(map(repr, AUTO_LEVELS))} ('conservative', the "
                              "default: at most 8-bit QSGD's error; 'bold': also 4-bit QSGD and 1bitSGD with error "
                              f"feedback, up to the gradients' own sampling noise), got {level!r}")
         self.level, self.guard_every = level, guard_every
-        fp32 = get_codec("fp32").spec
-        self.allow = [s for s in dict.fromkeys(get_codec(c).spec for c in default_allow(level)) if s != fp32]
+        self.allow = _specs(default_allow(level) if allow is None else allow)
+        self._default_allow = self.allow == _specs(default_allow(level))
+        self.error_budget = None if error_budget is None else float(error_budget)
         self.bits = {s: float(get_codec(s).bits_per_value(1 << 20)) for s in self.allow}
         self.guard = Guard(guard_every, list(self.bits.items()), fp32=NATIVE)
         self.warmup_steps, self.trial_steps = 2, 2
@@ -135,9 +155,21 @@ class FSDPAuto:
         self._schedule: list[tuple[int, bool]] = []  # trial steps to come: (finalist, timed)
         self._last: Optional[tuple[Any, int, bool]] = None  # the trial step running: (mark, finalist, timed)
         self._times: dict[int, list[float]] = {}
+        self._losses = ReportedLoss()  # reported since the last check (not saved: the guard's references are)
 
     def config(self) -> dict[str, Any]:
-        return {"level": self.level, "guard_every": self.guard_every}
+        out: dict[str, Any] = {"level": self.level, "guard_every": self.guard_every}
+        # (allow and error_budget only where not the defaults: checkpoints saved before they existed still load)
+        if not self._default_allow:
+            out["allow"] = list(self.allow)
+        if self.error_budget != 1.0:
+            out["error_budget"] = self.error_budget
+        return out
+
+    def report_loss(self, loss: Any) -> None:
+        """Report this step's training loss (a float or a tensor: added on its device, no host sync), for
+        the guard's loss rule (:mod:`lowbit.guard`); optional. Call it once a step, on every rank."""
+        self._losses.add(loss)
 
     @property
     def changes(self) -> list[dict[str, Any]]:
@@ -193,7 +225,9 @@ class FSDPAuto:
         agreed = _average(C.all_gather_object(mine, self._group))
         self.errors, self.norms, self.noise = agreed["errors"], agreed["norms"], agreed["noise"]
         base = get_codec(BASELINE).spec
-        self.limits = {n: max(e[base], self.noise.get(n, 0.0)) for n, e in self.errors.items()}
+        eb = self.error_budget
+        self.limits = {n: math.inf if eb is None else eb * max(e[base], self.noise.get(n, 0.0))
+                       for n, e in self.errors.items()}
         self._samples = {}
         self.finalists = [(NATIVE, {n: NATIVE for n in self.numels})]
         for spec in sorted(self.allow, key=lambda s: -self.bits[s]):
@@ -235,7 +269,7 @@ class FSDPAuto:
         self.assignment = dict(self.decision)
         self._apply(self.assignment)
         self._last, self._times = None, {}
-        self.guard.start(step)
+        self.guard.start(step, self._losses.take())  # the losses reported so far: the loss rule's first reference
         if C.world(self._group)[0] == 0:
             log.info("lowbit.fsdp codec='auto' at step %d (%d ranks, %s):\n%s", step, C.world(self._group)[1],
                      self.level, self.table())
@@ -294,7 +328,8 @@ class FSDPAuto:
             ok = bool(finite)
             tensors[name] = {"err": _errors(x, n, [key])[key] if ok else 0.0, "norm": _norm(x, n) if ok else 0.0,
                              "finite": ok, "residual": None if res is None else float(res), "values": int(x.numel())}
-        stats = combine(C.all_gather_object({"tensors": tensors, "loss": None}, self._group))
+        mine = {"tensors": tensors, **ReportedLoss.entry(self._losses.take())}
+        stats = combine(C.all_gather_object(mine, self._group))
         reference = {n: self.errors[n][k] / self.norms[n] if self.norms.get(n) and k in self.errors.get(n, {}) else None
                      for n, k in self.assignment.items()}
         changes = self.guard.check(step, self.assignment, stats, reference)

@@ -1,10 +1,12 @@
 """lowbit.fsdp's codec="auto" on FSDP2 over gloo (CPU): native on a fast link, the big modules compressed on
-an emulated slow one, every rank alike, the decision kept in checkpoints, the guard stepping a module up.
+an emulated slow one, every rank alike, the decision kept in checkpoints, the guard stepping a module up
+(on non-finite gradients, on a reported loss that grows or is not finite), allow= and its checks.
 
 The 2-rank checks share one spawn (tests/distributed/shared_spawn.py); each part sets its own link."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -28,6 +30,8 @@ import lowbit.fsdp as lf  # noqa: E402
 pytestmark = pytest.mark.exclusive
 
 Q8 = lowbit.get_codec("qsgd:bits=8,bucket=512").spec
+Q4 = lowbit.get_codec("qsgd:bits=4,bucket=512").spec
+BF16 = lowbit.get_codec("bf16").spec
 BLOCKS = ("blocks.0", "blocks.1")
 
 
@@ -58,9 +62,10 @@ def _model(width: int = 256, **kw) -> tuple[nn.Module, lf.FSDPState]:
     return m, lf.register(m, codec="auto", **kw)
 
 
-def _train(model: nn.Module, rank: int, steps: int, start: int = 0, nan_at: int | None = None) -> None:
+def _train(model: nn.Module, rank: int, steps: int, start: int = 0, nan_at: int | None = None,
+           state: lf.FSDPState | None = None, report=None) -> None:
     """SGD on random regression batches (each rank its own: the ranks' gradients differ); ``nan_at``: that
-    step's loss (so every gradient) is NaN."""
+    step's loss (so every gradient) is NaN; ``report(step, loss)``: the loss reported to ``state.auto``."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for i in range(start, start + steps):
         g = torch.Generator().manual_seed(1000 * i + rank)
@@ -71,6 +76,8 @@ def _train(model: nn.Module, rank: int, steps: int, start: int = 0, nan_at: int 
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if report is not None:
+            state.auto.report_loss(report(i, loss.detach()))
 
 
 def _running(state: lf.FSDPState) -> dict[str, str]:
@@ -120,6 +127,49 @@ def _body_bold(rank: int, world: int) -> dict:
     return out
 
 
+def _body_loss(rank: int, world: int, path: str) -> dict:
+    """The loss rule, on the slow part's checkpoint resumed (no measuring; no slow link needed) with its
+    decision made 8-bit QSGD on both blocks (the slow part may choose bf16), the guard checking every 2
+    steps (at steps 14, 16 and 18: each check takes the losses reported since the last). Rank 1 alone
+    reports a loss 100x at step 15 (the ranks' mean about 25x its lowest at the check after) and NaN at
+    step 17; rank 0 reports its loss as it is."""
+    m, st = _model(guard_every=2)
+    saved = torch.load(f"{path}.{rank}", weights_only=False)
+    q8 = {n: Q8 if n in BLOCKS else "native" for n in saved["auto"]["decision"]}
+    saved["auto"].update(decision=q8, assignment=dict(q8), chosen=Q8)
+    st.load_state_dict(saved)
+
+    def report(i: int, loss: torch.Tensor):
+        if rank == 1 and i == 15:
+            return 100 * loss  # a tensor
+        return float("nan") if rank == 1 and i == 17 else float(loss)  # a float
+
+    _train(m, rank, 6, start=13, state=st, report=report)
+    out = {"changes": st.auto.changes, "assignment": dict(st.auto.assignment), "running": _running(st),
+           "loss_best": st.auto.guard.loss_best}
+    again = _model(guard_every=2)[1]
+    again.load_state_dict(st.state_dict())
+    out["resumed"] = {"changes": again.auto.changes, "running": _running(again),
+                      "loss_best": again.auto.guard.loss_best}
+    return out
+
+
+def _body_options(rank: int, world: int) -> dict:
+    """allow= (and error_budget=) through register, in the configuration the ranks compare: the same on
+    both ranks, then differing (the same ConfigMismatchError on every rank)."""
+    out = {}
+    st = _model(allow=["bf16"], error_budget=2)[1]
+    out["allow"], out["config"] = st.auto.allow, st.config()["auto"]
+    for name, kw in (("allow_differs", dict(allow=["bf16"] if rank == 0 else ["bf16", "qsgd:bits=8,bucket=512"])),
+                     ("budget_differs", dict(error_budget=1.0 if rank == 0 else None))):
+        try:
+            _model(**kw)
+            out[name] = None
+        except lowbit.ddp.ConfigMismatchError as e:
+            out[name] = str(e)
+    return out
+
+
 def _bytes_per_step(m: nn.Module, st: lf.FSDPState, rank: int, start: int) -> int:
     before = st.grad_stats.bytes_sent
     _train(m, rank, 1, start=start)
@@ -129,7 +179,8 @@ def _bytes_per_step(m: nn.Module, st: lf.FSDPState, rank: int, start: int) -> in
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list:
     path = str(tmp_path_factory.mktemp("fsdp_auto") / "auto.pt")
-    parts = (("slow", _body_slow, (path,)), ("bold", _body_bold, ()))
+    parts = (("slow", _body_slow, (path,)), ("loss", _body_loss, (path,)), ("bold", _body_bold, ()),
+             ("options", _body_options, ()))
     return spawn(run_parts, 2, parts, backend="gloo", timeout_s=240)
 
 
@@ -169,6 +220,32 @@ def test_guard_steps_a_module_with_non_finite_gradients_up_to_native(ranks: list
     assert resumed["changes"] == r0["changes"] and resumed["running"] == r0["running"]
 
 
+def test_a_reported_loss_that_grows_or_is_not_finite_steps_compressed_modules_up(ranks: list) -> None:
+    r0, r1 = part(ranks, "loss")
+    assert r0 == r1  # every rank alike, though only rank 1 reported the bad losses
+    compressed = list(BLOCKS)  # 8-bit QSGD (the root native)
+    grew = [c for c in r0["changes"] if c["step"] == 15]
+    assert sorted(c["tensor"] for c in grew) == compressed  # every compressed module ...
+    assert all(c["from"] == Q8 and c["to"] == BF16 and "reported loss" in c["reason"] for c in grew)  # ... one up
+    nan = [c for c in r0["changes"] if c["step"] == 17]
+    assert sorted(c["tensor"] for c in nan) == compressed
+    assert all(c["to"] == "native" and c["reason"] == "the reported loss is not finite" for c in nan)
+    assert len(r0["changes"]) == 2 * len(compressed)  # nothing else, nothing before step 15
+    assert set(r0["assignment"].values()) == set(r0["running"].values()) == {"native"}
+    assert 0 < r0["loss_best"] < 1e3
+    assert r0["resumed"] == {"changes": r0["changes"], "running": r0["running"], "loss_best": r0["loss_best"]}
+
+
+def test_allow_and_error_budget_are_part_of_the_configuration_the_ranks_compare(ranks: list) -> None:
+    for r in part(ranks, "options"):
+        assert r["allow"] == [BF16]
+        assert r["config"] == {"level": "conservative", "guard_every": 50, "allow": [BF16], "error_budget": 2.0}
+    for name in ("allow_differs", "budget_differs"):
+        msgs = [r[name] for r in part(ranks, "options")]
+        assert msgs[0] is not None and msgs[0] == msgs[1], name
+        assert "ranks registered different settings" in msgs[0]
+
+
 def test_bad_auto_options_are_refused() -> None:
     lin = nn.Linear(4, 4)
     with pytest.raises(ValueError, match="auto_level must be one of 'conservative', 'bold'"):
@@ -181,8 +258,29 @@ def test_bad_auto_options_are_refused() -> None:
         lf.register(lin, codec="auto", guard_every=-1)
     with pytest.raises(ValueError, match="leave error_feedback off"):
         lf.register(lin, codec="auto", error_feedback=True)
+    with pytest.raises(ValueError, match="go with codec='auto'"):
+        lf.register(lin, codec="qsgd:bits=8", allow=["bf16"])
+    with pytest.raises(ValueError, match="go with codec='auto'"):
+        lf.register(lin, codec="qsgd:bits=8", error_budget=None)
+    with pytest.raises(ValueError, match="allow must be a list of codec specs, got the string 'bf16'"):
+        lf.register(lin, codec="auto", allow="bf16")
+    with pytest.raises(ValueError, match="allow must be a list of codec specs"):
+        lf.register(lin, codec="auto", allow={"bf16"})
+    with pytest.raises(ValueError, match="allow must name at least one codec"):
+        lf.register(lin, codec="auto", allow=[])
+    with pytest.raises(ValueError, match="allow: unknown codec 'nope'"):
+        lf.register(lin, codec="auto", allow=["bf16", "nope"])
+    with pytest.raises(ValueError, match="allow's codec dettmers.* keeps one scale per tensor"):
+        lf.register(lin, codec="auto", allow=["dettmers"])
+    with pytest.raises(ValueError, match="allow's codec must be a codec spec"):
+        lf.register(lin, codec="auto", allow=[8])
+    for eb in (0, -1.0, True, "1", float("nan")):
+        with pytest.raises(ValueError, match="error_budget must be a number > 0"):
+            lf.register(lin, codec="auto", error_budget=eb)
     with pytest.raises(ValueError, match="fully_shard"):  # the options were fine: on to the model's checks
         lf.register(lin, codec="auto", auto_level="bold", guard_every=0)
+    with pytest.raises(ValueError, match="fully_shard"):  # native and fp32 name FSDP's own reduce-scatter
+        lf.register(lin, codec="auto", allow=["native", "fp32", "qsgd:bits=4"], error_budget=None)
 
 
 def test_bold_weighs_4_bit_and_1bitsgd_up_to_the_sampling_noise(ranks: list) -> None:
@@ -224,23 +322,30 @@ class _Exchange:
         return None
 
 
-def _tune(costs: dict[str, float], base_s: float, level: str = "conservative") -> lowbit.fsdp_auto.FSDPAuto:
+def _tune(costs: dict[str, float], base_s: float, level: str = "conservative", **kw) -> lowbit.fsdp_auto.FSDPAuto:
     """Run steps of a big module (40,000 values) and a small one (4,000) until the tuner decides; a step
-    also computes for ``base_s``."""
-    tuner = lowbit.fsdp_auto.FSDPAuto(level, guard_every=0)
+    also computes for ``base_s``. ``kw``: FSDPAuto's other options (guard_every 0 unless given)."""
+    tuner = lowbit.fsdp_auto.FSDPAuto(level, **{"guard_every": 0, **kw})
     model = nn.Linear(2, 2)
     exchanges = [_Exchange("big", 40_000, costs), _Exchange("small", 4_000, costs)]
     tuner.attach(model, None, torch.device("cpu"), [(ex.name, ex.rows.numel(), ex) for ex in exchanges])
+    tuner.model = model  # (for _step)
     while tuner.decision is None and tuner.forwards < 30:
-        model(torch.zeros(1, 2))
-        for ex in exchanges:
-            tuner.observe(ex, ex.rows)
-            time.sleep(ex.costs[ex.choice])
-        time.sleep(base_s)
+        _step(tuner, base_s)
     return tuner
 
 
-BF16 = lowbit.get_codec("bf16").spec
+def _step(tuner: lowbit.fsdp_auto.FSDPAuto, base_s: float = 0.0, loss: float | None = None) -> None:
+    """One step of _tune's model: its forward, each module's reduce-scatter, ``loss`` reported."""
+    tuner.model(torch.zeros(1, 2))
+    for ex in tuner.exchanges.values():
+        tuner.observe(ex, ex.rows)
+        time.sleep(ex.costs[ex.choice])
+    time.sleep(base_s)
+    if loss is not None:
+        tuner.report_loss(loss)
+
+
 
 
 def test_native_when_the_codecs_cost_more_than_they_save() -> None:
@@ -269,3 +374,54 @@ def test_bold_admits_no_codec_whose_error_exceeds_the_limit() -> None:
     assert t.errors["big"][q4] > t.limits["big"] == t.errors["big"][Q8]
     assert [label for label, _ in t.finalists] == [lf.NATIVE, BF16, Q8]
     assert t.decision["big"] == Q8, t.table()
+
+
+def test_allow_limits_the_candidates_to_native_and_its_codecs() -> None:
+    """8-bit QSGD would be fastest, but allow=["bf16"]: native and bf16 only, tried and chosen among."""
+    costs = {lf.NATIVE: 0.02, BF16: 0.01, Q8: 0.002}
+    t = _tune(costs, base_s=0.005, allow=["bf16"])
+    assert t.allow == [BF16] and [label for label, _ in t.finalists] == [lf.NATIVE, BF16]
+    assert set(t.measured_s) == {lf.NATIVE, BF16}
+    assert t.decision == {"big": BF16, "small": lf.NATIVE}, t.table()
+    assert t.guard.up(BF16) == lf.NATIVE  # the guard's ladder: the allowed codecs only
+
+
+def test_error_budget_scales_each_module_s_limit_and_none_admits_every_allowed_codec() -> None:
+    """allow=[4-bit QSGD] at the conservative level: over 8-bit QSGD's error, so not admitted (native
+    alone, nothing tried) unless the budget makes room: 1000x (4-bit QSGD's error is ~330x 8-bit's), or
+    None (no limit)."""
+    costs = {lf.NATIVE: 0.02, Q4: 0.002}
+    t = _tune(costs, base_s=0.002, allow=[Q4])
+    assert t.errors["big"][Q4] > t.limits["big"] == t.errors["big"][Q8]
+    assert [label for label, _ in t.finalists] == [lf.NATIVE] and set(t.decision.values()) == {lf.NATIVE}
+    for eb in (None, 1000.0):
+        t = _tune(costs, base_s=0.002, allow=[Q4], error_budget=eb)
+        assert t.limits["big"] == (math.inf if eb is None else 1000.0 * t.errors["big"][Q8])
+        assert [label for label, _ in t.finalists] == [lf.NATIVE, Q4], t.table()
+        assert t.decision == {"big": Q4, "small": lf.NATIVE}, t.table()
+
+
+def test_report_loss_feeds_the_guard_s_loss_rule() -> None:
+    """One process: the losses reported while measuring are the rule's first reference; a loss 3x that
+    and not coming down steps the compressed module one up (8-bit QSGD -> bf16), a NaN loss to native."""
+    costs = {lf.NATIVE: 0.02, BF16: 0.015, Q8: 0.004}
+    t = lowbit.fsdp_auto.FSDPAuto(guard_every=2)
+    t.model = nn.Linear(2, 2)
+    exchanges = [_Exchange("big", 40_000, costs), _Exchange("small", 4_000, costs)]
+    t.attach(t.model, None, torch.device("cpu"), [(ex.name, ex.rows.numel(), ex) for ex in exchanges])
+    while t.decision is None:
+        _step(t, 0.002, loss=torch.tensor(2.0))  # (a tensor)
+    assert t.decision == {"big": Q8, "small": lf.NATIVE} and t.guard.loss_best == 2.0, t.table()
+    # checks at the 3rd, 5th, 7th, 9th step's forward from here, each on the losses reported since the last
+    for loss in (2.0, 2.0, 1.9, 1.9, 6.0, 6.0):
+        _step(t, loss=loss)
+    assert not t.changes and t.guard.loss_best == 1.9
+    _step(t)  # the check of the two 6.0s
+    assert [(c["tensor"], c["from"], c["to"]) for c in t.changes] == [("big", Q8, BF16)], t.table()
+    assert "reported loss 6 is 3.16x its lowest mean 1.9" in t.changes[0]["reason"]
+    assert t.exchanges["big"].choice == BF16
+    _step(t, loss=float("nan"))
+    _step(t)  # its check
+    assert [(c["from"], c["to"], c["reason"]) for c in t.changes[1:]] == \
+        [(BF16, lf.NATIVE, "the reported loss is not finite")]
+    assert t.exchanges["big"].choice == lf.NATIVE
