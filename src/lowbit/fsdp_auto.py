@@ -10,12 +10,16 @@ reduce-scatter per ``fully_shard`` module. The candidates: FSDP's own reduce-sca
 (``"native"``, always allowed), and the codecs of ``allow``, by default those of the level
 (:func:`lowbit.autotune.default_allow`): ``"conservative"`` (the default) bf16 on the wire and 8-bit QSGD,
 ``"bold"`` also 4-bit QSGD and 1bitSGD* (error feedback on for the biased codecs). Measured on the job's
-own first steps, nothing extra to run:
+own first steps, nothing extra to run. A step is the training forward passes up to one whose modules
+reduce-scatter (with gradient accumulation, the micro-batches run under ``set_requires_gradient_sync(False)``
+belong to the step whose last pass reduce-scatters): samples, trials and the guard's checks are taken on
+steps, so on gradients that crossed the wire.
 
 1. **Warm up** (``warmup_steps``, 2): every module reduce-scatters natively. On the last of them each
    module's reduce-scatter input (this rank's unsharded gradient) is sampled (:func:`spread_sample`; the
    values the policy keeps exact read as zeros: they cross exactly) and each codec's squared error on
-   the sample measured.
+   the sample measured. A module without a sample, or with a non-finite one (inf/NaN gradients), on any
+   rank puts admission off one step; not finite again, it is admitted nothing (native; nan in the table).
 2. **Agree and admit**: the ranks' errors are averaged in rank order, so every rank holds the same
    numbers. A codec is admitted for a module when its error there is at most ``error_budget`` (default 1)
    times 8-bit QSGD's (conservative), or times the larger of that and the gradients' sampling noise
@@ -105,6 +109,13 @@ def _specs(codecs: Sequence[Any]) -> list[str]:
     return [s for s in dict.fromkeys(out) if s not in (NATIVE, _FP32)]
 
 
+def _ratio(err: float, limit: float) -> float:
+    """An error over its limit for the table: NaN where either is unknown or not finite (not admitted)."""
+    if math.isnan(err) or math.isnan(limit) or math.isinf(err):
+        return math.nan
+    return err / limit if limit > 0 else (0.0 if err == 0 else math.inf)
+
+
 def _short(key: str) -> str:
     """A choice's short label (``qsgd8/512``, ``native``)."""
     return key if key in (NATIVE, "") else get_codec(key).short_label
@@ -134,7 +145,12 @@ class FSDPAuto:
         self.guard = Guard(guard_every, list(self.bits.items()), fp32=NATIVE)
         self.warmup_steps, self.trial_steps = 2, 2
         self.phase = "measure"  # -> "trial" -> "done"
-        self.forwards = 0  # training forward passes of the model seen (= the step about to run)
+        # steps: a step is the training forward passes up to one whose modules reduce-scatter (gradient
+        # accumulation's micro-batches under set_requires_gradient_sync(False) belong to the step they end in)
+        self.steps = 0  # steps completed (= the step running or about to run)
+        self._scattered = False  # reduce-scatters ran since the last training forward pass (it ended a step)
+        self._starting = True  # the next training forward pass starts step `steps` (the first; after a load)
+        self._deferred = False  # admission put off once: a module had no sample or a non-finite one
         self.exchanges: dict[str, Exchange] = {}
         self.numels: dict[str, int] = {}  # module -> values of its reduce-scatter (all ranks' rows)
         self.errors: dict[str, dict[str, float]] = {}
@@ -190,29 +206,38 @@ class FSDPAuto:
     def _on_forward(self, module: torch.nn.Module, _inp: Any) -> None:
         if not (module.training and torch.is_grad_enabled()):
             return  # evaluation passes are not steps
-        step = self.forwards
-        self.forwards += 1
+        if self._scattered:
+            self._scattered, self._starting = False, True
+            self.steps += 1
+        if not self._starting:
+            return  # no reduce-scatter since the last pass (a micro-batch without sync): the same step goes on
+        self._starting = False
+        step = self.steps  # (every rank runs the same reduce-scatters: the same step, the same collectives)
         if self.phase == "measure" and step >= self.warmup_steps:
-            self._admit()
-            self._trial_mark(step)
+            if self._admit():
+                self._trial_mark(step)
         elif self.phase == "trial":
             self._trial_mark(step)
         elif self._guarding():
             self._guard_step(step)
 
     def observe(self, ex: Exchange, rows: torch.Tensor) -> None:
-        """Called by each reduce-scatter with this rank's gradient rows ((K, S)): sampled on the last warm-up
-        step, and for the guard on its watched step (the sample, a finiteness flag and the residual stay on
-        the device until the check)."""
-        step = self.forwards - 1
-        if self.phase == "measure" and step == self.warmup_steps - 1:
+        """Called by each reduce-scatter with this rank's gradient rows ((K, S)): the step it belongs to has
+        reduce-scattered (it ends at the next training forward pass). Sampled on the last warm-up step (and
+        the one after, when admission was put off), and for the guard on its watched step (the sample, a
+        finiteness flag and the residual stay on the device until the check)."""
+        self._scattered = True
+        step = self.steps
+        if self.phase == "measure" and step >= self.warmup_steps - 1:
             self._samples[ex.name] = ex.sample(rows)
         elif step == self._watch and ex.choice != NATIVE:
             x, n = ex.sample(rows)
             self._seen[ex.name] = (x, n, torch.isfinite(rows).all(), ex.residual_sq())
 
-    def _admit(self) -> None:
-        """Steps 2-3: agree on the errors (and bold's sampling noise), the limits, the finalists."""
+    def _admit(self) -> bool:
+        """Steps 2-3: agree on the errors (and bold's sampling noise), the limits, the finalists. A module
+        without a sample, or with a non-finite error, norm or noise (on any rank), puts admission off to the
+        next step, once; then such a module is admitted nothing (native). False when put off."""
         specs = list(dict.fromkeys([*self.allow, get_codec(BASELINE).spec]))
         mine: dict[str, Any] = {"errors": {}, "norms": {}, "noise": {}}
         for name in self.numels:
@@ -223,6 +248,13 @@ class FSDPAuto:
             noise = sampling_noise(self._samples, self.numels, self._group, C.world(self._group)[1], self._device)
             mine["noise"] = {n: noise.get(n, 0.0) for n in self.numels}
         agreed = _average(C.all_gather_object(mine, self._group))
+        bad = [n for n in self.numels if not self._finite(agreed, n)]  # the same on every rank (agreed numbers)
+        if bad and not self._deferred:
+            self._deferred, self._samples = True, {}
+            return False
+        if bad and C.world(self._group)[0] == 0:
+            log.warning("lowbit.fsdp codec='auto': no finite gradient sample of %s on two steps: left native",
+                        ", ".join(bad[:4]) + (" ..." if len(bad) > 4 else ""))
         self.errors, self.norms, self.noise = agreed["errors"], agreed["norms"], agreed["noise"]
         base = get_codec(BASELINE).spec
         eb = self.error_budget
@@ -238,11 +270,19 @@ class FSDPAuto:
         self._schedule = [(f, False) for f in range(n)] + [(f, True) for _ in range(self.trial_steps) for f in range(n)]
         self._last, self._times = None, {}
         self.phase = "trial"
+        return True
+
+    @staticmethod
+    def _finite(agreed: dict[str, Any], name: str) -> bool:
+        vals = [*agreed["errors"][name].values(), agreed["norms"][name], agreed["noise"].get(name, 0.0)]
+        return all(math.isfinite(v) for v in vals)
 
     def _fit(self, name: str, spec: str) -> str:
-        """``spec`` for module ``name`` if admitted there, else the next admitted choice up the ladder."""
+        """``spec`` for module ``name`` if admitted there, else the next admitted choice up the ladder (none
+        where its error is not finite)."""
         key = spec
-        while key != NATIVE and not self.errors[name].get(key, math.nan) <= self.limits[name] * (1 + 1e-9):
+        while key != NATIVE and not (math.isfinite(e := self.errors[name].get(key, math.nan))
+                                     and e <= self.limits[name] * (1 + 1e-9)):
             key = self.guard.up(key)
         return key
 
@@ -291,7 +331,7 @@ class FSDPAuto:
                  f"{'':<54}" + "".join(f"{_short(s):>11}" for s in specs)]
         for name, numel in self.numels.items():
             lim = self.limits.get(name, math.nan)
-            errs = [self.errors.get(name, {}).get(s, math.nan) / lim if lim > 0 else 0.0 for s in specs]
+            errs = [_ratio(self.errors.get(name, {}).get(s, math.nan), lim) for s in specs]
             lines.append(f"{name[:28]:<28} {numel:>11,}  {_short(self.assignment.get(name, NATIVE)):<12}"
                          + "".join(f"{e:>11.3g}" for e in errs))
         if self.measured_s:
@@ -345,7 +385,8 @@ class FSDPAuto:
 
     # ------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        return {"forwards": self.forwards, "decided_iter": self.decided_iter, "decision": self.decision,
+        # (the steps whose reduce-scatters ran; saved as "forwards", its name when a step was a forward pass)
+        return {"forwards": self.steps + int(self._scattered), "decided_iter": self.decided_iter, "decision": self.decision,
                 "assignment": dict(self.assignment), "chosen": self.chosen,
                 "finalists": [[label, dict(a)] for label, a in self.finalists], "measured_s": dict(self.measured_s),
                 "errors": self.errors, "norms": self.norms, "noise": self.noise, "limits": self.limits,
@@ -363,11 +404,12 @@ class FSDPAuto:
                                  f"(modules {sorted(a)[:4]} against {sorted(self.exchanges)[:4]}, choices "
                                  f"{sorted(set(a.values()))}, allowed {[NATIVE, *self.allow]})")
         self.decision, self.assignment = dict(d["decision"]), dict(d["assignment"])
-        self.forwards, self.decided_iter, self.chosen = d["forwards"], d["decided_iter"], d["chosen"]
+        self.steps, self.decided_iter, self.chosen = d["forwards"], d["decided_iter"], d["chosen"]
         self.finalists = [(label, dict(a)) for label, a in d["finalists"]]
         self.measured_s, self.errors, self.norms = d["measured_s"], d["errors"], d["norms"]
         self.noise, self.limits = d["noise"], d["limits"]
         self.guard.load_state_dict(d["guard"])
         self.phase, self._samples, self._seen, self._watch = "done", {}, {}, None
+        self._scattered, self._starting, self._deferred = False, True, False
         self._schedule, self._last, self._times = [], None, {}
         self._apply(self.assignment)

@@ -80,6 +80,27 @@ def _train(model: nn.Module, rank: int, steps: int, start: int = 0, nan_at: int 
             state.auto.report_loss(report(i, loss.detach()))
 
 
+def _train_accum(model: nn.Module, rank: int, steps: int, start: int = 0, nan_from: int | None = None,
+                 until=None) -> int:
+    """_train with 2 micro-batches a step, the first without reduce-scatter (set_requires_gradient_sync(False));
+    ``nan_from``: from that step on the gradients are NaN; ``until()``: stop after the step where it is true.
+    Returns the steps run."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for i in range(start, start + steps):
+        opt.zero_grad()
+        for j in range(2):
+            model.set_requires_gradient_sync(j == 1)
+            x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1000 * i + 10 * j + rank))
+            loss = (model(x) - x[:, :4]).pow(2).mean()
+            if nan_from is not None and i >= nan_from:
+                loss = loss * float("nan")
+            loss.backward()
+        opt.step()
+        if until is not None and until():
+            return i - start + 1
+    return steps
+
+
 def _running(state: lf.FSDPState) -> dict[str, str]:
     """What each module's reduce-scatter runs now (not what the tuner says it runs)."""
     return {name: ex.choice for name, ex in state.auto.exchanges.items()}
@@ -113,6 +134,25 @@ def _body_slow(rank: int, world: int, path: str) -> dict:
     again.load_state_dict(st2.state_dict())
     out["guard_resumed"] = {"changes": again.auto.changes, "running": _running(again)}
     C.emulate_link(None)
+    return out
+
+
+def _body_accum(rank: int, world: int) -> dict:
+    """Gradient accumulation, 2 micro-batches a step, over the slow part's link: a step is the passes up to
+    the one that reduce-scatters (the sample, the trials' timed steps and the guard's checks on those).
+    Then NaN gradients: the guard sees them on the synced micro-batch and steps the compressed modules up
+    (guard_every 3, odd: counting passes as steps, its watched passes would alternate between unsynced ones,
+    "finite", and synced ones, never two non-finite checks in a row)."""
+    C.emulate_link(20e6 / (1 + rank))
+    m, st = _model(guard_every=3)
+    out = _decision(st)
+    out["steps_to_decide"] = _train_accum(m, rank, 30, until=lambda: st.auto.decision is not None)
+    out.update(_decision(st))
+    out["iter"] = st.iter  # reduce-scatter calls: 3 modules a step
+    C.emulate_link(None)
+    n = out["steps_to_decide"]
+    _train_accum(m, rank, 8, start=n, nan_from=n + 1)
+    out["guard"] = {"changes": st.auto.changes, "running": _running(st)}
     return out
 
 
@@ -179,7 +219,8 @@ def _bytes_per_step(m: nn.Module, st: lf.FSDPState, rank: int, start: int) -> in
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list:
     path = str(tmp_path_factory.mktemp("fsdp_auto") / "auto.pt")
-    parts = (("slow", _body_slow, (path,)), ("loss", _body_loss, (path,)), ("bold", _body_bold, ()),
+    parts = (("slow", _body_slow, (path,)), ("loss", _body_loss, (path,)), ("accum", _body_accum, ()),
+             ("bold", _body_bold, ()),
              ("options", _body_options, ()))
     return spawn(run_parts, 2, parts, backend="gloo", timeout_s=240)
 
@@ -200,6 +241,32 @@ def test_slow_link_compresses_the_big_modules_and_ranks_agree(ranks: list) -> No
     assert r0["measured"][r0["chosen"]] < 0.9 * r0["measured"]["native"], r0["table"]
     native_bytes = 2 * 66_304 * 4 // 2 + 9_476 * 4 // 2  # (K-1) x S float32 values a module, K = 2 (no padding)
     assert 0 < r0["bytes_per_step"] < 0.7 * native_bytes
+
+
+def test_gradient_accumulation_steps_are_the_passes_that_reduce_scatter(ranks: list) -> None:
+    """2 micro-batches a step: auto measures on steps (not passes) and compresses as without accumulation."""
+    r0, r1 = part(ranks, "accum")
+    for key in ("decision", "measured", "chosen", "errors", "limits"):
+        assert r0[key] == r1[key], key
+    d = r0["decision"]
+    assert d["<root>"] == "native" and all(d[b] != "native" for b in BLOCKS), r0["table"]
+    assert r0["running"] == d
+    # 2 warm-up steps, then 1 + 2 a finalist (each step 2 passes, one reduce-scatter a module); decided at
+    # the first pass of the step after
+    assert r0["decided"] == r0["steps_to_decide"] - 1 == 2 + 3 * len(r0["finalists"]), r0["table"]
+    assert r0["iter"] == 3 * r0["steps_to_decide"]
+    for name in BLOCKS:
+        assert math.isfinite(r0["errors"][name][Q8]) and r0["errors"][name][Q8] == r0["limits"][name] > 0
+    assert r0["measured"][r0["chosen"]] < 0.9 * r0["measured"]["native"], r0["table"]
+
+
+def test_guard_sees_non_finite_gradients_under_gradient_accumulation(ranks: list) -> None:
+    r0, r1 = (r["guard"] for r in part(ranks, "accum"))
+    assert r0 == r1
+    compressed = {n for n, k in part(ranks, "accum")[0]["decision"].items() if k != "native"}
+    assert compressed and {c["tensor"] for c in r0["changes"]} == compressed, r0["changes"]
+    assert all(c["to"] == "native" and "not finite" in c["reason"] for c in r0["changes"]), r0["changes"]
+    assert set(r0["running"].values()) == {"native"}
 
 
 def test_checkpoint_resumes_the_decision_without_measuring(ranks: list) -> None:
@@ -330,7 +397,7 @@ def _tune(costs: dict[str, float], base_s: float, level: str = "conservative", *
     exchanges = [_Exchange("big", 40_000, costs), _Exchange("small", 4_000, costs)]
     tuner.attach(model, None, torch.device("cpu"), [(ex.name, ex.rows.numel(), ex) for ex in exchanges])
     tuner.model = model  # (for _step)
-    while tuner.decision is None and tuner.forwards < 30:
+    while tuner.decision is None and tuner.steps < 30:
         _step(tuner, base_s)
     return tuner
 
@@ -425,3 +492,32 @@ def test_report_loss_feeds_the_guard_s_loss_rule() -> None:
     assert [(c["from"], c["to"], c["reason"]) for c in t.changes[1:]] == \
         [(BF16, lf.NATIVE, "the reported loss is not finite")]
     assert t.exchanges["big"].choice == lf.NATIVE
+
+
+def test_a_module_without_a_finite_sample_waits_a_step_then_stays_native() -> None:
+    """The warm-up sample of the big module NaN: admission waits one step and takes that step's sample;
+    NaN again, the module is admitted nothing (native) and the table says nan, not 0 (admitted)."""
+    costs = {lf.NATIVE: 0.02, BF16: 0.015, Q8: 0.004}
+    for recovers in (True, False):
+        t = lowbit.fsdp_auto.FSDPAuto(guard_every=0)
+        t.model = nn.Linear(2, 2)
+        exchanges = [_Exchange("big", 40_000, costs), _Exchange("small", 4_000, costs)]
+        t.attach(t.model, None, torch.device("cpu"), [(ex.name, ex.rows.numel(), ex) for ex in exchanges])
+        big, good = exchanges[0], exchanges[0].rows
+        big.rows = good.clone().index_fill_(1, torch.tensor([7]), math.nan)
+        _step(t)
+        _step(t)  # the last warm-up step: its sample is NaN
+        if recovers:
+            big.rows = good
+        _step(t)  # its forward: admission put off to this step's sample
+        _step(t)  # its forward: admitted
+        assert t.phase == ("trial" if recovers else "done") and t.steps == 3
+        while t.decision is None and t.steps < 30:
+            _step(t, 0.005)
+        if recovers:
+            assert math.isfinite(t.errors["big"][Q8]) and t.decided_iter == 3 + 3 * 3, t.table()
+            assert t.decision == {"big": Q8, "small": lf.NATIVE}, t.table()
+        else:
+            assert t.decided_iter == 3 and t.decision == {"big": lf.NATIVE, "small": lf.NATIVE}, t.table()
+            row = next(line for line in t.table().splitlines() if line.startswith("big"))
+            assert row.split()[-2:] == ["nan", "nan"], t.table()
