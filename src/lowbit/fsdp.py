@@ -225,8 +225,10 @@ class FSDPState:
     """What :func:`register` returns: the configuration, statistics and error-feedback residuals.
 
     ``stats`` (:class:`lowbit.comm.CommStats`) counts calls and the bytes this rank put on the wire
-    (``bytes_inter``: of those, what crossed nodes); ``grad_stats`` and ``param_stats`` split them by
-    direction. ``state_dict()`` / ``load_state_dict()`` carry the residuals (per rank) through checkpoints.
+    (``bytes_inter``: of those, what crossed nodes, with ``node_size`` splitting the group; for FSDP's own
+    reduce-scatter, ``codec="auto"``'s native choice, the chunks of this rank's gradient that go to ranks
+    on other nodes, ``(K - node_size) x S`` values: what its algorithm (NCCL's ring, say) routes between
+    nodes is its own); ``grad_stats`` and ``param_stats`` split them by direction. ``state_dict()`` / ``load_state_dict()`` carry the residuals (per rank) through checkpoints.
     With ``codec="auto"``, ``codec`` is None and ``auto`` (:class:`lowbit.fsdp_auto.FSDPAuto`) holds what
     each module runs and why; checkpoints carry it too.
     """
@@ -271,6 +273,10 @@ class FSDPState:
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load ``state_dict()``'s checkpoint: every entry is checked before any is loaded (a ``ValueError``
+        leaves this state as it was). Each rank loads its own (the residuals, and ``iter`` and the auto
+        tuner's step count, are per rank): every rank must load, or none; with ``codec="auto"``, ranks of
+        which only some loaded a decision would hang at the first collective the others still measure with."""
         if not isinstance(state, dict):
             raise ValueError(f"lowbit.fsdp checkpoint must be a dict (from state_dict()), got {type(state).__name__}")
         for key in ("config", "rank", "world_size", "iter", "feedback"):
@@ -286,10 +292,15 @@ class FSDPState:
             raise ValueError(f"lowbit.fsdp checkpoint: iter must be a non-negative int below 2**62, got {it!r}")
         if (state["feedback"] is None) != (self.feedback is None):
             raise ValueError("lowbit.fsdp checkpoint and this state disagree on error feedback")
-        if self.auto is not None:  # first: a module whose choice changes drops its residual
-            self.auto.load_state_dict(state.get("auto"))
-        if self.feedback is not None:
-            self.feedback.load_state_dict(state["feedback"], device=self.device)
+        load_auto = self.auto.loader(state.get("auto")) if self.auto is not None else None
+        feedback = None
+        if self.feedback is not None:  # checked on a copy: nothing loads unless everything fits
+            feedback = ErrorFeedback(self.feedback.codec)
+            feedback.load_state_dict(state["feedback"], device=self.device)
+        if load_auto is not None:  # first: a module whose choice changes drops its residual
+            load_auto()
+        if feedback is not None:
+            self.feedback.residuals = feedback.residuals
         self.iter = it
 
 
@@ -413,6 +424,8 @@ class LowbitReduceScatter(_Comm):
             st.grad_stats.calls += 1
             C.wait(C.reduce_scatter_async(output_tensor, input_tensor, group, op), "reduce_scatter_tensor", group)
             st.grad_stats.bytes_sent += (k - 1) * s * input_tensor.element_size()
+            if self.groups is not None and self.groups.intra is not None:  # the chunks for other nodes' ranks
+                st.grad_stats.bytes_inter += (k - self.groups.local) * s * input_tensor.element_size()
             return
         scale = _op_scale(op, k)
         intra, cross, nodes, local = self.split(group)
@@ -726,6 +739,16 @@ def register(
     if error_feedback and grad_codec is not None and grad_codec.sums_on_wire:
         raise ValueError(f"lowbit.fsdp.register: {grad_codec.spec} is lossless up to a cast; it takes no error feedback")
     pol = None if policy is None else Policy.coerce(policy)
+    if tuner is not None and pol is not None:
+        lossy = {**{f"by_type {k!r}": v for k, v in pol.by_type.items()},
+                 **{f"by_name {k!r}": v for k, v in pol.by_name.items()}}
+        lossy = {k: v for k, v in lossy.items() if v != "fp32"}
+        if pol.default not in (Policy().default, "fp32"):
+            lossy["default"] = pol.default
+        if lossy:
+            raise ValueError(f"lowbit.fsdp.register: with codec='auto' a policy only keeps parameters exact (fp32); "
+                             f"auto chooses the codecs, so this policy's {lossy} would be ignored: name them in "
+                             "allow=, or give a fixed codec")
     modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise ValueError("lowbit.fsdp.register: the model has no fully_shard module; call "

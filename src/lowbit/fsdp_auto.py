@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional, Protocol
 
 import torch
@@ -393,23 +393,47 @@ class FSDPAuto:
                 "guard": self.guard.state_dict()}
 
     def load_state_dict(self, d: Any) -> None:
-        """Resume a decision (nothing is measured again); one saved while measuring: measure again."""
+        """Resume a decision (nothing is measured again); one saved while measuring: measure again. Nothing
+        changes unless all of ``d`` fits."""
+        self.loader(d)()
+
+    def loader(self, d: Any) -> Callable[[], None]:
+        """Check checkpoint entry ``d`` whole (a ``ValueError`` for anything that does not fit) and return
+        what loads it, which does not fail (:meth:`lowbit.fsdp.FSDPState.load_state_dict` checks every
+        entry before it loads any)."""
         if not isinstance(d, dict) or "decision" not in d:
             raise ValueError(f"lowbit.fsdp checkpoint: its codec='auto' entry is not FSDPAuto.state_dict()'s: {d!r:.200}")
         if d["decision"] is None:
-            return
+            return lambda: None
+        missing = [k for k in ("assignment", "forwards", "decided_iter", "chosen", "finalists", "measured_s",
+                               "errors", "norms", "noise", "limits", "guard") if k not in d]
+        if missing:
+            raise ValueError(f"lowbit.fsdp checkpoint: its codec='auto' entry has no {missing} (not made by "
+                             "FSDPAuto.state_dict())")
         for a in (d["decision"], d["assignment"]):
-            if set(a) != set(self.exchanges) or any(k != NATIVE and k not in self.allow for k in a.values()):
+            if (not isinstance(a, dict) or set(a) != set(self.exchanges)
+                    or any(k != NATIVE and k not in self.allow for k in a.values())):
                 raise ValueError("lowbit.fsdp checkpoint: the codec='auto' decision does not fit this model "
                                  f"(modules {sorted(a)[:4]} against {sorted(self.exchanges)[:4]}, choices "
                                  f"{sorted(set(a.values()))}, allowed {[NATIVE, *self.allow]})")
-        self.decision, self.assignment = dict(d["decision"]), dict(d["assignment"])
-        self.steps, self.decided_iter, self.chosen = d["forwards"], d["decided_iter"], d["chosen"]
-        self.finalists = [(label, dict(a)) for label, a in d["finalists"]]
-        self.measured_s, self.errors, self.norms = d["measured_s"], d["errors"], d["norms"]
-        self.noise, self.limits = d["noise"], d["limits"]
-        self.guard.load_state_dict(d["guard"])
-        self.phase, self._samples, self._seen, self._watch = "done", {}, {}, None
-        self._scattered, self._starting, self._deferred = False, True, False
-        self._schedule, self._last, self._times = [], None, {}
-        self._apply(self.assignment)
+        steps = d["forwards"]
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"lowbit.fsdp checkpoint: codec='auto''s step count must be an int >= 0, got {steps!r}")
+        try:
+            finalists = [(str(label), dict(a)) for label, a in d["finalists"]]
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"lowbit.fsdp checkpoint: codec='auto''s finalists are not (label, choices) pairs: {e}")
+        guard = Guard(self.guard_every, list(self.bits.items()), fp32=NATIVE)
+        guard.load_state_dict(d["guard"])
+
+        def load() -> None:
+            self.decision, self.assignment = dict(d["decision"]), dict(d["assignment"])
+            self.steps, self.decided_iter, self.chosen = steps, d["decided_iter"], d["chosen"]
+            self.finalists = finalists
+            self.measured_s, self.errors, self.norms = d["measured_s"], d["errors"], d["norms"]
+            self.noise, self.limits, self.guard = d["noise"], d["limits"], guard
+            self.phase, self._samples, self._seen, self._watch = "done", {}, {}, None
+            self._scattered, self._starting, self._deferred = False, True, False
+            self._schedule, self._last, self._times = [], None, {}
+            self._apply(self.assignment)
+        return load

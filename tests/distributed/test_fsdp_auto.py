@@ -207,6 +207,24 @@ def _body_options(rank: int, world: int) -> dict:
             out[name] = None
         except lowbit.ddp.ConfigMismatchError as e:
             out[name] = str(e)
+    # a checkpoint whose auto decision fits but whose error-feedback entry does not: nothing loads
+    m, st = _model(allow=[Q8, "onebit:bucket=64"])
+    saved = st.state_dict()
+    one = {n: "onebit:bucket=64" if n in BLOCKS else "native" for n in st.auto.exchanges}
+    saved["auto"].update(decision=one, assignment=dict(one), chosen="onebit:bucket=64", decided_iter=5, forwards=5)
+    saved["feedback"] = {"codec": "qsgd:bits=2", "residuals": {}}
+    try:
+        st.load_state_dict(saved)
+        out["half_loaded"] = None
+    except ValueError as e:
+        out["half_loaded"] = {"error": str(e), "decision": st.auto.decision, "steps": st.auto.steps,
+                              "running": _running(st)}
+    # node_size=1: two nodes of one rank; FSDP's own reduce-scatter (auto's warm-up) sends all it sends
+    # across them (K - 1 chunks a rank: every other rank is on another node)
+    m, st = _model(node_size=1)
+    _train(m, rank, 1)
+    out["native_nodes"] = {"sent": st.grad_stats.bytes_sent, "inter": st.grad_stats.bytes_inter,
+                           "running": set(_running(st).values())}
     return out
 
 
@@ -313,6 +331,19 @@ def test_allow_and_error_budget_are_part_of_the_configuration_the_ranks_compare(
         assert "ranks registered different settings" in msgs[0]
 
 
+def test_a_checkpoint_that_does_not_fit_loads_nothing(ranks: list) -> None:
+    for r in part(ranks, "options"):
+        h = r["half_loaded"]
+        assert h is not None and "error-feedback checkpoint was saved for codec" in h["error"]
+        assert h["decision"] is None and h["steps"] == 0 and set(h["running"].values()) == {"native"}
+
+
+def test_native_reduce_scatter_counts_what_crosses_nodes(ranks: list) -> None:
+    for r in part(ranks, "options"):
+        n = r["native_nodes"]
+        assert n["running"] == {"native"} and n["inter"] == n["sent"] > 0
+
+
 def test_bad_auto_options_are_refused() -> None:
     lin = nn.Linear(4, 4)
     with pytest.raises(ValueError, match="auto_level must be one of 'conservative', 'bold'"):
@@ -341,6 +372,12 @@ def test_bad_auto_options_are_refused() -> None:
         lf.register(lin, codec="auto", allow=["dettmers"])
     with pytest.raises(ValueError, match="allow's codec must be a codec spec"):
         lf.register(lin, codec="auto", allow=[8])
+    # with auto, a policy keeps parameters exact; a lossy codec in it would be ignored: refused
+    for pol in ("bf16", lowbit.Policy(by_name={"weight": "qsgd:bits=4"}), lowbit.Policy(by_type={"Linear": "bf16"})):
+        with pytest.raises(ValueError, match="with codec='auto' a policy only keeps parameters exact"):
+            lf.register(lin, codec="auto", policy=pol)
+    with pytest.raises(ValueError, match="fully_shard"):  # fp32 entries are what it is for
+        lf.register(lin, codec="auto", policy=lowbit.Policy(by_name={"bias": "fp32"}, min_numel=5))
     for eb in (0, -1.0, True, "1", float("nan")):
         with pytest.raises(ValueError, match="error_budget must be a number > 0"):
             lf.register(lin, codec="auto", error_budget=eb)
