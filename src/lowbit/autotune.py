@@ -79,7 +79,7 @@ from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
 from lowbit.comm.allreduce import AUTO, get_algorithm, resolve_algorithm, start
 from lowbit.comm.hierarchical import node_size_for
-from lowbit.guard import Guard, combine
+from lowbit.guard import Guard, ReportedLoss, combine
 
 __all__ = ["AutoTuner", "AUTO_LEVELS", "DEFAULT_ALLOW", "BOLD_ALLOW", "BASELINE", "TunedState", "default_allow",
            "sampling_noise"]
@@ -175,8 +175,7 @@ class AutoTuner:
                            [s for s in self.allow if _hierarchical_ok(get_codec(s))], fp32=_FP32)
         self._watch: Optional[int] = None  # the step whose gradients the guard samples
         self._guard_samples: dict[str, tuple[torch.Tensor, int]] = {}
-        self._loss_sum: Any = None  # losses reported since the last check (a device tensor: no host sync)
-        self._loss_n = 0
+        self._losses = ReportedLoss()  # reported since the last check (on their device: no host sync)
         self._steps: list[dict[str, Any]] = []  # per measured step: forward mark and gradient marks
         self._samples: dict[str, tuple[torch.Tensor, int]] = {}
         self.forwards = 0  # training forward passes seen (= the step about to run)
@@ -206,20 +205,7 @@ class AutoTuner:
     def report_loss(self, loss: Any) -> None:
         """Report this step's training loss (a float or a tensor: added on its device, no host sync), for
         the guard's loss rule (:mod:`lowbit.guard`); optional. Call it once a step, on every rank."""
-        if isinstance(loss, torch.Tensor):
-            v = loss.detach().reshape(()).float()
-            self._loss_sum = v.clone() if self._loss_sum is None else self._loss_sum + v
-        else:
-            self._loss_sum = float(loss) + (0.0 if self._loss_sum is None else self._loss_sum)
-        self._loss_n += 1
-
-    def _take_loss(self) -> Optional[float]:
-        """The mean loss reported since the last call (None: none reported); resets the sum."""
-        if not self._loss_n:
-            return None
-        total, n = self._loss_sum, self._loss_n
-        self._loss_sum, self._loss_n = None, 0
-        return float(total) / n
+        self._losses.add(loss)
 
     def attach(self, module: torch.nn.Module, state: TunedState,
                install: Optional[Callable[[], None]] = None) -> None:
@@ -386,7 +372,7 @@ class AutoTuner:
         self.decision, self.decided_iter, self.phase = decision, step, "done"
         self.assignment = dict(decision.assignment)
         self._watch, self._guard_samples = None, {}
-        self.guard.start(step, self._take_loss())  # the loss reported so far: the fp32 steps' reference
+        self.guard.start(step, self._losses.take())  # the loss reported so far: the fp32 steps' reference
         self._release(keep_forward=bool(self.remeasure_every) or self._guarding())
         state.set_plan(decision.assignment)
         if rank == 0 and decision.fp32_is_best and not getattr(self, "_said_fp32", False):  # (older pickles)
@@ -487,9 +473,7 @@ class AutoTuner:
                              "norm": _norm(x, n) if finite else 0.0, "finite": finite,
                              "residual": None if res is None else float((res.double() ** 2).sum()),
                              "values": int(x.numel())}
-        loss = self._take_loss()
-        mine = {"tensors": tensors, "loss": None if loss is None or not math.isfinite(loss) else loss,
-                "loss_finite": loss is None or math.isfinite(loss)}
+        mine = {"tensors": tensors, **ReportedLoss.entry(self._losses.take())}
         stats = combine(C.all_gather_object(mine, state.process_group))
         measured = self.measured or {}
         reference = {}
@@ -640,16 +624,20 @@ class AutoTuner:
 
     def __getstate__(self) -> dict[str, Any]:
         d = dict(self.__dict__)
-        for k in ("_handle", "_install", "_state", "_module", "_watch", "_loss_sum"):
+        for k in ("_handle", "_install", "_state", "_module", "_watch"):
             d[k] = None
         d["_grad_handles"], d["_steps"], d["_samples"], d["_marks"] = [], [], {}, []
-        d["_guard_samples"], d["_loss_n"] = {}, 0
+        d["_guard_samples"], d["_losses"] = {}, ReportedLoss()
         if d.get("phase") == "trial":  # unpickled mid-trial: measure again
             d["phase"], d["_pending"], d["measured"] = "measure", None, None
         return d
 
     def __setstate__(self, d: dict[str, Any]) -> None:
         self.__dict__.update(d)
+        if "_losses" not in d:  # pickled when the sum was two fields (_loss_sum, _loss_n; never saved with values)
+            self.__dict__.pop("_loss_sum", None)
+            self.__dict__.pop("_loss_n", None)
+            self._losses = ReportedLoss()
         if "guard" not in d:  # pickled before the levels and the guard: the defaults (the guard from now on)
             self.level, self.guard_every, self.node_size = "conservative", 50, None
             self.assignment = dict(self.decision.assignment) if self.decision is not None else {}
@@ -657,7 +645,7 @@ class AutoTuner:
                                [s for s in self.allow if _hierarchical_ok(get_codec(s))], fp32=_FP32)
             if self.decided_iter is not None:
                 self.guard.start(self.decided_iter)
-            self._watch, self._guard_samples, self._loss_sum, self._loss_n, self._module = None, {}, None, 0, None
+            self._watch, self._guard_samples, self._module = None, {}, None
 
 
 # ------------------------------------------------------------------------------------------ helpers
