@@ -39,9 +39,17 @@ How (on the job's own first steps, nothing extra for the user to run):
    tensor, and the finalists include each codec both ways. The decision names the algorithm of every
    tensor and finalist (``Decision.algorithms``, the table's algorithm column).
 5. **Try**: otherwise lowbit's hook is registered and the finalists (the predicted best, each allowed
-   codec as a fixed codec would apply it) run one warm-up and ``trial_steps`` timed steps each;
-   :func:`lowbit.choose.pick` (the rule ``lowbit advise`` uses) chooses on the measured step times against
-   the measured fp32 step.
+   codec as a fixed codec would apply it) run one warm-up and ``trial_steps`` timed steps each, one
+   after another; the ranks agree on the times (averaged in rank order). Two timed steps cannot separate
+   codecs within about 10 % (2x H200 over sockets, ResNet-50: one level's trials measured 8-bit QSGD at
+   39.8 ms a step and bf16 at 42.6 ms, the other level's in the same job 42.9 and 39.1 ms), so when two
+   or more finalists measured within ``retry_within`` (10 %) of the fastest (:func:`close_finalists`;
+   fp32 counts only where it is a finalist, as when re-measuring), those run a second pass in reverse
+   order (a drift over the trials then weighs on both ends alike), one warm-up and ``trial_steps`` timed
+   steps each, and each counts with the mean of its two passes (``Decision.retried`` names them; the
+   ranks agree on the second pass's times too, and decide which are close from agreed times only).
+   :func:`lowbit.choose.pick` (the rule ``lowbit advise`` uses) chooses on the measured step times
+   against the measured fp32 step. :meth:`AutoTuner.last_decision_step` bounds the step of the decision.
 
 The decision is logged once (rank 0, ``logging.INFO``, a table: tensor, numel, codec, predicted saving,
 the finalists predicted and measured; a ``WARNING`` with the reason when it keeps fp32 everywhere), kept
@@ -82,7 +90,7 @@ from lowbit.comm.hierarchical import node_size_for
 from lowbit.guard import Guard, ReportedLoss, combine
 
 __all__ = ["AutoTuner", "AUTO_LEVELS", "DEFAULT_ALLOW", "BOLD_ALLOW", "BASELINE", "TunedState", "default_allow",
-           "sampling_noise"]
+           "sampling_noise", "close_finalists", "mean_of_passes"]
 
 log = logging.getLogger("lowbit.ddp")
 
@@ -140,6 +148,10 @@ class AutoTuner:
     Its options come validated (:class:`lowbit.ddp.DDPConfig`); ``allow`` is kept as canonical specs,
     fp32 first unless listed."""
 
+    #: finalists whose first-pass trial times are within this share of the fastest run a second pass
+    #: (module doc, step 5)
+    retry_within = 0.10
+
     def __init__(self, allow: Optional[Sequence[str]] = None, error_budget: Optional[float] = 1.0,
                  measure_steps: int = 3, remeasure_every: int = 0,
                  faster_than_fp32: float = AUTO_FASTER_THAN_FP32, *, level: str = "conservative",
@@ -166,6 +178,8 @@ class AutoTuner:
         self.phase = "measure"  # -> "trial" -> "done"
         self._pending: Optional[Decision] = None
         self._trial, self._marks, self._trial_times = 0, [], []  # type: ignore[var-annotated]
+        self._order: list[int] = []  # the finalists (indices) this pass of the trials runs, in order
+        self._first: Optional[list[float]] = None  # the first pass's agreed times, during the second
         self.decision: Optional[Decision] = None
         self.decided_iter: Optional[int] = None
         self.measured: Optional[dict[str, Any]] = None  # the agreed measurements the decision came from
@@ -223,8 +237,9 @@ class AutoTuner:
 
     def last_decision_step(self, start_iter: int) -> int:
         """The step whose forward pass takes the first decision at the latest: ``start_iter``, the warm-up
-        and measured steps, then every finalist's warm-up and timed steps (fewer finalists decide earlier)."""
-        return start_iter + self.warmup_steps + self.measure_steps + (1 + self.trial_steps) * self.max_trials
+        and measured steps, then every finalist's warm-up and timed steps, twice when all of them measured
+        close (the second pass, module doc step 5; fewer finalists, or fewer close ones, decide earlier)."""
+        return start_iter + self.warmup_steps + self.measure_steps + 2 * (1 + self.trial_steps) * self.max_trials
 
     def detach(self) -> None:
         """Remove the hooks on the module (measuring stops)."""
@@ -327,16 +342,19 @@ class AutoTuner:
             return
         pred.finalists = finalists
         self._pending, self._trial, self._marks, self._trial_times = pred, 0, [], []
+        self._order, self._first = list(range(len(finalists))), None
         self.phase = "trial"
         self._maybe_install(state, step)
         self._trial_mark(state, step)
 
     def _trial_mark(self, state: TunedState, step: int) -> None:
         """At a forward pass during the trials: the first step of each finalist warms up, the next
-        ``trial_steps`` are timed (forward start to forward start); then the next finalist."""
+        ``trial_steps`` are timed (forward start to forward start); then the next finalist of this pass
+        (``_order``). After the first pass, a second over the finalists measured close (module doc,
+        step 5), in reverse order; then the decision."""
         pred = self._pending
         if not self._marks:
-            state.set_plan(pred.finalists[self._trial][1])
+            state.set_plan(pred.finalists[self._order[self._trial]][1])
         self._marks.append(_mark(self._device))
         if len(self._marks) < self.trial_steps + 2:
             return
@@ -344,10 +362,22 @@ class AutoTuner:
         self._trial_times.append(statistics.median(periods))
         self._trial += 1
         self._marks = []
-        if self._trial < len(pred.finalists):
+        if self._trial < len(self._order):
             self._trial_mark(state, step)  # this forward pass starts the next finalist's warm-up step
             return
-        times = _average(C.all_gather_object(self._trial_times, state.process_group))  # agree
+        got = _average(C.all_gather_object(self._trial_times, state.process_group))  # agree
+        if self._first is None:
+            times = list(got)
+            close = close_finalists(times, self.retry_within)  # from agreed times: every rank alike
+            if close:
+                self._first, self._order = times, close[::-1]
+                self._trial, self._trial_times = 0, []
+                self._trial_mark(state, step)  # this forward pass starts the second pass's first warm-up
+                return
+        else:
+            times = mean_of_passes(self._first, self._order, got)
+            pred.retried = tuple(pred.finalists[i][0] for i in sorted(self._order))
+        self._first = None
         for (label, _, _), t in zip(pred.finalists, times):
             pred.measured_s[label] = t  # (a re-measured "fp32" replaces the first measurement)
         fp32_s = pred.measured_s["fp32"]
@@ -628,8 +658,9 @@ class AutoTuner:
             d[k] = None
         d["_grad_handles"], d["_steps"], d["_samples"], d["_marks"] = [], [], {}, []
         d["_guard_samples"], d["_losses"] = {}, ReportedLoss()
-        if d.get("phase") == "trial":  # unpickled mid-trial: measure again
+        if d.get("phase") == "trial":  # unpickled mid-trial (either pass): measure again
             d["phase"], d["_pending"], d["measured"] = "measure", None, None
+            d["_trial"], d["_trial_times"], d["_order"], d["_first"] = 0, [], [], None
         return d
 
     def __setstate__(self, d: dict[str, Any]) -> None:
@@ -744,6 +775,28 @@ def sampling_noise(samples: Mapping[str, tuple[torch.Tensor, int]], numels: Mapp
         if name in samples and m:
             out[name] = float((dev[pos:pos + m].double() ** 2).sum()) * numel / m * k / (k - 1)
         pos += m
+    return out
+
+
+def close_finalists(times: Sequence[float], within: float) -> list[int]:
+    """The finalists (indices into ``times``, their first pass's agreed step times) measured within
+    ``within`` of the fastest (time <= fastest * (1 + within)), when at least two are: those run a second
+    pass (module doc, step 5); else none. Non-finite times are never close."""
+    finite = [t for t in times if math.isfinite(t)]
+    if not finite:
+        return []
+    limit = min(finite) * (1 + within)
+    close = [i for i, t in enumerate(times) if math.isfinite(t) and t <= limit]
+    return close if len(close) > 1 else []
+
+
+def mean_of_passes(first: Sequence[float], retried: Sequence[int], second: Sequence[float]) -> list[float]:
+    """Every finalist's trial time: its first pass's (``first``), or for those run again (``retried``,
+    indices in the order the second pass ran them; ``second``, their times in that order) the mean of
+    its two passes."""
+    out = list(first)
+    for i, t in zip(retried, second, strict=True):
+        out[i] = (first[i] + t) / 2
     return out
 
 

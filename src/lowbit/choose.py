@@ -230,6 +230,9 @@ class Decision:
     chosen: str = ""
     #: each choice (assignment value) -> the algorithm that carries it
     algorithms: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: the finalists' labels that were tried twice, their measured_s the mean of both passes (finalists
+    #: measured close: lowbit.autotune, step 5). A plain default, so a Decision pickled before it reads ()
+    retried: tuple[str, ...] = ()
 
     @property
     def speedup(self) -> float:
@@ -254,7 +257,8 @@ class Decision:
             got = self.measured_s.get(label)
             lines.append(f"tried {label:<36} [{', '.join(self.algorithms_of(assignment))}] "
                          f"predicted {pred * 1e3:9.2f} ms/step"
-                         + (f", measured {got * 1e3:9.2f} ms/step" if got is not None else ""))
+                         + (f", measured {got * 1e3:9.2f} ms/step" if got is not None else "")
+                         + (" (2 passes)" if got is not None and label in self.retried else ""))
         if "fp32" in self.measured_s:
             lines.append(f"measured fp32 step {self.measured_s['fp32'] * 1e3:.2f} ms")
         lines.append(f"chosen: {self.chosen or 'predicted best'} [{', '.join(self.algorithms_of(self.assignment))}]; "

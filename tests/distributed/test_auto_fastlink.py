@@ -52,7 +52,9 @@ def _body_remeasure(rank: int, world: int, sleep_s: float = 0.0, batch: int = 40
     first = dict(state.auto.decision.assignment)
     switched = step
     _slow_link(link)  # the link slows down: the next probe (remeasure_every=4 after the decision) sees it
-    while state.auto.decided_iter <= switched and step < switched + 20:  # until the decision that follows
+    # until the decision that follows: 4 steps on, then up to 5 finalists (fp32 among them) tried once or,
+    # when close, twice (1 + 2 steps a pass)
+    while state.auto.decided_iter <= switched and step < switched + 4 + 2 * 3 * 5 + 1:
         _train(model, 1, batch, start=step, sleep_s=sleep_s)
         step += 1
     d = state.auto.decision

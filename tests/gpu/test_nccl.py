@@ -152,7 +152,8 @@ def test_join_waits_for_the_device_work_of_every_input() -> None:
 
 def _auto_body(rank: int, world: int) -> dict:
     """codec="auto" on NCCL: the hook registered up front (so the fp32 steps, the probes and the trials
-    all run through it) with 8-bit QSGD allowed; 24 steps cover measuring, probing and the trials."""
+    all run through it) with 8-bit QSGD allowed; as many steps as measuring, probing and the trials can
+    take (AutoTuner.last_decision_step: close finalists are tried twice)."""
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -165,7 +166,7 @@ def _auto_body(rank: int, world: int) -> dict:
     model.register_comm_hook(state, lowbit.ddp.hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator(device=dev).manual_seed(rank)
-    for _ in range(24):
+    for _ in range(state.auto.last_decision_step(state.start_iter) + 1):
         x, y = torch.randn(64, 256, device=dev, generator=g), torch.randint(0, 10, (64,), device=dev, generator=g)
         loss = nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
