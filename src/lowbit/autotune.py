@@ -90,7 +90,7 @@ from lowbit.comm.hierarchical import node_size_for
 from lowbit.guard import Guard, ReportedLoss, combine
 
 __all__ = ["AutoTuner", "AUTO_LEVELS", "DEFAULT_ALLOW", "BOLD_ALLOW", "BASELINE", "TunedState", "default_allow",
-           "sampling_noise", "close_finalists", "mean_of_passes"]
+           "check_auto_options", "sampling_noise", "close_finalists", "mean_of_passes"]
 
 log = logging.getLogger("lowbit.ddp")
 
@@ -113,6 +113,34 @@ _HIERARCHICAL = "hierarchical"
 def default_allow(level: str = "conservative") -> tuple[str, ...]:
     """The codecs ``codec="auto"`` chooses among at ``level`` unless ``allow`` says otherwise."""
     return BOLD_ALLOW if level == "bold" else DEFAULT_ALLOW
+
+
+def check_auto_options(allow: Any, error_budget: Any, level: Any, guard_every: Any, *, always: str = "fp32",
+                       budget_of: str = "uniform 8-bit QSGD's error") -> None:
+    """Raise a ``ValueError`` naming the first of ``codec="auto"``'s shared options that is out of range:
+    ``level`` (``auto_level``: one of :data:`AUTO_LEVELS`), ``guard_every`` (an int >= 0), ``allow`` (None
+    or a list or tuple of codecs, not empty: ``always`` is allowed anyway) and ``error_budget`` (None or
+    a number > 0 that multiplies ``budget_of``). The one check of them for DDP (:class:`lowbit.ddp.
+    DDPConfig`, :class:`AutoTuner`; the defaults' wording) and FSDP (``lowbit.fsdp.register``,
+    :class:`lowbit.fsdp_auto.FSDPAuto`: ``always`` native, the budget per module). What each codec in
+    ``allow`` must be differs between them: their callers check it."""
+    if not isinstance(level, str) or level not in AUTO_LEVELS:
+        raise ValueError(f"auto_level must be one of {', '.join(map(repr, AUTO_LEVELS))} ('conservative', the "
+                         f"default: at most {budget_of}; 'bold': also 4-bit QSGD and 1bitSGD with error feedback, "
+                         f"up to the gradients' own sampling noise), got {level!r}")
+    if isinstance(guard_every, bool) or not isinstance(guard_every, int) or guard_every < 0:
+        raise ValueError(f"guard_every must be an int >= 0 (steps between codec='auto''s guard checks; 0: no "
+                         f"guard), got {guard_every!r}")
+    if isinstance(allow, str):
+        raise ValueError(f"allow must be a list of codec specs, got the string {allow!r}")
+    if allow is not None and not isinstance(allow, (list, tuple)):
+        raise ValueError(f"allow must be a list of codec specs, got {allow!r}")
+    if allow is not None and not allow:
+        raise ValueError(f"allow must name at least one codec ({always} is always allowed)")
+    eb = error_budget
+    if eb is not None and (isinstance(eb, bool) or not isinstance(eb, (int, float)) or not eb > 0):
+        raise ValueError(f"error_budget must be a number > 0 (times {budget_of}; with auto_level='bold', the "
+                         f"larger of that and the gradients' sampling noise) or None, got {eb!r}")
 
 
 class TunedState(Protocol):
@@ -156,8 +184,7 @@ class AutoTuner:
                  measure_steps: int = 3, remeasure_every: int = 0,
                  faster_than_fp32: float = AUTO_FASTER_THAN_FP32, *, level: str = "conservative",
                  guard_every: int = 50) -> None:
-        if level not in AUTO_LEVELS:
-            raise ValueError(f"auto_level must be one of {AUTO_LEVELS}, got {level!r}")
+        check_auto_options(allow, error_budget, level, guard_every)
         self.level = level
         self.guard_every = guard_every
         canon = [get_codec(s).spec for s in (default_allow(level) if allow is None else allow)]

@@ -90,7 +90,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lowbit.autotune import AUTO_LEVELS, AutoTuner, default_allow
+from lowbit.autotune import AutoTuner, check_auto_options, default_allow
 from lowbit.choose import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, ddp_bucket_caps, choice, message_limit, split_choice
 from lowbit.timeline import plan_step
 from lowbit.codecs.base import Codec, get_codec
@@ -204,30 +204,14 @@ class DDPConfig:
             raise ValueError(f"node_size must be a positive int (ranks per node), got {self.node_size!r}")
         if not isinstance(self.one_node_native, bool):
             raise ValueError(f"one_node_native must be True or False, got {self.one_node_native!r}")
-        if not isinstance(self.auto_level, str) or self.auto_level not in AUTO_LEVELS:
-            raise ValueError(f"auto_level must be one of {', '.join(map(repr, AUTO_LEVELS))} ('conservative', the "
-                             "default: at most uniform 8-bit QSGD's error; 'bold': also 4-bit QSGD and 1bitSGD with "
-                             f"error feedback, up to the gradients' own sampling noise), got {self.auto_level!r}")
-        if not _is_int(self.guard_every, 0):
-            raise ValueError(f"guard_every must be an int >= 0 (steps between codec='auto''s guard checks; 0: no "
-                             f"guard), got {self.guard_every!r}")
         if not self.auto:
             if (self.allow is not None or self.remeasure_every or self.measure_steps != 3
                     or self.error_budget != 1.0 or self.auto_level != "conservative" or self.guard_every != 50):
                 raise ValueError("allow=, error_budget=, measure_steps=, remeasure_every=, auto_level= and "
                                  "guard_every= go with codec='auto'")
             return
-        if isinstance(self.allow, str):
-            raise ValueError(f"allow must be a list of codec specs, got the string {self.allow!r}")
-        if self.allow is not None and not isinstance(self.allow, tuple):
-            raise ValueError(f"allow must be a list of codec specs, got {self.allow!r}")
-        if self.allow is not None and not self.allow:
-            raise ValueError("allow must name at least one codec (fp32 is always allowed)")
+        check_auto_options(self.allow, self.error_budget, self.auto_level, self.guard_every)  # (DDP's wording)
         allowed = [get_codec(s) for s in (self.allow if self.allow is not None else default_allow(self.auto_level))]
-        eb = self.error_budget
-        if eb is not None and (isinstance(eb, bool) or not isinstance(eb, (int, float)) or not eb > 0):
-            raise ValueError(f"error_budget must be a number > 0 (times uniform 8-bit QSGD's error; with "
-                             f"auto_level='bold', times the gradients' sampling noise) or None, got {eb!r}")
         if not _is_int(self.measure_steps, 1):
             raise ValueError(f"measure_steps must be an int >= 1, got {self.measure_steps!r}")
         if not _is_int(self.remeasure_every, 0):

@@ -67,7 +67,7 @@ from lowbit.comm.allreduce import CommStats, _framed, _slot, _zeros, all_reduce
 from lowbit.comm.hierarchical import node_size_for
 from lowbit.ddp import ConfigMismatchError
 from lowbit.feedback import ErrorFeedback, restore_unless_finite
-from lowbit.fsdp_auto import NATIVE, FSDPAuto, spread_sample
+from lowbit.fsdp_auto import NATIVE, FSDPAuto, check_options, spread_sample
 from lowbit.policy import Policy
 
 __all__ = ["FSDPState", "LowbitReduceScatter", "LowbitAllGather", "register", "MIN_TORCH"]
@@ -834,16 +834,11 @@ def _check_auto(codec: Codec | str, auto_level: str | None, guard_every: int | N
             raise ValueError("lowbit.fsdp.register: allow=, error_budget=, auto_level= and guard_every= go with "
                              "codec='auto'")
         return None
-    if guard_every is not None and (isinstance(guard_every, bool) or not isinstance(guard_every, int) or guard_every < 0):
-        raise ValueError(f"lowbit.fsdp.register: guard_every must be an int >= 0 (steps between codec='auto''s "
-                         f"guard checks; 0: no guard), got {guard_every!r}")
-    if isinstance(allow, str):
-        raise ValueError(f"lowbit.fsdp.register: allow must be a list of codec specs, got the string {allow!r}")
-    if allow is not None and not isinstance(allow, (list, tuple)):
-        raise ValueError(f"lowbit.fsdp.register: allow must be a list of codec specs, got {allow!r}")
-    if allow is not None and not allow:
-        raise ValueError("lowbit.fsdp.register: allow must name at least one codec (native, FSDP's own "
-                         "reduce-scatter, is always allowed)")
+    level, every = "conservative" if auto_level is None else auto_level, 50 if guard_every is None else guard_every
+    try:
+        check_options(allow, error_budget, level, every)
+    except ValueError as e:
+        raise ValueError(f"lowbit.fsdp.register: {e}") from None
     for c in allow or ():
         if c != NATIVE:
             try:
@@ -851,18 +846,13 @@ def _check_auto(codec: Codec | str, auto_level: str | None, guard_every: int | N
             except ValueError as e:
                 msg = str(e) if str(e).startswith("lowbit.fsdp") else f"lowbit.fsdp.register: allow: {e}"
                 raise ValueError(msg) from None
-    eb = error_budget
-    if eb is not None and (isinstance(eb, bool) or not isinstance(eb, (int, float)) or not eb > 0):
-        raise ValueError(f"lowbit.fsdp.register: error_budget must be a number > 0 (times 8-bit QSGD's error on "
-                         f"each module; with auto_level='bold', or the gradients' sampling noise) or None, got {eb!r}")
     if error_feedback:
         raise ValueError("lowbit.fsdp.register: codec='auto' turns error feedback on for the biased codecs it "
                          "chooses (1bitSGD* at auto_level='bold'); leave error_feedback off")
     if replicate_group is not None:
         raise ValueError("lowbit.fsdp.register: codec='auto' does not run under HSDP (replicate_group=); give a codec")
     try:
-        return FSDPAuto("conservative" if auto_level is None else auto_level,
-                        50 if guard_every is None else guard_every, allow, error_budget)
+        return FSDPAuto(level, every, allow, error_budget)
     except ValueError as e:
         raise ValueError(f"lowbit.fsdp.register: {e}") from None
 

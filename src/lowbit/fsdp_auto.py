@@ -62,14 +62,14 @@ from typing import Any, Optional, Protocol
 import torch
 import torch.distributed as dist
 
-from lowbit.autotune import (AUTO_LEVELS, BASELINE, ERROR_SAMPLE, _average, _elapsed, _errors, _mark, _norm,
+from lowbit.autotune import (BASELINE, ERROR_SAMPLE, _average, _elapsed, _errors, _mark, _norm, check_auto_options,
                              default_allow, sampling_noise)
 from lowbit.choose import AUTO_FASTER_THAN_FP32, UNIFORM_MIN_NUMEL, WITHIN_BEST, Tried, pick
 from lowbit.codecs.base import get_codec
 from lowbit.comm import collectives as C
 from lowbit.guard import Guard, ReportedLoss, combine
 
-__all__ = ["FSDPAuto", "NATIVE", "spread_sample"]
+__all__ = ["FSDPAuto", "NATIVE", "check_options", "spread_sample"]
 
 log = logging.getLogger("lowbit.fsdp")
 
@@ -100,6 +100,13 @@ def spread_sample(x: torch.Tensor) -> torch.Tensor:
         return x.float().clone()
     run = ERROR_SAMPLE // RUNS
     return torch.cat([x[a : a + run] for a in torch.linspace(0, n - run, RUNS).long().tolist()]).float()
+
+
+def check_options(allow: Any, error_budget: Any, level: Any, guard_every: Any) -> None:
+    """codec="auto"'s shared options (:func:`lowbit.autotune.check_auto_options`), in FSDP's words: native
+    is always allowed, and the error budget multiplies each module's 8-bit QSGD error."""
+    check_auto_options(allow, error_budget, level, guard_every, always="native, FSDP's own reduce-scatter,",
+                       budget_of="8-bit QSGD's error on each module")
 
 
 def _specs(codecs: Sequence[Any]) -> list[str]:
@@ -133,10 +140,7 @@ class FSDPAuto:
 
     def __init__(self, level: str = "conservative", guard_every: int = 50, allow: Optional[Sequence[Any]] = None,
                  error_budget: Optional[float] = 1.0) -> None:
-        if level not in AUTO_LEVELS:
-            raise ValueError(f"auto_level must be one of {', '.join(map(repr, AUTO_LEVELS))} ('conservative', the "
-                             "default: at most 8-bit QSGD's error; 'bold': also 4-bit QSGD and 1bitSGD with error "
-                             f"feedback, up to the gradients' own sampling noise), got {level!r}")
+        check_options(allow, error_budget, level, guard_every)
         self.level, self.guard_every = level, guard_every
         self.allow = _specs(default_allow(level) if allow is None else allow)
         self._default_allow = self.allow == _specs(default_allow(level))
