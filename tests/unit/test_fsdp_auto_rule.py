@@ -1,16 +1,13 @@
-"""lowbit.fsdp's codec="auto" rule alone, in one process: module exchanges that sleep for a known cost per
-choice (a link and codecs of known speed) and show the tuner random gradient rows; what it admits, tries
-and chooses, its ties, allow= and error_budget=, the guard's loss rule, a non-finite sample. The 2-rank
-FSDP2 checks are in tests/distributed/test_fsdp_auto.py.
-
-The tuner decides by timing the sleeps: a tie within 3 % (bf16 53.0 ms against 8-bit QSGD 52.9 ms a step)
-is a speed judgement a busy second worker could flip, so this file runs alone under `make test`'s two
-workers (the exclusive marker, tests/conftest.py)."""
+"""lowbit.fsdp's codec="auto" rule alone, in one process, on a clock the test sets: module exchanges that
+cost a known time per choice (a link and codecs of known speed; the clock the tuner reads, fsdp_auto's
+``_mark``, advances by it) and show the tuner random gradient rows; what it admits, tries and chooses, its
+ties, allow= and error_budget=, the guard's loss rule, a non-finite sample. Nothing sleeps, so a busy
+second worker cannot move a close call (a tie within 3 %: bf16 53.0 ms against 8-bit QSGD 52.9 ms a
+step). The 2-rank FSDP2 checks are in tests/distributed/test_fsdp_auto.py."""
 
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -23,8 +20,16 @@ if not hasattr(fsdp_api.FSDPModule, "set_custom_reduce_scatter"):  # pragma: no 
     pytest.skip("this torch's FSDP2 has no custom reduce-scatter", allow_module_level=True)
 
 import lowbit.fsdp as lf  # noqa: E402
+import lowbit.fsdp_auto as fa  # noqa: E402
 
-pytestmark = pytest.mark.exclusive
+CLOCK = [0.0]  # seconds: the tuner's host clock in this file
+
+
+@pytest.fixture(autouse=True)
+def _set_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fsdp_auto times whole steps with ``_mark`` (the host clock on CPU): here it reads CLOCK."""
+    CLOCK[0] = 1000.0
+    monkeypatch.setattr(fa, "_mark", lambda device: CLOCK[0])
 
 Q8 = lowbit.get_codec("qsgd:bits=8,bucket=512").spec
 Q4 = lowbit.get_codec("qsgd:bits=4,bucket=512").spec
@@ -33,7 +38,7 @@ BF16 = lowbit.get_codec("bf16").spec
 
 class _Exchange:
     """A module's reduce-scatter as the tuner sees it, in one process: a call costs ``costs[choice]``
-    seconds (a sleep: a link and codecs of known speed) and shows the tuner random gradient rows."""
+    seconds on the clock (a link and codecs of known speed) and shows the tuner random gradient rows."""
 
     def __init__(self, name: str, numel: int, costs: dict[str, float]) -> None:
         self.name, self.choice, self.costs = name, lf.NATIVE, costs
@@ -67,8 +72,8 @@ def _step(tuner: lowbit.fsdp_auto.FSDPAuto, base_s: float = 0.0, loss: float | N
     tuner.model(torch.zeros(1, 2))
     for ex in tuner.exchanges.values():
         tuner.observe(ex, ex.rows)
-        time.sleep(ex.costs[ex.choice])
-    time.sleep(base_s)
+        CLOCK[0] += ex.costs[ex.choice]
+    CLOCK[0] += base_s
     if loss is not None:
         tuner.report_loss(loss)
 
