@@ -68,6 +68,7 @@ def test_mnist1d_small_generates_offline_and_keeps_global_rng(no_network, monkey
 
     real_args = mnist1d.data.get_dataset_args
     monkeypatch.setattr(mnist1d.data, "get_dataset_args", small_args)
+    monkeypatch.setenv(m.CACHE_DIR_ENV, "none")  # generate, whatever an earlier run left on disk
     m._generate.cache_clear()
     try:
         np.random.seed(123)
@@ -85,10 +86,11 @@ def test_mnist1d_small_generates_offline_and_keeps_global_rng(no_network, monkey
 
 
 @pytest.mark.slow
-def test_mnist1d_generates_offline_and_keeps_global_rng(no_network):
+def test_mnist1d_generates_offline_and_keeps_global_rng(no_network, monkeypatch):
     """The canonical 5,000 samples. Fast equivalent: test_mnist1d_small_generates_offline_and_keeps_global_rng."""
     from lowbit.data import mnist1d as m
 
+    monkeypatch.setenv(m.CACHE_DIR_ENV, "none")
     m._generate.cache_clear()  # really generate inside this test, with the network blocked
     np.random.seed(123)
     random.seed(123)
@@ -101,6 +103,60 @@ def test_mnist1d_generates_offline_and_keeps_global_rng(no_network):
     assert abs(float(d.x_train.mean())) < 0.1 and 0.8 < float(d.x_train.std()) < 1.2
     # canonical: the same arrays whatever seed we pass
     assert torch.equal(load_dataset("mnist1d", seed=5).x_train, d.x_train)
+
+
+def test_mnist1d_is_cached_on_disk_and_a_damaged_file_is_generated_again(tmp_path, monkeypatch):
+    """The on-disk cache (lowbit.data.mnist1d's doc) with a stand-in generator that counts its calls: the
+    second process (the in-process cache cleared) reads the file; a truncated file, or arrays that no
+    longer match their hash, are generated again and replaced; ``none`` turns the cache off; a cache
+    that cannot be written is skipped."""
+    import mnist1d.data
+
+    from lowbit.data import mnist1d as m
+
+    calls = []
+
+    def fake_make_dataset(args):
+        calls.append(args.num_samples)
+        g = np.random.default_rng(len(calls))  # each generation differs: a read shows as the first's arrays
+        return {"x": g.standard_normal((8, 40)), "y": np.arange(8) % 10,
+                "x_test": g.standard_normal((2, 40)), "y_test": np.arange(2)}
+
+    monkeypatch.setattr(mnist1d.data, "make_dataset", fake_make_dataset)
+    monkeypatch.setenv(m.CACHE_DIR_ENV, str(tmp_path))
+
+    def load():
+        m._generate.cache_clear()
+        return load_dataset("mnist1d")
+
+    try:
+        first = load()
+        files = list(tmp_path.glob("mnist1d-*.npz"))
+        assert len(calls) == 1 and len(files) == 1
+        again = load()
+        assert len(calls) == 1 and torch.equal(again.x_train, first.x_train) and torch.equal(again.y_test, first.y_test)
+
+        files[0].write_bytes(files[0].read_bytes()[:100])  # truncated
+        assert not torch.equal(load().x_train, first.x_train) and len(calls) == 2
+        assert len(calls) == 2 and torch.equal(load().x_train, load().x_train)  # rewritten whole: read back
+
+        with np.load(files[0]) as f:  # an array changed behind its hash
+            arrays = {k: f[k] for k in f.files}
+        arrays["x"] = arrays["x"] + 1
+        np.savez(files[0], **arrays)
+        load()
+        assert len(calls) == 3
+
+        monkeypatch.setenv(m.CACHE_DIR_ENV, "none")
+        load(), load()
+        assert len(calls) == 5
+
+        blocked = tmp_path / "a-file"
+        blocked.write_text("")
+        monkeypatch.setenv(m.CACHE_DIR_ENV, str(blocked / "cache"))  # cannot be made: skipped
+        assert load().x_train.shape == (8, 1, 40) and len(calls) == 6
+    finally:
+        m._generate.cache_clear()
 
 
 @pytest.mark.parametrize("n, world", [(12, 3), (10, 1), (64, 8)])
