@@ -249,7 +249,10 @@ class FSDPAuto:
             mine["errors"][name] = _errors(got[0], got[1], specs) if got else dict.fromkeys(specs, math.nan)
             mine["norms"][name] = _norm(got[0], got[1]) if got else math.nan
         if self.level == "bold":  # a collective: every rank, the same modules in the same order
-            noise = sampling_noise(self._samples, self.numels, self._group, C.world(self._group)[1], self._device)
+            # scaled, as the errors are, by the values each call carried (frozen or unused parameters left
+            # out), which every rank's call shares; a module without a sample keeps its parameters' count
+            carried = {n: self._samples[n][1] if n in self._samples else v for n, v in self.numels.items()}
+            noise = sampling_noise(self._samples, carried, self._group, C.world(self._group)[1], self._device)
             mine["noise"] = {n: noise.get(n, 0.0) for n in self.numels}
         agreed = _average(C.all_gather_object(mine, self._group))
         bad = [n for n in self.numels if not self._finite(agreed, n)]  # the same on every rank (agreed numbers)

@@ -37,15 +37,20 @@ BLOCKS = ("blocks.0", "blocks.1")
 
 class Net(nn.Module):
     """Two blocks (each its own fully_shard) and a root below 10,000 values (auto keeps it native). Width
-    256: blocks of 66,304 values and a root of 9,476; width 100: blocks of 10,300 (barely big)."""
+    256: blocks of 66,304 values and a root of 9,476; width 100: blocks of 10,300 (barely big). ``frozen``:
+    each block also holds a frozen, unused 256 x 257 parameter (made after the rest: the same trained
+    weights), whose values its reduce-scatter leaves out."""
 
-    def __init__(self, width: int = 256) -> None:
+    def __init__(self, width: int = 256, frozen: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.inp = nn.Linear(32, width)
         self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU())
                                     for _ in range(2))
         self.head = nn.Linear(width, 4)
+        if frozen:  # (a parameter of the Sequential itself: a submodule would join its forward chain)
+            for b in self.blocks:
+                b.register_parameter("frozen", nn.Parameter(torch.randn(256, 257), requires_grad=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.inp(x)
@@ -54,8 +59,8 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def _model(width: int = 256, **kw) -> tuple[nn.Module, lf.FSDPState]:
-    m = Net(width)
+def _model(width: int = 256, frozen: bool = False, **kw) -> tuple[nn.Module, lf.FSDPState]:
+    m = Net(width, frozen)
     for b in m.blocks:
         fully_shard(b)
     fully_shard(m)
@@ -167,6 +172,17 @@ def _body_bold(rank: int, world: int) -> dict:
     return out
 
 
+def _body_frozen(rank: int, world: int) -> dict:
+    """Bold's sampling noise on blocks with and without frozen parameters that their reduce-scatters leave
+    out (the same trained weights and batches, so the same gradient rows): admission only (3 steps)."""
+    out = {}
+    for frozen in (False, True):
+        m, st = _model(frozen=frozen, auto_level="bold", guard_every=0)
+        _train(m, rank, 3)
+        out[frozen] = {"noise": st.auto.noise, "errors": st.auto.errors, "numels": dict(st.auto.numels)}
+    return out
+
+
 def _body_loss(rank: int, world: int, path: str) -> dict:
     """The loss rule, on the slow part's checkpoint resumed (no measuring; no slow link needed) with its
     decision made 8-bit QSGD on both blocks (the slow part may choose bf16), the guard checking every 2
@@ -238,7 +254,7 @@ def _bytes_per_step(m: nn.Module, st: lf.FSDPState, rank: int, start: int) -> in
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list:
     path = str(tmp_path_factory.mktemp("fsdp_auto") / "auto.pt")
     parts = (("slow", _body_slow, (path,)), ("loss", _body_loss, (path,)), ("accum", _body_accum, ()),
-             ("bold", _body_bold, ()),
+             ("bold", _body_bold, ()), ("frozen", _body_frozen, ()),
              ("options", _body_options, ()))
     return spawn(run_parts, 2, parts, backend="gloo", timeout_s=240)
 
@@ -405,3 +421,18 @@ def test_bold_weighs_4_bit_and_1bitsgd_up_to_the_sampling_noise(ranks: list) -> 
     assert all(r0["errors"][n][k] <= r0["limits"][n] for n, k in d.items() if k != "native"), r0["table"]
     # 1bitSGD* runs with error feedback (its residuals exist exactly for the modules that run it)
     assert r0["residuals"] == sorted(n for n, k in d.items() if k == one)
+
+
+def test_bold_noise_counts_what_a_call_carried_not_frozen_parameters(ranks: list) -> None:
+    """The noise is scaled, as the codecs' errors are, by the values the call carried: a block's frozen
+    parameter (65,792 values its reduce-scatter leaves out) changes neither: scaled by the parameters'
+    count, the noise came out about twice as high (66,304 + 65,792 against 66,304 values)."""
+    for r in part(ranks, "frozen"):
+        plain, frozen = r[False], r[True]
+        for b in BLOCKS:
+            assert frozen["numels"][b] == plain["numels"][b] + 256 * 256 + 256  # the parameters it holds ...
+            # ... not what it sends; the same values, at other places in the row (FSDP lays the shards out
+            # around the frozen parameter), so the samples differ a little (1 % measured)
+            assert frozen["errors"][b] == pytest.approx(plain["errors"][b], rel=0.05)
+            assert plain["noise"][b] > 0
+            assert frozen["noise"][b] == pytest.approx(plain["noise"][b], rel=0.05), (frozen["noise"], plain["noise"])
