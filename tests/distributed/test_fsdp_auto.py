@@ -26,7 +26,7 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 import lowbit.fsdp as lf  # noqa: E402
 
-# Not exclusive under `make test`'s two workers: what these checks judge by time is an emulated link of
+# Runs beside `make test`'s other worker: what these checks judge by time is an emulated link of
 # 10-20 MB/s (a sleep per reduce-scatter, tens of ms a step), far beyond what a busy second worker adds;
 # the rule's close calls (ties within 3 %) are timed alone in tests/unit/test_fsdp_auto_rule.py.
 
