@@ -19,7 +19,7 @@ def ranks(tmp_path_factory) -> list:
     tmp = str(tmp_path_factory.mktemp("reliability"))
     parts = (("scaler", _body_scaler_all, ()), ("disagree", _body_disagree, ()), ("checkpoint", _body_checkpoint, ()),
              ("resume", _body_resume_buckets, (tmp,)),
-             ("stalled", _body_fault, ("stalled",)))  # last: it leaves its own group broken
+             ("stalled", _body_fault, ("stalled", tmp)))  # last: it leaves its own group broken
     return spawn(run_parts, 2, parts, backend="gloo", timeout_s=120)
 
 
@@ -186,7 +186,9 @@ def test_bad_payloads_and_numels_are_value_errors(spec: str) -> None:
 FAULT_TIMEOUT_S = 2
 
 
-def _body_fault(rank: int, world: int, fault: str) -> str:
+def _body_fault(rank: int, world: int, fault: str, tmp: str | None = None) -> str:
+    """``stalled``: rank 1 sleeps past the group's timeout, until rank 0 has its error (a file in ``tmp``)
+    or FAULT_TIMEOUT_S + 3 s at most (it slept those 3 s out in full: the shared spawn waited for it)."""
     import os
     import time
     from datetime import timedelta
@@ -212,9 +214,12 @@ def _body_fault(rank: int, world: int, fault: str) -> str:
             step[0] = i
             t0 = time.monotonic()  # (the error is timed from the start of its step)
             if rank == 1 and i == 3 and fault == "stalled":
-                time.sleep(FAULT_TIMEOUT_S + 3)  # past the group's timeout
+                while time.monotonic() - t0 < FAULT_TIMEOUT_S + 3 and not os.path.exists(f"{tmp}/rank0-failed"):
+                    time.sleep(0.05)  # past the group's timeout
             model(torch.randn(8, 32)).sum().backward()
     except Exception as exc:  # noqa: BLE001 — DDP re-raises the hook's CollectiveError as a RuntimeError
+        if rank == 0 and tmp:
+            open(f"{tmp}/rank0-failed", "w").close()
         return f"{time.monotonic() - t0:.1f}|{type(exc).__name__}|{exc}"
     return "no error"
 
