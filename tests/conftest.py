@@ -19,4 +19,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("LOWBIT_START_METHOD", "forkserver")
+# what every test module a child unpickles its function from imports (the server imports it once)
+os.environ.setdefault("LOWBIT_FORKSERVER_PRELOAD", "pytest")
 

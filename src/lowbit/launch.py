@@ -121,6 +121,7 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, errdir: st
 
 
 START_METHOD_ENV = "LOWBIT_START_METHOD"
+FORKSERVER_PRELOAD_ENV = "LOWBIT_FORKSERVER_PRELOAD"
 _PRELOADED: list[bool] = []
 
 
@@ -140,9 +141,14 @@ def start_method() -> str:
         # ~900 modules: ~7 s on a 2-core machine). A module that fails to import is skipped.
         # numba's kernels and scikit-learn's data sets too (~2 s of CPU a rank each, in the study's workers).
         # Last, gc.freeze() of all that (lowbit._forkserver_freeze): the children's collections skip it.
+        # lowbit's DDP, FSDP, model-parallel and study-worker modules (compiled from source in each child when
+        # no .pyc is written: ~0.1-0.3 s of CPU a rank), and the modules $LOWBIT_FORKSERVER_PRELOAD names
+        # (comma-separated: what the functions given to spawn import, such as a test framework).
+        extra = [m.strip() for m in os.environ.get(FORKSERVER_PRELOAD_ENV, "").split(",") if m.strip()]
         multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "torch.nn.parallel",
                                                 "torch.distributed.fsdp", "lowbit", "lowbit.kernels.numba",
-                                                "sklearn.datasets", "lowbit._forkserver_freeze"])
+                                                "lowbit.ddp", "lowbit.fsdp", "lowbit.parallel", "lowbit.study.train",
+                                                "sklearn.datasets", *extra, "lowbit._forkserver_freeze"])
         _PRELOADED.append(True)
     return method
 
