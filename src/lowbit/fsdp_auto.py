@@ -24,7 +24,8 @@ steps, so on gradients that crossed the wire.
    numbers. A codec is admitted for a module when its error there is at most ``error_budget`` (default 1)
    times 8-bit QSGD's (conservative), or times the larger of that and the gradients' sampling noise
    between the ranks (bold, :func:`lowbit.autotune.sampling_noise`): by measured error, not by codec
-   name. DDP's budget bounds the error summed over the tensors, this one each module's (``None``: no
+   name. Bold's noise allowance is for unbiased codecs: a biased one (1bitSGD*, top-k) is held to the
+   default limit (:meth:`FSDPAuto._limit`). DDP's budget bounds the error summed over the tensors, this one each module's (``None``: no
    limit, every allowed codec admitted).
 3. **Finalists**: native everywhere, and for each codec, every module of at least 10,000 values taking it
    where it is admitted (else the next admitted one up the ladder, more bits; native at the top), the
@@ -289,9 +290,17 @@ class FSDPAuto:
         where its error is not finite)."""
         key = spec
         while key != NATIVE and not (math.isfinite(e := self.errors[name].get(key, math.nan))
-                                     and e <= self.limits[name] * (1 + 1e-9)):
+                                     and e <= self._limit(name, key) * (1 + 1e-9)):
             key = self.guard.up(key)
         return key
+
+    def _limit(self, name: str, key: str) -> float:
+        """Module ``name``'s admission limit for codec ``key``: bold's noise allowance is for unbiased
+        codecs; a biased one (1bitSGD*, top-k) is held to the default level's limit, 8-bit QSGD's error
+        times the budget (the reason: lowbit.autotune.AutoTuner._weighed)."""
+        if self.level == "bold" and self.error_budget is not None and get_codec(key).biased:
+            return self.error_budget * self.errors[name].get(get_codec(BASELINE).spec, 0.0)
+        return self.limits[name]
 
     def _trial_mark(self, step: int) -> None:
         """At a forward pass during the trials: the step that ended is timed if it was a timed one; the
@@ -337,8 +346,9 @@ class FSDPAuto:
         lines = [f"{'module':<28} {'values':>11}  {'choice':<12} error / limit (<= 1: admitted):",
                  f"{'':<54}" + "".join(f"{_short(s):>11}" for s in specs)]
         for name, numel in self.numels.items():
-            lim = self.limits.get(name, math.nan)
-            errs = [_ratio(self.errors.get(name, {}).get(s, math.nan), lim) for s in specs]
+            errs = [_ratio(self.errors.get(name, {}).get(s, math.nan),
+                           self._limit(name, s) if name in self.limits and name in self.errors else math.nan)
+                    for s in specs]
             lines.append(f"{name[:28]:<28} {numel:>11,}  {_short(self.assignment.get(name, NATIVE)):<12}"
                          + "".join(f"{e:>11.3g}" for e in errs))
         if self.measured_s:

@@ -145,3 +145,25 @@ def test_the_bold_error_limit_is_the_larger_of_8_bit_qsgd_error_and_the_sampling
     quiet = {**agreed, "noise": {"w": 0.5}}  # ranks that see (nearly) the same gradients: never below 8-bit's
     assert AutoTuner(level="bold")._error_limit(quiet) == 2.0
     assert AutoTuner(error_budget=None, level="bold")._error_limit(agreed) is None
+
+
+def test_bold_holds_a_biased_codec_to_the_default_limit() -> None:
+    """Bold's noise allowance is for unbiased codecs: a biased one's error (1bitSGD*, top-k) is weighed by
+    bold's limit over 8-bit QSGD's, so that alone it must fit 8-bit QSGD's error, as at the default level.
+    The decision then prices it so: 1bitSGD* at 1.5x 8-bit's error passes the noise (50) but not 2.0."""
+    from lowbit.autotune import BASELINE, AutoTuner
+    from lowbit.choose import choice
+
+    q8, q4, one = (lowbit.get_codec(s).spec for s in (BASELINE, "qsgd:bits=4,bucket=512", "onebit:bucket=64"))
+    agreed = {"errors": {"w": {q8: 2.0, q4: 20.0, one: 3.0}, "b": {q8: 0.0, q4: 0.0, one: 0.0}},
+              "noise": {"w": 40.0, "b": 10.0}}
+    errors = {"w": {"fp32": 0.0, q8: 2.0, q4: 20.0, one: 3.0, choice(one, "hierarchical"): 3.0}}
+    bold = AutoTuner(level="bold")
+    w = bold._weighed(errors, agreed)["w"]
+    assert w[q8] == 2.0 and w[q4] == 20.0 and w["fp32"] == 0.0  # unbiased: as measured, within the noise
+    assert w[one] == w[choice(one, "hierarchical")] == pytest.approx(3.0 * 50.0 / 2.0)  # 75 > the limit, 50
+    assert w[q4] <= bold._error_limit(agreed) < w[one]
+    assert AutoTuner()._weighed(errors, agreed) == errors  # the default level: no allowance to hold back
+    assert AutoTuner(level="bold", error_budget=None)._weighed(errors, agreed) == errors  # no limit at all
+    quiet = {**agreed, "noise": {"w": 0.5}}  # the limit is 8-bit's already: nothing to weigh
+    assert bold._weighed(errors, quiet) == errors
