@@ -477,8 +477,8 @@ class AutoTuner:
         top-k, with error feedback) is a systematic distortion that error feedback repays late, not
         noise: it is held to the default level's limit (8-bit QSGD's summed error), by weighing its error
         by bold's limit over that one. On the MLP on MNIST-1D (issue 29) 1bitSGD* was admitted under the
-        noise (0.86 against 1.53) and cost 1.6-5.8 points of accuracy over 4 seeds forced, 2.3 on average
-        with bold choosing it; benchmarks/results/study_cpu_bold_mlp_mnist1d_seeds/."""
+        noise (0.86 against 1.53) and, forced, cost 1.1-5.8 points of accuracy over 8 seeds (mean 3.2):
+        docs/ddp.md, "How far auto may go"."""
         if self.level != "bold" or self.error_budget is None:
             return errors
         base = get_codec(BASELINE).spec
