@@ -25,8 +25,8 @@ steps, so on gradients that crossed the wire.
    times 8-bit QSGD's (conservative), or times the larger of that and the gradients' sampling noise
    between the ranks (bold, :func:`lowbit.autotune.sampling_noise`): by measured error, not by codec
    name. Bold's noise allowance is for unbiased codecs: a biased one (1bitSGD*, top-k) is held to the
-   default limit (:meth:`FSDPAuto._limit`). DDP's budget bounds the error summed over the tensors, this one each module's (``None``: no
-   limit, every allowed codec admitted).
+   default limit (:meth:`FSDPAuto._limit`). DDP's budget bounds the error summed over the tensors, this
+   one each module's (``None``: no limit, every allowed codec admitted).
 3. **Finalists**: native everywhere, and for each codec, every module of at least 10,000 values taking it
    where it is admitted (else the next admitted one up the ladder, more bits; native at the top), the
    smaller modules native.
