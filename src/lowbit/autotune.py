@@ -465,11 +465,8 @@ class AutoTuner:
         summed sampling noise."""
         if self.error_budget is None or not agreed["errors"]:
             return None
-        base = get_codec(BASELINE).spec
-        ref = sum(e.get(base, 0.0) for e in agreed["errors"].values())
-        if self.level == "bold":
-            ref = max(ref, sum(agreed.get("noise", {}).values()))
-        return self.error_budget * ref
+        ref, noise = _summed_refs(agreed)
+        return self.error_budget * (max(ref, noise) if self.level == "bold" else ref)
 
     def _weighed(self, errors: dict[str, dict[str, float]], agreed: dict[str, Any]) -> dict[str, dict[str, float]]:
         """Bold's noise allowance is for unbiased codecs: a codec whose error is zero-mean adds noise as a
@@ -481,9 +478,7 @@ class AutoTuner:
         docs/ddp.md, "How far auto may go"."""
         if self.level != "bold" or self.error_budget is None:
             return errors
-        base = get_codec(BASELINE).spec
-        ref = sum(e.get(base, 0.0) for e in agreed["errors"].values())
-        noise = sum(agreed.get("noise", {}).values())
+        ref, noise = _summed_refs(agreed)
         if not (ref > 0 and noise > ref):
             return errors
         w = noise / ref
@@ -785,6 +780,14 @@ def _errors(x: torch.Tensor, n: int, specs: Sequence[str]) -> dict[str, float]:
         y = codec.decode(codec.encode(x, seed=7), x.numel())
         out[spec] = float(((y - x) ** 2).sum()) * scale
     return out
+
+
+def _summed_refs(agreed: Mapping[str, Any]) -> tuple[float, float]:
+    """Uniform 8-bit QSGD's summed error over the tensors, and their summed sampling noise (0 unmeasured):
+    the two references of the error limit."""
+    base = get_codec(BASELINE).spec
+    return (sum(e.get(base, 0.0) for e in agreed["errors"].values()),
+            float(sum(agreed.get("noise", {}).values())))
 
 
 def _norm(x: torch.Tensor, n: int) -> float:

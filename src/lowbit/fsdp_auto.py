@@ -297,7 +297,10 @@ class FSDPAuto:
     def _limit(self, name: str, key: str) -> float:
         """Module ``name``'s admission limit for codec ``key``: bold's noise allowance is for unbiased
         codecs; a biased one (1bitSGD*, top-k) is held to the default level's limit, 8-bit QSGD's error
-        times the budget (the reason: lowbit.autotune.AutoTuner._weighed)."""
+        times the budget (the reason: lowbit.autotune.AutoTuner._weighed). NaN for a module not admitted
+        yet."""
+        if name not in self.limits or name not in self.errors:
+            return math.nan
         if self.level == "bold" and self.error_budget is not None and get_codec(key).biased:
             return self.error_budget * self.errors[name].get(get_codec(BASELINE).spec, 0.0)
         return self.limits[name]
@@ -346,9 +349,7 @@ class FSDPAuto:
         lines = [f"{'module':<28} {'values':>11}  {'choice':<12} error / limit (<= 1: admitted):",
                  f"{'':<54}" + "".join(f"{_short(s):>11}" for s in specs)]
         for name, numel in self.numels.items():
-            errs = [_ratio(self.errors.get(name, {}).get(s, math.nan),
-                           self._limit(name, s) if name in self.limits and name in self.errors else math.nan)
-                    for s in specs]
+            errs = [_ratio(self.errors.get(name, {}).get(s, math.nan), self._limit(name, s)) for s in specs]
             lines.append(f"{name[:28]:<28} {numel:>11,}  {_short(self.assignment.get(name, NATIVE)):<12}"
                          + "".join(f"{e:>11.3g}" for e in errs))
         if self.measured_s:
