@@ -422,7 +422,7 @@ class LowbitReduceScatter(_Comm):
         if self.native:  # FSDP's own reduce-scatter, in its reduce dtype and op
             st.iter += 1
             st.grad_stats.calls += 1
-            C.wait(C.reduce_scatter_async(output_tensor, input_tensor, group, op), "reduce_scatter_tensor", group)
+            C.reduce_scatter(output_tensor, input_tensor, group, op)
             st.grad_stats.bytes_sent += (k - 1) * s * input_tensor.element_size()
             if self.groups is not None and self.groups.intra is not None:  # the chunks for other nodes' ranks
                 st.grad_stats.bytes_inter += (k - self.groups.local) * s * input_tensor.element_size()
@@ -435,8 +435,7 @@ class LowbitReduceScatter(_Comm):
             # of the chunk that my local index owns on node n.
             blocks = x.view(nodes, local, s).transpose(0, 1).contiguous()  # (L, N, S): block l -> local rank l
             x = torch.empty(nodes, s, dtype=input_tensor.dtype, device=input_tensor.device)
-            work = C.reduce_scatter_async(x.view(-1), blocks.view(-1), intra)
-            C.wait(work, "reduce_scatter_tensor", intra)
+            C.reduce_scatter(x.view(-1), blocks.view(-1), intra)
             st.grad_stats.bytes_sent += (local - 1) * nodes * s * input_tensor.element_size()
             del blocks
         st.iter += 1
@@ -497,8 +496,7 @@ class LowbitReduceScatter(_Comm):
                 parts.append((elead, ecodec.encode(ex[i]), esize))
         send = _framed(parts, dev)
         recv = torch.empty(n * msg, dtype=torch.uint8, device=dev)
-        work = C.all_to_all_async(recv, send, [], [], group)
-        C.wait(work, "all_to_all_single", group)
+        C.all_to_all(recv, send, group)
         sent_bytes = (n - 1) * msg
         st.grad_stats.bytes_sent += sent_bytes
         if self.groups is not None and self.groups.intra is not None:
@@ -536,8 +534,7 @@ class LowbitReduceScatter(_Comm):
             if e:
                 ed = lay.exact_codec.wire_dtype
                 send[:, size : size + e * ed.itemsize].view(ed).copy_(ex)
-        work = C.all_to_all_async(recv.view(-1), send.view(-1), [], [], group)
-        C.wait(work, "all_to_all_single", group)
+        C.all_to_all(recv.view(-1), send.view(-1), group)
         sent_bytes = (n - 1) * msg
         st.grad_stats.bytes_sent += sent_bytes
         if self.groups is not None and self.groups.intra is not None:
@@ -565,8 +562,7 @@ class LowbitAllGather(_Comm):
             if not self._warned:
                 self._warned = True
                 log.warning("lowbit.fsdp: %s gathers parameters of mixed dtypes as bytes; sent uncompressed", self.name)
-            work = dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=True)
-            C.wait(work, "all_gather_into_tensor", group)
+            C.all_gather(output_tensor, input_tensor, group, link=False)
             st.param_stats.bytes_sent += (k - 1) * s * input_tensor.element_size()
             return
         intra, cross, nodes, local = self.split(group)
@@ -578,8 +574,7 @@ class LowbitAllGather(_Comm):
         rows = torch.empty(nodes, s, dtype=input_tensor.dtype, device=dev)
         self._gather(input_tensor, rows, cross)
         gathered = torch.empty(local * nodes * s, dtype=input_tensor.dtype, device=dev)
-        work = dist.all_gather_into_tensor(gathered, rows.view(-1), group=intra, async_op=True)
-        C.wait(work, "all_gather_into_tensor", intra)
+        C.all_gather(gathered, rows.view(-1), intra, link=False)
         st.param_stats.bytes_sent += (local - 1) * nodes * s * input_tensor.element_size()
         # (L, N, S) -> (N, L, S): global rank n * L + l
         output_tensor.view(nodes, local, s).copy_(gathered.view(local, nodes, s).transpose(0, 1))
@@ -603,8 +598,7 @@ class LowbitAllGather(_Comm):
                 ed = ecodec.wire_dtype
                 torch.index_select(shard, 0, idx, out=send[size : size + e * ed.itemsize].view(ed))
             recv = torch.empty(n, msg, dtype=torch.uint8, device=dev)
-            work = C.all_gather_async(recv.view(-1), send, group)
-            C.wait(work, "all_gather_into_tensor", group)
+            C.all_gather(recv.view(-1), send, group)
             st.param_stats.bytes_sent += (n - 1) * msg
             if self.groups is not None and self.groups.intra is not None:
                 st.param_stats.bytes_inter += (n - 1) * msg
@@ -619,8 +613,7 @@ class LowbitAllGather(_Comm):
         send = _framed(parts, dev)
         msg = send.numel()
         recv = torch.empty(n * msg, dtype=torch.uint8, device=dev)
-        work = C.all_gather_async(recv, send, group)
-        C.wait(work, "all_gather_into_tensor", group)
+        C.all_gather(recv, send, group)
         sent_bytes = (n - 1) * msg
         st.param_stats.bytes_sent += sent_bytes
         if self.groups is not None and self.groups.intra is not None:

@@ -77,6 +77,31 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
 
+class _AsyncSpy:
+    """Records the ``async_op`` of every collective lowbit.fsdp issues (the real ones run): FSDP's hooks
+    must run theirs synchronously, which on NCCL puts them on FSDP's own all-gather and reduce-scatter
+    streams; issued async, both would queue on the process group's one internal stream."""
+
+    def __enter__(self) -> list[tuple[str, bool]]:
+        from lowbit.comm import collectives as C
+        self.saved = (C._scatter_fn, C._gather_fn, dist.all_to_all_single)
+        self.calls: list[tuple[str, bool]] = []
+
+        def spy(name: str, fn):
+            def call(*a, **kw):
+                self.calls.append((name, bool(kw.get("async_op", False))))
+                return fn(*a, **kw)
+            return call
+        C._scatter_fn = spy("reduce_scatter", self.saved[0])
+        C._gather_fn = spy("all_gather", self.saved[1])
+        dist.all_to_all_single = spy("all_to_all", self.saved[2])
+        return self.calls
+
+    def __exit__(self, *exc: object) -> None:
+        from lowbit.comm import collectives as C
+        C._scatter_fn, C._gather_fn, dist.all_to_all_single = self.saved
+
+
 def _body_two(rank: int, world: int) -> dict:
     out: dict = {}
     # 1. codec="fp32" is plain FSDP2 (the same sum, in rank order)
@@ -177,6 +202,7 @@ def _body_two(rank: int, world: int) -> dict:
     # 8. float codecs take the cast path (straight into and out of the message): the same weights, bit
     # for bit, as the codec's encode / frame / decode path, with the policy's exact columns, with bf16
     # parameters and fp32 reduce, and through a 16-bit parameter all-gather
+    spy = _AsyncSpy()
     for codec, pcodec, mp in (("bf16", "bf16", None), ("fp16", None, MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
                               ("fp32", "fp16", None)):
         runs = []
@@ -184,7 +210,9 @@ def _body_two(rank: int, world: int) -> dict:
             lf.FAST_FLOATS = fast
             m = _shard(Net(), **({"mp_policy": mp} if mp else {}))
             lf.register(m, codec=codec, param_codec=pcodec)
-            _train(m, rank, 3)
+            with spy as calls:
+                _train(m, rank, 3)
+            out.setdefault("sync_calls", []).extend(calls)
             runs.append(_full(m))
         lf.FAST_FLOATS = True
         out.setdefault("cast_same", []).append(all(torch.equal(a, b) for a, b in zip(*runs)))
@@ -209,6 +237,14 @@ def _body_two(rank: int, world: int) -> dict:
     want = sum(rows[j] for j in range(world) if j != rank) + rows[rank]  # the others in order, then mine
     out["r16_same"] = all(torch.equal(a, b) for a, b in zip(outs[:2], outs[2:]))
     out["r16_sum"] = torch.equal(outs[0], want.to(torch.bfloat16))
+    # FSDP's own reduce-scatter (codec="auto"'s native choice) runs synchronously too
+    st = lf.FSDPState(None, None, False, None, None, None, rank, world, torch.device("cpu"))
+    native = lf.LowbitReduceScatter(st, "blk", 0, [64], [False], None, groups)
+    o = torch.empty(64, dtype=torch.bfloat16)
+    with spy as calls:
+        native(o, g, dist.group.WORLD, dist.ReduceOp.SUM)
+    out["sync_calls"].extend(calls)
+    out["native_sum"] = torch.equal(o, want.to(torch.bfloat16))  # two ranks: one rounding either way
 
     # 7. ranks that disagree: the same error on every rank, no hang
     m = _shard(Net())
@@ -245,6 +281,10 @@ def test_fsdp_two_ranks() -> None:
         assert r["bad_ckpt"] and "rank" in r["bad_ckpt"]
         assert all(r["order_same"])
         assert r["cast_same"] == [True, True, True]
+        assert r["native_sum"]
+        kinds = {name for name, _ in r["sync_calls"]}
+        assert kinds == {"all_to_all", "all_gather", "reduce_scatter"}, kinds
+        assert not any(asyn for _, asyn in r["sync_calls"]), r["sync_calls"]
         assert r["r16_same"] and r["r16_sum"]
         assert r["mismatch"] and "rank 0" in r["mismatch"] and "rank 1" in r["mismatch"]
     assert torch.equal(r0["unsharded_w"], r1["unsharded_w"])  # every rank decodes the same codes
@@ -263,7 +303,9 @@ def _body_four(rank: int, world: int) -> dict:
     out["nodes_fp32_diff"] = _max_diff(ref, _full(m))
     m = _shard(Net())
     st = lf.register(m, codec="qsgd:bits=8", param_codec="qsgd:bits=8,rounding=nearest", node_size=2)
-    out["nodes_q8_losses"] = _train(m, rank, 4)  # measured within 0.2% of plain's last loss (was 8 steps)
+    with _AsyncSpy() as calls:  # inside a node too, FSDP's collectives run synchronously
+        out["nodes_q8_losses"] = _train(m, rank, 4)  # measured within 0.2% of plain's last loss (was 8 steps)
+    out["nodes_sync_calls"] = calls
     out["nodes_stats"] = (st.stats.bytes_sent, st.stats.bytes_inter)
     seen: list[torch.Tensor] = []
     h = m.blocks[1][1].register_forward_pre_hook(lambda mod, a: seen.append(mod.weight.detach().clone()))
@@ -294,6 +336,8 @@ def test_fsdp_four_ranks_nodes_and_hsdp() -> None:
         assert abs(r["nodes_q8_losses"][-1] - plain) < 0.02 * plain  # trains as plain FSDP2 does
         sent, inter = r["nodes_stats"]
         assert 0 < inter < sent
+        assert {name for name, _ in r["nodes_sync_calls"]} == {"all_to_all", "all_gather", "reduce_scatter"}
+        assert not any(asyn for _, asyn in r["nodes_sync_calls"])
         assert r["hsdp_diff"] < 1e-6
         assert abs(r["hsdp_q8_losses"][-1] - plain) < 0.02 * plain
         sent, inter, calls = r["hsdp_bytes"]

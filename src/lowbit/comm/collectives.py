@@ -288,6 +288,53 @@ def reduce_scatter_async(out: torch.Tensor, inp: torch.Tensor, group: dist.Proce
                   inp.numel() * inp.element_size())
 
 
+def _complete(op: str, group: dist.ProcessGroup | None, fn: Callable[[bool], object], nbytes: int,
+              link: bool = True) -> None:
+    """Run a collective to completion as torch's ``async_op=False`` does: ``fn(async_op)`` issues it. On
+    NCCL (torch >= 2.8) a synchronous collective runs on the caller's current stream, so FSDP's
+    all-gather and reduce-scatter streams carry their own collectives side by side; issued async, both
+    would queue on the process group's one internal stream, one behind the other. Across an emulated link
+    it is issued async to the link thread and waited for (unless ``link`` is False: a collective that
+    the emulation leaves out)."""
+    if link and _LINK["bytes_per_s"] is not None:
+        wait(_via_link(op, group, lambda: fn(True), nbytes), op, group)
+    else:
+        try:
+            fn(False)
+        except Exception as exc:  # noqa: BLE001 — re-raised with context
+            raise _fail(op, group, exc) from exc
+
+
+def all_to_all(recv: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """The equal-split byte exchange of :func:`all_to_all_async`, run to completion (:func:`_complete`)."""
+    if world(group)[1] == 1:
+        recv.copy_(send[: recv.numel()])
+        return
+    _complete("all_to_all_single", group, lambda a: dist.all_to_all_single(recv, send, group=group, async_op=a),
+              send.numel() * send.element_size())
+
+
+def all_gather(recv: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup | None,
+               link: bool = True) -> None:
+    """:func:`all_gather_async`, run to completion (:func:`_complete`; ``link``: as there)."""
+    if world(group)[1] == 1:
+        recv.copy_(send)
+        return
+    _complete("all_gather_into_tensor", group, lambda a: _gather_fn(recv, send, group=group, async_op=a),
+              send.numel() * send.element_size(), link)
+
+
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None,
+                   op: object = None) -> None:
+    """:func:`reduce_scatter_async`, run to completion (:func:`_complete`)."""
+    if world(group)[1] == 1:
+        out.copy_(inp[: out.numel()])
+        return
+    rop = dist.ReduceOp.SUM if op is None else op
+    _complete("reduce_scatter_tensor", group, lambda a: _scatter_fn(out, inp, group=group, op=rop, async_op=a),
+              inp.numel() * inp.element_size())
+
+
 def wait(fut: object, op: str, group: dist.ProcessGroup | None) -> object:
     """``fut.wait()`` on a torch Future or Work, with any failure as :class:`CollectiveError` (the callback
     chain loses the type). On CUDA a Work's wait makes the current stream wait, not the host."""
