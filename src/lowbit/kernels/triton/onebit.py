@@ -64,11 +64,20 @@ def _onebit_encode_body(x_ptr, scale_ptr, code_ptr, n, nb, pid, nbytes,
         mean_pos = tl.div_rn(sum_pos, cnt_pos)
         mean_neg = tl.div_rn(sum_neg, cnt_neg)
         # reference.onebit_mean: a sum of finite values that overflowed is taken again of x * 2**-32
-        # (only in tiles that have one, so the common path costs one more max)
+        # (only in tiles that have one, so the common path costs one more max). The branch loads x
+        # again and makes its own sides: a tile kept live across it (x, or the negative side) cost the
+        # common path registers and bandwidth
         if tl.max(tl.maximum(tl.abs(sum_pos), tl.abs(sum_neg))) == float("inf"):
-            xs = x * ONEBIT_SUM_SCALE
-            mean_pos = _onebit_mean(sum_pos, tl.sum(tl.where(pos, xs, 0.0), axis=1), cnt_pos, mean_pos)
-            mean_neg = _onebit_mean(sum_neg, tl.sum(tl.where(neg, xs, 0.0), axis=1), cnt_neg, mean_neg)
+            xr = _ld(x_ptr + offs, inb, 0.0, MASKED)
+            pr = (xr >= 0) | (xr != xr)
+            if MASKED:
+                pr = pr & inb
+            nr = ~pr
+            if MASKED:
+                nr = nr & inb
+            xs = xr * ONEBIT_SUM_SCALE
+            mean_pos = _onebit_mean(sum_pos, tl.sum(tl.where(pr, xs, 0.0), axis=1), cnt_pos, mean_pos)
+            mean_neg = _onebit_mean(sum_neg, tl.sum(tl.where(nr, xs, 0.0), axis=1), cnt_neg, mean_neg)
         _st(scale_ptr + 2 * rows, _canon_nan(mean_pos), rows < nb, MASKED)
         _st(scale_ptr + 2 * rows + 1, _canon_nan(mean_neg), rows < nb, MASKED)
     _pack_store(pos.to(tl.uint32), code_ptr, pid * BLOCK, nbytes, n, BLOCK, 1, MASKED)

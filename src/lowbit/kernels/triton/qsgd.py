@@ -22,6 +22,7 @@ from lowbit.kernels.triton.common import (
     _bucket_scales_general,
     _canon_nan,
     _div_tile,
+    _inf_sign,
     _fused,
     _i64,
     _ld,
@@ -68,12 +69,6 @@ def _quantize(r, idx, key, S: tl.constexpr, STOCH: tl.constexpr, BOUNDED: tl.con
     return tl.minimum(q, 2 * S).to(tl.uint32)  # (2S + u may round up to 2S + 1)
 
 
-@triton.jit
-def _inf_sign(x, r):
-    """reference.inf_sign: r = x / scale, with ±1 where x is ±Inf (an infinity keeps its sign)."""
-    return tl.where(x == float("inf"), 1.0, tl.where(x == float("-inf"), -1.0, r))
-
-
 # ===================================================================================== qsgd kernels
 @triton.jit
 def _qsgd_encode_body(x_ptr, pay_ptr, code_ptr, n, nb, bucket, nbytes, key, pid,
@@ -92,7 +87,7 @@ def _qsgd_encode_body(x_ptr, pay_ptr, code_ptr, n, nb, bucket, nbytes, key, pid,
             # reference.cap_l2: a finite bucket's norm past float32's max is capped there
             scale = _canon_nan(tl.where((l2 == float("inf")) & (scale < float("inf")), F32_MAX, l2))
         _store_scales(scale_ptr, scale, pid, nb, ROWS, MASKED)
-        codes = _quantize(_inf_sign(x, _div_tile(x, scale, ROWS, BUCKET, True, -1.0)), offs, key, S, STOCH, True)
+        codes = _quantize(_div_tile(x, scale, ROWS, BUCKET, True, -1.0, True), offs, key, S, STOCH, True)
     else:  # (BLOCK,) elements of any buckets: scales precomputed, gathered
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         inb = offs < n
