@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["CollectiveError", "Deferred", "capturing", "world", "all_to_all_async", "all_gather_async",
-           "all_reduce_async", "reduce_scatter_async", "then", "join", "wait", "done", "all_gather_object",
+           "all_reduce_async", "reduce_scatter_async", "all_to_all", "all_gather", "reduce_scatter", "then", "join",
+           "wait", "done", "all_gather_object",
            "emulate_link", "link_emulated", "through_link", "check_call", "CHECK_CALLS"]
 
 
@@ -290,12 +291,13 @@ def reduce_scatter_async(out: torch.Tensor, inp: torch.Tensor, group: dist.Proce
 
 def _complete(op: str, group: dist.ProcessGroup | None, fn: Callable[[bool], object], nbytes: int,
               link: bool = True) -> None:
-    """Run a collective to completion as torch's ``async_op=False`` does: ``fn(async_op)`` issues it. On
-    NCCL (torch >= 2.8) a synchronous collective runs on the caller's current stream, so FSDP's
-    all-gather and reduce-scatter streams carry their own collectives side by side; issued async, both
-    would queue on the process group's one internal stream, one behind the other. Across an emulated link
-    it is issued async to the link thread and waited for (unless ``link`` is False: a collective that
-    the emulation leaves out)."""
+    """Run a collective as torch's ``async_op=False`` does (``fn(async_op)`` issues it): on gloo it has
+    finished when this returns; on NCCL (torch >= 2.8) it is queued on the caller's current stream, ordered
+    before whatever that stream runs next, with no hop to the process group's internal stream and back
+    (issued async, a collective goes there, and FSDP's reduce-scatter and all-gather on one group would
+    both queue on that one stream). A timeout then surfaces as NCCL's watchdog reports it, as for FSDP's
+    own collectives. Across an emulated link it is issued async to the link thread and waited for (unless
+    ``link`` is False: a collective that the emulation leaves out)."""
     if link and _LINK["bytes_per_s"] is not None:
         wait(_via_link(op, group, lambda: fn(True), nbytes), op, group)
     else:
@@ -306,7 +308,7 @@ def _complete(op: str, group: dist.ProcessGroup | None, fn: Callable[[bool], obj
 
 
 def all_to_all(recv: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-    """The equal-split byte exchange of :func:`all_to_all_async`, run to completion (:func:`_complete`)."""
+    """The equal-split byte exchange of :func:`all_to_all_async`, run synchronously (:func:`_complete`)."""
     if world(group)[1] == 1:
         recv.copy_(send[: recv.numel()])
         return
@@ -316,7 +318,7 @@ def all_to_all(recv: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup 
 
 def all_gather(recv: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup | None,
                link: bool = True) -> None:
-    """:func:`all_gather_async`, run to completion (:func:`_complete`; ``link``: as there)."""
+    """:func:`all_gather_async`, run synchronously (:func:`_complete`; ``link``: as there)."""
     if world(group)[1] == 1:
         recv.copy_(send)
         return
@@ -326,7 +328,7 @@ def all_gather(recv: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None,
                    op: object = None) -> None:
-    """:func:`reduce_scatter_async`, run to completion (:func:`_complete`)."""
+    """:func:`reduce_scatter_async`, run synchronously (:func:`_complete`)."""
     if world(group)[1] == 1:
         out.copy_(inp[: out.numel()])
         return
