@@ -55,7 +55,7 @@ Packing
     16-byte aligned (a view at offset 0/4/8/12 of a buffer 16 bytes longer); a payload to decode is
     fastest when ``(data_ptr + scale bytes) % 16 == 0`` too, and must be 4-byte aligned or it is copied.
 
-Measured (H200, Triton 3.6, GPU time per call, benchmarks/results/kernels_gpu_h200.json): see
+Measured (H200, Triton 3.6, GPU time per call, benchmarks/results/kernels_gpu_h200_91d36ad.json): see
 docs/results.md ("Codec kernels") for the table against a device-to-device copy of the same bytes.
 
 Importing this package raises ImportError when Triton is missing (the dispatcher then falls back).
