@@ -342,7 +342,7 @@ def _tree_sum(xs, p, kind, safe, buf, sums):
     return _tree_reduce(sums, nblk)
 
 
-@njit(**_JIT)
+@njit(inline="always", **_JIT)
 def _sign_sums(xs, p, bp, bn):
     """(tree_sum of the non-negative or NaN leaves, tree_sum of the negative ones, how many are
     negative) of ``xs`` over ``p`` leaves, 8 <= p <= _TREE_BLOCK: one pass for both signs (onebit's

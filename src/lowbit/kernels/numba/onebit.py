@@ -40,7 +40,7 @@ _ONEBIT_UNSCALE = np.float32(2.0**32)
 
 
 # --------------------------------------------------------------------------------- onebit
-@njit(**_JIT)
+@njit(inline="always", **_JIT)
 def _onebit_mean(xs, p, kind, total, count, buf, sums):
     """reference.onebit_mean of one sign's values of ``xs`` (``kind``: _POS or _NEG; ``total``: their
     tree_sum, ``count``: how many): total / count, unless that sum of finite values overflowed; then
