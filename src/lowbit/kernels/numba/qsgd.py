@@ -48,7 +48,7 @@ _PINF = np.float32(np.inf)
 _FM1 = np.float32(-1.0)
 
 
-@njit(**_JIT)
+@njit(inline="always", **_JIT)
 def _ratio(v, safe):
     """v / safe, ±1 where v is ±Inf: reference.inf_sign (an infinity keeps its sign)."""
     r = v / safe
@@ -56,7 +56,7 @@ def _ratio(v, safe):
     return _FM1 if v == -_PINF else r
 
 
-@njit(**_JIT)
+@njit(inline="always", **_JIT)
 def _absmax(xi, lo, hi):
     """max |x| over x[lo:hi] (given as int32 bits), NaN if any value is NaN: reference.bucket_absmax.
 
@@ -84,7 +84,7 @@ def _l2(x, lo, hi, p, m, buf, sums):
     return _FMAX if l2 > _FMAX else l2  # reference.cap_l2 (m is finite here)
 
 
-@njit(**_JIT)
+@njit(inline="always", **_JIT)
 def _bucket_scale(x, xi, lo, hi, p, use_l2, buf, sums):
     m = _absmax(xi, lo, hi)
     if use_l2:
