@@ -40,6 +40,19 @@ ONEBIT_SUM_UNSCALE = tl.constexpr(1.0 / ref.ONEBIT_SUM_SCALE)
 
 # ===================================================================================== onebit kernels
 @triton.jit
+def _sides(x, inb, MASKED: tl.constexpr):
+    """(non-negative, negative) masks of a tile: NaN counts as non-negative (~(x < 0)); with MASKED, the
+    lanes past the end are on neither side. (Inlined: a mask the caller leaves unused costs nothing.)"""
+    pos = (x >= 0) | (x != x)
+    if MASKED:
+        pos = pos & inb
+    neg = ~pos
+    if MASKED:
+        neg = neg & inb
+    return pos, neg
+
+
+@triton.jit
 def _onebit_encode_body(x_ptr, scale_ptr, code_ptr, n, nb, pid, nbytes,
                         BUCKET: tl.constexpr, ROWS: tl.constexpr, FUSED: tl.constexpr, MASKED: tl.constexpr):
     BLOCK: tl.constexpr = ROWS * BUCKET
@@ -50,13 +63,8 @@ def _onebit_encode_body(x_ptr, scale_ptr, code_ptr, n, nb, pid, nbytes,
         offs = pid * BLOCK + tl.arange(0, BLOCK)
     inb = offs < n
     x = _ld(x_ptr + offs, inb, 0.0, MASKED)
-    pos = (x >= 0) | (x != x)  # ~(x < 0): NaN counts as non-negative
-    if MASKED:
-        pos = pos & inb
+    pos, neg = _sides(x, inb, MASKED)
     if FUSED:
-        neg = ~pos
-        if MASKED:
-            neg = neg & inb
         sum_pos = tl.sum(tl.where(pos, x, 0.0), axis=1)
         sum_neg = tl.sum(tl.where(neg, x, 0.0), axis=1)
         cnt_pos = tl.maximum(tl.sum(pos.to(tl.int32), axis=1), 1).to(tl.float32)
@@ -69,12 +77,7 @@ def _onebit_encode_body(x_ptr, scale_ptr, code_ptr, n, nb, pid, nbytes,
         # common path registers and bandwidth
         if tl.max(tl.maximum(tl.abs(sum_pos), tl.abs(sum_neg))) == float("inf"):
             xr = _ld(x_ptr + offs, inb, 0.0, MASKED)
-            pr = (xr >= 0) | (xr != xr)
-            if MASKED:
-                pr = pr & inb
-            nr = ~pr
-            if MASKED:
-                nr = nr & inb
+            pr, nr = _sides(xr, inb, MASKED)
             xs = xr * ONEBIT_SUM_SCALE
             mean_pos = _onebit_mean(sum_pos, tl.sum(tl.where(pr, xs, 0.0), axis=1), cnt_pos, mean_pos)
             mean_neg = _onebit_mean(sum_neg, tl.sum(tl.where(nr, xs, 0.0), axis=1), cnt_neg, mean_neg)
