@@ -175,3 +175,58 @@ def test_cifar10_refuses_object_arrays_and_other_globals(tmp_path: Path) -> None
     (folder / "test_batch").write_bytes(pickle.dumps({b"labels": [0], b"data": eval}, protocol=2))
     with pytest.raises(ValueError, match=r"test_batch.*refused.*(__builtin__|builtins)\.eval"):
         load_dataset("cifar10", data_dir=folder)
+
+
+class _Counting:
+    """A file that counts the bytes read through it."""
+
+    def __init__(self, f) -> None:  # noqa: ANN001
+        self.f, self.read_bytes = f, 0
+
+    def read(self, n: int = -1) -> bytes:
+        out = self.f.read(n)
+        self.read_bytes += len(out)
+        return out
+
+    def __enter__(self) -> "_Counting":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.f.close()
+
+
+def test_idx_is_refused_without_reading_past_its_declared_size(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gzip of a few kB can hold gigabytes: the header's declared size bounds what is read (issue 44)."""
+    import tracemalloc
+
+    from lowbit.data import ondisk
+
+    path = tmp_path / "labels.gz"
+    with gzip.open(path, "wb") as f:  # 16 labels declared, then 64 MB of zeros (a 60 kB file)
+        f.write(bytes([0, 0, 0x08, 1]) + struct.pack(">I", 16))
+        for _ in range(64):
+            f.write(bytes(1 << 20))
+    assert path.stat().st_size < 1 << 20
+    opened: list[_Counting] = []
+    real_open = ondisk._open
+    monkeypatch.setattr(ondisk, "_open", lambda p: opened.append(_Counting(real_open(p))) or opened[-1])
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError) as refused:
+            read_idx(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert opened[0].read_bytes <= 4 + 4 + 16 + 1, opened[0].read_bytes  # the header, its 16 bytes, one more
+    assert peak < 4 << 20, peak
+    assert "(16,) = 16 bytes" in str(refused.value) and "more" in str(refused.value), refused.value
+    # a header declaring more than any idx data set is refused before reading on
+    huge = tmp_path / "huge"
+    huge.write_bytes(bytes([0, 0, 0x08, 3]) + struct.pack(">3I", 1 << 16, 1 << 16, 1 << 16))
+    with pytest.raises(ValueError, match="declares 281474976710656 bytes.*at most"):
+        read_idx(huge)
+    # a header cut short is a layout error too
+    (tmp_path / "short").write_bytes(bytes([0, 0, 0x08, 3]) + b"\x00\x00")
+    with pytest.raises(ValueError, match="header is cut short"):
+        read_idx(tmp_path / "short")

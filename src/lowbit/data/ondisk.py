@@ -16,7 +16,9 @@ cifar10   ``data_batch_1`` ... ``data_batch_5``, ``test_batch`` (the         (3,
 to [0, 1] and standardised with the training split's mean and standard deviation (MNIST: one scalar;
 CIFAR-10: per channel), as the seeds' recipes do. The official train / test split is kept; ``seed`` is
 unused (accepted for the common loader signature). A missing file or a file of the wrong format is a
-``ValueError`` that names the layout expected. ``max_train`` / ``max_test`` keep the first N samples.
+``ValueError`` that names the layout expected; an idx file is read no further than its header declares
+(at most ``IDX_MAX_BYTES``, 1 GiB), so a small crafted ``.gz`` cannot fill memory. ``max_train`` /
+``max_test`` keep the first N samples.
 
 CIFAR-10's batches are pickles, and ``pickle.load`` runs whatever code a crafted file names. They are
 read with a restricted unpickler that builds only what those files hold: dicts, lists, ints, bytes and
@@ -29,6 +31,7 @@ protocol-2 pickles written by Python 3 use for bytes). Any other global is refus
 from __future__ import annotations
 
 import gzip
+import math
 import os
 import pickle
 import struct
@@ -73,8 +76,18 @@ def _open(path: Path) -> Any:
     return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
 
 
+#: The most bytes an idx file may declare (1 GiB; MNIST's largest, the training images, is 47 MB): a header
+#: is read before its data, and a gzip of a few kB can hold gigabytes, so the header's size bounds the read.
+IDX_MAX_BYTES = 1 << 30
+_READ_CHUNK = 1 << 20
+
+
 def read_idx(path: str | os.PathLike[str]) -> np.ndarray:
-    """An idx file (``.gz`` or not) as a numpy array of its unsigned bytes, shaped by its header."""
+    """An idx file (``.gz`` or not) as a numpy array of its unsigned bytes, shaped by its header.
+
+    The header comes first and fixes how much is read: at most its declared size plus one byte (to tell a
+    file with trailing data), never more than :data:`IDX_MAX_BYTES`. Raises ``ValueError`` for another
+    magic number, a header cut short, a declared size over the limit and data of another length."""
     path = Path(path)
     with _open(path) as f:
         head = f.read(4)
@@ -82,11 +95,24 @@ def read_idx(path: str | os.PathLike[str]) -> np.ndarray:
             raise ValueError(f"{path}: not an idx file of unsigned bytes (magic {head.hex() or 'missing'}, "
                              "expected 000008xx)")
         ndim = head[3]
-        dims = struct.unpack(f">{ndim}I", f.read(4 * ndim))
-        data = f.read()
-    count = int(np.prod(dims)) if dims else 0
+        raw = f.read(4 * ndim)
+        if len(raw) != 4 * ndim:
+            raise ValueError(f"{path}: the idx header is cut short ({ndim} dimensions need {4 * ndim} bytes, "
+                             f"the file holds {len(raw)})")
+        dims = struct.unpack(f">{ndim}I", raw)
+        count = math.prod(dims) if dims else 0  # (Python ints: a crafted header cannot overflow it)
+        if count > IDX_MAX_BYTES:
+            raise ValueError(f"{path}: the header says {dims}, which declares {count} bytes; an idx file here "
+                             f"holds at most {IDX_MAX_BYTES} (lowbit.data.ondisk.IDX_MAX_BYTES)")
+        data = bytearray()
+        while len(data) <= count:  # in chunks: memory grows with the data there, not with the declared size
+            chunk = f.read(min(_READ_CHUNK, count + 1 - len(data)))
+            if not chunk:
+                break
+            data += chunk
     if len(data) != count:
-        raise ValueError(f"{path}: the header says {dims} = {count} bytes, the file holds {len(data)}")
+        held = "more" if len(data) > count else str(len(data))
+        raise ValueError(f"{path}: the header says {dims} = {count} bytes, the file holds {held}")
     return np.frombuffer(data, dtype=np.uint8).reshape(dims)
 
 
