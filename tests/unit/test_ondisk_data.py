@@ -230,3 +230,41 @@ def test_idx_is_refused_without_reading_past_its_declared_size(tmp_path: Path,
     (tmp_path / "short").write_bytes(bytes([0, 0, 0x08, 3]) + b"\x00\x00")
     with pytest.raises(ValueError, match="header is cut short"):
         read_idx(tmp_path / "short")
+
+
+def test_cifar10_refuses_data_that_expands_on_reading(tmp_path: Path) -> None:
+    """A pickled list of references to one row is a few bytes per row and expands to 3072 bytes each:
+    ``data`` must be the (N, 3072) uint8 array a batch holds, checked before anything is built from it
+    (issue 44)."""
+    import tracemalloc
+
+    folder = tmp_path / "c"
+    write_cifar(folder)
+    row = np.zeros(3072, np.uint8)
+    (folder / "test_batch").write_bytes(pickle.dumps({b"labels": [0] * 3000, b"data": [row] * 3000}, protocol=2))
+    assert (folder / "test_batch").stat().st_size < 20_000  # against 9 MB of rows once expanded
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=r"test_batch: 'data' is a list; a CIFAR-10 batch holds .*uint8 array"):
+            load_dataset("cifar10", data_dir=folder)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, peak  # (the five small training batches are read first: ~1 MB)
+    # labels are that many ints in 0-9, checked before they become an array
+    data = np.zeros((4, 3072), np.uint8)
+    for labels, why in (([row] * 4, "labels.*int"), ([0, 1, 2], "4 rows and 'labels' 3 labels"), ([0, 1, 2, 10], "0-9"),
+                        ({0: 1}, "labels.*list")):
+        (folder / "test_batch").write_bytes(pickle.dumps({b"labels": labels, b"data": data}, protocol=2))
+        with pytest.raises(ValueError, match=why):
+            load_dataset("cifar10", data_dir=folder)
+    (folder / "test_batch").write_bytes(pickle.dumps({b"labels": [0], b"data": np.zeros((1, 3072), np.int64)},
+                                                     protocol=2))
+    with pytest.raises(ValueError, match="int64.*uint8"):
+        load_dataset("cifar10", data_dir=folder)
+    # an array's pickle starts from an empty one; a crafted start of 2**31 bytes is refused, not allocated
+    raw = pickle.dumps({b"labels": [0], b"data": np.zeros((1, 3072), np.uint8)}, protocol=2)
+    assert raw.count(b"K\x00\x85") == 1  # BININT1 0, TUPLE1: _reconstruct's shape (0,)
+    (folder / "test_batch").write_bytes(raw.replace(b"K\x00\x85", b"J\xff\xff\xff\x7f\x85"))
+    with pytest.raises(ValueError, match=r"refused.*shape \(2147483647,\)"):
+        load_dataset("cifar10", data_dir=folder)

@@ -25,7 +25,10 @@ read with a restricted unpickler that builds only what those files hold: dicts, 
 str, and numpy arrays of plain (non-object) dtypes (``numpy.core.multiarray._reconstruct`` or numpy 2's
 ``numpy._core`` spelling, ``numpy.ndarray``, ``numpy.dtype``, and ``_codecs.encode`` to latin-1, which
 protocol-2 pickles written by Python 3 use for bytes). Any other global is refused with a
-``ValueError`` naming it, before anything is called.
+``ValueError`` naming it, before anything is called. What is built is checked before it grows: an array
+starts empty (as numpy's pickles do) and takes only the bytes the file holds, and a batch's ``data`` must
+be an (N, 3072) uint8 array with ``labels`` N ints in 0-9 (a list of references to one row, a few bytes
+each in the file, would expand to 3072 bytes each).
 """
 
 from __future__ import annotations
@@ -179,6 +182,10 @@ def _plain_dtype(*args: Any) -> np.dtype:
 def _reconstruct(subtype: Any, shape: Any, dtype: Any) -> np.ndarray:
     if subtype is not np.ndarray:
         raise _RefusedGlobal(f"an array of type {subtype!r}")
+    # numpy's pickles start from an empty array and fill it from the file's bytes (BUILD); a larger start
+    # would be memory the file never holds
+    if not isinstance(shape, tuple) or not all(isinstance(n, int) for n in shape) or math.prod(shape) != 0:
+        raise _RefusedGlobal(f"an array reconstructed with shape {shape!r} (numpy's pickles start from (0,))")
     return np.ndarray.__new__(np.ndarray, shape, _plain_dtype(dtype))
 
 
@@ -214,13 +221,32 @@ def _cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     d = {k.decode() if isinstance(k, bytes) else k: v for k, v in d.items()}
     if "data" not in d or "labels" not in d:
         raise ValueError(f"{path}: a CIFAR-10 batch holds 'data' and 'labels', this one {sorted(d)}")
-    x = np.asarray(d["data"], dtype=np.uint8)
-    y = np.asarray(d["labels"], dtype=np.int64)
-    if x.ndim != 2 or x.shape[1] != 3 * 32 * 32 or x.shape[0] != y.shape[0]:
-        raise ValueError(f"{path}: data {x.shape} and labels {y.shape}; expected (N, 3072) and (N,)")
+    return _cifar_arrays(path, d["data"], d["labels"])
+
+
+def _cifar_arrays(path: Path, data: Any, labels: Any) -> tuple[np.ndarray, np.ndarray]:
+    """A batch's images and labels, checked for what a CIFAR-10 batch holds before anything is built from
+    them: a pickle can hold a list of references to one row, a few bytes each that ``np.asarray`` would
+    expand to 3072 each (module doc)."""
+    if not isinstance(data, np.ndarray):
+        raise ValueError(f"{path}: 'data' is a {type(data).__name__}; a CIFAR-10 batch holds an (N, 3072) "
+                         "uint8 array")
+    if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
+        raise ValueError(f"{path}: 'data' is a {data.dtype} array of shape {data.shape}; a CIFAR-10 batch holds "
+                         "an (N, 3072) uint8 array")
+    if isinstance(labels, np.ndarray):
+        if labels.ndim != 1 or labels.dtype.kind not in "iu":
+            raise ValueError(f"{path}: 'labels' is a {labels.dtype} array of shape {labels.shape}; expected N ints")
+    elif not isinstance(labels, list) or not all(type(v) is int for v in labels):
+        kind = type(labels).__name__ if not isinstance(labels, list) else "list holding other things than ints"
+        raise ValueError(f"{path}: 'labels' is a {kind}; a CIFAR-10 batch holds a list of N ints")
+    if len(labels) != data.shape[0]:
+        raise ValueError(f"{path}: 'data' holds {data.shape[0]} rows and 'labels' {len(labels)} labels; a CIFAR-10 "
+                         f"batch holds one label per row: data (N, 3072) and labels (N,)")
+    y = np.asarray(labels, dtype=np.int64)
     if y.size and (int(y.min()) < 0 or int(y.max()) > 9):
         raise ValueError(f"{path}: labels outside 0-9")
-    return x.reshape(-1, 3, 32, 32), y
+    return data.reshape(-1, 3, 32, 32), y
 
 
 def load_cifar10(seed: int = 0, data_dir: str | os.PathLike[str] | None = None, max_train: int = 0,
