@@ -105,6 +105,15 @@ def test_mnist1d_generates_offline_and_keeps_global_rng(no_network, monkeypatch)
     assert torch.equal(load_dataset("mnist1d", seed=5).x_train, d.x_train)
 
 
+def _ten_samples_args(real_args):
+    """The package's arguments with 10 samples: 8 train / 2 test, the shapes of the stand-in generators."""
+    def args():
+        a = real_args()
+        a.num_samples = 10
+        return a
+    return args
+
+
 def test_mnist1d_is_cached_on_disk_and_a_damaged_file_is_generated_again(tmp_path, monkeypatch):
     """The on-disk cache (lowbit.data.mnist1d's doc) with a stand-in generator that counts its calls: the
     second process (the in-process cache cleared) reads the file; a truncated file, or arrays that no
@@ -123,6 +132,7 @@ def test_mnist1d_is_cached_on_disk_and_a_damaged_file_is_generated_again(tmp_pat
                 "x_test": g.standard_normal((2, 40)), "y_test": np.arange(2)}
 
     monkeypatch.setattr(mnist1d.data, "make_dataset", fake_make_dataset)
+    monkeypatch.setattr(mnist1d.data, "get_dataset_args", _ten_samples_args(mnist1d.data.get_dataset_args))
     monkeypatch.setenv(m.CACHE_DIR_ENV, str(tmp_path))
 
     def load():
@@ -155,6 +165,54 @@ def test_mnist1d_is_cached_on_disk_and_a_damaged_file_is_generated_again(tmp_pat
         blocked.write_text("")
         monkeypatch.setenv(m.CACHE_DIR_ENV, str(blocked / "cache"))  # cannot be made: skipped
         assert load().x_train.shape == (8, 1, 40) and len(calls) == 6
+    finally:
+        m._generate.cache_clear()
+
+
+def test_mnist1d_cache_of_another_shape_or_labels_is_generated_again(tmp_path, monkeypatch):
+    """A whole cache file (its hash matches) that is not the data set the generator's arguments give:
+    other sample counts, labels outside 0-9, signals that are not floats or labels that are not ints.
+    Each is generated again and replaced, never used (issue 44)."""
+    import mnist1d.data
+
+    from lowbit.data import mnist1d as m
+
+    calls = []
+
+    def fake_make_dataset(args):
+        calls.append(args.num_samples)
+        g = np.random.default_rng(0)
+        return {"x": g.standard_normal((8, 40)), "y": np.arange(8) % 10,
+                "x_test": g.standard_normal((2, 40)), "y_test": np.arange(2)}
+
+    monkeypatch.setattr(mnist1d.data, "make_dataset", fake_make_dataset)
+    monkeypatch.setattr(mnist1d.data, "get_dataset_args", _ten_samples_args(mnist1d.data.get_dataset_args))
+    monkeypatch.setenv(m.CACHE_DIR_ENV, str(tmp_path))
+
+    def load():
+        m._generate.cache_clear()
+        return load_dataset("mnist1d")
+
+    try:
+        good = load()
+        (path,) = tmp_path.glob("mnist1d-*.npz")
+        g = np.random.default_rng(1)
+        x, x_test = g.standard_normal((8, 40)), g.standard_normal((2, 40))
+        y, y_test = np.arange(8) % 10, np.arange(2)
+        for bad in ({"x": g.standard_normal((7, 40)), "y": np.arange(7) * 167, "x_test": x_test, "y_test": y_test},
+                    {"x": x, "y": y, "x_test": x_test, "y_test": np.array([3, 10])},
+                    {"x": x, "y": y - 1, "x_test": x_test, "y_test": y_test},
+                    {"x": x[:, :39], "y": y, "x_test": x_test[:, :39], "y_test": y_test},
+                    {"x": (x * 100).astype(np.int64), "y": y, "x_test": x_test, "y_test": y_test},
+                    {"x": x, "y": y.astype(np.float64), "x_test": x_test, "y_test": y_test}):
+            m._write(path, bad)  # self-consistent: its hash matches its arrays
+            before = len(calls)
+            d = load()
+            assert len(calls) == before + 1, {k: (a.dtype, a.shape) for k, a in bad.items()}
+            assert torch.equal(d.x_train, good.x_train) and torch.equal(d.y_train, good.y_train)
+            assert torch.equal(d.y_test, good.y_test) and d.in_shape == (1, 40)
+            load()
+            assert len(calls) == before + 1  # replaced by the right arrays, which are read back
     finally:
         m._generate.cache_clear()
 

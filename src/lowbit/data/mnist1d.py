@@ -11,8 +11,9 @@ call so loading data does not perturb anyone else's random stream. Generating ta
 a 2-core machine, so the arrays are kept twice: in the process (``functools.lru_cache``) and on disk,
 in ``$LOWBIT_CACHE_DIR`` (default ``$XDG_CACHE_HOME/lowbit`` or ``~/.cache/lowbit``; ``none`` turns it
 off), as ``mnist1d-<package version>-<hash of the generator's arguments>.npz`` with a SHA-256 of its
-arrays. A file that is missing, unreadable, of another shape or whose arrays do not match their hash
-is generated again and replaced (written to a temporary file, then renamed: processes that generate at
+arrays. A file that is missing, unreadable or whose arrays do not match their hash, or whose shapes,
+dtypes or labels are not those the generator's arguments give (float signals, int labels 0-9), is
+generated again and replaced (written to a temporary file, then renamed: processes that generate at
 once leave one whole file); a cache that cannot be written is skipped (the data are then generated
 in every process, as without it).
 """
@@ -28,7 +29,7 @@ import os
 import random
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -42,6 +43,7 @@ log = logging.getLogger("lowbit.data")
 
 CACHE_DIR_ENV = "LOWBIT_CACHE_DIR"
 _KEYS = ("x", "y", "x_test", "y_test")
+_CLASSES = 10  # the package's ten digit templates
 
 
 def cache_dir() -> Optional[Path]:
@@ -64,8 +66,26 @@ def _digest(arrays: dict[str, np.ndarray]) -> str:
     return h.hexdigest()
 
 
-def _read(path: Path) -> Optional[dict[str, np.ndarray]]:
-    """The cached arrays, or None when the file is missing or not whole (module doc)."""
+def _mismatch(arrays: dict[str, np.ndarray], args: Any) -> Optional[str]:
+    """What is wrong with arrays read back for the generator's ``args``, or None: ``make_dataset`` gives
+    ``num_samples // 10`` samples of each of the ten digits, the first ``train_split`` of them for training,
+    as float signals of ``final_seq_length`` points with int labels 0-9."""
+    n = int(args.num_samples) // _CLASSES * _CLASSES
+    n_train = int(n * args.train_split)
+    want = {"x": (n_train, int(args.final_seq_length)), "x_test": (n - n_train, int(args.final_seq_length)),
+            "y": (n_train,), "y_test": (n - n_train,)}
+    for k, shape in want.items():
+        a, signal = arrays[k], k.startswith("x")
+        if a.shape != shape or a.dtype.kind not in ("f" if signal else "iu"):
+            return f"{k!r} is {a.dtype} {a.shape}, the arguments give {'float' if signal else 'int'} {shape}"
+        if not signal and a.size and (int(a.min()) < 0 or int(a.max()) >= _CLASSES):
+            return f"{k!r} holds labels {int(a.min())} to {int(a.max())}, not 0-{_CLASSES - 1}"
+    return None
+
+
+def _read(path: Path, args: Any) -> Optional[dict[str, np.ndarray]]:
+    """The cached arrays, or None when the file is missing, not whole or not what ``args`` generate
+    (module doc)."""
     try:
         with np.load(path, allow_pickle=False) as f:
             arrays = {k: f[k] for k in _KEYS}
@@ -77,6 +97,11 @@ def _read(path: Path) -> Optional[dict[str, np.ndarray]]:
         return None
     if digest != _digest(arrays):
         log.info("lowbit: the cached MNIST-1D arrays in %s do not match their hash: generating them again", path)
+        return None
+    problem = _mismatch(arrays, args)
+    if problem:  # a whole file, but not this data set (written by hand, or by another generator)
+        log.info("lowbit: the cached MNIST-1D arrays in %s are not the data set asked for (%s): generating "
+                 "them again", path, problem)
         return None
     return arrays
 
@@ -109,7 +134,7 @@ def _generate() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, str]:
     where = cache_dir()
     key = hashlib.sha256(json.dumps(vars(args), sort_keys=True, default=str).encode()).hexdigest()[:16]
     path = None if where is None else where / f"mnist1d-{version or 'unknown'}-{key}.npz"
-    arrays = None if path is None else _read(path)
+    arrays = None if path is None else _read(path, args)
     if arrays is None:
         np_state, py_state = np.random.get_state(), random.getstate()
         try:
@@ -141,7 +166,7 @@ def load_mnist1d(seed: int = 0) -> Dataset:
         y_train=ys(y_tr),
         x_test=xs(x_te),
         y_test=ys(y_te),
-        num_classes=10,
+        num_classes=_CLASSES,
         in_shape=(1, int(x_tr.shape[1])),
         synthetic=False,
         source="mnist1d.data.make_dataset(get_dataset_args()) — generated locally, no download"
