@@ -196,3 +196,14 @@ def test_a_missing_extra_names_the_package_pip_installs(module: str, dist: str,
     assert "pip install 'lowbit[study]'" in msg
     top = module.split(".")[0]
     assert f"pip install {top}" not in msg and f"pip install {dist}" in msg, msg
+
+
+@pytest.mark.parametrize("nest", [("[", "]"), ("{b = ", "}")])
+def test_a_deeply_nested_study_config_is_not_valid_toml_in_one_line(tmp_path: Path, nest: tuple[str, str],
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A TOML nested thousands deep overflows the parser's recursion: the same one-line error as any other
+    TOML that does not parse, not a RecursionError's traceback (issue 44)."""
+    config = tmp_path / "deep.toml"
+    config.write_text("a = " + nest[0] * 5000 + "1" + nest[1] * 5000 + "\n")
+    assert main(["study", "--config", str(config), "--dry-run", "--out", str(tmp_path / "out")]) == 2
+    _one_line(capsys.readouterr().err, "lowbit study: error:", str(config), "not valid TOML", "nested")

@@ -48,6 +48,7 @@ import itertools
 import json
 import math
 import os
+import sys
 try:
     import tomllib  # novermin — Python 3.11+; tomli is the same parser for 3.10
 except ImportError:  # pragma: no cover - exercised by a test that hides tomllib
@@ -465,6 +466,9 @@ def _read_toml_text(text: str, where: str) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{where}: not valid TOML: {exc}") from None
+    except RecursionError:  # tomllib recurses per level of nested arrays / inline tables
+        raise ValueError(f"{where}: not valid TOML: arrays or inline tables nested too deeply to parse "
+                         f"(over Python's recursion limit, {sys.getrecursionlimit()})") from None
 
 
 def _preset_table(name: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
