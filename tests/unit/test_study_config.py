@@ -443,3 +443,31 @@ def test_time_to_accuracy_presets() -> None:
 def test_gpu_time_to_accuracy_preset_checks_on_meta() -> None:
     """GPT-2 small on the whole pysource corpus (reading it: seconds), on the meta device."""
     check_runs(expand_runs(load_config(preset="tta")))
+
+
+@pytest.mark.parametrize("text, needles", [
+    ("lr = inf", ["'lr'", "finite", "inf"]),
+    ("weight_decay = inf", ["'weight_decay'", "finite"]),
+    ("momentum = -inf", ["'momentum'", "finite"]),
+    ("lr = nan", ["'lr'", "finite", "nan"]),
+    ("[model_args.mlp]\nhidden = [256, inf]", ["'model_args.mlp.hidden'", "finite"]),
+    ("[dataset_args.synthetic]\nscale = nan", ["'dataset_args.synthetic.scale'", "finite"]),
+    ("world_sizes = [1, 1000000000000000000]", ["'world_sizes'", "1000000000000000000", "at most 65536"]),
+    ("world_sizes = [65537]", ["'world_sizes'", "at most 65536"]),
+    ("nodes = [100000]", ["'nodes'", "at most 65536"]),
+])
+def test_non_finite_numbers_and_impossible_world_sizes_are_refused(tmp_path: Path, text: str,
+                                                                   needles: list[str]) -> None:
+    """issue 44: infinite learning rates and weight decays (NaN was refused already), any other non-finite
+    number of the config, and world sizes no machine starts (over MAX_WORLD_SIZE) are errors naming the
+    key, from a file and from the overrides alike."""
+    with pytest.raises(ValueError) as info:
+        load_config(_write(tmp_path, text))
+    for needle in needles:
+        assert needle in str(info.value), str(info.value)
+    from lowbit.study.config import MAX_WORLD_SIZE
+
+    assert MAX_WORLD_SIZE == 65536 and load_config(overrides={"world_sizes": [1, MAX_WORLD_SIZE]}).world_sizes[-1] \
+        == MAX_WORLD_SIZE
+    with pytest.raises(ValueError, match="'lr' must be a finite number"):
+        load_config(overrides={"lr": float("inf")})

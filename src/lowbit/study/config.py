@@ -81,10 +81,15 @@ __all__ = [
     "auto_level",
     "is_auto",
     "SCHEMA",
+    "MAX_WORLD_SIZE",
 ]
 
 #: Version of the run-key recipe and the result rows; bump when either changes meaning.
 SCHEMA = 1
+
+#: The largest world size (and number of emulated nodes) a study accepts: 65536 ranks, beyond the
+#: largest jobs run (docs/study.md); a larger number is a typo, and would only fail when workers start.
+MAX_WORLD_SIZE = 65536
 
 BACKENDS = ("gloo", "nccl", "mpi")
 SCHEDULES = ("cosine", "constant", "warmup_cosine")
@@ -178,6 +183,8 @@ class StudyConfig:
     dataset_args: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # every number of the config, nested tables and lists too
+            _check_finite(f.name, getattr(self, f.name))
         for key in _LIST_KEYS:
             value = getattr(self, key)
             if isinstance(value, (str, int)) or not isinstance(value, Iterable):
@@ -218,9 +225,9 @@ class StudyConfig:
         object.__setattr__(self, "codecs", tuple(c if is_auto(c) or is_baseline(c) else s
                                                  for c, s in zip(canon, self.codecs)))
         for ws in self.world_sizes:
-            _check_int("world_sizes", ws, 1)
+            _check_int("world_sizes", ws, 1, MAX_WORLD_SIZE, "ranks, the most a study starts")
         for nn in self.nodes:
-            _check_int("nodes", nn, 1)
+            _check_int("nodes", nn, 1, MAX_WORLD_SIZE, "nodes, one rank each at most")
         _check_names("parallelism", self.parallelism, PARALLELISMS, "parallelism")
         _check_int("sub_batches", self.sub_batches, 1)
         canon_pol = []
@@ -411,9 +418,25 @@ def policy_label(policy: Mapping[str, Mapping[str, str]]) -> str:
     return f" [{', '.join(parts)}]" if parts else ""
 
 
-def _check_int(key: str, value: Any, lo: int) -> None:
+def _check_int(key: str, value: Any, lo: int, hi: int | None = None, what: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < lo:
         raise ValueError(f"study config: {key!r} must be an integer >= {lo}, got {value!r}")
+    if hi is not None and value > hi:
+        raise ValueError(f"study config: {key!r}: {value} is more than any machine starts; at most {hi} "
+                         f"{what} (lowbit.study.config.MAX_WORLD_SIZE)")
+
+
+def _check_finite(key: str, value: Any) -> None:
+    """A number anywhere in a config key's value (lists and tables included) must be finite: an infinite
+    learning rate trains nothing, and JSON (the run keys, the result rows) has no inf or NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"study config: {key!r} must be a finite number, got {value!r}")
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            _check_finite(f"{key}.{k}", v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _check_finite(key, v)
 
 
 def _check_batch(b: Any) -> None:
