@@ -407,10 +407,14 @@ def load_plugins() -> None:
     new = []
     for mod in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
         if mod not in _PLUGINS_LOADED:
+            if not all(part.isidentifier() for part in mod.split(".")):  # a path, a relative name: not importable
+                raise ValueError(f"${PLUGINS_ENV}: {mod!r} is not a module name; name modules as Python imports "
+                                 "them, dotted and comma-separated (mypkg.my_codec), not files")
             try:
                 module = importlib.import_module(mod)
-            except ImportError as exc:
-                raise ValueError(f"${PLUGINS_ENV}: cannot import plugin {mod!r}: {exc}") from exc
+            except Exception as exc:  # noqa: BLE001 — not found, or its own code failed: it does not import
+                raise ValueError(f"${PLUGINS_ENV}: cannot import plugin {mod!r}: {type(exc).__name__}: {exc}") \
+                    from exc
             _PLUGINS_LOADED.add(mod)
             new.append(f"{mod} ({getattr(module, '__file__', None) or 'built-in'})")
     if new:
