@@ -114,3 +114,19 @@ def test_csv_cells_that_a_spreadsheet_would_run_are_escaped(tmp_path: Path) -> N
     assert float(epochs[0]["train_loss"]) == -1.5 and epochs[0]["'=field"] == "'=2"
     assert epochs[0]["network"] == "'" + hostile["network"]
     assert row["seed"] == str(runs[0]["seed"]) and row["world_size"] == str(runs[0]["world_size"])
+
+
+def test_csv_cells_that_start_like_a_formula_after_spaces_are_escaped(tmp_path: Path) -> None:
+    """Spreadsheets skip leading spaces before they look for a formula: " =1+1" runs like "=1+1", so it is
+    escaped too (issue 44); a plain number after spaces is still a number, not text."""
+    runs, _ = load_runs(REAL)
+    run = json.loads(json.dumps(runs[0]))
+    hostile = {"network": " =1+1", "dataset": "   +cmd|' /C calc'!A0", "codec": " -2+3", "label": "\n@SUM(A1:A9)",
+               "algorithm": " \t=1", "backend": "  \r=1"}
+    run.update(hostile)
+    run["labels"] = {**run["labels"], "data": " =HYPERLINK(\"http://x\")", "plain": "  -0.5"}
+    runs_csv, _ = write_csv([run], tmp_path)
+    row = _read(runs_csv)[0]
+    for field, value in hostile.items():
+        assert row[field] == "'" + value, (field, row[field])
+    assert row["labels.data"] == "' =HYPERLINK(\"http://x\")" and row["labels.plain"] == "  -0.5"

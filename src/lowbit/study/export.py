@@ -64,13 +64,16 @@ def _scalar(v: Any) -> bool:
 #: What a spreadsheet reads as the start of a formula (OWASP, CSV injection): = + - @ tab CR.
 _FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 _PLAIN_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+_LEADING_SPACE = re.compile(r"[^\S\t\r]*")  # whitespace before a formula, but tab and CR start one themselves
 
 
 def _text(v: str) -> str:
     """A text cell as a spreadsheet should show it: names from results starting like a formula get a
-    leading ``'`` (OWASP's rule), so ``=HYPERLINK(...)`` is text, not a formula. A plain number written
-    as text (``-0.5``) runs nothing and is left alone."""
-    if v.startswith(_FORMULA_START) and not _PLAIN_NUMBER.fullmatch(v):
+    leading ``'`` (OWASP's rule), so ``=HYPERLINK(...)`` is text, not a formula — after leading
+    whitespace too, which spreadsheets skip (`` =1+1`` runs as ``=1+1``). A plain number written as text
+    (``-0.5``) runs nothing and is left alone."""
+    head = v[_LEADING_SPACE.match(v).end():]
+    if head.startswith(_FORMULA_START) and not _PLAIN_NUMBER.fullmatch(head.rstrip()):
         return "'" + v
     return v
 
