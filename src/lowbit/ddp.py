@@ -679,24 +679,17 @@ class LowbitState:
                 f"lowbit checkpoint was saved by rank {state['rank']} of {state['world_size']}, this is rank "
                 f"{rank} of {size}: error-feedback residuals belong to one rank of one world size; save "
                 "state_dict() on every rank and load each rank's own (or start a new lowbit state)")
-        residuals = state["residuals"]
-        if not isinstance(residuals, dict):
-            raise ValueError(f"lowbit checkpoint: 'residuals' must be a dict, got {type(residuals).__name__}")
-        if it > self.start_iter:  # compressed steps have run: every error-feedback parameter has its residual
-            want = sorted(n for n, c in self.plan.items() if self.uses_feedback(c) and n in set(self.params.values()))
-            lost = [n for n in want if n not in residuals]
-            if lost and self.auto is None:
-                raise ValueError(f"lowbit checkpoint at iter {it} has no error-feedback residuals for {lost[:5]}"
-                                 + (f" and {len(lost) - 5} more" if len(lost) > 5 else "")
-                                 + ": resuming without them would not continue the run (save state_dict() after "
-                                 "the steps, on every rank)")
-        unknown = sorted(set(residuals) - set(self.plan))
-        if unknown:
-            raise ValueError(f"lowbit checkpoint holds residuals of parameters this model does not have: {unknown[:5]}"
-                             + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""))
-        if self.auto is not None:  # the decision first: it sets the plan the residuals belong to
+        # every residual checked (lowbit.feedback's one check) before anything is applied, the auto
+        # decision included: residuals are keyed by parameter, whatever the plan
+        required: List[str] = []
+        if it > self.start_iter and self.auto is None:  # compressed steps have run: every error-feedback
+            trained = set(self.params.values())          # parameter has its residual
+            required = sorted(n for n, c in self.plan.items() if self.uses_feedback(c) and n in trained)
+        loaded = load_residuals(state["residuals"], "lowbit checkpoint",
+                                {n: self._numels.get(n) for n in self.plan}, self._devices, required)
+        if self.auto is not None:  # then the decision (checked whole before it changes anything): it sets the
+            # plan the residuals belong to
             self.auto.load_state_dict(self, state.get("auto", {"config": self.auto.config(), "decision": None}))
-        loaded = load_residuals(residuals, "lowbit checkpoint", self._numels, self._devices)
         self.iter = it
         if self.auto is not None:
             self.auto.forwards = it

@@ -249,6 +249,12 @@ class FSDPState:
         self.modules: list[str] = []
         self.iter = 0  # reduce-scatter calls (keys the gradient codec's rounding noise)
         self.auto: FSDPAuto | None = None
+        # what a checkpoint's residuals are checked against (register fills them in): module -> ranks of
+        # its compressed exchange (a residual (module, S) holds that many rows of S), module -> the values
+        # of its HSDP all-reduce's residual, and the residuals every checkpoint of this state holds
+        self._feedback_ranks: dict[str, int] = {}
+        self._replicate_numels: dict[str, int] = {}
+        self._required: tuple[Any, ...] = ()
 
     @property
     def stats(self) -> CommStats:
@@ -296,12 +302,30 @@ class FSDPState:
         feedback = None
         if self.feedback is not None:  # checked on a copy: nothing loads unless everything fits
             feedback = ErrorFeedback(self.feedback.codec)
-            feedback.load_state_dict(state["feedback"], device=self.device)
+            saved = state["feedback"].get("residuals") if isinstance(state["feedback"], dict) else None
+            feedback.load_state_dict(state["feedback"], device=self.device,
+                                     numels=self._residual_numels(saved if isinstance(saved, dict) else ()),
+                                     required=self._required)
         if load_auto is not None:  # first: a module whose choice changes drops its residual
             load_auto()
         if feedback is not None:
             self.feedback.residuals = feedback.residuals
         self.iter = it
+
+
+    def _residual_numels(self, keys: Any) -> dict[Any, int]:
+        """Of ``keys`` (a checkpoint's residuals), those this state may hold, with their sizes: (module, S)
+        of a module whose reduce-scatter may keep error feedback, N x S values (N: the ranks of its
+        compressed exchange); ("replicate", module), HSDP's all-reduce of the module's shard."""
+        out = {}
+        for key in keys:
+            if isinstance(key, tuple) and len(key) == 2:
+                name, s = key
+                if isinstance(s, int) and not isinstance(s, bool) and s >= 0 and name in self._feedback_ranks:
+                    out[key] = self._feedback_ranks[name] * s
+                elif name == "replicate" and s in self._replicate_numels:
+                    out[key] = self._replicate_numels[s]
+        return out
 
 
 # ------------------------------------------------------------------------------------------ the two comms
@@ -404,6 +428,17 @@ class LowbitReduceScatter(_Comm):
             rows = rows.masked_fill(exact, 0)  # (K, S), a copy
         return spread_sample(rows.reshape(-1)), k * s
 
+    def residual(self, s: int, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """This module's error-feedback residual for a call of ``s`` values a rank over ``n`` ranks ((n * s,)
+        float32, zeros the first time), None where the call keeps none: no error feedback, one rank, a
+        float codec (cast path), or a row that the exact codec carries whole."""
+        if not self.ef or n == 1:
+            return None
+        lay = self.layout(s, dtype)
+        if lay.cast is not None or lay.codec.sums_on_wire:
+            return None
+        return self.state.feedback.residual((self.name, s), n * s, device)
+
     def residual_sq(self) -> torch.Tensor | None:
         """The squared norm of this module's error-feedback residual (a device scalar), None without one."""
         fb = self.state.feedback
@@ -468,8 +503,8 @@ class LowbitReduceScatter(_Comm):
         wd = lay.cast
         if wd is not None:
             return self._exchange_cast(x, group, s, out, lay, wd, idx, ex)
-        ef = self.ef and not codec.sums_on_wire  # (a row the exact codec carries whole needs none)
-        res = st.feedback.residual((self.name, s), n * s, dev).view(n, s) if ef else None
+        res = self.residual(s, n, x.dtype, dev)
+        res = res.view(n, s) if res is not None else None
         parts: list[tuple[int, torch.Tensor, int]] = []
         for i in range(n):
             if i == rank:
@@ -810,11 +845,32 @@ def register(
             exchanges.append((label, k * sum(sizes), rs))
         if p_codec is not None:
             m.set_custom_all_gather(LowbitAllGather(state, label, index, sizes, exact, p_codec, param_groups))
+    if state.feedback is not None:
+        _declare_residuals(state, exchanges, plans, grad_groups.cross.size(), fixed=tuner is None,
+                           replicate=replicate_group is not None)
     if tuner is not None:
         tuner.attach(model, group, local0.device, exchanges)
     if replicate_group is not None:
         _replicate(model, modules, state, replicate_group, count_calls=native_inside)
     return state
+
+
+def _declare_residuals(state: FSDPState, exchanges: list[tuple[str, int, LowbitReduceScatter]],
+                       plans: list[tuple[int, str, nn.Module, list[int], list[bool]]], n: int, fixed: bool,
+                       replicate: bool) -> None:
+    """What a checkpoint's residuals are checked against (:meth:`FSDPState.load_state_dict`). A fixed
+    codec's residuals are made now (zeros), one per module that keeps error feedback: every checkpoint of
+    this state then holds each of them, and one that lacks any is refused (the module would restart from
+    zero). ``codec="auto"`` makes them when it chooses a biased codec: any module may hold one."""
+    for label, _, rs in exchanges:
+        if rs.ef or not fixed:
+            state._feedback_ranks[label] = n
+        if fixed:
+            rs.residual(sum(rs.sizes), n, torch.float32, state.device)
+    if replicate:
+        state._replicate_numels.update({label: sum(sizes) for _, label, _, sizes, _ in plans})
+    if fixed:
+        state._required = tuple(state.feedback.residuals)
 
 
 def _check_auto(codec: Codec | str, auto_level: str | None, guard_every: int | None,

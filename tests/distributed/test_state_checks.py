@@ -1,0 +1,123 @@
+"""FSDP's error-feedback state (issue 44, item 2; 2 gloo ranks).
+
+* a checkpoint whose residuals are missing, unexpected, of another size or dtype is refused, and nothing
+  of it is loaded (item 2).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import lowbit
+from lowbit.launch import spawn
+from tests.distributed.shared_spawn import part, run_parts
+
+fsdp_api = pytest.importorskip("torch.distributed.fsdp")
+if not hasattr(fsdp_api.FSDPModule, "set_custom_reduce_scatter"):  # pragma: no cover
+    pytest.skip("this torch's FSDP2 has no custom reduce-scatter", allow_module_level=True)
+
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+
+import lowbit.fsdp as lf  # noqa: E402
+
+TIMEOUT_S = 30  # the group's timeout: a rank left waiting for a peer would wait this long
+EF = "onebit:bucket=64"
+
+
+class _Net(nn.Module):
+    """Two blocks of their own fully_shard and a root: three FSDP modules, three residuals."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(12, 96)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(96, 96), nn.GELU()) for _ in range(2))
+        self.head = nn.Linear(96, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for b in self.blocks:
+            x = x + b(x)
+        return self.head(x)
+
+
+def _sharded() -> _Net:
+    model = _Net()
+    for b in model.blocks:
+        fully_shard(b)
+    fully_shard(model)
+    return model
+
+
+def _step(model: nn.Module, rank: int, i: int, plant_inf: bool = False) -> None:
+    g = torch.Generator().manual_seed(100 * i + rank)
+    x = torch.randn(8, 12, generator=g)
+    y = x[:, :5] * 0.5
+    if plant_inf:
+        y[0, 0] = float("inf")
+    (model(x) - y).pow(2).mean().backward()
+    for p in model.parameters():
+        p.grad = None
+
+
+def _residuals(st: lf.FSDPState) -> dict:
+    return {k: v.detach().clone() for k, v in st.feedback.residuals.items()}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ------------------------------------------------------------------------------------------ item 2
+def _body_checkpoint(rank: int, world: int) -> dict:
+    model = _sharded()
+    st = lf.register(model, codec=EF, error_feedback=True)
+    for i in range(2):
+        _step(model, rank, i)
+    good = st.state_dict()
+    res = good["feedback"]["residuals"]
+    key = sorted(res, key=str)[0]
+
+    def with_residuals(r: dict) -> dict:
+        return {**good, "feedback": {**good["feedback"], "residuals": r}}
+
+    bad = {
+        "missing": with_residuals({k: v for k, v in res.items() if k != key}),
+        "extra": with_residuals({**res, ("nope", 8): torch.zeros(world * 8)}),
+        "wrong size": with_residuals({**res, key: torch.zeros(res[key].numel() - 1)}),
+        "wrong dtype": with_residuals({**res, key: res[key].double()}),
+    }
+    out: dict = {"keys": len(res)}
+    fresh = lf.register(_sharded(), codec=EF, error_feedback=True)  # a resumed job's state
+    for name, state in (("trained", st), ("fresh", fresh)):
+        before, it = _residuals(state), state.iter
+        for what, sd in bad.items():
+            try:
+                state.load_state_dict(sd)
+                out[name, what] = "accepted"
+            except ValueError as exc:
+                out[name, what] = str(exc)
+        out[name, "unchanged"] = _same(before, _residuals(state)) and state.iter == it
+    fresh.load_state_dict(good)  # the real one loads
+    out["good loads"] = _same(_residuals(fresh), {k: v.to(fresh.device) for k, v in res.items()})
+    return out
+
+
+def test_fsdp_checkpoint_with_residuals_that_do_not_fit_is_refused_and_nothing_loads(ranks: list) -> None:
+    for r in part(ranks, "checkpoint"):
+        assert r["keys"] == 3  # one residual per FSDP module
+        for name in ("trained", "fresh"):
+            assert "no error-feedback residuals for" in r[name, "missing"], r[name, "missing"]
+            assert "does not keep" in r[name, "extra"] and "nope" in r[name, "extra"], r[name, "extra"]
+            assert "values, this state's has" in r[name, "wrong size"], r[name, "wrong size"]
+            assert "float32" in r[name, "wrong dtype"] and "float64" in r[name, "wrong dtype"], r[name, "wrong dtype"]
+            assert r[name, "unchanged"]
+        assert r["good loads"]
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list:
+    return spawn(run_parts, 2, (("checkpoint", _body_checkpoint, ()),), backend="gloo", timeout_s=TIMEOUT_S)
