@@ -15,7 +15,9 @@ and :class:`ErrorFeedback` alike:
 * :func:`restore_unless_finite` — the one rule for non-finite values: a step whose *result* holds an Inf
   or NaN leaves every residual as it was before the step. In a collective the result is the reduced
   tensor, the same on every rank (one rank's Inf reaches all, and AMP's GradScaler skips the step
-  everywhere), so every rank puts its residual back; for one rank alone it is what its payload delivers.
+  everywhere), so every rank puts its residual back (a reduce-scatter, whose ranks each hold a shard of
+  it, combines the shards' verdicts first: :func:`lowbit.comm.residual.restore_unless_finite_anywhere`);
+  for one rank alone it is what its payload delivers.
   The bad step's Inf/NaN still reaches the output (codecs keep non-finite values non-finite).
 * :func:`flat_residual` — one buffer for several keys sent as one message (the DDP hook's message
   groups), the residuals by key being its views;

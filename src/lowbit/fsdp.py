@@ -65,8 +65,9 @@ from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
 from lowbit.comm.allreduce import CommStats, _framed, _slot, _zeros, all_reduce
 from lowbit.comm.hierarchical import node_size_for
+from lowbit.comm.residual import restore_unless_finite_anywhere
 from lowbit.ddp import ConfigMismatchError
-from lowbit.feedback import ErrorFeedback, restore_unless_finite
+from lowbit.feedback import ErrorFeedback
 from lowbit.fsdp_auto import NATIVE, FSDPAuto, check_options, spread_sample
 from lowbit.policy import Policy
 
@@ -475,7 +476,11 @@ class LowbitReduceScatter(_Comm):
             del blocks
         st.iter += 1
         direct = output_tensor.dtype == torch.float32 and output_tensor.is_contiguous()
+        res = self.residual(s, cross.size(), x.dtype, x.device)  # (the one _exchange updates), None without
+        before = res.clone() if res is not None else None
         reduced = self._exchange(x, cross, s, output_tensor.view(-1) if direct else None)
+        if res is not None:  # lowbit.feedback's rule, decided alike on every rank of FSDP's group
+            restore_unless_finite_anywhere(res, before, reduced, [cross] if intra is None else [cross, intra])
         if scale != 1.0:
             reduced.mul_(scale)
         if not direct:
@@ -520,10 +525,7 @@ class LowbitReduceScatter(_Comm):
                 new = comp - sent
                 if idx is not None:
                     new.index_fill_(0, idx, 0.0)  # the exact copy delivers these values whole
-                # lowbit.feedback's one rule: a non-finite step (input or payload) must not poison the
-                # residual, which keeps its previous value
-                restore_unless_finite(new, res[i], new)
-                res[i].copy_(new)
+                res[i].copy_(new)  # (a non-finite step puts it back: __call__, once the shards are reduced)
             else:
                 payload = codec.encode(x[i], seed=seed)
             parts.append((lead, payload, size))

@@ -1,7 +1,10 @@
-"""FSDP's error-feedback state (issue 44, item 2; 2 gloo ranks).
+"""FSDP's error-feedback state (issue 44, items 2 and 8; 2 gloo
+ranks, one spawn for all).
 
 * a checkpoint whose residuals are missing, unexpected, of another size or dtype is refused, and nothing
-  of it is loaded (item 2).
+  of it is loaded (item 2);
+* a step whose reduced gradient is non-finite on any rank leaves every rank's residuals as they were,
+  though each rank holds only its own shard of that gradient (item 8);
 """
 
 from __future__ import annotations
@@ -118,6 +121,47 @@ def test_fsdp_checkpoint_with_residuals_that_do_not_fit_is_refused_and_nothing_l
         assert r["good loads"]
 
 
+# ------------------------------------------------------------------------------------------ item 8
+def _body_nonfinite(rank: int, world: int) -> dict:
+    out: dict = {}
+    # training: Inf in rank 1's loss makes every gradient of rank 1 non-finite
+    model = _sharded()
+    st = lf.register(model, codec=EF, error_feedback=True)
+    _step(model, rank, 0)
+    first = _residuals(st)
+    _step(model, rank, 1)
+    out["finite step moves"] = [not torch.equal(first[k], v) for k, v in _residuals(st).items()]
+    before = _residuals(st)
+    _step(model, rank, 2, plant_inf=rank == 1)
+    out["training kept"] = [torch.equal(before[k], v) for k, v in _residuals(st).items()]
+    # one reduce-scatter whose Inf lies in rank 1's own chunk: only rank 1's reduced shard is non-finite,
+    # rank 0 receives and holds only finite values
+    codec = lowbit.get_codec(EF)
+    state = lf.FSDPState(codec, None, True, None, None, None, rank, world, torch.device("cpu"))
+    rs = lf.LowbitReduceScatter(state, "blk", 0, [128], [False], codec, lf._make_groups(dist.group.WORLD, None))
+    shard = torch.empty(128)
+    rs(shard, torch.randn(world * 128, generator=torch.Generator().manual_seed(rank)), dist.group.WORLD)
+    before = _residuals(state)
+    g = torch.randn(world * 128, generator=torch.Generator().manual_seed(10 + rank))
+    if rank == 1:
+        g[128 + 5] = float("inf")
+    rs(shard, g, dist.group.WORLD)
+    out["shard finite"] = bool(torch.isfinite(shard).all())
+    out["shard kept"] = _same(before, _residuals(state))
+    rs(shard, torch.randn(world * 128, generator=torch.Generator().manual_seed(20 + rank)), dist.group.WORLD)
+    out["then moves"] = not _same(before, _residuals(state))  # the next finite step updates them again
+    return out
+
+
+def test_fsdp_non_finite_step_keeps_every_ranks_residuals(ranks: list) -> None:
+    r0, r1 = part(ranks, "nonfinite")
+    for r in (r0, r1):
+        assert r["finite step moves"] == [True] * 3  # (the check below can fail)
+        assert r["training kept"] == [True] * 3, r["training kept"]
+        assert r["shard kept"] and r["then moves"]
+    assert r0["shard finite"] and not r1["shard finite"]  # only rank 1 saw the Inf, yet rank 0 put its back
+
+
 @pytest.fixture(scope="module")
 def ranks() -> list:
-    return spawn(run_parts, 2, (("checkpoint", _body_checkpoint, ()),), backend="gloo", timeout_s=TIMEOUT_S)
+    return spawn(run_parts, 2, (("checkpoint", _body_checkpoint, ()), ("nonfinite", _body_nonfinite, ())), backend="gloo", timeout_s=TIMEOUT_S)
