@@ -1,18 +1,22 @@
-"""FSDP's error-feedback state (issue 44, items 2 and 8; 2 gloo
-ranks, one spawn for all).
+"""FSDP's error-feedback state and the ranks' agreement at register (issue 44, items 2, 7 and 8; 2 gloo
+ranks, one spawn for all, the parts that may leave a rank behind last).
 
 * a checkpoint whose residuals are missing, unexpected, of another size or dtype is refused, and nothing
   of it is loaded (item 2);
 * a step whose reduced gradient is non-finite on any rank leaves every rank's residuals as they were,
   though each rank holds only its own shard of that gradient (item 8);
+* a codec typo on one rank: every rank raises at once, not at the group's timeout (item 7).
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lowbit
 from lowbit.launch import spawn
@@ -162,6 +166,53 @@ def test_fsdp_non_finite_step_keeps_every_ranks_residuals(ranks: list) -> None:
     assert r0["shard finite"] and not r1["shard finite"]  # only rank 1 saw the Inf, yet rank 0 put its back
 
 
+# ------------------------------------------------------------------------------------------ item 7
+def _outcome(fn) -> tuple:
+    t = time.monotonic()
+    try:
+        fn()
+        return ("no error", "", None, time.monotonic() - t)
+    except Exception as exc:  # noqa: BLE001 — reported to the test
+        cause = type(exc.__cause__).__name__ if exc.__cause__ is not None else None
+        return (type(exc).__name__, str(exc), cause, time.monotonic() - t)
+
+
+def _ddp_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _body_typo(rank: int, world: int) -> dict:
+    typo = "qsgdd:bits=8"
+    one = typo if rank == 1 else "qsgd:bits=8"
+    return {
+        "ddp": _outcome(lambda: lowbit.ddp.register(DDP(_ddp_net()), codec=one)),
+        "fsdp": _outcome(lambda: lf.register(_sharded(), codec=one)),
+        "fsdp param": _outcome(lambda: lf.register(_sharded(), codec="fp32", param_codec=one)),
+        # the same typo on every rank (one script): each rank's own ValueError, as in one process
+        "ddp all": _outcome(lambda: lowbit.ddp.register(DDP(_ddp_net()), codec=typo)),
+        "fsdp all": _outcome(lambda: lf.register(_sharded(), codec=typo)),
+        "after": _outcome(lambda: lf.register(_sharded(), codec="qsgd:bits=8")),  # the group still works
+    }
+
+
+def test_a_codec_typo_on_one_rank_raises_on_every_rank_at_once(ranks: list) -> None:
+    r0, r1 = part(ranks, "typo")
+    for what in ("ddp", "fsdp", "fsdp param"):
+        for r in (r0, r1):
+            kind, msg, cause, seconds = r[what]
+            assert kind == "ConfigMismatchError", (what, r[what])
+            assert "rank 1: invalid: unknown codec 'qsgdd'" in msg and "rank 0: " in msg, msg
+            assert seconds < TIMEOUT_S / 3, (what, seconds)  # at once, not at the group's timeout
+        assert r0[what][1] == r1[what][1]  # the same message on every rank
+        assert r0[what][2] is None and r1[what][2] == "ValueError"  # rank 1's chained from its own error
+    for what in ("ddp all", "fsdp all"):
+        for r in (r0, r1):
+            assert r[what][0] == "ValueError" and "unknown codec 'qsgdd'" in r[what][1], r[what]
+    assert r0["after"][0] == r1["after"][0] == "no error"
+
+
 @pytest.fixture(scope="module")
 def ranks() -> list:
-    return spawn(run_parts, 2, (("checkpoint", _body_checkpoint, ()), ("nonfinite", _body_nonfinite, ())), backend="gloo", timeout_s=TIMEOUT_S)
+    return spawn(run_parts, 2, (("checkpoint", _body_checkpoint, ()), ("nonfinite", _body_nonfinite, ()),
+                                ("typo", _body_typo, ())), backend="gloo", timeout_s=TIMEOUT_S)
