@@ -95,6 +95,7 @@ from lowbit.choose import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, ddp_bucket_c
 from lowbit.timeline import plan_step
 from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
+from lowbit.comm.agreement import ConfigMismatchError, agree, fingerprint
 from lowbit.comm.allreduce import AUTO, CommStats, get_algorithm, resolve_algorithm, start
 from lowbit.feedback import flat_residual, load_residuals, residuals_state
 from lowbit.policy import Policy
@@ -103,10 +104,6 @@ __all__ = ["DDPConfig", "LowbitState", "hook", "make_state", "register", "Config
 
 _FP32 = get_codec("fp32")
 log = logging.getLogger(__name__)
-
-
-class ConfigMismatchError(ValueError):
-    """The ranks of a group registered different codecs, policies or algorithms."""
 
 
 def _is_flag(value: Any) -> bool:
@@ -679,24 +676,17 @@ class LowbitState:
                 f"lowbit checkpoint was saved by rank {state['rank']} of {state['world_size']}, this is rank "
                 f"{rank} of {size}: error-feedback residuals belong to one rank of one world size; save "
                 "state_dict() on every rank and load each rank's own (or start a new lowbit state)")
-        residuals = state["residuals"]
-        if not isinstance(residuals, dict):
-            raise ValueError(f"lowbit checkpoint: 'residuals' must be a dict, got {type(residuals).__name__}")
-        if it > self.start_iter:  # compressed steps have run: every error-feedback parameter has its residual
-            want = sorted(n for n, c in self.plan.items() if self.uses_feedback(c) and n in set(self.params.values()))
-            lost = [n for n in want if n not in residuals]
-            if lost and self.auto is None:
-                raise ValueError(f"lowbit checkpoint at iter {it} has no error-feedback residuals for {lost[:5]}"
-                                 + (f" and {len(lost) - 5} more" if len(lost) > 5 else "")
-                                 + ": resuming without them would not continue the run (save state_dict() after "
-                                 "the steps, on every rank)")
-        unknown = sorted(set(residuals) - set(self.plan))
-        if unknown:
-            raise ValueError(f"lowbit checkpoint holds residuals of parameters this model does not have: {unknown[:5]}"
-                             + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""))
-        if self.auto is not None:  # the decision first: it sets the plan the residuals belong to
+        # every residual checked (lowbit.feedback's one check) before anything is applied, the auto
+        # decision included: residuals are keyed by parameter, whatever the plan
+        required: List[str] = []
+        if it > self.start_iter and self.auto is None:  # compressed steps have run: every error-feedback
+            trained = set(self.params.values())          # parameter has its residual
+            required = sorted(n for n, c in self.plan.items() if self.uses_feedback(c) and n in trained)
+        loaded = load_residuals(state["residuals"], "lowbit checkpoint",
+                                {n: self._numels.get(n) for n in self.plan}, self._devices, required)
+        if self.auto is not None:  # then the decision (checked whole before it changes anything): it sets the
+            # plan the residuals belong to
             self.auto.load_state_dict(self, state.get("auto", {"config": self.auto.config(), "decision": None}))
-        loaded = load_residuals(residuals, "lowbit checkpoint", self._numels, self._devices)
         self.iter = it
         if self.auto is not None:
             self.auto.forwards = it
@@ -912,26 +902,30 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_HOOK_THREAD._reset)
 
 
-def _check_same_config(state: LowbitState, group: Optional[dist.ProcessGroup], thread_group: bool = False) -> None:
+def _check_same_config(state: Union[LowbitState, ValueError], group: Optional[dist.ProcessGroup],
+                       thread_group: bool = False) -> None:
     """Every rank compares everything that shapes the messages: the configuration (:meth:`LowbitState.config`),
     DDP's bucket caps (message groups close where DDP's buckets end) and whether the hook thread gets a
     process group of its own (a collective ``new_group``); all raise the same error on a mismatch (no hang,
-    no gloo abort)."""
-    extra = {"bucket_bytes": state.bucket_bytes, "first_bucket_bytes": state.first_bucket_bytes,
-             "hook_thread_group": thread_group}
-    mine = hashlib.sha256(json.dumps([state.config(), extra], sort_keys=True).encode()).hexdigest()[:16]
-    configs = C.all_gather_object((mine, state.config(), extra), group)
-    prints = [c[0] for c in configs]  # type: ignore[index]
-    if len(set(prints)) > 1:
-        lines = []
-        for r, (fp, cfg, ext) in enumerate(configs):  # type: ignore[misc]
-            plan = cfg["plan"]
-            codecs = sorted(set(plan.values()))
-            lines.append(f"  rank {r}: fingerprint {fp}, algorithm {cfg['algorithm']}, "
-                         f"error_feedback {cfg['error_feedback']}, message_mb {cfg['message_mb']}, codecs {codecs}, "
-                         f"{len(plan)} parameters, bucket caps {ext['first_bucket_bytes']:.0f}/{ext['bucket_bytes']:.0f} "
-                         f"bytes, hook thread group {ext['hook_thread_group']}")
-        raise ConfigMismatchError("lowbit: ranks registered different compression settings:\n" + "\n".join(lines))
+    no gloo abort). A rank whose options were refused passes its ``ValueError`` instead of a state and
+    takes part all the same, so that every rank raises at once (:func:`lowbit.comm.agreement.agree`)."""
+    mine: Any = state
+    if isinstance(state, LowbitState):
+        mine = [state.config(), {"bucket_bytes": state.bucket_bytes, "first_bucket_bytes": state.first_bucket_bytes,
+                                 "hook_thread_group": thread_group}]
+    agree(mine, group, "lowbit: ranks registered different compression settings:", _describe_config)
+
+
+def _describe_config(settings: List[Any]) -> str:
+    """One rank's line of a :class:`ConfigMismatchError` (``settings``: what :func:`_check_same_config`
+    compares)."""
+    cfg, ext = settings
+    plan = cfg["plan"]
+    return (f"fingerprint {fingerprint(settings)}, algorithm {cfg['algorithm']}, "
+            f"error_feedback {cfg['error_feedback']}, message_mb {cfg['message_mb']}, "
+            f"codecs {sorted(set(plan.values()))}, {len(plan)} parameters, "
+            f"bucket caps {ext['first_bucket_bytes']:.0f}/{ext['bucket_bytes']:.0f} bytes, "
+            f"hook thread group {ext['hook_thread_group']}")
 
 
 def make_state(
@@ -1050,7 +1044,8 @@ def register(
     times the gradients' own sampling noise; ``guard_every`` steps apart its guard checks the chosen
     codecs while training and steps a tensor up in precision when they go bad (0: no guard).
     Collective: every rank must call it; a configuration that differs across ranks raises
-    :class:`ConfigMismatchError` on every rank. ``algorithm="hierarchical"`` with the whole group in one
+    :class:`ConfigMismatchError` on every rank, and so do options refused on some ranks only (a typo in
+    one rank's codec): on those ranks it is chained from their ``ValueError``. ``algorithm="hierarchical"`` with the whole group in one
     node (``state.one_node``) installs no hook: nothing would be compressed, and DDP's own allreduce is
     the fastest fp32 mean. ``one_node_native=False`` installs the hook anyway (it then runs one fp32
     allreduce per bucket and counts it in ``state.stats``, as the study does to measure it).
@@ -1061,13 +1056,17 @@ def register(
     module = getattr(ddp_model, "module", None)
     if module is None or not hasattr(ddp_model, "register_comm_hook"):
         raise ValueError("lowbit.ddp.register expects a torch.nn.parallel.DistributedDataParallel model")
-    options = DDPConfig.of(config, codec=codec, algorithm=algorithm, policy=policy, error_feedback=error_feedback,
-                           start_iter=start_iter, seed=seed, message_mb=message_mb, node_size=node_size,
-                           one_node_native=one_node_native, allow=allow, error_budget=error_budget,
-                           measure_steps=measure_steps, remeasure_every=remeasure_every, hook_thread=hook_thread,
-                           auto_level=auto_level, guard_every=guard_every)
     group = process_group if process_group is not None else getattr(ddp_model, "process_group", None)
-    state = _state_for(module, options, group, ddp_bucket_caps(ddp_model))
+    try:
+        options = DDPConfig.of(config, codec=codec, algorithm=algorithm, policy=policy, error_feedback=error_feedback,
+                               start_iter=start_iter, seed=seed, message_mb=message_mb, node_size=node_size,
+                               one_node_native=one_node_native, allow=allow, error_budget=error_budget,
+                               measure_steps=measure_steps, remeasure_every=remeasure_every, hook_thread=hook_thread,
+                               auto_level=auto_level, guard_every=guard_every)
+        state = _state_for(module, options, group, ddp_bucket_caps(ddp_model))
+    except ValueError as exc:  # refused here: still compare, so that the other ranks raise now, not at a timeout
+        _check_same_config(exc, group)
+        raise
     _check_same_config(state, group, state.wants_thread_group(module))
     state.open_thread_group(module)  # after the check: a rank that made it alone would wait in new_group
     size = C.world(group)[1]

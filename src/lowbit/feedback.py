@@ -15,17 +15,21 @@ and :class:`ErrorFeedback` alike:
 * :func:`restore_unless_finite` — the one rule for non-finite values: a step whose *result* holds an Inf
   or NaN leaves every residual as it was before the step. In a collective the result is the reduced
   tensor, the same on every rank (one rank's Inf reaches all, and AMP's GradScaler skips the step
-  everywhere), so every rank puts its residual back; for one rank alone it is what its payload delivers.
+  everywhere), so every rank puts its residual back (a reduce-scatter, whose ranks each hold a shard of
+  it, combines the shards' verdicts first: :func:`lowbit.comm.residual.restore_unless_finite_anywhere`);
+  for one rank alone it is what its payload delivers.
   The bad step's Inf/NaN still reaches the output (codecs keep non-finite values non-finite).
 * :func:`flat_residual` — one buffer for several keys sent as one message (the DDP hook's message
   groups), the residuals by key being its views;
 * :func:`residuals_state` / :func:`load_residuals` — the one checkpoint format of residuals: a dict
-  name -> flat float32 CPU tensor, checked on load (float tensors, finite, the right size).
+  name -> flat float32 CPU tensor, checked whole on load before anything is applied (none missing,
+  none unexpected, float32, finite, the right size): the one check DDP, FSDP and :class:`ErrorFeedback`
+  share.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -80,28 +84,51 @@ def residuals_state(residuals: Mapping[Any, torch.Tensor]) -> dict[Any, torch.Te
     return {k: v.detach().reshape(-1).to("cpu", torch.float32).clone() for k, v in residuals.items()}
 
 
-def load_residuals(residuals: Any, where: str, numels: Mapping[Any, int] | None = None,
-                   devices: Mapping[Any, torch.device | str] | Any = None) -> dict[Any, torch.Tensor]:
-    """Check a :func:`residuals_state` dict and return its residuals as flat float32 tensors on their
-    devices (``devices``: one device for all, a mapping key -> device (CPU where absent), or None: where
-    they are). A ``ValueError``
-    (its message starts with ``where``) for anything else: not a dict, a residual that is not a float
-    tensor, holds an Inf or NaN, or whose size differs from ``numels[key]``."""
+def load_residuals(residuals: Any, where: str, numels: Mapping[Any, int | None] | None = None,
+                   devices: Mapping[Any, torch.device | str] | Any = None,
+                   required: Collection[Any] = ()) -> dict[Any, torch.Tensor]:
+    """Check a :func:`residuals_state` dict whole, then return its residuals as flat float32 tensors on
+    their devices (``devices``: one device for all, a mapping key -> device (CPU where absent), or None:
+    where they are). The one check of residuals from a checkpoint, shared by the DDP hook, FSDP and
+    :class:`ErrorFeedback`: every residual is checked before any tensor is made, and the caller assigns
+    only what this returns, so a refused checkpoint leaves the caller's state as it was.
+
+    Refused with a ``ValueError`` (its message starts with ``where`` and names the keys): not a dict; a
+    key of ``required`` that is missing (that residual would silently restart from zero); with
+    ``numels`` (key -> the size this state's residual has, None where unknown), a key it does not hold
+    (unexpected) or a residual of another size; a residual that is not a float32 tensor (as
+    :func:`residuals_state` saves it) or holds an Inf or NaN."""
     if not isinstance(residuals, dict):
         raise ValueError(f"{where}: 'residuals' must be a dict, got {type(residuals).__name__}")
-    out = {}
+    lost = [k for k in required if k not in residuals]
+    if lost:
+        raise ValueError(f"{where} has no error-feedback residuals for {_some(lost)}: resuming without them would "
+                         "restart them from zero and not continue the run (save state_dict() after the steps, on "
+                         "every rank)")
+    if numels is not None:
+        unknown = [k for k in residuals if k not in numels]
+        if unknown:
+            raise ValueError(f"{where} holds residuals that this state does not keep: {_some(unknown)} (another "
+                             "model, or another codec or error-feedback setting?)")
     for k, v in residuals.items():
-        if not isinstance(v, torch.Tensor) or not v.is_floating_point():
-            raise ValueError(f"{where}: the residual of {k} must be a float tensor, got "
-                             f"{getattr(v, 'dtype', type(v).__name__)}")
+        if not isinstance(v, torch.Tensor) or v.dtype != torch.float32:
+            raise ValueError(f"{where}: the residual of {k} must be a float tensor of dtype float32 (as state_dict() "
+                             f"saves it), got {getattr(v, 'dtype', type(v).__name__)}")
         want = numels.get(k) if numels is not None else None
         if want is not None and v.numel() != want:
-            raise ValueError(f"{where}: the residual of {k} has {v.numel()} values, the tensor has {want}")
+            raise ValueError(f"{where}: the residual of {k} has {v.numel()} values, this state's has {want}")
         if not bool(torch.isfinite(v).all()):
             raise ValueError(f"{where}: the residual of {k} holds Inf or NaN")
+    out = {}
+    for k, v in residuals.items():
         device = devices.get(k, "cpu") if isinstance(devices, Mapping) else (devices if devices is not None else v.device)
         out[k] = v.detach().to(device, torch.float32).reshape(-1).clone()
     return out
+
+
+def _some(keys: list[Any]) -> str:
+    """The first few of ``keys`` for an error message, and how many more."""
+    return f"{keys[:5]}" + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
 
 
 class ErrorFeedback:
@@ -150,7 +177,11 @@ class ErrorFeedback:
     def state_dict(self) -> dict[str, Any]:
         return {"codec": self.codec.spec, "residuals": residuals_state(self.residuals)}
 
-    def load_state_dict(self, state: dict[str, Any], device: torch.device | str | None = None) -> None:
+    def load_state_dict(self, state: dict[str, Any], device: torch.device | str | None = None,
+                        numels: Mapping[Hashable, int | None] | None = None,
+                        required: Collection[Hashable] = ()) -> None:
+        """Load :meth:`state_dict`'s residuals, all checked first (:func:`load_residuals`, with ``numels``
+        and ``required`` as there; a ``ValueError`` leaves this object as it was)."""
         if not isinstance(state, dict):
             raise ValueError(f"error-feedback checkpoint must be a dict (from state_dict()), got {type(state).__name__}")
         if state.get("codec") != self.codec.spec:
@@ -160,4 +191,4 @@ class ErrorFeedback:
             )
         if "residuals" not in state:
             raise ValueError("error-feedback checkpoint has no 'residuals' (save ErrorFeedback.state_dict() as it is)")
-        self.residuals = load_residuals(state["residuals"], "error-feedback checkpoint", devices=device)
+        self.residuals = load_residuals(state["residuals"], "error-feedback checkpoint", numels, device, required)

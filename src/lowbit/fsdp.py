@@ -53,7 +53,6 @@ import dataclasses
 import functools
 import logging
 import math
-import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,10 +62,11 @@ from torch import nn
 
 from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
+from lowbit.comm.agreement import agree
 from lowbit.comm.allreduce import CommStats, _framed, _slot, _zeros, all_reduce
 from lowbit.comm.hierarchical import node_size_for
-from lowbit.ddp import ConfigMismatchError
-from lowbit.feedback import ErrorFeedback, restore_unless_finite
+from lowbit.comm.residual import restore_unless_finite_anywhere
+from lowbit.feedback import ErrorFeedback
 from lowbit.fsdp_auto import NATIVE, FSDPAuto, check_options, spread_sample
 from lowbit.policy import Policy
 
@@ -249,6 +249,12 @@ class FSDPState:
         self.modules: list[str] = []
         self.iter = 0  # reduce-scatter calls (keys the gradient codec's rounding noise)
         self.auto: FSDPAuto | None = None
+        # what a checkpoint's residuals are checked against (register fills them in): module -> ranks of
+        # its compressed exchange (a residual (module, S) holds that many rows of S), module -> the values
+        # of its HSDP all-reduce's residual, and the residuals every checkpoint of this state holds
+        self._feedback_ranks: dict[str, int] = {}
+        self._replicate_numels: dict[str, int] = {}
+        self._required: tuple[Any, ...] = ()
 
     @property
     def stats(self) -> CommStats:
@@ -296,12 +302,30 @@ class FSDPState:
         feedback = None
         if self.feedback is not None:  # checked on a copy: nothing loads unless everything fits
             feedback = ErrorFeedback(self.feedback.codec)
-            feedback.load_state_dict(state["feedback"], device=self.device)
+            saved = state["feedback"].get("residuals") if isinstance(state["feedback"], dict) else None
+            feedback.load_state_dict(state["feedback"], device=self.device,
+                                     numels=self._residual_numels(saved if isinstance(saved, dict) else ()),
+                                     required=self._required)
         if load_auto is not None:  # first: a module whose choice changes drops its residual
             load_auto()
         if feedback is not None:
             self.feedback.residuals = feedback.residuals
         self.iter = it
+
+
+    def _residual_numels(self, keys: Any) -> dict[Any, int]:
+        """Of ``keys`` (a checkpoint's residuals), those this state may hold, with their sizes: (module, S)
+        of a module whose reduce-scatter may keep error feedback, N x S values (N: the ranks of its
+        compressed exchange); ("replicate", module), HSDP's all-reduce of the module's shard."""
+        out = {}
+        for key in keys:
+            if isinstance(key, tuple) and len(key) == 2:
+                name, s = key
+                if isinstance(s, int) and not isinstance(s, bool) and s >= 0 and name in self._feedback_ranks:
+                    out[key] = self._feedback_ranks[name] * s
+                elif name == "replicate" and s in self._replicate_numels:
+                    out[key] = self._replicate_numels[s]
+        return out
 
 
 # ------------------------------------------------------------------------------------------ the two comms
@@ -404,6 +428,17 @@ class LowbitReduceScatter(_Comm):
             rows = rows.masked_fill(exact, 0)  # (K, S), a copy
         return spread_sample(rows.reshape(-1)), k * s
 
+    def residual(self, s: int, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """This module's error-feedback residual for a call of ``s`` values a rank over ``n`` ranks ((n * s,)
+        float32, zeros the first time), None where the call keeps none: no error feedback, one rank, a
+        float codec (cast path), or a row that the exact codec carries whole."""
+        if not self.ef or n == 1:
+            return None
+        lay = self.layout(s, dtype)
+        if lay.cast is not None or lay.codec.sums_on_wire:
+            return None
+        return self.state.feedback.residual((self.name, s), n * s, device)
+
     def residual_sq(self) -> torch.Tensor | None:
         """The squared norm of this module's error-feedback residual (a device scalar), None without one."""
         fb = self.state.feedback
@@ -440,7 +475,11 @@ class LowbitReduceScatter(_Comm):
             del blocks
         st.iter += 1
         direct = output_tensor.dtype == torch.float32 and output_tensor.is_contiguous()
+        res = self.residual(s, cross.size(), x.dtype, x.device)  # (the one _exchange updates), None without
+        before = res.clone() if res is not None else None
         reduced = self._exchange(x, cross, s, output_tensor.view(-1) if direct else None)
+        if res is not None:  # lowbit.feedback's rule, decided alike on every rank of FSDP's group
+            restore_unless_finite_anywhere(res, before, reduced, [cross] if intra is None else [cross, intra])
         if scale != 1.0:
             reduced.mul_(scale)
         if not direct:
@@ -468,8 +507,8 @@ class LowbitReduceScatter(_Comm):
         wd = lay.cast
         if wd is not None:
             return self._exchange_cast(x, group, s, out, lay, wd, idx, ex)
-        ef = self.ef and not codec.sums_on_wire  # (a row the exact codec carries whole needs none)
-        res = st.feedback.residual((self.name, s), n * s, dev).view(n, s) if ef else None
+        res = self.residual(s, n, x.dtype, dev)
+        res = res.view(n, s) if res is not None else None
         parts: list[tuple[int, torch.Tensor, int]] = []
         for i in range(n):
             if i == rank:
@@ -485,10 +524,7 @@ class LowbitReduceScatter(_Comm):
                 new = comp - sent
                 if idx is not None:
                     new.index_fill_(0, idx, 0.0)  # the exact copy delivers these values whole
-                # lowbit.feedback's one rule: a non-finite step (input or payload) must not poison the
-                # residual, which keeps its previous value
-                restore_unless_finite(new, res[i], new)
-                res[i].copy_(new)
+                res[i].copy_(new)  # (a non-finite step puts it back: __call__, once the shards are reduced)
             else:
                 payload = codec.encode(x[i], seed=seed)
             parts.append((lead, payload, size))
@@ -719,80 +755,88 @@ def register(
     never), with the loss reported through ``state.auto.report_loss(loss)``. Not with ``error_feedback``
     (auto turns it on for the biased codecs it chooses) nor ``replicate_group``.
 
-    Ranks that disagree on any of this get the same :class:`lowbit.ddp.ConfigMismatchError`.
+    Ranks that disagree on any of this get the same :class:`lowbit.ddp.ConfigMismatchError`, and so do
+    options refused on some ranks only (a typo in one rank's codec): on those ranks it is chained from
+    their ``ValueError`` (options refused alike on every rank raise that ``ValueError``).
     """
     FSDPModule, _ = _fsdp_api()
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"lowbit.fsdp.register expects an nn.Module, got {type(model).__name__}")
-    if not isinstance(error_feedback, bool):
-        raise ValueError(f"lowbit.fsdp.register: error_feedback must be True or False, got {error_feedback!r}")
-    tuner = _check_auto(codec, auto_level, guard_every, allow, error_budget, error_feedback, replicate_group)
-    grad_codec = None if tuner is not None else _check_codec(codec, "codec")
-    p_codec = None if param_codec is None else _check_codec(param_codec, "param_codec")
-    if error_feedback and grad_codec is not None and grad_codec.sums_on_wire:
-        raise ValueError(f"lowbit.fsdp.register: {grad_codec.spec} is lossless up to a cast; it takes no error feedback")
-    pol = None if policy is None else Policy.coerce(policy)
-    if tuner is not None and pol is not None:
-        lossy = {**{f"by_type {k!r}": v for k, v in pol.by_type.items()},
-                 **{f"by_name {k!r}": v for k, v in pol.by_name.items()}}
-        lossy = {k: v for k, v in lossy.items() if v != "fp32"}
-        if pol.default not in (Policy().default, "fp32"):
-            lossy["default"] = pol.default
-        if lossy:
-            raise ValueError(f"lowbit.fsdp.register: with codec='auto' a policy only keeps parameters exact (fp32); "
-                             f"auto chooses the codecs, so this policy's {lossy} would be ignored: name them in "
-                             "allow=, or give a fixed codec")
-    modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
-    if not modules:
-        raise ValueError("lowbit.fsdp.register: the model has no fully_shard module; call "
-                         "torch.distributed.fsdp.fully_shard(...) on its blocks and on the model first")
-    rule = pol if pol is not None else Policy()  # the seed's size rule decides what stays exact
+    try:  # every option checked here; a rank refused still compares (below), so no peer waits for it
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"lowbit.fsdp.register expects an nn.Module, got {type(model).__name__}")
+        if not isinstance(error_feedback, bool):
+            raise ValueError(f"lowbit.fsdp.register: error_feedback must be True or False, got {error_feedback!r}")
+        tuner = _check_auto(codec, auto_level, guard_every, allow, error_budget, error_feedback, replicate_group)
+        grad_codec = None if tuner is not None else _check_codec(codec, "codec")
+        p_codec = None if param_codec is None else _check_codec(param_codec, "param_codec")
+        if error_feedback and grad_codec is not None and grad_codec.sums_on_wire:
+            raise ValueError(f"lowbit.fsdp.register: {grad_codec.spec} is lossless up to a cast; it takes no error feedback")
+        pol = None if policy is None else Policy.coerce(policy)
+        if tuner is not None and pol is not None:
+            lossy = {**{f"by_type {k!r}": v for k, v in pol.by_type.items()},
+                     **{f"by_name {k!r}": v for k, v in pol.by_name.items()}}
+            lossy = {k: v for k, v in lossy.items() if v != "fp32"}
+            if pol.default not in (Policy().default, "fp32"):
+                lossy["default"] = pol.default
+            if lossy:
+                raise ValueError(f"lowbit.fsdp.register: with codec='auto' a policy only keeps parameters exact (fp32); "
+                                 f"auto chooses the codecs, so this policy's {lossy} would be ignored: name them in "
+                                 "allow=, or give a fixed codec")
+        modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+        if not modules:
+            raise ValueError("lowbit.fsdp.register: the model has no fully_shard module; call "
+                             "torch.distributed.fsdp.fully_shard(...) on its blocks and on the model first")
+        rule = pol if pol is not None else Policy()  # the seed's size rule decides what stays exact
 
-    for _, m in modules:
-        m.reshard()  # after a forward the root keeps its parameters unsharded: back to DTensors
-    params = [p for _, m in modules for p in m.parameters()]
-    mesh = getattr(params[0], "device_mesh", None) if params else None
-    if mesh is None:
-        raise ValueError("lowbit.fsdp.register: the model's parameters are not DTensors; call fully_shard first")
-    if mesh.ndim != 1:
-        raise ValueError("lowbit.fsdp.register: this model was sharded on a 2-D (HSDP) mesh, whose replicate "
-                         "all-reduce FSDP2 runs itself with no extension point; shard on the inner (shard) "
-                         "mesh with fully_shard and pass replicate_group= (the outer dimension's group) instead")
-    group = mesh.get_group()
-    rank, k = group.rank(), group.size()
-    ns = k  # one node, unless told otherwise (HSDP: the shard group is a node)
-    if node_size is not None or replicate_group is None:
-        try:
-            ns = node_size_for(group, node_size)
-        except ValueError:
-            if node_size is not None:
-                raise  # (nothing set at all: one node, as above)
-    ns_eff = ns if ns < k else None
-    local0 = params[0].to_local() if hasattr(params[0], "to_local") else params[0]
-    state = FSDPState(grad_codec, p_codec, error_feedback, pol, ns_eff, replicate_group, rank, k, local0.device)
-    if tuner is not None:
-        state.auto = tuner
-        biased = [spec for spec in tuner.allow if get_codec(spec).biased]  # (1bitSGD* at the bold level)
-        state.feedback = ErrorFeedback(biased[0]) if biased else None
+        for _, m in modules:
+            m.reshard()  # after a forward the root keeps its parameters unsharded: back to DTensors
+        params = [p for _, m in modules for p in m.parameters()]
+        mesh = getattr(params[0], "device_mesh", None) if params else None
+        if mesh is None:
+            raise ValueError("lowbit.fsdp.register: the model's parameters are not DTensors; call fully_shard first")
+        if mesh.ndim != 1:
+            raise ValueError("lowbit.fsdp.register: this model was sharded on a 2-D (HSDP) mesh, whose replicate "
+                             "all-reduce FSDP2 runs itself with no extension point; shard on the inner (shard) "
+                             "mesh with fully_shard and pass replicate_group= (the outer dimension's group) instead")
+        group = mesh.get_group()
+        rank, k = group.rank(), group.size()
+        ns = k  # one node, unless told otherwise (HSDP: the shard group is a node)
+        if node_size is not None or replicate_group is None:
+            try:
+                ns = node_size_for(group, node_size)
+            except ValueError:
+                if node_size is not None:
+                    raise  # (nothing set at all: one node, as above)
+        ns_eff = ns if ns < k else None
+        local0 = params[0].to_local() if hasattr(params[0], "to_local") else params[0]
+        state = FSDPState(grad_codec, p_codec, error_feedback, pol, ns_eff, replicate_group, rank, k, local0.device)
+        if tuner is not None:
+            state.auto = tuner
+            biased = [spec for spec in tuner.allow if get_codec(spec).biased]  # (1bitSGD* at the bold level)
+            state.feedback = ErrorFeedback(biased[0]) if biased else None
 
-    resolved = rule.resolve(model)
-    plans = []
-    for index, (name, m) in enumerate(modules):
-        owned = _managed_params(m, FSDPModule)
-        sizes = [_padded_chunk(p, k) for _, p in owned]
-        prefix = f"{name}." if name else ""
-        exact = []
-        for pname, _ in owned:
-            c = resolved.get(prefix + pname, grad_codec)
-            exact.append(c is not None and c.spec == "fp32")  # the policy keeps it in full precision
-            if not exact[-1] and pol is not None and grad_codec is not None and c.spec != grad_codec.spec:
-                raise ValueError(f"lowbit.fsdp.register: the policy gives {prefix + pname} {c.spec}, but an FSDP "
-                                 f"module's rows cross in one codec ({grad_codec.spec}) with the parameters the "
-                                 "policy keeps in fp32 patched exactly; give the parameter's module its own "
-                                 "fully_shard and register it apart, or keep it fp32")
-        label = name or "<root>"
-        state.modules.append(f"{label}:{sum(sizes)}")
-        plans.append((index, label, m, sizes, exact))
+        resolved = rule.resolve(model)
+        plans = []
+        for index, (name, m) in enumerate(modules):
+            owned = _managed_params(m, FSDPModule)
+            sizes = [_padded_chunk(p, k) for _, p in owned]
+            prefix = f"{name}." if name else ""
+            exact = []
+            for pname, _ in owned:
+                c = resolved.get(prefix + pname, grad_codec)
+                exact.append(c is not None and c.spec == "fp32")  # the policy keeps it in full precision
+                if not exact[-1] and pol is not None and grad_codec is not None and c.spec != grad_codec.spec:
+                    raise ValueError(f"lowbit.fsdp.register: the policy gives {prefix + pname} {c.spec}, but an FSDP "
+                                     f"module's rows cross in one codec ({grad_codec.spec}) with the parameters the "
+                                     "policy keeps in fp32 patched exactly; give the parameter's module its own "
+                                     "fully_shard and register it apart, or keep it fp32")
+            label = name or "<root>"
+            state.modules.append(f"{label}:{sum(sizes)}")
+            plans.append((index, label, m, sizes, exact))
+    except ValueError as exc:
+        peers = _agreement_group(model, replicate_group, FSDPModule)
+        if peers is not None:
+            _check_same_config(exc, peers)
+        raise
     # agree before anything collective is set up: ranks that differ (a node size, a codec) would hang there
     _check_same_config(state, group if replicate_group is None else None)
     grad_groups = _make_groups(group, ns_eff)
@@ -810,11 +854,32 @@ def register(
             exchanges.append((label, k * sum(sizes), rs))
         if p_codec is not None:
             m.set_custom_all_gather(LowbitAllGather(state, label, index, sizes, exact, p_codec, param_groups))
+    if state.feedback is not None:
+        _declare_residuals(state, exchanges, plans, grad_groups.cross.size(), fixed=tuner is None,
+                           replicate=replicate_group is not None)
     if tuner is not None:
         tuner.attach(model, group, local0.device, exchanges)
     if replicate_group is not None:
         _replicate(model, modules, state, replicate_group, count_calls=native_inside)
     return state
+
+
+def _declare_residuals(state: FSDPState, exchanges: list[tuple[str, int, LowbitReduceScatter]],
+                       plans: list[tuple[int, str, nn.Module, list[int], list[bool]]], n: int, fixed: bool,
+                       replicate: bool) -> None:
+    """What a checkpoint's residuals are checked against (:meth:`FSDPState.load_state_dict`). A fixed
+    codec's residuals are made now (zeros), one per module that keeps error feedback: every checkpoint of
+    this state then holds each of them, and one that lacks any is refused (the module would restart from
+    zero). ``codec="auto"`` makes them when it chooses a biased codec: any module may hold one."""
+    for label, _, rs in exchanges:
+        if rs.ef or not fixed:
+            state._feedback_ranks[label] = n
+        if fixed:
+            rs.residual(sum(rs.sizes), n, torch.float32, state.device)
+    if replicate:
+        state._replicate_numels.update({label: sum(sizes) for _, label, _, sizes, _ in plans})
+    if fixed:
+        state._required = tuple(state.feedback.residuals)
 
 
 def _check_auto(codec: Codec | str, auto_level: str | None, guard_every: int | None,
@@ -879,12 +944,26 @@ def _replicate(model: nn.Module, modules: list[tuple[str, nn.Module]], state: FS
         m.set_all_reduce_hook(hook)
 
 
-def _check_same_config(state: FSDPState, group: dist.ProcessGroup | None) -> None:
-    """Every rank compares its configuration; all raise the same error on a mismatch (no hang)."""
-    mine = zlib.crc32(repr(sorted(state.config().items())).encode())
-    everyone = C.all_gather_object((mine, state.config()), group)
-    if len({e[0] for e in everyone}) > 1:  # type: ignore[index]
-        lines = [f"  rank {r}: {cfg}" for r, (_, cfg) in enumerate(everyone)]  # type: ignore[misc]
-        raise ConfigMismatchError("lowbit.fsdp: ranks registered different settings:\n" + "\n".join(lines))
+def _check_same_config(state: FSDPState | ValueError, group: dist.ProcessGroup | None) -> None:
+    """Every rank compares its configuration; all raise the same error on a mismatch (no hang). A rank whose
+    options were refused passes its ``ValueError`` instead and takes part all the same, so that every rank
+    raises at once (:func:`lowbit.comm.agreement.agree`)."""
+    agree(state.config() if isinstance(state, FSDPState) else state, group,
+          "lowbit.fsdp: ranks registered different settings:")
 
 
+def _agreement_group(model: Any, replicate_group: dist.ProcessGroup | None,
+                     fsdp_cls: type) -> dist.ProcessGroup | None:
+    """The group whose ranks compare their settings (as :func:`register` finds it, checking nothing else),
+    for a rank whose options were refused; ``dist.group.WORLD`` under HSDP. None where there is none
+    (torch.distributed not initialised, the model not sharded on a 1-D mesh): that rank raises alone."""
+    if not (dist.is_available() and dist.is_initialized()) or not isinstance(model, nn.Module):
+        return None
+    if replicate_group is not None:
+        return dist.group.WORLD
+    modules = [m for m in model.modules() if isinstance(m, fsdp_cls)]
+    for m in modules:
+        m.reshard()  # (as register does: the root's parameters back to DTensors)
+    params = [p for m in modules for p in m.parameters()]
+    mesh = getattr(params[0], "device_mesh", None) if params else None
+    return mesh.get_group() if mesh is not None and mesh.ndim == 1 else None

@@ -93,3 +93,42 @@ def test_checkpoints_without_their_rank_residuals_or_a_plausible_iter_are_refuse
         fresh.load_state_dict(fresh.state_dict())
     finally:
         dist.destroy_process_group()
+
+
+def test_a_checkpoint_that_does_not_fit_changes_nothing_not_even_the_auto_decision() -> None:
+    """Issue 44 item 2: lowbit.feedback's one check of residuals runs before anything loads. Before, a
+    float64 residual loaded (cast), and codec='auto' applied the checkpoint's decision (its plan) and only
+    then refused a residual of the wrong size."""
+    import torch.distributed as dist
+
+    from lowbit.choose import Decision
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = DDP(_net())
+        state = lowbit.ddp.register(model, codec="onebit:bucket=64", start_iter=0)
+        for _ in range(2):
+            model(torch.randn(8, 16)).sum().backward()
+        good = state.state_dict()
+        name = sorted(good["residuals"])[0]
+        before = {k: v.clone() for k, v in state.residuals.items()}
+        wide = {**good, "residuals": {**good["residuals"], name: good["residuals"][name].double()}}
+        with pytest.raises(ValueError, match=f"{name} must be a float tensor of dtype float32.*float64"):
+            state.load_state_dict(wide)
+        assert set(state.residuals) == set(before) and all(torch.equal(state.residuals[k], v) for k, v in before.items())
+
+        tuned = lowbit.ddp.make_state(_net(), codec="auto")
+        sd = tuned.state_dict()
+        spec = next(s for s in tuned.auto.allow if s != "fp32")
+        assignment = {n: spec for n in tuned.plan}
+        sd["auto"]["decision"] = Decision(assignment=assignment, fp32_is_best=False, step_s=1.0, fp32_step_s=2.0,
+                                          tried=1, rows=[]).to_dict()
+        sd["auto"]["assignment"] = assignment
+        plan = {n: c.spec for n, c in tuned.plan.items()}
+        with pytest.raises(ValueError, match="0.weight has 3 values"):
+            tuned.load_state_dict({**sd, "residuals": {"0.weight": torch.zeros(3)}})
+        assert tuned.auto.decision is None and {n: c.spec for n, c in tuned.plan.items()} == plan
+        tuned.load_state_dict(sd)  # the decision with fitting residuals loads
+        assert {c.spec for c in tuned.plan.values()} == {spec}
+    finally:
+        dist.destroy_process_group()

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["CollectiveError", "Deferred", "capturing", "world", "all_to_all_async", "all_gather_async",
-           "all_reduce_async", "reduce_scatter_async", "all_to_all", "all_gather", "reduce_scatter", "then", "join",
+           "all_reduce_async", "reduce_scatter_async", "all_to_all", "all_gather", "all_reduce", "reduce_scatter",
+           "then", "join",
            "wait", "done", "all_gather_object",
            "emulate_link", "link_emulated", "through_link", "check_call", "CHECK_CALLS"]
 
@@ -324,6 +325,14 @@ def all_gather(recv: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup 
         return
     _complete("all_gather_into_tensor", group, lambda a: _gather_fn(recv, send, group=group, async_op=a),
               send.numel() * send.element_size(), link)
+
+
+def all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """:func:`all_reduce_async` (an in-place native sum), run synchronously (:func:`_complete`)."""
+    if world(group)[1] == 1:
+        return
+    _complete("all_reduce", group, lambda a: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=a),
+              t.numel() * t.element_size())
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None,
