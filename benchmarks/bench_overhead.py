@@ -375,7 +375,8 @@ def profiled(run: Run, device: torch.device, steps: int = 3) -> tuple[float | No
     kernel_us, launches = 0.0, 0
     per: dict[str, list[float]] = {}
     for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
+        if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
+            # kernels, copies and sets (not the record_function ranges the profiler also puts on the GPU)
             us = getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)
             kernel_us += us
             k = per.setdefault(e.name[:90], [0.0, 0])

@@ -62,6 +62,7 @@ from torch import nn
 
 from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
+from lowbit.comm import graphs
 from lowbit.comm.agreement import agree
 from lowbit.comm.allreduce import CommStats, _framed, _slot, _zeros, all_reduce
 from lowbit.comm.hierarchical import node_size_for
@@ -255,6 +256,9 @@ class FSDPState:
         self._feedback_ranks: dict[str, int] = {}
         self._replicate_numels: dict[str, int] = {}
         self._required: tuple[Any, ...] = ()
+        # CUDA graphs of the two directions' exchanges (lowbit.comm.graphs), shared by the modules
+        self.grad_graphs = graphs.Graphs("lowbit.fsdp reduce-scatter")
+        self.param_graphs = graphs.Graphs("lowbit.fsdp all-gather")
 
     @property
     def stats(self) -> CommStats:
@@ -311,6 +315,7 @@ class FSDPState:
         if feedback is not None:
             self.feedback.residuals = feedback.residuals
         self.iter = it
+        self.grad_graphs.clear()  # their residuals moved
 
 
     def _residual_numels(self, keys: Any) -> dict[Any, int]:
@@ -339,9 +344,19 @@ class _Comm:
         self.groups = groups
         self._layouts: dict[tuple[int, torch.dtype], _Layout] = {}
         self._warned = False
+        self._graph_ok: dict[dist.ProcessGroup, bool] = {}
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
+
+    def _graphed(self, x: torch.Tensor, group: dist.ProcessGroup) -> bool:
+        """Whether this call replays a CUDA graph (:mod:`lowbit.comm.graphs`; decided once per group)."""
+        if not x.is_cuda:
+            return False
+        ok = self._graph_ok.get(group)
+        if ok is None:
+            ok = self._graph_ok[group] = graphs.capturable(x.device, [group])
+        return ok
 
     def layout(self, numel: int, dtype: torch.dtype) -> _Layout:
         """The row's layout for a call of ``numel`` values a rank in ``dtype`` (exact parameters ride in
@@ -465,37 +480,82 @@ class LowbitReduceScatter(_Comm):
         scale = _op_scale(op, k)
         intra, cross, nodes, local = self.split(group)
         x = input_tensor.view(k, s)
-        if intra is not None:
-            # Sum each node's rows natively (in the reduce dtype); row n of the result is node n's sum
-            # of the chunk that my local index owns on node n.
-            blocks = x.view(nodes, local, s).transpose(0, 1).contiguous()  # (L, N, S): block l -> local rank l
-            x = torch.empty(nodes, s, dtype=input_tensor.dtype, device=input_tensor.device)
-            C.reduce_scatter(x.view(-1), blocks.view(-1), intra)
-            st.grad_stats.bytes_sent += (local - 1) * nodes * s * input_tensor.element_size()
-            del blocks
+        if intra is None:
+            st.iter += 1
+            self._count(s, x.dtype, cross)
+            fn = functools.partial(self._reduce, group=cross, scale=scale)
+            seeds = self._seeds(cross)
+            if self._graphed(x, cross):
+                key = (k, s, x.dtype, output_tensor.dtype, cross, scale, self.choice, self._residual_ptr(s, x.dtype, cross))
+                st.grad_graphs.run(key, fn, [x], [output_tensor], seeds, keyed=self.codec.device_seed)
+            else:
+                fn([x], [output_tensor], seeds)
+            return
+        # Sum each node's rows natively (in the reduce dtype); row n of the result is node n's sum
+        # of the chunk that my local index owns on node n.
+        blocks = x.view(nodes, local, s).transpose(0, 1).contiguous()  # (L, N, S): block l -> local rank l
+        x = torch.empty(nodes, s, dtype=input_tensor.dtype, device=input_tensor.device)
+        C.reduce_scatter(x.view(-1), blocks.view(-1), intra)
+        st.grad_stats.bytes_sent += (local - 1) * nodes * s * input_tensor.element_size()
+        del blocks
         st.iter += 1
-        direct = output_tensor.dtype == torch.float32 and output_tensor.is_contiguous()
-        res = self.residual(s, cross.size(), x.dtype, x.device)  # (the one _exchange updates), None without
+        self._count(s, x.dtype, cross)
+        self._reduce([x], [output_tensor], self._seeds(cross), group=cross, scale=scale, intra=intra)
+
+    def _count(self, s: int, dtype: torch.dtype, group: dist.ProcessGroup) -> None:
+        """One exchange of rows of ``s`` values over ``group``: the call and the bytes it sends."""
+        st = self.state
+        st.grad_stats.calls += 1
+        n = group.size()
+        if n == 1:
+            return
+        sent = (n - 1) * self.layout(s, dtype).message
+        st.grad_stats.bytes_sent += sent
+        if self.groups is not None and self.groups.intra is not None:
+            st.grad_stats.bytes_inter += sent
+
+    def _seeds(self, group: dist.ProcessGroup) -> list[int]:
+        """This call's rounding seed for the row to each rank of ``group`` (none for a deterministic codec)."""
+        if not self.codec.stochastic:
+            return []
+        st = self.state
+        return [_seed(st.iter, self.index, st.rank, i) for i in range(group.size())]
+
+    def _residual_ptr(self, s: int, dtype: torch.dtype, group: dist.ProcessGroup) -> int:
+        """Where this module's error-feedback residual lives (a graph reads it there), 0 without one."""
+        res = self.residual(s, group.size(), dtype, self.state.device)
+        return 0 if res is None else res.data_ptr()
+
+    def _reduce(self, ins: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], seeds: Sequence[int | torch.Tensor],
+                *, group: dist.ProcessGroup, scale: float, intra: dist.ProcessGroup | None = None) -> None:
+        """The tensor work of one reduce-scatter (what a CUDA graph captures): ``ins[0]`` (N, S) my row for
+        each rank -> ``outs[0]`` (S,) the reduced shard in FSDP's dtype, times ``scale``. With error
+        feedback, lowbit.feedback's rule for a non-finite step, decided alike on every rank of FSDP's
+        group (``intra``: the node's group when the rows were summed inside nodes first)."""
+        x, output = ins[0], outs[0]
+        s = output.numel()
+        direct = output.dtype == torch.float32 and output.is_contiguous()
+        res = self.residual(s, group.size(), x.dtype, x.device)  # (the one _exchange updates), None without
         before = res.clone() if res is not None else None
-        reduced = self._exchange(x, cross, s, output_tensor.view(-1) if direct else None)
-        if res is not None:  # lowbit.feedback's rule, decided alike on every rank of FSDP's group
-            restore_unless_finite_anywhere(res, before, reduced, [cross] if intra is None else [cross, intra])
+        reduced = self._exchange(x, group, s, output.view(-1) if direct else None, seeds)
+        if res is not None:
+            restore_unless_finite_anywhere(res, before, reduced, [group] if intra is None else [group, intra])
         if scale != 1.0:
             reduced.mul_(scale)
         if not direct:
-            output_tensor.copy_(reduced)
+            output.copy_(reduced)
 
     def _exchange(self, x: torch.Tensor, group: dist.ProcessGroup, s: int,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, seeds: Sequence[int | torch.Tensor] = ()) -> torch.Tensor:
         """Phases 1-2 over ``group``: ``x`` (N, S) holds my row for each of its N ranks; returns the sum of
-        everybody's row for me, (S,) float32 (in ``out`` when given)."""
+        everybody's row for me, (S,) float32 (in ``out`` when given). ``seeds``: the row to rank i's
+        rounding seed (:meth:`_seeds`). Tensor work only (the statistics are :meth:`_count`'s)."""
         st = self.state
         rank, n = group.rank(), group.size()
         dev = x.device
         lay = self.layout(s, x.dtype)
         if out is None:
             out = torch.empty(s, dtype=torch.float32, device=dev)
-        st.grad_stats.calls += 1
         if n == 1:
             out.copy_(x[0])
             return out
@@ -516,7 +576,7 @@ class LowbitReduceScatter(_Comm):
                 # plain all-to-all, whose host cost is a third of the one with split lists
                 parts.append((0, _zeros(msg, dev), msg))
                 continue
-            seed = _seed(st.iter, self.index, st.rank, i)
+            seed = seeds[i] if seeds else 0
             if res is not None:
                 comp = x[i].float() + res[i]
                 payload = codec.encode(comp, seed=seed)
@@ -533,10 +593,6 @@ class LowbitReduceScatter(_Comm):
         send = _framed(parts, dev)
         recv = torch.empty(n * msg, dtype=torch.uint8, device=dev)
         C.all_to_all(recv, send, group)
-        sent_bytes = (n - 1) * msg
-        st.grad_stats.bytes_sent += sent_bytes
-        if self.groups is not None and self.groups.intra is not None:
-            st.grad_stats.bytes_inter += sent_bytes
         nb = codec.nbytes(s, codec.flat_shape(s))
         others = [j for j in range(n) if j != rank]
         codec.decode_sum([recv[j * msg + lead : j * msg + lead + nb] for j in others], s, out=out,
@@ -550,14 +606,12 @@ class LowbitReduceScatter(_Comm):
         del send
         return out
 
-
     def _exchange_cast(self, x: torch.Tensor, group: dist.ProcessGroup, s: int, out: torch.Tensor,
                        lay: _Layout, wd: torch.dtype, idx: torch.Tensor | None,
                        ex: torch.Tensor | None) -> torch.Tensor:
         """:meth:`_exchange` for a float codec: every row cast into its slot of the message at once (my
         own slot too: it stays at home), exact values copied behind, one all-to-all, and the sum read
         straight from the received bytes."""
-        st = self.state
         rank, n = group.rank(), group.size()
         msg, size, nb = lay.message, lay.slot[1], s * wd.itemsize
         e = lay.exact_numel
@@ -571,10 +625,6 @@ class LowbitReduceScatter(_Comm):
                 ed = lay.exact_codec.wire_dtype
                 send[:, size : size + e * ed.itemsize].view(ed).copy_(ex)
         C.all_to_all(recv.view(-1), send.view(-1), group)
-        sent_bytes = (n - 1) * msg
-        st.grad_stats.bytes_sent += sent_bytes
-        if self.groups is not None and self.groups.intra is not None:
-            st.grad_stats.bytes_inter += sent_bytes
         others = [j for j in range(n) if j != rank]
         _sum_into(out, [recv[j, :nb].view(wd) for j in others], x[rank])
         if e:
@@ -603,8 +653,14 @@ class LowbitAllGather(_Comm):
             return
         intra, cross, nodes, local = self.split(group)
         st.param_stats.calls += 1
+        self._count(s, input_tensor.dtype, cross)
         if intra is None:
-            self._gather(input_tensor, output_tensor.view(k, s), cross)
+            fn = functools.partial(self._gather_rows, group=cross)
+            if self._graphed(input_tensor, cross):
+                key = (k, s, input_tensor.dtype, output_tensor.dtype, cross, self.codec.spec)
+                st.param_graphs.run(key, fn, [input_tensor], [output_tensor.view(k, s)])
+            else:
+                fn([input_tensor], [output_tensor.view(k, s)], ())
             return
         # Compressed among the ranks of my local index (one a node), then natively inside the node.
         rows = torch.empty(nodes, s, dtype=input_tensor.dtype, device=dev)
@@ -615,8 +671,22 @@ class LowbitAllGather(_Comm):
         # (L, N, S) -> (N, L, S): global rank n * L + l
         output_tensor.view(nodes, local, s).copy_(gathered.view(local, nodes, s).transpose(0, 1))
 
+    def _count(self, s: int, dtype: torch.dtype, group: dist.ProcessGroup) -> None:
+        """One compressed all-gather of ``s`` values a rank over ``group``: the bytes it sends."""
+        n = group.size()
+        sent = (n - 1) * self.layout(s, dtype).message
+        self.state.param_stats.bytes_sent += sent
+        if self.groups is not None and self.groups.intra is not None:
+            self.state.param_stats.bytes_inter += sent
+
+    def _gather_rows(self, ins: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], seeds: Sequence[object],
+                     *, group: dist.ProcessGroup) -> None:
+        """:meth:`_gather` as a :class:`lowbit.comm.graphs.Graphs` function (what a CUDA graph captures)."""
+        self._gather(ins[0], outs[0], group)
+
     def _gather(self, shard: torch.Tensor, rows: torch.Tensor, group: dist.ProcessGroup) -> None:
-        """Encode ``shard`` ((S,)), all-gather over ``group`` and decode every rank's into ``rows`` (N, S)."""
+        """Encode ``shard`` ((S,)), all-gather over ``group`` and decode every rank's into ``rows`` (N, S).
+        Tensor work only (the statistics are :meth:`_count`'s)."""
         st = self.state
         rank, n = group.rank(), group.size()
         s = shard.numel()
@@ -635,9 +705,6 @@ class LowbitAllGather(_Comm):
                 torch.index_select(shard, 0, idx, out=send[size : size + e * ed.itemsize].view(ed))
             recv = torch.empty(n, msg, dtype=torch.uint8, device=dev)
             C.all_gather(recv.view(-1), send, group)
-            st.param_stats.bytes_sent += (n - 1) * msg
-            if self.groups is not None and self.groups.intra is not None:
-                st.param_stats.bytes_inter += (n - 1) * msg
             rows.copy_(recv[:, :nb].view(wd))
             if e:
                 rows.index_copy_(1, idx, recv[:, size : size + e * ed.itemsize].view(ed).to(rows.dtype))
@@ -650,10 +717,6 @@ class LowbitAllGather(_Comm):
         msg = send.numel()
         recv = torch.empty(n * msg, dtype=torch.uint8, device=dev)
         C.all_gather(recv, send, group)
-        sent_bytes = (n - 1) * msg
-        st.param_stats.bytes_sent += sent_bytes
-        if self.groups is not None and self.groups.intra is not None:
-            st.param_stats.bytes_inter += sent_bytes
         shape = codec.flat_shape(s)
         nb = codec.nbytes(s, shape)
         direct = rows.dtype == torch.float32 and rows.is_contiguous()

@@ -509,3 +509,20 @@ def test_qsgd_infinities_keep_their_sign_small(bits: int, bucket: int) -> None:
     assert y[130].item() == float("inf") and y[170].item() == -float("inf"), (bits, bucket)
     lo, hi = (192, 320) if bucket == 64 else (200, 300)  # the whole buckets of +Inf
     assert (y[lo:hi] == float("inf")).all(), (bits, bucket)
+
+
+@pytest.mark.parametrize(("bits", "bucket"), [(8, 64), (4, 100)])
+def test_qsgd_encode_with_its_key_in_device_memory_gives_the_int_seeds_bits(bits: int, bucket: int) -> None:
+    """A CUDA graph replays the encode with the key read from memory (lowbit.comm.graphs): the bytes must
+    be those of the int seed, and a new key written there must change them as a new seed does."""
+    from lowbit.kernels.dispatch import write_keys
+
+    x = _x(333, 3)
+    keys = torch.zeros(2, dtype=torch.int32, device=DEV)
+    write_keys(keys, [12345, 777])
+    a = tk.qsgd_encode(x, bits, bucket, "max", True, keys[0:1])
+    b = tk.qsgd_encode(x, bits, bucket, "max", True, keys[1:2])
+    assert torch.equal(a, tk.qsgd_encode(x, bits, bucket, "max", True, 12345))
+    assert torch.equal(b, tk.qsgd_encode(x, bits, bucket, "max", True, 777))
+    assert not torch.equal(a, b)
+    assert torch.equal(a, ref.qsgd_encode(x, bits, bucket, "max", True, 12345))

@@ -63,6 +63,10 @@ class Codec:
     name: ClassVar[str] = ""
     #: True when ``encode`` uses random numbers (its output then depends on ``seed``).
     stochastic: ClassVar[bool] = False
+    #: True when ``encode`` on CUDA also takes its seed as a one-element int32 device tensor of the seed's
+    #: rounding key (:func:`lowbit.kernels.dispatch.write_keys`): a captured CUDA graph then replays with
+    #: a new seed each call (:mod:`lowbit.comm.graphs`). Only matters for stochastic codecs.
+    device_seed: ClassVar[bool] = False
     #: True when the payload layout depends on the tensor's shape (per-column codecs).
     needs_shape: ClassVar[bool] = False
     #: The dtype in which payloads can be summed by a native (reducing) allreduce, or None when the

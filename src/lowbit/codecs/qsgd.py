@@ -51,6 +51,8 @@ class QSGD(Codec):
         check_choice("qsgd", "rounding", self.rounding, ("stochastic", "nearest"))
         check_choice("qsgd", "levels", self.levels, ("zero", "full"))
 
+    device_seed: ClassVar[bool] = True
+
     @property
     def stochastic(self) -> bool:  # type: ignore[override]
         return self.rounding == "stochastic"
@@ -78,10 +80,12 @@ class QSGD(Codec):
     def scale_fields(self, numel: int, shape: Sequence[int] | None = None) -> tuple[int, int]:
         return 0, 4 * ceil_div(numel, self.bucket)  # a decoded value is (code - s) * scale / s
 
-    def encode(self, x: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    def encode(self, x: torch.Tensor, seed: int | torch.Tensor = 0) -> torch.Tensor:
+        """``seed``: an int, or (CUDA, Triton kernels) a one-element int32 device tensor holding the
+        seed's key (:func:`lowbit.kernels.dispatch.write_keys`), read by the kernel when it runs."""
         flat = self._flat_input(x)
-        return dispatch.qsgd_encode(flat, self.bits, self.bucket, self.norm, self.stochastic, int(seed),
-                                    self.levels == "full")
+        return dispatch.qsgd_encode(flat, self.bits, self.bucket, self.norm, self.stochastic,
+                                    seed if isinstance(seed, torch.Tensor) else int(seed), self.levels == "full")
 
     def decode(self, payload, numel, out=None, shape=None):  # type: ignore[override]
         self._check_payload(payload, numel, shape)

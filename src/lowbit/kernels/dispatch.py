@@ -13,6 +13,8 @@ format as :mod:`lowbit.kernels.reference`, the executable specification.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import functools
 import importlib
 import os
@@ -90,9 +92,28 @@ def backend_for(x: torch.Tensor, op: str) -> Any:
     return ref
 
 
-def qsgd_encode(x: torch.Tensor, bits: int, bucket: int, norm: str, stochastic: bool, seed: int,
+def qsgd_encode(x: torch.Tensor, bits: int, bucket: int, norm: str, stochastic: bool, seed: int | torch.Tensor,
                 full: bool = False) -> torch.Tensor:
-    return backend_for(x, "qsgd_encode").qsgd_encode(x, bits, bucket, norm, stochastic, seed, full)
+    mod = backend_for(x, "qsgd_encode")
+    if isinstance(seed, torch.Tensor) and not hasattr(mod, "signed_key"):
+        raise ValueError("qsgd encode: a device key (a seed tensor) needs the Triton kernels (CUDA); "
+                         f"this call runs {mod.__name__}")
+    return mod.qsgd_encode(x, bits, bucket, norm, stochastic, seed, full)
+
+
+def signed_keys(seeds: Sequence[int]) -> list[int]:
+    """The rounding keys of ``seeds`` as the int32 values a device key tensor holds."""
+    return [(k - (1 << 32)) if k >= (1 << 31) else k for k in (ref.seed_key(s) for s in seeds)]
+
+
+def write_keys(keys: torch.Tensor, seeds: Sequence[int]) -> torch.Tensor:
+    """Write the rounding keys of ``seeds`` into ``keys`` (int32, on any device), for encodes whose seed is
+    read from device memory (:meth:`lowbit.codecs.qsgd.QSGD.encode` with a tensor seed). One ``fill_`` a
+    key: a kernel launch with the value as its argument, no copy from host memory (a copy from pageable
+    memory would wait for the stream)."""
+    for i, k in enumerate(signed_keys(seeds)):
+        keys[i].fill_(k)
+    return keys
 
 
 def qsgd_decode(payload: torch.Tensor, n: int, bits: int, bucket: int, out: torch.Tensor,

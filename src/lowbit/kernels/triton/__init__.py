@@ -67,10 +67,11 @@ from __future__ import annotations
 from lowbit.kernels.triton.common import CONFIG, MAX_SUM
 from lowbit.kernels.triton.dettmers import dettmers_decode, dettmers_decode_sum, dettmers_encode
 from lowbit.kernels.triton.onebit import onebit_decode_buckets, onebit_decode_sum_buckets, onebit_encode_buckets
-from lowbit.kernels.triton.qsgd import PACKED_BITS, qsgd_decode, qsgd_decode_sum, qsgd_encode
+from lowbit.kernels.triton.qsgd import PACKED_BITS, qsgd_decode, qsgd_decode_sum, qsgd_encode, signed_key
 
 __all__ = [
     "qsgd_encode",
+    "signed_key",
     "qsgd_decode",
     "qsgd_decode_sum",
     "onebit_encode_buckets",

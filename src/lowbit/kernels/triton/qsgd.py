@@ -102,9 +102,13 @@ def _qsgd_encode_body(x_ptr, pay_ptr, code_ptr, n, nb, bucket, nbytes, key, pid,
 @triton.jit(do_not_specialize=["key"])
 def _qsgd_encode_kernel(x_ptr, pay_ptr, code_ptr, n, nb, bucket, nbytes, key,
                         BUCKET: tl.constexpr, ROWS: tl.constexpr, FUSED: tl.constexpr, BITS: tl.constexpr,
-                        S: tl.constexpr, L2: tl.constexpr, STOCH: tl.constexpr, I64: tl.constexpr):
+                        S: tl.constexpr, L2: tl.constexpr, STOCH: tl.constexpr, I64: tl.constexpr,
+                        KEY_PTR: tl.constexpr = False):
     pid = _pid(I64, not FUSED)
-    ukey = key.to(tl.uint32, bitcast=True)
+    if KEY_PTR:  # the key in device memory (int32): a CUDA graph replays with the key written before it
+        ukey = tl.load(key).to(tl.uint32, bitcast=True)
+    else:
+        ukey = key.to(tl.uint32, bitcast=True)
     if (pid + 1) * (ROWS * BUCKET) <= n:
         _qsgd_encode_body(x_ptr, pay_ptr, code_ptr, n, nb, bucket, nbytes, ukey, pid,
                           BUCKET, ROWS, FUSED, BITS, S, L2, STOCH, False)
@@ -213,11 +217,24 @@ def _signed_key(seed: int) -> int:
     return k - (1 << 32) if k >= (1 << 31) else k
 
 
+def signed_key(seed: int) -> int:
+    """The rounding key of ``seed`` as the int32 that a device key tensor holds (:func:`qsgd_encode`)."""
+    return _signed_key(seed)
+
+
 def qsgd_encode(
-    x: torch.Tensor, bits: int, bucket: int, norm: str, stochastic: bool, seed: int, full: bool = False
+    x: torch.Tensor, bits: int, bucket: int, norm: str, stochastic: bool, seed: int | torch.Tensor,
+    full: bool = False
 ) -> torch.Tensor:
-    """x: (n,) float32 contiguous -> payload uint8: [scales (nb,) f32][codes packed at ``bits``]."""
+    """x: (n,) float32 contiguous -> payload uint8: [scales (nb,) f32][codes packed at ``bits``].
+
+    ``seed`` may be a one-element int32 tensor on x's device holding :func:`signed_key` of the seed: the
+    kernel reads the key from memory, so a CUDA graph captured once encodes with whatever key is written
+    there before each replay (same bits as the int seed)."""
+    key_ptr = isinstance(seed, torch.Tensor)
     if bits not in PACKED_BITS:
+        if key_ptr:
+            raise ValueError(f"qsgd_encode: a device key needs a packed width ({sorted(PACKED_BITS)}), not {bits} bits")
         return ref.qsgd_encode(x, bits, bucket, norm, stochastic, seed, full)
     x = x.reshape(-1).contiguous()
     n = x.numel()
@@ -235,9 +252,10 @@ def qsgd_encode(
             _bucket_scales_general(x, bucket, scales)
     bsize, rows, block = _tiling(bucket, fused)
     _qsgd_encode_kernel[(triton.cdiv(n, block),)](
-        x, payload, payload[4 * nb :], n, nb, bucket, nbytes, _signed_key(seed),
+        x, payload, payload[4 * nb :], n, nb, bucket, nbytes, seed if key_ptr else _signed_key(seed),
         BUCKET=bsize, ROWS=rows, FUSED=fused, BITS=bits, S=ref.qsgd_levels(bits, full), L2=norm == "l2",
-        STOCH=bool(stochastic), I64=_i64(n, block), num_warps=_warps(block, CONFIG['qsgd_enc_warps']), **_LAUNCH)
+        STOCH=bool(stochastic), I64=_i64(n, block), num_warps=_warps(block, CONFIG['qsgd_enc_warps']),
+        KEY_PTR=key_ptr, **_LAUNCH)
     return payload
 
 
