@@ -37,8 +37,11 @@ breakdown (these steps are not in ``ms_per_step``):
 * ``gpu_ms``, ``launches``: summed kernel time and kernel launches a step under torch.profiler (CUDA);
 * ``call_host_ms``: host time per call of the communication objects (lowbit's hooks, FSDP's own
   ``DefaultReduceScatter`` / ``DefaultAllGather``, or the DDP comm hook), by direction;
+  ``wire_bytes_per_step``: what this rank would send a step (lowbit's own count; FSDP's collectives from
+  their tensors; DDP's all-reduce and torch's fp16 hook as a ring, 2(K-1)/K of the gradient);
 * ``peak_mb``: peak allocated device memory during the timed steps (``mem_ratio`` against the
-  baseline's), ``residual_mb`` the error-feedback residuals apart.
+  baseline's; static buffers, CUDA graphs and their pools included), ``residual_mb`` the error-feedback
+  residuals, ``mem_ratio_ex_residual`` the ratio without them.
 
 Output: ``{"meta": {...}, "rows": [{"mode", "model", "batch", "config", "ms_per_step", "ratio", "host_ms",
 "gpu_ms", "launches", ...}]}`` and a table on stdout.
@@ -177,8 +180,10 @@ def init_group(mode: str, world: int, wire: str = "fake") -> None:
 class Run:
     """One configuration, built: ``step()`` runs one training step; ``state`` is lowbit's (or None)."""
 
-    def __init__(self, step: Callable[[], None], state: Any, model: nn.Module) -> None:
+    def __init__(self, step: Callable[[], None], state: Any, model: nn.Module,
+                 native_ddp_bytes: int | None = None) -> None:
         self.step, self.state, self.model = step, state, model
+        self.native_ddp_bytes = native_ddp_bytes  # DDP's own all-reduce (or torch's hook): bytes a step
 
     def residual_mb(self) -> float:
         fb = getattr(self.state, "feedback", None)
@@ -231,7 +236,12 @@ def build_ddp(args: argparse.Namespace, config: str, device: torch.device) -> Ru
     def step() -> None:
         bench_ddp.train_step(ddp, opt, x, y, bf16)
 
-    return Run(step, state, ddp)
+    grad = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    k = dist.get_world_size()
+    # a ring all-reduce sends 2(K-1)/K of the message; codec="auto" keeps DDP's own fp32 one where it
+    # installs no hook
+    width = {"ddp": 4, "fp16": 2, "lowbit:auto": 4}.get(config)
+    return Run(step, state, ddp, 2 * (k - 1) * grad * width // k if width else None)
 
 
 def warmup_steps(run: Run, args: argparse.Namespace) -> int:
@@ -311,14 +321,35 @@ def _comm_classes() -> dict[str, type]:
     return out
 
 
-def call_host_ms(run: Run, device: torch.device, steps: int = 3) -> dict[str, dict[str, float]]:
-    """Host time per call of each communication class over ``steps`` steps: {name: {calls, ms_per_call}}."""
+def _native_bytes(name: str, a: tuple, kw: dict) -> int:
+    """Bytes this rank sends in one of FSDP's own collectives (ring: K-1 chunks of its shard)."""
+    x = kw.get("input_tensor", a[1] if len(a) > 1 else None)
+    group = kw.get("group", a[2] if len(a) > 2 else None)
+    if x is None or group is None:
+        return 0
+    k = group.size()
+    per = x.numel() * x.element_size()
+    return (k - 1) * per // k if name == "fsdp_reduce_scatter" else (k - 1) * per
+
+
+def _lowbit_bytes(run: Run) -> int:
+    stats = getattr(run.state, "stats", None)
+    return int(getattr(stats, "bytes_sent", 0) or 0)
+
+
+def call_host_ms(run: Run, device: torch.device, steps: int = 3) -> tuple[dict[str, dict[str, float]], int | None]:
+    """Host time per call of each communication class over ``steps`` steps: {name: {calls, ms_per_call}},
+    and the bytes this rank put on the wire a step (FSDP's own collectives counted from their tensors,
+    lowbit's from its statistics, DDP's own all-reduce as a ring's 2(K-1)/K of the gradient)."""
     times: dict[str, list[float]] = {}
+    native = [0]
     saved = []
     for name, cls in _comm_classes().items():
         orig = cls.__call__
 
         def wrapper(self, *a, __orig=orig, __name=name, **kw):  # noqa: ANN001
+            if __name.startswith("fsdp_"):
+                native[0] += _native_bytes(__name, a, kw)
             t0 = time.perf_counter()
             try:
                 return __orig(self, *a, **kw)
@@ -329,6 +360,7 @@ def call_host_ms(run: Run, device: torch.device, steps: int = 3) -> dict[str, di
         cls.__call__ = wrapper  # type: ignore[method-assign]
     HOOK_TIMES.clear()
     HOOK_TIMES["on"] = times
+    before = _lowbit_bytes(run)
     try:
         for _ in range(steps):
             run.step()
@@ -337,7 +369,12 @@ def call_host_ms(run: Run, device: torch.device, steps: int = 3) -> dict[str, di
         HOOK_TIMES.clear()
         for cls, orig in saved:
             cls.__call__ = orig  # type: ignore[method-assign]
-    return {k: {"calls": len(v) / steps, "ms_per_call": statistics.median(v)} for k, v in sorted(times.items())}
+    counted = _lowbit_bytes(run) - before
+    wire = (counted + native[0]) / steps
+    if run.native_ddp_bytes is not None and counted == 0:  # DDP's own all-reduce (auto: where it kept it)
+        wire = run.native_ddp_bytes
+    calls = {k: {"calls": len(v) / steps, "ms_per_call": statistics.median(v)} for k, v in sorted(times.items())}
+    return calls, int(wire)
 
 
 #: while call_host_ms runs: {"on": its dict of times}; empty otherwise
@@ -517,9 +554,11 @@ def main(argv: list[str] | None = None) -> int:
                 peak[name].append(torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0)
                 if r == args.rounds - 1:
                     gpu, launches, top = profiled(run, device)
+                    calls, wire = call_host_ms(run, device)
                     extra[name] = {"host_ms": host_ms(run, device), "gpu_ms": gpu, "launches": launches,
-                                   "top_kernels": top, "finite": finite(run),
-                                   "call_host_ms": call_host_ms(run, device), "residual_mb": run.residual_mb(),
+                                   "top_kernels": top, "finite": finite(run), "call_host_ms": calls,
+                                   "wire_bytes_per_step": wire,
+                                   "residual_mb": run.residual_mb(),
                                    "auto": _auto(run.state)}
                     if name in args.cprofile_names:
                         cprofile(run, device, f"{args.out}.cprofile.{name.replace(':', '_').replace(',', '_')}.txt")
@@ -536,6 +575,8 @@ def main(argv: list[str] | None = None) -> int:
                      "ms_per_step": statistics.median(ms[name]), "ratio": statistics.median(ratios),
                      "ratios": ratios, "ms_rounds": ms[name], "peak_mb": pk if device.type == "cuda" else None,
                      "mem_ratio": pk / bpk if device.type == "cuda" and bpk else None, **extra[name]})
+        r = rows[-1]
+        r["mem_ratio_ex_residual"] = ((pk - r["residual_mb"]) / bpk) if device.type == "cuda" and bpk else None
     out = {"meta": meta(args, device), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))

@@ -24,7 +24,7 @@ from lowbit.cli.advise import _one_of, add_cluster_arguments, add_codec_rate_arg
 from lowbit.cli.bench import load_bench
 from lowbit.extras import require
 from lowbit.perfmodel import advise as advise_mod
-from lowbit.perfmodel import dettmers
+from lowbit.perfmodel import dettmers, overhead
 from lowbit.perfmodel.calibrate import HUGE_BW, Calibration
 from lowbit.perfmodel.fit import calibrate
 from lowbit.perfmodel.collectives import modeled_algorithms
@@ -53,6 +53,9 @@ def register(subparsers: Any) -> None:
                    help="fit links, codec costs and compute from `lowbit bench allreduce --json` files and/or "
                    "study results (a directory holding results.jsonl, or the .jsonl)")
     g.add_argument("--save-calibration", metavar="PATH", help="with --calibrate: write the calibration JSON here")
+    g.add_argument("--overhead", metavar="BENCH.json", action="append",
+                   help="results of benchmarks/bench_overhead.py: the link bandwidth per GPU below which each "
+                   "configuration pays, from its measured overhead (docs/perfmodel.md)")
     g.add_argument("--validate", metavar="RESULTS",
                    help="predicted vs measured step time for every run of these study results")
     g.add_argument("--calibration", metavar="PATH",
@@ -342,12 +345,32 @@ def _predict_calibrated(args: argparse.Namespace) -> Prediction:
     return advise_mod.predict_assignment(net, assignment, setup)
 
 
+def run_overhead(args: argparse.Namespace) -> int:
+    """``--overhead FILE...``: :func:`lowbit.perfmodel.overhead.breakeven` of each file."""
+    docs = []
+    for path in args.overhead:
+        try:
+            docs.append(json.loads(Path(path).read_text()))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--overhead {path}: not a bench_overhead.py result ({e})") from e
+        if not isinstance(docs[-1], dict) or "rows" not in docs[-1]:
+            raise ValueError(f"--overhead {path}: not a bench_overhead.py result (no 'rows')")
+    if args.json:
+        print(json.dumps([{"file": p, "rows": [dataclasses.asdict(b) for b in overhead.breakeven(d)]}
+                          for p, d in zip(args.overhead, docs)], indent=2))
+    else:
+        print("\n\n".join(overhead.format_breakeven(d) for d in docs))
+    return 0
+
+
 def run_predict(args: argparse.Namespace) -> int:
     if args.dettmers:
         print(json.dumps(_dettmers_json(), indent=2) if args.json else format_dettmers())
         return 0
     if args.save_calibration and not args.calibrate:
         raise ValueError("--save-calibration needs --calibrate BENCH.json [RESULTS]")
+    if args.overhead:
+        return run_overhead(args)
     if args.calibrate:
         return run_calibrate(args)
     if args.validate:
