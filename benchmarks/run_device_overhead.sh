@@ -5,6 +5,7 @@
 set -u
 OUT=${OUT:-/tmp/overhead}; mkdir -p "$OUT"
 ROUNDS=${ROUNDS:-5}; STEPS=${STEPS:-10}; PARTS=${PARTS:-"fsdp16 fsdp4 ddp_gpt2_small ddp_resnet50 ddp_alexnet"}
+WIRE=${WIRE:-mirror}  # mirror: collectives hand back this rank's bytes (finite values); fake: nothing moves
 CPROF=${CPROF:-}
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 for part in $PARTS; do
@@ -17,7 +18,7 @@ for part in $PARTS; do
     *) echo "unknown part $part"; exit 2 ;;
   esac
   echo "== $part"
-  python benchmarks/bench_overhead.py "${args[@]}" --device cuda --rounds "$ROUNDS" --steps "$STEPS" \
-    ${CONFIGS:+--configs "$CONFIGS"} ${CPROF:+--cprofile "$CPROF"} --out "$OUT/overhead_$part.json" 2> "$OUT/overhead_$part.log" \
-    || { echo "FAILED: $part"; tail -30 "$OUT/overhead_$part.log"; }
+  python benchmarks/bench_overhead.py "${args[@]}" --device cuda --wire "$WIRE" --rounds "$ROUNDS" --steps "$STEPS" \
+    ${CONFIGS:+--configs "$CONFIGS"} ${CPROF:+--cprofile "$CPROF"} --out "$OUT/overhead_${part}_$WIRE.json" 2> "$OUT/overhead_${part}_$WIRE.log" \
+    || { echo "FAILED: $part"; tail -30 "$OUT/overhead_${part}_$WIRE.log"; }
 done
