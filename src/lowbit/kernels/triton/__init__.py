@@ -41,6 +41,9 @@ Bit-exactness
       tensor by a Python scalar as a true division on CPU but as a multiplication by the float32
       reciprocal on CUDA; qsgd decode probes which (once per device) and does the same.
     * Stochastic rounding draws ``u(seed, i)`` from the same murmur3-fmix32 counter hash, in uint32.
+      16-bit qsgd rounds the exact level (reference.qsgd_round_exact): two explicit ``tl.fma`` (the
+      residuals the reference takes exactly in float64) and a dozen float32 operations more per value,
+      no float64.
     * Max-norm scales are exact (max does not depend on order; NaN comes out as the reference's NaN).
       ``norm="l2"`` scales are a float32 sum of squares in Triton's reduction order; the reference's
       (``reference.tree_sum``, pairwise) differs, so they agree to a few ulps, and a

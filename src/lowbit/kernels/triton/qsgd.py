@@ -29,6 +29,7 @@ from lowbit.kernels.triton.common import (
     _load_codes,
     _new_payload,
     _pack_store,
+    _per_elem,
     _pid,
     _safe,
     _scale_view,
@@ -52,7 +53,7 @@ F32_HALF_MAX = tl.constexpr(ref.F32_MAX / 2)
 
 @triton.jit
 def _quantize(r, idx, key, S: tl.constexpr, STOCH: tl.constexpr, BOUNDED: tl.constexpr):
-    """QSGD code of each r = x / (its bucket's safe scale): uint32 in [0, 2S].
+    """QSGD code of each r = x / (its bucket's safe scale): uint32 in [0, 2S] (bits <= 8).
 
     The reference floors q + u, maps NaN to 0 and clamps to [0, 2S]. Clamping first gives the same
     codes (the bounds are integers), and then truncation is the floor. BOUNDED: r is finite with
@@ -67,6 +68,35 @@ def _quantize(r, idx, key, S: tl.constexpr, STOCH: tl.constexpr, BOUNDED: tl.con
         q = tl.where(q == q, q, 0.0)
         q = tl.maximum(q, 0.0)
     return tl.minimum(q, 2 * S).to(tl.uint32)  # (2S + u may round up to 2S + 1)
+
+
+@triton.jit
+def _level_ratio(safe, S: tl.constexpr):
+    """reference.qsgd_level_residual's k = S / safe (0 where it overflows), per bucket."""
+    ks = tl.div_rn(S, safe)
+    return tl.where(ks < float("inf"), ks, 0.0)
+
+
+@triton.jit
+def _quantize_exact(x, r, scale, safe, ks, idx, key, S: tl.constexpr, STOCH: tl.constexpr):
+    """QSGD code of each x (bits > 8): reference.qsgd_round_exact, floor(q* + u) of the exact level
+    q* = q + c, where its bucket's ``scale`` (``safe``, ``ks = _level_ratio(safe)``, all per element) is
+    finite; the float32 floor(q + u) elsewhere. r as in _quantize (r = -1 for a NaN, bounded or not):
+    uint32 in [0, 2S]. About a dozen float32 operations more than _quantize, two of them FMAs."""
+    p = r * S
+    q = p + S
+    if STOCH:
+        add = _uniform(idx, key)
+    else:
+        add = 0.5
+    p_lo = tl.fma(r, S, -p)
+    q_lo = p - (q - S)
+    rem = tl.fma(-r, safe, x)
+    c = (q_lo + p_lo) + rem * ks
+    fl = tl.floor(q)
+    code = tl.where(scale < float("inf"), fl + tl.floor((q - fl) + (c + add)), q + add)
+    code = tl.where(code == code, code, 0.0)
+    return tl.minimum(tl.maximum(code, 0.0), 2 * S).to(tl.uint32)
 
 
 # ===================================================================================== qsgd kernels
@@ -87,13 +117,24 @@ def _qsgd_encode_body(x_ptr, pay_ptr, code_ptr, n, nb, bucket, nbytes, key, pid,
             # reference.cap_l2: a finite bucket's norm past float32's max is capped there
             scale = _canon_nan(tl.where((l2 == float("inf")) & (scale < float("inf")), F32_MAX, l2))
         _store_scales(scale_ptr, scale, pid, nb, ROWS, MASKED)
-        codes = _quantize(_div_tile(x, scale, ROWS, BUCKET, True, -1.0, True), offs, key, S, STOCH, True)
+        r = _div_tile(x, scale, ROWS, BUCKET, True, -1.0, True)
+        if BITS > 8:  # per-bucket terms, then broadcast
+            safe = _safe(scale)
+            codes = _quantize_exact(x, r, _per_elem(scale, ROWS, BUCKET), _per_elem(safe, ROWS, BUCKET),
+                                    _per_elem(_level_ratio(safe, S), ROWS, BUCKET), offs, key, S, STOCH)
+        else:
+            codes = _quantize(r, offs, key, S, STOCH, True)
     else:  # (BLOCK,) elements of any buckets: scales precomputed, gathered
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         inb = offs < n
         x = _ld(x_ptr + offs, inb, 0.0, MASKED)
         scale = _ld(scale_ptr + offs // bucket, inb, 1.0, MASKED)
-        codes = _quantize(_inf_sign(x, tl.div_rn(x, _safe(scale))), offs, key, S, STOCH, False)
+        safe = _safe(scale)
+        r = _inf_sign(x, tl.div_rn(x, safe))
+        if BITS > 8:
+            codes = _quantize_exact(x, r, scale, safe, _level_ratio(safe, S), offs, key, S, STOCH)
+        else:
+            codes = _quantize(r, offs, key, S, STOCH, False)
     if MASKED:
         codes = tl.where(inb, codes, 0)
     _pack_store(codes, code_ptr, pid * BLOCK, nbytes, n, BLOCK, BITS, MASKED, BITS <= 2)
