@@ -248,9 +248,14 @@ def qsgd_level_residual(x: torch.Tensor, r: torch.Tensor, q: torch.Tensor, safe:
     p_lo = _residual32(r, s, -p)
     q_lo = p - (q - s)
     rem = _residual32(-r, safe, x)
-    k = (torch.full_like(safe, s, dtype=torch.float64) / safe.double()).float()  # true division, rounded once
-    k = torch.where(k < float("inf"), k, torch.zeros_like(k))
-    return (q_lo + p_lo) + rem * k
+    return (q_lo + p_lo) + rem * qsgd_level_ratio(safe, s)
+
+
+def qsgd_level_ratio(safe: torch.Tensor, s: float) -> torch.Tensor:
+    """``k = s / safe`` in float32, correctly rounded (a float64 division rounded once more: exact for a
+    quotient, 53 >= 2 * 24 + 2 bits), 0 where it overflows."""
+    k = (torch.full_like(safe, s, dtype=torch.float64) / safe.double()).float()
+    return torch.where(k < float("inf"), k, torch.zeros_like(k))
 
 
 def qsgd_round_exact(x: torch.Tensor, r: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, s: float,
