@@ -13,7 +13,10 @@ The default ``levels=zero`` keeps a level at zero (the seed's choice).
 
 ``rounding=stochastic`` picks the upper neighbour with probability equal to the distance from the lower
 one, so ``E[decode(encode(x))] = x`` and Lemma 3.1's variance bound holds with ``n = bucket``;
-``rounding=nearest`` is deterministic with error at most half a level.
+``rounding=nearest`` is deterministic with error at most half a level. At 16 bits both round the exact
+level ``s + s * x / scale`` (to within 2^-22 of a step; a float32 ``q + u`` near 2^16 keeps only 8
+fractional bits); at 8 bits and below the float32 ``floor(q + u)`` / ``floor(q + 1/2)`` of
+``q = (x / scale) * s + s``, within 2^-17 of a step (``kernels.reference.qsgd_encode``).
 
 Wire format: ``[scale per bucket: float32 x ceil(n/bucket)] [codes: bits each, LSB-first bit stream]``,
 so 4-bit with bucket 512 costs ``4 + 32/512`` bits per value.

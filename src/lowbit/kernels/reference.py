@@ -223,6 +223,56 @@ def qsgd_levels(bits: int, full: bool = False) -> float:
     return 0.5 if bits == 1 else float((1 << (bits - 1)) - 1)
 
 
+#: Widths above this round the exact level (:func:`qsgd_round_exact`); at 8 bits and below the level is
+#: ``q = (x / scale) * s + s`` in float32 and the code ``floor(q + u)``: q < 256 keeps 16 fractional bits,
+#: so the sum's rounding moves the probability by at most 2^-17 of a step (the bits stay as they were).
+QSGD_EXACT_ABOVE_BITS = 8
+
+
+def _residual32(a: torch.Tensor, b: torch.Tensor | float, c: torch.Tensor) -> torch.Tensor:
+    """float32 ``fma(a, b, c)`` for the two error terms of :func:`qsgd_level_residual`, ``r*s - fl(r*s)``
+    and ``x - r*safe``: the float32 product is exact in float64 and the sum then too (Sterbenz: ``-c`` is
+    within a factor 2 of ``a*b``), so rounding it to float32 once is the FMA's rounding."""
+    return (a.double() * b + c.double()).float()
+
+
+def qsgd_level_residual(x: torch.Tensor, r: torch.Tensor, q: torch.Tensor, safe: torch.Tensor,
+                        s: float) -> torch.Tensor:
+    """``c`` with ``q + c`` the exact level ``s + s * x / safe`` to within 2^-32 of a step, where
+    ``r = x / safe`` and ``q = r * s + s`` are float32 (``|r| <= 1``, ``safe`` finite, broadcastable):
+    ``x / safe = r + rem / safe`` with the division's remainder ``rem = fma(-r, safe, x)`` (exact),
+    ``r * s = p + fma(r, s, -p)`` with ``p = r * s`` (exact) and ``p + s = q + (p - (q - s))`` (Fast2Sum,
+    exact since ``|p| <= s``). ``rem / safe`` enters times ``k = s / safe`` (float32, correctly rounded;
+    0 where it overflows, for scales below 2^-113, whose remainders are no longer exact anyway)."""
+    p = r * s
+    p_lo = _residual32(r, s, -p)
+    q_lo = p - (q - s)
+    rem = _residual32(-r, safe, x)
+    return (q_lo + p_lo) + rem * qsgd_level_ratio(safe, s)
+
+
+def qsgd_level_ratio(safe: torch.Tensor, s: float) -> torch.Tensor:
+    """``k = s / safe`` in float32, correctly rounded (a float64 division rounded once more: exact for a
+    quotient, 53 >= 2 * 24 + 2 bits), 0 where it overflows."""
+    k = (torch.full_like(safe, s, dtype=torch.float64) / safe.double()).float()
+    return torch.where(k < float("inf"), k, torch.zeros_like(k))
+
+
+def qsgd_round_exact(x: torch.Tensor, r: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, s: float,
+                     add: torch.Tensor | float) -> torch.Tensor:
+    """``floor(q* + add)`` of the exact level ``q* = q + c`` (:func:`qsgd_level_residual`) with ``add``
+    the uniform ``u`` (stochastic) or 1/2 (nearest), as ``fl + floor((q - fl) + (c + add))`` with
+    ``fl = floor(q)``: float32 sums of numbers below 2, so the probability of rounding up is
+    ``frac(q*)`` within 2^-22 (a float32 ``q + u`` near 2^16 keeps 8 fractional bits: a bias of 2^-9 of
+    a step). ``scale``: the buckets' scales, broadcastable; where one is Inf or NaN (its codes decode to
+    non-finite values anyway) the float32 ``floor(q + add)``."""
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    c = qsgd_level_residual(x, r, q, safe, s)
+    fl = torch.floor(q)
+    code = fl + torch.floor((q - fl) + (c + add))
+    return torch.where(torch.isfinite(scale), code, torch.floor(q + add))
+
+
 def qsgd_encode(
     x: torch.Tensor, bits: int, bucket: int, norm: str, stochastic: bool, seed: int, full: bool = False
 ) -> torch.Tensor:
@@ -233,12 +283,13 @@ def qsgd_encode(
     scale = bucket_absmax(xb) if norm == "max" else bucket_l2(xb)  # (nb,)
     s = qsgd_levels(bits, full)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = inf_sign(xb, xb / safe[:, None]) * s + s  # in [0, 2s]
-    if stochastic:
-        u = uniform(seed, 0, xb.numel(), x.device).view_as(q)
-        q = torch.floor(q + u)
+    r = inf_sign(xb, xb / safe[:, None])
+    q = r * s + s  # in [0, 2s]
+    add = uniform(seed, 0, xb.numel(), x.device).view_as(q) if stochastic else 0.5
+    if bits > QSGD_EXACT_ABOVE_BITS:
+        q = qsgd_round_exact(xb, r, q, scale[:, None], s, add)
     else:
-        q = torch.floor(q + 0.5)
+        q = torch.floor(q + add)
     codes = torch.nan_to_num(q, nan=0.0).clamp_(0.0, 2 * s).to(torch.int64).reshape(-1)[:n]
     return torch.cat([scale.contiguous().view(torch.uint8), pack_bits(codes, bits)])
 

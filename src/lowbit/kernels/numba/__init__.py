@@ -22,7 +22,9 @@ How the work is split
 Why the arithmetic is written out the way it is
     The payload must equal the reference's bytes, so every float32 operation follows the reference's
     order: ``q = (x / safe_scale) * s + s``, ``floor(q + u)`` or ``floor(q + 0.5)``, NaN -> 0, clamp to
-    ``[0, 2s]``. ``fastmath=False`` keeps LLVM from contracting ``a * b + c`` into an FMA or reordering.
+    ``[0, 2s]``; at 16 bits the exact level's residual of reference.qsgd_round_exact, its two FMAs taken
+    in float64 as the reference takes them (exact there). ``fastmath=False`` keeps LLVM from contracting
+    ``a * b + c`` into an FMA or reordering.
     The uniforms are the reference's counter hash (murmur3 ``fmix32``) in uint64 arithmetic masked to
     32 bits. Two scales are float32 sums, whose rounding depends on the order of the additions: the
     reference defines that order (:func:`lowbit.kernels.reference.tree_sum`: pairwise, neighbours first,

@@ -129,20 +129,35 @@ def _codes_segment(x, lo, hi, scale, s, two_s, stochastic, key, dst, d0):
             ds[k] = f
 
 
+@njit(inline="always", **_JIT)
+def _exact_code(v, safe, ks, s, add):
+    """reference.qsgd_round_exact for one finite v of a bucket with a finite scale (``ks = s / safe``, 0
+    where that overflowed): floor(q* + add) of the exact level q* = q + c. The two FMAs of
+    reference.qsgd_level_residual are taken in float64 as the reference takes them (exact there)."""
+    r = v / safe
+    p = r * s
+    q = p + s
+    p_lo = np.float32(np.float64(r) * np.float64(s) - np.float64(p))
+    q_lo = p - (q - s)
+    rem = np.float32(np.float64(v) - np.float64(r) * np.float64(safe))
+    c = (q_lo + p_lo) + rem * ks
+    fl = np.floor(q)
+    return fl + np.floor((q - fl) + (c + add))
+
+
 @njit(**_JIT)
 def _codes_segment16(x, lo, hi, scale, s, two_s, stochastic, key, stream):
-    """16-bit codes of x[lo:hi] written little-endian straight into the stream."""
+    """16-bit codes of x[lo:hi] written little-endian straight into the stream (rounding the exact
+    level: _exact_code)."""
     safe = scale if scale > _F0 else _F1
+    ks = s / safe
+    ks = ks if ks < _PINF else _F0
     xs = x[lo:hi]
     ds = stream[2 * lo : 2 * hi]
     finite = scale < _PINF  # else the bucket may hold an Inf (_slow_code)
     for k in range(xs.size):
         if finite:
-            q = (xs[k] / safe) * s + s
-            if stochastic:
-                f = np.floor(q + _uniform(key, lo + k))
-            else:
-                f = np.floor(q + _HALF)
+            f = _exact_code(xs[k], safe, ks, s, _uniform(key, lo + k) if stochastic else _HALF)
             f = f if f > _F0 else _F0
             f = f if f < two_s else two_s
         else:
