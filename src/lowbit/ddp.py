@@ -96,6 +96,7 @@ from lowbit.timeline import plan_step
 from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
 from lowbit.comm.allreduce import AUTO, CommStats, get_algorithm, resolve_algorithm, start
+from lowbit.comm.groups import new_subgroup
 from lowbit.feedback import flat_residual, load_residuals, residuals_state
 from lowbit.policy import Policy
 
@@ -558,8 +559,7 @@ class LowbitState:
         ``process_group`` calls it) where the thread may run and torch.distributed is initialised."""
         if self.wants_thread_group(module) and dist.is_available() and dist.is_initialized():
             base = self.process_group if self.process_group is not None else dist.group.WORLD
-            self._thread_group = dist.new_group(ranks=dist.get_process_group_ranks(base),
-                                                backend=dist.get_backend(base), use_local_synchronization=True)
+            self._thread_group = new_subgroup(base, dist.get_process_group_ranks(base))  # (base's timeout)
 
     def wants_thread_group(self, module: nn.Module) -> bool:
         """Whether :meth:`open_thread_group` creates a group: the hook thread may run (``hook_thread`` True,

@@ -19,9 +19,9 @@ Per-tensor codecs (per-column 1bitSGD, Dettmers with one scale per tensor) canno
 tensor: with them the call runs the flat allgather.
 
 The sub-groups (one per node, one per local index) are created once per (group, node size) on first
-use, by the ranks that belong to them (``use_local_synchronization``), and cached. The node size comes
-from ``node_size=``, else ``LOWBIT_NODE_SIZE``, else torchrun's ``LOCAL_WORLD_SIZE``. ``LOWBIT_NODE_SIZE``
-is how a single host emulates several nodes (docs/multinode.md).
+use, by the ranks that belong to them, with the group's timeout and backend (lowbit.comm.groups), and
+cached. The node size comes from ``node_size=``, else ``LOWBIT_NODE_SIZE``, else torchrun's
+``LOCAL_WORLD_SIZE``. ``LOWBIT_NODE_SIZE`` is how a single host emulates several nodes (docs/multinode.md).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from lowbit.comm import collectives as C
 from lowbit.comm.allreduce import bytes_sent_per_rank, start
 from lowbit.comm.flat import _native
 from lowbit.comm.framing import _keep
+from lowbit.comm.groups import new_subgroup
 from lowbit.comm.registry import AlgorithmPlugin, register_algorithm, resolve_algorithm
 
 __all__ = ["NODE_SIZE_ENV", "node_size_for", "Topology", "topology", "start_hierarchical", "bytes_between_nodes",
@@ -101,9 +102,9 @@ def topology(group: dist.ProcessGroup | None, node_size: int) -> Topology:
         node, local = divmod(rank, node_size)
         intra = cross = None
         if node_size > 1:
-            intra = dist.new_group(list(ranks[node * node_size : (node + 1) * node_size]), use_local_synchronization=True)
+            intra = new_subgroup(group, ranks[node * node_size : (node + 1) * node_size])
         if nodes > 1:
-            cross = dist.new_group([ranks[j * node_size + local] for j in range(nodes)], use_local_synchronization=True)
+            cross = new_subgroup(group, [ranks[j * node_size + local] for j in range(nodes)])
         topo = _TOPOLOGIES[key] = Topology(node_size, nodes, node, local, intra, cross)
     return topo
 
