@@ -1,7 +1,10 @@
-"""lowbit's own process groups (lowbit.comm.groups, issue 44 item 1), gloo on CPU: every group lowbit
-makes (lowbit.fsdp's communicators, the hierarchical topology, the DDP hook thread's) has its parent's
-timeout and backend, so a stalled peer is an error after the job's timeout, as with plain FSDP2, not
-after gloo's default 30 minutes.
+"""lowbit's own process groups (lowbit.comm.groups, issue 44 items 1 and 5), gloo on CPU:
+
+* every group lowbit makes (lowbit.fsdp's communicators, the hierarchical topology, the DDP hook
+  thread's) has its parent's timeout and backend, so a stalled peer is an error after the job's
+  timeout, as with plain FSDP2, not after gloo's default 30 minutes;
+* the hierarchical algorithm still works after ``destroy_process_group()`` and a new
+  ``init_process_group()`` (its cached groups belonged to the old default group).
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ SHORT_S = 7
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list:
-    parts = (("timeouts", _body_timeouts, ()),)
+    tmp = str(tmp_path_factory.mktemp("groups"))
+    parts = (("timeouts", _body_timeouts, ()),
+             ("reinit", _body_reinit, (tmp,)))  # last: it replaces the default group
     return spawn(run_parts, 2, parts, backend="gloo", timeout_s=SPAWN_TIMEOUT_S)
 
 
@@ -42,9 +47,10 @@ def _body_timeouts(rank: int, world: int) -> dict:
 
     short = dist.new_group(timeout=timedelta(seconds=SHORT_S))
     out = {"world": _seconds(None), "short": _seconds(short)}
-    # the hierarchical algorithm's groups
+    # the hierarchical algorithm's groups, of the default group and of the short one
     out["hier_cross"] = _seconds(topology(None, 1).cross)  # 2 nodes of 1: one cross-node group
     out["hier_intra"] = _seconds(topology(None, 2).intra)  # 1 node of 2: one node group
+    out["hier_short_cross"] = _seconds(topology(short, 1).cross)
     # lowbit.fsdp's communicators over FSDP's group (one node; and 2 nodes of 1 rank)
     one = _make_groups(short, None)
     two = _make_groups(short, 1)
@@ -61,10 +67,41 @@ def test_lowbit_groups_take_their_parent_groups_timeout(ranks: list) -> None:
     for r in part(ranks, "timeouts"):
         assert r["world"] == SPAWN_TIMEOUT_S and r["short"] == SHORT_S, r  # torch shows them (2.6+)
         assert r["hier_cross"] == r["hier_intra"] == SPAWN_TIMEOUT_S, r
-        for key in ("fsdp_one_node", "fsdp_cross", "ddp_thread"):
+        for key in ("hier_short_cross", "fsdp_one_node", "fsdp_cross", "ddp_thread"):
             assert r[key] == SHORT_S, (key, r)
         assert r["fsdp_intra"] is None or r["fsdp_intra"] == SHORT_S, r  # (a group of one rank: None)
         assert r["backends"] == {"gloo"}, r
+
+
+def _body_reinit(rank: int, world: int, tmp: str) -> dict:
+    import gc
+
+    from lowbit.comm.hierarchical import _TOPOLOGIES
+
+    x = torch.arange(8, dtype=torch.float32) + rank
+    out: dict = {"results": []}
+    for i in range(2):
+        if i:  # a new default group, as a job that restarts its process group does
+            dist.destroy_process_group()
+            gc.collect()
+            out["cached_after_destroy"] = len(_TOPOLOGIES)  # the old groups' topologies went with them
+            dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous2", rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=SPAWN_TIMEOUT_S))
+        t = x.clone()
+        lowbit.all_reduce(t, "qsgd:bits=8,bucket=512", algorithm="hierarchical", op="mean", node_size=1)
+        out["results"].append(t)
+    return out
+
+
+def test_hierarchical_works_after_the_process_group_is_made_again(ranks: list) -> None:
+    """It raised torch's "Group ... is not registered" after the re-init: the topology cache kept the old
+    default group's sub-groups."""
+    r0, r1 = part(ranks, "reinit")
+    exact = torch.arange(8, dtype=torch.float32) + 0.5
+    for t in r0["results"] + r1["results"]:
+        assert float((t - exact).norm() / exact.norm()) < 0.02
+    assert torch.equal(r0["results"][1], r1["results"][1])
+    assert r0["cached_after_destroy"] == r1["cached_after_destroy"] == 0
 
 
 # ------------------------------------------------------------------------ a stalled peer under FSDP

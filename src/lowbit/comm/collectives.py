@@ -23,6 +23,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from lowbit.comm.groups import PerGroup
+
 __all__ = ["CollectiveError", "Deferred", "capturing", "world", "all_to_all_async", "all_gather_async",
            "all_reduce_async", "reduce_scatter_async", "all_to_all", "all_gather", "reduce_scatter", "then", "join",
            "wait", "done", "all_gather_object",
@@ -405,7 +407,8 @@ class _Pending:
         self.window.append(fields)
 
 
-_PENDING: dict[int, _Pending] = {}
+#: the CUDA call checks' state per process group (dropped with it: lowbit.comm.groups)
+_PENDING: PerGroup[_Pending] = PerGroup()
 
 
 @functools.lru_cache(maxsize=4096)
@@ -473,7 +476,7 @@ def flush_checks(group: dist.ProcessGroup | None = None, what: str = "all_reduce
     """Compare the calls of ``group`` not yet compared and read every comparison in flight (waits for
     them), raising the :class:`CollectiveError` of the first mismatch. Every rank must call it at the
     same point (e.g. at the end of a run)."""
-    p = _PENDING.get(id(group) if group is not None else 0)
+    p = _PENDING.get(group)
     if p is None:
         return
     if p.window:
@@ -500,16 +503,15 @@ def check_call(group: dist.ProcessGroup | None, what: str, fields: tuple, descri
     _, k = world(group)
     if k == 1 or not CHECK_CALLS:
         return
-    gid = id(group) if group is not None else 0
     fp = _fingerprint(fields)
     if device.type == "cuda":
         if torch.cuda.is_current_stream_capturing():
             # a CUDA graph records the collectives once (the eager step before it made them, checked) and
             # replays them as recorded: nothing to compare, and no host read may happen inside a capture
             return
-        p = _PENDING.get(gid)
+        p = _PENDING.get(group)
         if p is None or p.theirs.numel() != k or p.theirs.device != device:
-            p = _PENDING[gid] = _Pending(k, device)
+            p = _PENDING.set(group, _Pending(k, device))
         p.add(fp, fields)
         if len(p.window) >= CHECK_EVERY:
             _compare(group, what, describe, p)

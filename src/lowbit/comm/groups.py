@@ -1,4 +1,4 @@
-"""lowbit's own communicators: made like the group they come from.
+"""lowbit's own communicators: made like the group they come from, and cached with it.
 
 Every process group lowbit creates (lowbit.fsdp's gradient and parameter communicators, the
 hierarchical algorithm's node and cross-node groups, the DDP hook thread's group) comes from
@@ -10,18 +10,27 @@ hierarchical algorithm's node and cross-node groups, the DDP hook thread's group
   after the job's timeout;
 * **backend** (as the parent was made: ``"gloo"``, ``"nccl"``, ``"cpu:gloo,cuda:nccl"``), and on NCCL
   its stream priority.
+
+:class:`PerGroup` holds what lowbit keeps for a process group (the hierarchical topology, the call
+checks' buffers), keyed weakly by the group object: it goes when the group goes, and a group made
+again after ``destroy_process_group()`` (a new object, ``WORLD`` included) starts with nothing,
+instead of reaching groups torch no longer knows ("Group ... is not registered").
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Generic, TypeVar
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["group_timeout", "new_subgroup"]
+__all__ = ["group_timeout", "new_subgroup", "PerGroup"]
+
+V = TypeVar("V")
 
 _WARNED: list[bool] = []
 
@@ -96,3 +105,25 @@ def new_subgroup(parent: dist.ProcessGroup | None, ranks: Sequence[int]) -> dist
                       RuntimeWarning, stacklevel=2)
     return dist.new_group(list(ranks), timeout=timeout, backend=dist.get_backend(pg),
                           pg_options=_nccl_options(pg, timeout), use_local_synchronization=True)
+
+
+class PerGroup(Generic[V]):
+    """Values kept for process groups, each dropped with its group (the module docstring); None in
+    :meth:`get` and :meth:`set` stands for the default group at the time of the call."""
+
+    def __init__(self) -> None:
+        self._values: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def get(self, group: dist.ProcessGroup | None) -> V | None:
+        """The value kept for ``group``, None if none."""
+        if group is None and dist.group.WORLD is None:
+            return None
+        return self._values.get(_resolve(group))
+
+    def set(self, group: dist.ProcessGroup | None, value: V) -> V:
+        """Keep ``value`` for ``group`` (until the group goes); returns it."""
+        self._values[_resolve(group)] = value
+        return value
+
+    def __len__(self) -> int:
+        return len(self._values)
