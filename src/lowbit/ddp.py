@@ -81,7 +81,6 @@ import json
 import logging
 import math
 import os
-import queue
 import threading
 import warnings
 from typing import Any, Dict, List, Optional, Tuple, Union
@@ -97,6 +96,7 @@ from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
 from lowbit.comm.allreduce import AUTO, CommStats, get_algorithm, resolve_algorithm, start
 from lowbit.comm.groups import new_subgroup
+from lowbit.comm.threads import Worker
 from lowbit.feedback import flat_residual, load_residuals, residuals_state
 from lowbit.policy import Policy
 
@@ -827,8 +827,8 @@ class _HookThread:
     launched by then, so the wait costs it nothing."""
 
     def __init__(self) -> None:
-        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._thread: Optional[threading.Thread] = None
+        # (lowbit.comm.threads: holds no job once done, stopped before the process group goes)
+        self._worker = Worker("lowbit-ddp-hook", lambda job: self._job(*job), self._finished)
         self._idle = threading.Condition()
         self._pending = 0
         self._streams: Dict[torch.device, torch.cuda.Stream] = {}
@@ -845,11 +845,8 @@ class _HookThread:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(buf.device))
         with self._idle:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="lowbit-ddp-hook", daemon=True)
-                self._thread.start()
             self._pending += 1
-        self._queue.put((state, lay, buf, group, step_seed, last, ready, out))
+        self._worker.put((state, lay, buf, group, step_seed, last, ready, out))
         if last:
             with self._idle:
                 self._idle.wait_for(lambda: self._pending == 0)
@@ -861,16 +858,11 @@ class _HookThread:
             s = self._streams[device] = torch.cuda.Stream(device)
         return s
 
-    def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            try:
-                self._job(*job)
-            finally:
-                with self._idle:
-                    self._pending -= 1
-                    if self._pending == 0:
-                        self._idle.notify_all()
+    def _finished(self) -> None:  # a job has run, and its objects are free
+        with self._idle:
+            self._pending -= 1
+            if self._pending == 0:
+                self._idle.notify_all()
 
     def _job(self, state: LowbitState, lay: _Layout, buf: torch.Tensor, group: Optional[dist.ProcessGroup],
              step_seed: int, last: bool, ready: Optional[torch.cuda.Event], out: torch.futures.Future) -> None:

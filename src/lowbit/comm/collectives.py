@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from lowbit.comm.groups import PerGroup
+from lowbit.comm.threads import Worker
 
 __all__ = ["CollectiveError", "Deferred", "capturing", "world", "all_to_all_async", "all_gather_async",
            "all_reduce_async", "reduce_scatter_async", "all_to_all", "all_gather", "reduce_scatter", "then", "join",
@@ -193,7 +193,7 @@ def _issue(op: str, group: dist.ProcessGroup | None, call: Callable[[], object],
 
 
 # ------------------------------------------------------------------------------------------ emulated link
-_LINK: dict = {"bytes_per_s": None, "queue": None}
+_LINK: dict = {"bytes_per_s": None}
 
 
 def emulate_link(bytes_per_s: float | None) -> None:
@@ -205,29 +205,28 @@ def emulate_link(bytes_per_s: float | None) -> None:
     C++ allreduce does not pass here: register lowbit's hook to send fp32 across the emulated link too."""
     if bytes_per_s is not None and not (isinstance(bytes_per_s, (int, float)) and bytes_per_s > 0):
         raise ValueError(f"emulated link speed must be a number of bytes/s > 0 or None, got {bytes_per_s!r}")
-    if bytes_per_s is not None and _LINK["queue"] is None:
-        q: queue.Queue = queue.Queue()
-        threading.Thread(target=_link_worker, args=(q,), daemon=True, name="lowbit-emulated-link").start()
-        _LINK["queue"] = q
     _LINK["bytes_per_s"] = None if bytes_per_s is None else float(bytes_per_s)
 
 
-def _link_worker(q: queue.Queue) -> None:
-    while True:
-        call, nbytes, fut, op, group = q.get()
-        try:
-            call().wait()  # a Work or a Future: both wait
-            bps = _LINK["bytes_per_s"]
-            if bps:
-                time.sleep(nbytes / bps)
-            fut.set_result(None)
-        except Exception as exc:  # noqa: BLE001 — handed to whoever waits, with context
-            fut.set_exception(_fail(op, group, exc))
+def _link_job(job: tuple) -> None:
+    call, nbytes, fut, op, group = job
+    try:
+        call().wait()  # a Work or a Future: both wait
+        bps = _LINK["bytes_per_s"]
+        if bps:
+            time.sleep(nbytes / bps)
+        fut.set_result(None)
+    except Exception as exc:  # noqa: BLE001 — handed to whoever waits, with context
+        fut.set_exception(_fail(op, group, exc))
+
+
+#: the link thread (lowbit.comm.threads: started on the first collective, stopped before the group goes)
+_LINK_WORKER = Worker("lowbit-emulated-link", _link_job)
 
 
 def _via_link(op: str, group: dist.ProcessGroup | None, call: Callable[[], object], nbytes: int) -> object:
     fut: torch.futures.Future = torch.futures.Future()
-    _LINK["queue"].put((call, nbytes, fut, op, group))
+    _LINK_WORKER.put((call, nbytes, fut, op, group))
     return fut
 
 
