@@ -83,6 +83,7 @@ import math
 import os
 import threading
 import warnings
+import weakref
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -352,11 +353,15 @@ class _Group:
                     step_seed + self.seed_base, state.stats, exact=self.exact, post=post, world=state._world,
                     node_size=state.node_size, shape=self.shape)
 
+        held = weakref.ref(state)  # (not the state: a callback freed on gloo's thread must not free its group)
+
         def fail(f: torch.futures.Future) -> None:
             try:
                 f.value()
             except Exception as exc:  # noqa: BLE001 — the buckets waiting for this message fail with it
-                _remember(state, exc)
+                st = held()
+                if st is not None:
+                    _remember(st, exc)
                 if not done.done():  # type: ignore[union-attr]
                     done.set_exception(exc)  # type: ignore[union-attr]
 

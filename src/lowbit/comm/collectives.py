@@ -44,8 +44,9 @@ def world(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _fail(op: str, group: dist.ProcessGroup | None, exc: BaseException) -> CollectiveError:
-    rank, size = world(group)
+def _fail(op: str, group: dist.ProcessGroup | None | tuple[int, int], exc: BaseException) -> CollectiveError:
+    """The error of a failed ``op`` on ``group`` (or on the (rank, size) read from it before)."""
+    rank, size = group if isinstance(group, tuple) else world(group)
     return CollectiveError(
         f"lowbit: {op} failed on rank {rank} of {size} ({type(exc).__name__}: {exc}). A peer process may "
         "have died or the group's timeout expired; check the other ranks' logs."
@@ -116,12 +117,16 @@ def then(work: object, fn: Callable[[], object], op: str,
     if capturing():
         return Deferred(work, fn, op, group)
     fut = work if isinstance(work, torch.futures.Future) else work.get_future()  # type: ignore[attr-defined]
+    # The callback runs on the backend's thread and is freed there: it must not hold the group. Where the
+    # job has already destroyed the group, the callback's reference was the last one, and gloo's group,
+    # destroyed on its own worker thread, aborted the process at exit (a thread cannot join itself).
+    where = world(group)
 
     def cb(f: torch.futures.Future) -> object:
         try:
             f.value()
         except Exception as exc:  # noqa: BLE001 — re-raised with context
-            raise _fail(op, group, exc) from exc
+            raise _fail(op, where, exc) from exc
         return fn()
 
     return fut.then(cb)
