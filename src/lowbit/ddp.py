@@ -81,9 +81,9 @@ import json
 import logging
 import math
 import os
-import queue
 import threading
 import warnings
+import weakref
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -97,6 +97,8 @@ from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
 from lowbit.comm.agreement import ConfigMismatchError, agree, fingerprint
 from lowbit.comm.allreduce import AUTO, CommStats, get_algorithm, resolve_algorithm, start
+from lowbit.comm.groups import new_subgroup
+from lowbit.comm.threads import Worker
 from lowbit.feedback import flat_residual, load_residuals, residuals_state
 from lowbit.policy import Policy
 
@@ -348,11 +350,15 @@ class _Group:
                     step_seed + self.seed_base, state.stats, exact=self.exact, post=post, world=state._world,
                     node_size=state.node_size, shape=self.shape)
 
+        held = weakref.ref(state)  # (not the state: a callback freed on gloo's thread must not free its group)
+
         def fail(f: torch.futures.Future) -> None:
             try:
                 f.value()
             except Exception as exc:  # noqa: BLE001 — the buckets waiting for this message fail with it
-                _remember(state, exc)
+                st = held()
+                if st is not None:
+                    _remember(st, exc)
                 if not done.done():  # type: ignore[union-attr]
                     done.set_exception(exc)  # type: ignore[union-attr]
 
@@ -555,8 +561,7 @@ class LowbitState:
         ``process_group`` calls it) where the thread may run and torch.distributed is initialised."""
         if self.wants_thread_group(module) and dist.is_available() and dist.is_initialized():
             base = self.process_group if self.process_group is not None else dist.group.WORLD
-            self._thread_group = dist.new_group(ranks=dist.get_process_group_ranks(base),
-                                                backend=dist.get_backend(base), use_local_synchronization=True)
+            self._thread_group = new_subgroup(base, dist.get_process_group_ranks(base))  # (base's timeout)
 
     def wants_thread_group(self, module: nn.Module) -> bool:
         """Whether :meth:`open_thread_group` creates a group: the hook thread may run (``hook_thread`` True,
@@ -817,8 +822,8 @@ class _HookThread:
     launched by then, so the wait costs it nothing."""
 
     def __init__(self) -> None:
-        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._thread: Optional[threading.Thread] = None
+        # (lowbit.comm.threads: holds no job once done, stopped before the process group goes)
+        self._worker = Worker("lowbit-ddp-hook", lambda job: self._job(*job), self._finished)
         self._idle = threading.Condition()
         self._pending = 0
         self._streams: Dict[torch.device, torch.cuda.Stream] = {}
@@ -835,11 +840,8 @@ class _HookThread:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(buf.device))
         with self._idle:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="lowbit-ddp-hook", daemon=True)
-                self._thread.start()
             self._pending += 1
-        self._queue.put((state, lay, buf, group, step_seed, last, ready, out))
+        self._worker.put((state, lay, buf, group, step_seed, last, ready, out))
         if last:
             with self._idle:
                 self._idle.wait_for(lambda: self._pending == 0)
@@ -851,16 +853,11 @@ class _HookThread:
             s = self._streams[device] = torch.cuda.Stream(device)
         return s
 
-    def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            try:
-                self._job(*job)
-            finally:
-                with self._idle:
-                    self._pending -= 1
-                    if self._pending == 0:
-                        self._idle.notify_all()
+    def _finished(self) -> None:  # a job has run, and its objects are free
+        with self._idle:
+            self._pending -= 1
+            if self._pending == 0:
+                self._idle.notify_all()
 
     def _job(self, state: LowbitState, lay: _Layout, buf: torch.Tensor, group: Optional[dist.ProcessGroup],
              step_seed: int, last: bool, ready: Optional[torch.cuda.Event], out: torch.futures.Future) -> None:

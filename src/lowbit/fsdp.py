@@ -65,6 +65,7 @@ from lowbit.comm import collectives as C
 from lowbit.comm import graphs
 from lowbit.comm.agreement import agree
 from lowbit.comm.allreduce import CommStats, _framed, _slot, _zeros, all_reduce
+from lowbit.comm.groups import new_subgroup
 from lowbit.comm.hierarchical import node_size_for
 from lowbit.comm.residual import restore_unless_finite_anywhere
 from lowbit.feedback import ErrorFeedback
@@ -401,11 +402,11 @@ def _make_groups(group: dist.ProcessGroup, node_size: int | None) -> _Groups:
     ranks = dist.get_process_group_ranks(group)
     k, rank = len(ranks), group.rank()
     if node_size is None or node_size >= k:
-        return _Groups(None, dist.new_group(ranks, use_local_synchronization=True), k, 1)
+        return _Groups(None, new_subgroup(group, ranks), k, 1)  # (group's timeout and backend)
     nodes = k // node_size
     node, local = divmod(rank, node_size)
-    intra = dist.new_group(ranks[node * node_size : (node + 1) * node_size], use_local_synchronization=True)
-    cross = dist.new_group([ranks[j * node_size + local] for j in range(nodes)], use_local_synchronization=True)
+    intra = new_subgroup(group, ranks[node * node_size : (node + 1) * node_size])
+    cross = new_subgroup(group, [ranks[j * node_size + local] for j in range(nodes)])
     return _Groups(intra, cross, nodes, node_size)
 
 

@@ -7,8 +7,9 @@ writes its traceback to a file, so the real cause of a failure is shown instead 
 peer". Under torchrun (RANK / WORLD_SIZE / MASTER_ADDR set) use ``with process_group_from_env() as
 (rank, world):`` (or :func:`init_from_env` and :func:`shutdown`) instead: the worker code is the same.
 
-Teardown: every process ends with :func:`shutdown`, which frees what the run left (a DDP reducer, a
-lowbit state) while the group still exists, waits for every rank, then destroys the group. Without it a
+Teardown: every process ends with :func:`shutdown`, which stops lowbit's background threads
+(:func:`before_shutdown`), frees what the run left (a DDP reducer, a lowbit state) while the group still
+exists, waits for every rank, then destroys the group. Without it a
 2-rank gloo run under torchrun sometimes aborts at exit with "terminate called without an active
 exception" (plain torch too; docs/ddp.md, "Launching several processes").
 """
@@ -46,17 +47,30 @@ def init_from_env(backend: str | None = None, timeout: timedelta = DEFAULT_TIMEO
     return dist.get_rank(), dist.get_world_size()
 
 
+_BEFORE_SHUTDOWN: list[Callable[[], object]] = []
+
+
+def before_shutdown(fn: Callable[[], object]) -> None:
+    """Make :func:`shutdown` call ``fn()`` first, before it frees anything (once, however often given):
+    lowbit.comm.threads stops lowbit's background threads there."""
+    if fn not in _BEFORE_SHUTDOWN:
+        _BEFORE_SHUTDOWN.append(fn)
+
+
 def shutdown(clean: bool = True) -> None:
     """Destroy the default process group (if any) so that the process exits cleanly. ``clean`` (the run
-    finished normally): first collect garbage, so that objects holding the group (a DDP reducer, lowbit's
-    state) die while it exists (destroyed after it, they can abort the process with "terminate called
-    without an active exception"), then wait for every rank (a barrier), so that no rank tears its
-    connections down while a peer still uses them. After a failure only the group is destroyed: a barrier
-    would wait for peers that may be gone."""
+    finished normally): first stop lowbit's background threads (:func:`before_shutdown`), then collect
+    garbage, so that objects holding the group (a DDP reducer, lowbit's state) die while it exists
+    (destroyed after it, they can abort the process with "terminate called without an active
+    exception"), then wait for every rank (a barrier), so that no rank tears its connections down while
+    a peer still uses them. After a failure only the group is destroyed: a barrier would wait for peers
+    that may be gone (lowbit's threads are stopped at exit then)."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     try:
         if clean:
+            for fn in _BEFORE_SHUTDOWN:
+                fn()
             gc.collect()
             try:
                 dist.barrier()

@@ -15,13 +15,15 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
+from lowbit.comm.groups import PerGroup
+from lowbit.comm.threads import Worker
 
 __all__ = ["CollectiveError", "Deferred", "capturing", "world", "all_to_all_async", "all_gather_async",
            "all_reduce_async", "reduce_scatter_async", "all_to_all", "all_gather", "all_reduce", "reduce_scatter",
@@ -43,8 +45,9 @@ def world(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _fail(op: str, group: dist.ProcessGroup | None, exc: BaseException) -> CollectiveError:
-    rank, size = world(group)
+def _fail(op: str, group: dist.ProcessGroup | None | tuple[int, int], exc: BaseException) -> CollectiveError:
+    """The error of a failed ``op`` on ``group`` (or on the (rank, size) read from it before)."""
+    rank, size = group if isinstance(group, tuple) else world(group)
     return CollectiveError(
         f"lowbit: {op} failed on rank {rank} of {size} ({type(exc).__name__}: {exc}). A peer process may "
         "have died or the group's timeout expired; check the other ranks' logs."
@@ -115,12 +118,16 @@ def then(work: object, fn: Callable[[], object], op: str,
     if capturing():
         return Deferred(work, fn, op, group)
     fut = work if isinstance(work, torch.futures.Future) else work.get_future()  # type: ignore[attr-defined]
+    # The callback runs on the backend's thread and is freed there: it must not hold the group. Where the
+    # job has already destroyed the group, the callback's reference was the last one, and gloo's group,
+    # destroyed on its own worker thread, aborted the process at exit (a thread cannot join itself).
+    where = world(group)
 
     def cb(f: torch.futures.Future) -> object:
         try:
             f.value()
         except Exception as exc:  # noqa: BLE001 — re-raised with context
-            raise _fail(op, group, exc) from exc
+            raise _fail(op, where, exc) from exc
         return fn()
 
     return fut.then(cb)
@@ -192,7 +199,7 @@ def _issue(op: str, group: dist.ProcessGroup | None, call: Callable[[], object],
 
 
 # ------------------------------------------------------------------------------------------ emulated link
-_LINK: dict = {"bytes_per_s": None, "queue": None}
+_LINK: dict = {"bytes_per_s": None}
 
 
 def emulate_link(bytes_per_s: float | None) -> None:
@@ -204,29 +211,28 @@ def emulate_link(bytes_per_s: float | None) -> None:
     C++ allreduce does not pass here: register lowbit's hook to send fp32 across the emulated link too."""
     if bytes_per_s is not None and not (isinstance(bytes_per_s, (int, float)) and bytes_per_s > 0):
         raise ValueError(f"emulated link speed must be a number of bytes/s > 0 or None, got {bytes_per_s!r}")
-    if bytes_per_s is not None and _LINK["queue"] is None:
-        q: queue.Queue = queue.Queue()
-        threading.Thread(target=_link_worker, args=(q,), daemon=True, name="lowbit-emulated-link").start()
-        _LINK["queue"] = q
     _LINK["bytes_per_s"] = None if bytes_per_s is None else float(bytes_per_s)
 
 
-def _link_worker(q: queue.Queue) -> None:
-    while True:
-        call, nbytes, fut, op, group = q.get()
-        try:
-            call().wait()  # a Work or a Future: both wait
-            bps = _LINK["bytes_per_s"]
-            if bps:
-                time.sleep(nbytes / bps)
-            fut.set_result(None)
-        except Exception as exc:  # noqa: BLE001 — handed to whoever waits, with context
-            fut.set_exception(_fail(op, group, exc))
+def _link_job(job: tuple) -> None:
+    call, nbytes, fut, op, group = job
+    try:
+        call().wait()  # a Work or a Future: both wait
+        bps = _LINK["bytes_per_s"]
+        if bps:
+            time.sleep(nbytes / bps)
+        fut.set_result(None)
+    except Exception as exc:  # noqa: BLE001 — handed to whoever waits, with context
+        fut.set_exception(_fail(op, group, exc))
+
+
+#: the link thread (lowbit.comm.threads: started on the first collective, stopped before the group goes)
+_LINK_WORKER = Worker("lowbit-emulated-link", _link_job)
 
 
 def _via_link(op: str, group: dist.ProcessGroup | None, call: Callable[[], object], nbytes: int) -> object:
     fut: torch.futures.Future = torch.futures.Future()
-    _LINK["queue"].put((call, nbytes, fut, op, group))
+    _LINK_WORKER.put((call, nbytes, fut, op, group))
     return fut
 
 
@@ -414,7 +420,8 @@ class _Pending:
         self.window.append(fields)
 
 
-_PENDING: dict[int, _Pending] = {}
+#: the CUDA call checks' state per process group (dropped with it: lowbit.comm.groups)
+_PENDING: PerGroup[_Pending] = PerGroup()
 
 
 @functools.lru_cache(maxsize=4096)
@@ -482,7 +489,7 @@ def flush_checks(group: dist.ProcessGroup | None = None, what: str = "all_reduce
     """Compare the calls of ``group`` not yet compared and read every comparison in flight (waits for
     them), raising the :class:`CollectiveError` of the first mismatch. Every rank must call it at the
     same point (e.g. at the end of a run)."""
-    p = _PENDING.get(id(group) if group is not None else 0)
+    p = _PENDING.get(group)
     if p is None:
         return
     if p.window:
@@ -509,16 +516,15 @@ def check_call(group: dist.ProcessGroup | None, what: str, fields: tuple, descri
     _, k = world(group)
     if k == 1 or not CHECK_CALLS:
         return
-    gid = id(group) if group is not None else 0
     fp = _fingerprint(fields)
     if device.type == "cuda":
         if torch.cuda.is_current_stream_capturing():
             # a CUDA graph records the collectives once (the eager step before it made them, checked) and
             # replays them as recorded: nothing to compare, and no host read may happen inside a capture
             return
-        p = _PENDING.get(gid)
+        p = _PENDING.get(group)
         if p is None or p.theirs.numel() != k or p.theirs.device != device:
-            p = _PENDING[gid] = _Pending(k, device)
+            p = _PENDING.set(group, _Pending(k, device))
         p.add(fp, fields)
         if len(p.window) >= CHECK_EVERY:
             _compare(group, what, describe, p)

@@ -19,9 +19,10 @@ Per-tensor codecs (per-column 1bitSGD, Dettmers with one scale per tensor) canno
 tensor: with them the call runs the flat allgather.
 
 The sub-groups (one per node, one per local index) are created once per (group, node size) on first
-use, by the ranks that belong to them (``use_local_synchronization``), and cached. The node size comes
-from ``node_size=``, else ``LOWBIT_NODE_SIZE``, else torchrun's ``LOCAL_WORLD_SIZE``. ``LOWBIT_NODE_SIZE``
-is how a single host emulates several nodes (docs/multinode.md).
+use, by the ranks that belong to them, with the group's timeout and backend, and cached with the group
+(lowbit.comm.groups: a group made again after ``destroy_process_group()`` gets new ones). The node size
+comes from ``node_size=``, else ``LOWBIT_NODE_SIZE``, else torchrun's ``LOCAL_WORLD_SIZE``.
+``LOWBIT_NODE_SIZE`` is how a single host emulates several nodes (docs/multinode.md).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from lowbit.comm import collectives as C
 from lowbit.comm.allreduce import bytes_sent_per_rank, start
 from lowbit.comm.flat import _native
 from lowbit.comm.framing import _keep
+from lowbit.comm.groups import PerGroup, new_subgroup
 from lowbit.comm.registry import AlgorithmPlugin, register_algorithm, resolve_algorithm
 
 __all__ = ["NODE_SIZE_ENV", "node_size_for", "Topology", "topology", "start_hierarchical", "bytes_between_nodes",
@@ -87,24 +89,27 @@ class Topology:
     cross: dist.ProcessGroup | None
 
 
-_TOPOLOGIES: dict[tuple[tuple[int, ...], int], Topology] = {}
+#: per process group: node size -> this rank's Topology (dropped with the group: lowbit.comm.groups)
+_TOPOLOGIES: PerGroup[dict[int, Topology]] = PerGroup()
 
 
 def topology(group: dist.ProcessGroup | None, node_size: int) -> Topology:
     """The cached :class:`Topology` of this rank in ``group`` split into nodes of ``node_size``."""
     rank, k = C.world(group)
-    ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-    key = (ranks, node_size)
-    topo = _TOPOLOGIES.get(key)
+    topos = _TOPOLOGIES.get(group)
+    if topos is None:
+        topos = _TOPOLOGIES.set(group, {})
+    topo = topos.get(node_size)
     if topo is None:
+        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
         nodes = k // node_size
         node, local = divmod(rank, node_size)
         intra = cross = None
         if node_size > 1:
-            intra = dist.new_group(list(ranks[node * node_size : (node + 1) * node_size]), use_local_synchronization=True)
+            intra = new_subgroup(group, ranks[node * node_size : (node + 1) * node_size])
         if nodes > 1:
-            cross = dist.new_group([ranks[j * node_size + local] for j in range(nodes)], use_local_synchronization=True)
-        topo = _TOPOLOGIES[key] = Topology(node_size, nodes, node, local, intra, cross)
+            cross = new_subgroup(group, [ranks[j * node_size + local] for j in range(nodes)])
+        topo = topos[node_size] = Topology(node_size, nodes, node, local, intra, cross)
     return topo
 
 
