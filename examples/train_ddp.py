@@ -64,7 +64,8 @@ def train(rank: int, world: int, args: argparse.Namespace) -> float:
         s = state.stats
         line = (f"{args.codec}: test accuracy {acc:.4f} after {steps} steps ({args.epochs} epochs max) in "
                 f"{train_s:.1f}s, {train_s / max(steps, 1) * 1e3:.1f} ms/step on {world} ranks; "
-                f"sent {s.bytes_sent / 1e6:.3f} MB/rank in {s.calls} compressed collectives")
+                f"sent {(s.bytes_sent - s.warmup_bytes) / 1e6:.3f} MB/rank in {s.calls - s.warmup_calls} compressed "
+                f"collectives (and {s.warmup_bytes / 1e6:.3f} MB in {s.warmup_calls} fp32 ones before compression starts)")
         if args.timing:
             line += f" (encode {s.t_encode:.3f}s, comm {s.t_comm:.3f}s, decode {s.t_decode:.3f}s)"
         print(line, flush=True)

@@ -100,6 +100,7 @@ from lowbit.comm.allreduce import AUTO, CommStats, get_algorithm, resolve_algori
 from lowbit.comm.groups import new_subgroup
 from lowbit.comm.threads import Worker
 from lowbit.feedback import flat_residual, load_residuals, residuals_state
+from lowbit.kernels.dispatch import warm_up_for
 from lowbit.policy import Policy
 
 __all__ = ["DDPConfig", "LowbitState", "hook", "make_state", "register", "ConfigMismatchError", "message_limit"]
@@ -754,8 +755,13 @@ def hook(state: LowbitState, bucket: dist.GradBucket) -> torch.futures.Future[to
     if state.iter < state.start_iter or state._native:
         # Before DDP's bucket rebuild (or hierarchical inside one node, or codec="auto" measuring or with
         # fp32 everywhere): the plain fp32 allreduce, as torch's own hook does it.
+        warm, st = state.iter < state.start_iter, state.stats
+        calls, sent = st.calls, st.bytes_sent
         state._advance(bucket)
-        return start(buf, _FP32, group, "allreduce", "mean", stats=state.stats, world=state._world)
+        fut = start(buf, _FP32, group, "allreduce", "mean", stats=st, world=state._world)
+        if warm:  # counted apart too: stats.warmup_calls / warmup_bytes (CommStats)
+            st.warmup_calls, st.warmup_bytes = st.warmup_calls + st.calls - calls, st.warmup_bytes + st.bytes_sent - sent
+        return fut
     flat = buf.reshape(-1)
     if state._group_of is None:
         state._group_of = _plan_groups(state, world, flat.device)
@@ -1061,6 +1067,7 @@ def register(
                                measure_steps=measure_steps, remeasure_every=remeasure_every, hook_thread=hook_thread,
                                auto_level=auto_level, guard_every=guard_every)
         state = _state_for(module, options, group, ddp_bucket_caps(ddp_model))
+        warm_up_for([*state.plan.values(), *map(get_codec, state.auto.allow if state.auto else ())], module.parameters())
     except ValueError as exc:  # refused here: still compare, so that the other ranks raise now, not at a timeout
         _check_same_config(exc, group)
         raise

@@ -70,6 +70,7 @@ from lowbit.comm.hierarchical import node_size_for
 from lowbit.comm.residual import restore_unless_finite_anywhere
 from lowbit.feedback import ErrorFeedback
 from lowbit.fsdp_auto import NATIVE, FSDPAuto, check_options, spread_sample
+from lowbit.kernels.dispatch import warm_up_for
 from lowbit.policy import Policy
 
 __all__ = ["FSDPState", "LowbitReduceScatter", "LowbitAllGather", "register", "MIN_TORCH"]
@@ -873,6 +874,7 @@ def register(
         ns_eff = ns if ns < k else None
         local0 = params[0].to_local() if hasattr(params[0], "to_local") else params[0]
         state = FSDPState(grad_codec, p_codec, error_feedback, pol, ns_eff, replicate_group, rank, k, local0.device)
+        warm_up_for([grad_codec, p_codec, *map(get_codec, tuner.allow if tuner else ())], params)  # before any step
         if tuner is not None:
             state.auto = tuner
             biased = [spec for spec in tuner.allow if get_codec(spec).biased]  # (1bitSGD* at the bold level)

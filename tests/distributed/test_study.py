@@ -61,7 +61,7 @@ data_dir = "{tmp_path}"
 def test_study_crash_resume_and_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     """The smoke preset as a user runs it: digits, numba's kernels. Fast equivalent:
     test_study_crash_resume_and_report_fast."""
-    _crash_resume_and_report(tmp_path, monkeypatch, capsys, ["study", "--preset", "smoke"], "digits", 32)
+    _crash_resume_and_report(tmp_path, monkeypatch, capsys, ["study", "--preset", "smoke"], "digits", 16)
 
 
 def _crash_resume_and_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys, study: list[str],
@@ -91,6 +91,8 @@ def _crash_resume_and_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ca
         s, ep = r["summary"], r["epochs"][0]
         assert r["config"]["world_size"] == 2 and len(r["epochs"]) == 1
         assert s["samples_per_s"] > 0 and 0.0 <= s["final_test_acc"] <= 1.0 and s["final_train_loss"] > 0
+        if dataset == "digits":  # a first try learns: well above chance (10 %) in one epoch
+            assert s["final_test_acc"] > 0.5, s["final_test_acc"]
         assert ep["bytes_sent_per_rank"] > 0 and ep["train_s"] > 0
         assert abs(ep["compute_s"] + ep["exposed_comm_s"] - ep["train_s"]) < 1e-9
         assert ep["comm_s"] > 0 and ep["samples"] == ep["steps"] * batch * 2

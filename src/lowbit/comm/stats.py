@@ -27,6 +27,11 @@ class CommStats:
 
     calls: int = 0
     bytes_sent: int = 0
+    #: of ``calls`` / ``bytes_sent``, the plain fp32 allreduces before compression starts (lowbit.ddp: the
+    #: first ``start_iter`` steps, DDP's bucket rebuild): the compressed cost per call is
+    #: ``(bytes_sent - warmup_bytes) / (calls - warmup_calls)``
+    warmup_calls: int = 0
+    warmup_bytes: int = 0
     bytes_inter: int = 0  # of bytes_sent, what went to other nodes (algorithm="hierarchical" only)
     t_encode: float = 0.0
     t_comm: float = 0.0

@@ -13,16 +13,19 @@ format as :mod:`lowbit.kernels.reference`, the executable specification.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import functools
 import importlib
 import os
+import sys
+import threading
 import warnings
 from types import ModuleType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from lowbit.kernels import reference as ref
 
@@ -172,6 +175,45 @@ def warm_up(codec: Any, device: str | torch.device = "cpu") -> None:
     codec.decode(payload, n, shape=shape)
     codec.decode_sum([payload, payload], n, shape=shape, divide_by=2)
     _WARMED.add(key)
+
+
+#: Seconds a warm-up runs before it says that it is compiling (numba's cache loads in less).
+SAY_COMPILING_AFTER_S = 2.0
+
+
+def warm_up_for(codecs: Iterable[Any], tensors: Iterable[torch.Tensor]) -> None:
+    """:func:`warm_up` every codec of ``codecs`` (:class:`lowbit.Codec` objects; None is skipped) on every
+    device of ``tensors`` (a model's parameters) whose exchanges reach the compiled kernels: CUDA, and CPU
+    when the tensors there hold at least ``NUMBA_MIN_NUMEL`` values. ``lowbit.ddp.register`` and
+    ``lowbit.fsdp.register`` call it, so that no training step compiles (a first run once took 412 ms a
+    step for its first 90 s, then 26 ms, the compile inside ``t_encode`` and samples/s). Numba caches the
+    machine code on disk: a later process loads it in about a second. When the warm-up outlasts
+    ``SAY_COMPILING_AFTER_S`` (a first use: a compile, about a minute on 2 cores), one line on stderr, on
+    rank 0, says so."""
+    numel: dict[torch.device, int] = {}
+    for t in tensors:
+        numel[t.device] = numel.get(t.device, 0) + t.numel()
+    devices = [d for d, n in numel.items() if d.type == "cuda" or (d.type == "cpu" and n >= NUMBA_MIN_NUMEL)]
+    unique = {c.spec: c for c in codecs if c is not None}
+    todo = [(c, d) for c in unique.values() for d in devices if f"{c.spec}@{d}" not in _WARMED]
+    if not todo:
+        return
+    names = ", ".join(dict.fromkeys(c.spec for c, _ in todo))
+    where = "/".join(dict.fromkeys(d.type for _, d in todo))
+
+    def say() -> None:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"lowbit: compiling lowbit's {where} kernels once ({names}): about a minute; they are cached "
+                  "on disk for later runs", file=sys.stderr, flush=True)
+
+    timer = threading.Timer(SAY_COMPILING_AFTER_S, say)
+    timer.daemon = True
+    timer.start()
+    try:
+        for codec, device in todo:
+            warm_up(codec, device)
+    finally:
+        timer.cancel()
 
 
 def compiled_backend(x: torch.Tensor, op: str) -> Any | None:

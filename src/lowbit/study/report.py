@@ -44,7 +44,7 @@ from lowbit.study.export import output_folder, write_csv, write_curves_csv
 from lowbit.study.store import read_runs, resolve_results_path
 from lowbit.study.tta import references, setting_title, tta_metric, tta_runs, tta_setting, tta_table
 
-__all__ = ["write_report", "load_runs", "accuracy_matches", "MATCH_POINTS", "DEFAULT_PRICE_PER_GPU_HOUR"]
+__all__ = ["write_report", "load_runs", "accuracy_matches", "diverged", "MATCH_POINTS", "DEFAULT_PRICE_PER_GPU_HOUR"]
 
 MATCH_POINTS = 0.5
 #: Seeds (paired with fp32 at the same seed) a ✓/✗ mark needs: below, the report shows the difference
@@ -196,6 +196,22 @@ def _learned(base_accs: list[float], chance: float | None) -> bool:
     return m >= 2 * chance and m >= chance + 0.10
 
 
+def diverged(r: dict[str, Any]) -> bool:
+    """A run that diverged: its training loss went non-finite at some epoch, or it ended where it began,
+    at chance: a final training loss no lower than 0.95 of the uniform guess's (ln of the number of
+    classes: 2.30 for ten) with a final test accuracy below twice chance (1bitSGD* on small_cnn/MNIST-1D
+    once ended at 8.9 %, its loss flat at 2.30). The report labels it "diverged" in its tables and plots
+    and leaves it out of the axis limits of the others."""
+    s = r["summary"]
+    losses = [e.get("train_loss") for e in r.get("epoch_rows", [])] + [s.get("final_train_loss")]
+    if s.get("diverged") or any(isinstance(v, float) and not math.isfinite(v) for v in losses):
+        return True
+    chance, loss, acc = _chance(r), s.get("final_train_loss"), s.get("final_test_acc")
+    if chance is None or not isinstance(loss, (int, float)) or not isinstance(acc, (int, float)):
+        return False
+    return loss >= 0.95 * math.log(1 / chance) and acc < 2 * chance
+
+
 def _speed_only(r: dict[str, Any]) -> bool:
     """Runs whose accuracy means nothing: synthetic inputs, or the simulated NCCL (unreduced gradients)."""
     return bool(r.get("speed_only", r.get("synthetic")))
@@ -220,7 +236,9 @@ def accuracy_matches(runs: list[dict[str, Any]], points: float = MATCH_POINTS) -
                      if r["seed"] in base and base[r["seed"]] is not None and r["summary"].get("final_test_acc") is not None]
             dm, ds, dn = _mean_std(diffs)
             is_base = group[0]["codec"] == "fp32"
+            gone = any(diverged(r) for r in group)
             verdict = "baseline" if is_base else ("no fp32 run" if dn == 0 else "fp32 did not learn" if not learned
+                                                   else "diverged" if gone
                                                    else ("matches" if dm * 100 >= -points else "does not match"))
             out.append({
                 "setting": _title(group[0]), "network": group[0]["network"], "dataset": group[0]["dataset"],
@@ -229,7 +247,7 @@ def accuracy_matches(runs: list[dict[str, Any]], points: float = MATCH_POINTS) -
                 "n_pairs": dn, "verdict": verdict,
                 # the -points line lies within one standard deviation of the mean difference
                 "noisy": (not is_base and dn > 1 and abs(dm * 100 + points) < ds * 100),
-                "diverged": any(r["summary"].get("diverged") for r in group),
+                "diverged": gone,
             })
     return out
 
@@ -277,9 +295,28 @@ def _figure(n_panels: int, width: float = 4.6, height: float = 3.4, max_cols: in
     return fig, axes[:n_panels]
 
 
+def _word_ticks(ax: Any, labels: Sequence[str], **kwargs: Any) -> None:
+    """Label the x ticks 0..n-1 with ``labels`` drawn as written (their '$' escaped: tick labels are
+    mathtext, see :func:`_save`)."""
+    ax.set_xticks(range(len(labels)), [lab.replace("$", "\\$") for lab in labels], **kwargs)
+
+
 def _save(fig: Any, out: Path, name: str) -> str:
+    """Lay ``fig`` out and write it to ``out / name`` (the format from the name's suffix).
+
+    Words from the results (codec, network and data set names in titles, legends, notes and category tick
+    labels) are drawn as written: a '$' there is not mathtext. Tick labels stay mathtext, as matplotlib's
+    formatters write them (a log axis labels its ticks ``$\\mathdefault{10^{-3}}$``, drawn as 10⁻³); words
+    as tick labels go through :func:`_word_ticks`, which escapes their '$'."""
+    formatted: set[int] = set()  # tick labels keep parse_math on (words among them: _word_ticks)
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            formatted.add(id(axis.offsetText))
+            for tick in axis.get_major_ticks() + axis.get_minor_ticks():
+                formatted.update((id(tick.label1), id(tick.label2)))
     for text in fig.findobj(lambda a: hasattr(a, "set_parse_math")):
-        text.set_parse_math(False)  # names from results are drawn as written: a '$' is not mathtext
+        if id(text) not in formatted:
+            text.set_parse_math(False)
     fig.tight_layout()
     fig.savefig(out / name)
     return name
@@ -297,29 +334,40 @@ def _plot_accuracy(runs: list[dict[str, Any]], out: Path, field: str, ylabel: st
         by: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for r in rs:
             by[r["label"]].append(r)
+        gone = {label for label, group in by.items() if any(diverged(r) for r in group)}
+        scale = 100.0 if field == "test_acc" else 1.0
         lo, hi, n_off = -math.inf, math.inf, 0
         if field == "test_acc":
-            # zoomed on the final accuracies, so that close codecs stay apart; what falls outside is
-            # marked at the edge below
-            finals = [r["summary"].get("final_test_acc") or 0 for r in rs]
+            # zoomed on the final accuracies of the runs that learned, so that close codecs stay apart; what
+            # falls outside is marked at the edge below
+            finals = [r["summary"].get("final_test_acc") or 0 for r in rs if r["label"] not in gone] or [0.0, 1.0]
             lo = max(0.0, min(finals) * 100 - 12)
             hi = min(100.0, max(finals) * 100 + 4)
             ax.set_ylim(lo, hi)
+        elif gone and len(gone) < len(by):  # the others' range: a diverged curve would flatten theirs
+            kept = [e.get(field) for r in rs if r["label"] not in gone for e in r["epoch_rows"]]
+            kept = [v * scale for v in kept if isinstance(v, (int, float)) and math.isfinite(v)]
+            if kept:
+                pad = 0.06 * (max(kept) - min(kept)) or 0.1
+                lo, hi = min(kept) - pad, max(kept) + pad
+                ax.set_ylim(lo, hi)
         for label in [lab for lab in labels if lab in by]:
             curves = [[e.get(field) for e in r["epoch_rows"]] for r in by[label]]
             n_ep = min(len(c) for c in curves)
             xs = list(range(1, n_ep + 1))
-            scale = 100.0 if field == "test_acc" else 1.0
             stats = [_mean_std([c[i] for c in curves]) for i in range(n_ep)]
             m = [s[0] * scale for s in stats]
             sd = [s[1] * scale for s in stats]
             lw = 2.4 if label.startswith("32bit") else 1.3
-            ax.plot(xs, m, label=label, color=colors[label], lw=lw, marker="o", ms=2.5)
-            off = _off_axis(ax, xs, m, lo, hi, colors[label], label)
-            if off:  # said in the panel itself (the legend is the first panel's only), bottom right upwards
-                ax.text(0.98, 0.03 + 0.075 * n_off, off, transform=ax.transAxes, ha="right", va="bottom",
-                        fontsize=6.5, color=colors[label], zorder=6,
-                        bbox=dict(facecolor="white", alpha=0.75, lw=0, pad=0.4))
+            shown = f"{label} (diverged)" if label in gone else label
+            ax.plot(xs, m, label=shown, color=colors[label], lw=lw, marker="o", ms=2.5,
+                    ls=":" if label in gone else "-")
+            off = _off_axis(ax, xs, m, lo, hi, colors[label], shown)
+            if off:  # said under the panel (the legend is the first panel's only), one line each below the
+                # x label: outside the axes, so a note never covers a curve, the legend or another note
+                ax.annotate(off, xy=(0.0, 0.0), xycoords=("axes fraction", ax.xaxis.label), ha="left", va="top",
+                            xytext=(0, -2 - 9 * n_off), textcoords="offset points", fontsize=6.5,
+                            color=colors[label], annotation_clip=False, gid=f"off-axis note: {shown}")
                 n_off += 1
             if len(curves) > 1:
                 ax.fill_between(xs, [a - b for a, b in zip(m, sd)], [a + b for a, b in zip(m, sd)],
@@ -345,9 +393,20 @@ def _off_axis(ax: Any, xs: Sequence[float], ys: Sequence[float], lo: float, hi: 
         ax.plot([x for x, _ in pts], [edge] * len(pts), ls="none", marker=marker, ms=7, color=color,
                 clip_on=False, zorder=5, gid=f"off-axis {side}: {label}")
         value = min(y for _, y in pts) if extreme == "min" else max(y for _, y in pts)
-        epochs = ", ".join(f"{x:g}" for x, _ in pts)
+        epochs = _ranges([x for x, _ in pts])
         note.append(f"{'▼' if side == 'below' else '▲'} {side} the axis at epoch {epochs} ({extreme} {value:.1f})")
     return f"{label}: {'; '.join(note)}" if note else ""
+
+
+def _ranges(xs: Sequence[float]) -> str:
+    """Epochs as runs of consecutive ones: [1, 2, 3, 5] -> "1–3, 5"."""
+    out: list[list[float]] = []
+    for x in xs:
+        if out and x == out[-1][-1] + 1:
+            out[-1].append(x)
+        else:
+            out.append([x])
+    return ", ".join(f"{r[0]:g}" if len(r) == 1 else f"{r[0]:g}–{r[-1]:g}" for r in out)
 
 
 def _bar_groups(runs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
@@ -377,8 +436,7 @@ def _plot_breakdown(runs: list[dict[str, Any]], out: Path) -> str | None:
         xs = range(len(labels))
         ax.bar(xs, comm, color="#37474f", label="communication (exposed)")
         ax.bar(xs, comp, bottom=comm, color="#90caf9", label="computation (incl. overlapped encode/decode)")
-        ax.set_xticks(list(xs))
-        ax.set_xticklabels(labels, rotation=35, ha="right", fontsize=7)
+        _word_ticks(ax, labels, rotation=35, ha="right", fontsize=7)
         ax.set_ylabel("seconds per epoch")
         ax.set_title(_title(rs[0]), fontsize=8.5)
         ax.grid(axis="y", alpha=0.3)
@@ -399,8 +457,7 @@ def _plot_phases(runs: list[dict[str, Any]], out: Path) -> str | None:
         for j, (f, name, color) in enumerate(fields):
             ax.bar([i + (j - 1) * w for i in range(len(labels))], [v[lab][f] for lab in labels], width=w,
                    color=color, label=name)
-        ax.set_xticks(list(range(len(labels))))
-        ax.set_xticklabels(labels, rotation=35, ha="right", fontsize=7)
+        _word_ticks(ax, labels, rotation=35, ha="right", fontsize=7)
         ax.set_ylabel("thread seconds per epoch")
         ax.set_title(_title(rs[0]), fontsize=8.5)
         ax.grid(axis="y", alpha=0.3)
@@ -675,15 +732,16 @@ def _match_section(runs: list[dict[str, Any]]) -> str:
                 line.append(f"fp32 {r['acc_mean'] * 100:.2f}%" + (f" ± {r['acc_std'] * 100:.2f}" if r["n"] > 1 else ""))
             elif r["verdict"] in ("no fp32 run", "fp32 did not learn"):
                 line.append(r["verdict"])
+            elif r["verdict"] == "diverged":  # not a difference to weigh: it learned nothing
+                line.append(f"✗ diverged ({r['acc_mean'] * 100:.1f}%)")
             else:
                 sd = f" ± {r['diff_std'] * 100:.2f}" if r["n_pairs"] > 1 else ""
                 if r["n_pairs"] < VERDICT_SEEDS:  # the difference alone: too few seeds to judge
                     seeds = f" ({r['n_pairs']} seed{'s' if r['n_pairs'] > 1 else ''}, no verdict)"
-                    line.append(f"{r['diff_mean'] * 100:+.2f}{sd}{seeds}" + (" DIVERGED" if r["diverged"] else ""))
+                    line.append(f"{r['diff_mean'] * 100:+.2f}{sd}{seeds}")
                     continue
                 mark = "✓" if r["verdict"] == "matches" else "✗"
-                line.append(f"{mark} {r['diff_mean'] * 100:+.2f}{sd}" + (" (noisy)" if r["noisy"] else "")
-                            + (" DIVERGED" if r["diverged"] else ""))
+                line.append(f"{mark} {r['diff_mean'] * 100:+.2f}{sd}" + (" (noisy)" if r["noisy"] else ""))
         mrows.append(line)
     parts.append(_table(header, mrows))
     nseeds = max(r["n"] for r in rows)
@@ -694,7 +752,9 @@ def _match_section(runs: list[dict[str, Any]]) -> str:
         f"points. (noisy): −{MATCH_POINTS} lies within one standard deviation of the mean, so the verdict could flip "
         f"with other seeds. No verdict where fp32 itself did not learn (below twice chance accuracy, or less than 10 "
         f"points above it), nor with fewer than {VERDICT_SEEDS} seeds paired with fp32: one seed's difference has "
-        f"no spread to judge it by (only the difference is shown). "
+        f"no spread to judge it by (only the difference is shown). ✗ diverged (final accuracy): a seed's training "
+        f"loss went non-finite, or it ended at chance (final training loss at least 0.95 × ln(classes), the "
+        f"uniform guess's, and test accuracy below twice chance), whatever the number of seeds. "
         f"Up to {nseeds} seed(s) per cell."
         + (f" <b>Too few seeds for a verdict here</b>: run {VERDICT_SEEDS} or more (<code>seeds = [0, 1, 2]</code>, "
            "as the <code>seeds</code> preset does)." if few else "")
@@ -862,8 +922,10 @@ def write_report(
           "<h2>2. Accuracy per epoch (Figure 5)</h2>",
           "<p class='note'>Test accuracy after each epoch, mean over seeds (band: ± one standard deviation). "
           "Cyan = 32bit, as in the seed. The accuracy axes are zoomed on the final accuracies: an epoch whose "
-          "mean lies below (above) the axis is drawn as ▼ on the bottom (▲ on the top) edge, and the panel "
-          "names that curve, those epochs and its lowest (highest) value there.</p>",
+          "mean lies below (above) the axis is drawn as ▼ on the bottom (▲ on the top) edge, and a line under "
+          "the panel names that curve, those epochs and its lowest (highest) value there. A run that diverged "
+          "(non-finite loss, or ended at chance: see section 1) is dotted, labelled (diverged) and left out of "
+          "the axis limits.</p>",
           _img(figs["acc"], "accuracy per epoch"), _img(figs["loss"], "training loss per epoch"),
           "<h2>3. Where an epoch's time goes (Figures 6-9)</h2>",
           "<p class='note'>Bottom: <b>exposed communication</b> — time the training thread spends after the last "
