@@ -27,7 +27,7 @@ require("accelerate", "accelerate", "lowbit.integrations.accelerate")
 __all__ = ["register"]
 
 
-def register(accelerator: Any, model: Any, config: lowbit.ddp.DDPConfig | None = None, process_group: Any = None,
+def register(accelerator: Any, model: Any, *, config: lowbit.ddp.DDPConfig | None = None, process_group: Any = None,
              **options: Any) -> lowbit.ddp.LowbitState | None:
     """Install lowbit's comm hook on ``model`` as returned by ``accelerator.prepare``; returns the state
     (``None`` when the run is not distributed). The options are :class:`lowbit.ddp.DDPConfig`'s (or one

@@ -33,7 +33,7 @@ class LowbitCallback(pl.Callback):
     :func:`lowbit.ddp.register`. ``state`` holds the :class:`lowbit.ddp.LowbitState` once fitting has
     started."""
 
-    def __init__(self, warn_after: int = 10, config: lowbit.ddp.DDPConfig | None = None,
+    def __init__(self, *, warn_after: int = 10, config: lowbit.ddp.DDPConfig | None = None,
                  process_group: Any = None, **options: Any) -> None:
         self.config = lowbit.ddp.DDPConfig.of(config, **options)
         self.process_group = process_group
