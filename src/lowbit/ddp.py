@@ -84,6 +84,7 @@ import os
 import queue
 import threading
 import warnings
+import weakref
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -967,17 +968,44 @@ LAUNCH_HINT = ("start several processes: torchrun --nproc-per-node 2 script.py, 
 _SAID: set = set()  # the no-op warnings this process has given (each once)
 
 
-def warn_uncompressed(reason: str, group: Optional[dist.ProcessGroup] = None) -> None:
-    """Warn (``RuntimeWarning``), once per process and on rank 0 of ``group`` only, that gradients are not
-    compressed and why. ``register`` and the integrations call it where they install nothing: training
-    then runs uncompressed, and the user who asked for compression must hear it."""
-    if reason in _SAID:
+def warn_once(message: str, group: Optional[dist.ProcessGroup] = None, stacklevel: int = 3) -> None:
+    """Warn (``RuntimeWarning``) ``message``, once per process and on rank 0 of ``group`` only: what
+    ``register`` (DDP's and FSDP's) and the integrations tell a user about a setting that does not do
+    what they may think."""
+    if message in _SAID:
         return
-    _SAID.add(reason)
+    _SAID.add(message)
     initialised = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank(group) if initialised else int(os.environ.get("RANK", "0"))
     if rank == 0:
-        warnings.warn(f"lowbit: gradients are not compressed: {reason}", RuntimeWarning, stacklevel=3)
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
+
+
+def warn_uncompressed(reason: str, group: Optional[dist.ProcessGroup] = None) -> None:
+    """Warn (:func:`warn_once`) that gradients are not compressed and why. ``register`` and the
+    integrations call it where they install nothing: training then runs uncompressed, and the user who
+    asked for compression must hear it."""
+    warn_once(f"lowbit: gradients are not compressed: {reason}", group, stacklevel=4)
+
+
+#: model -> what :func:`register` (DDP's or FSDP's) registered on it, in words (weakly keyed: a model
+#: that goes away takes its entry along), so that a second register on the same model is refused
+_REGISTERED: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
+
+
+def refuse_second_register(model: nn.Module, what: str) -> None:
+    """Raise a ``ValueError`` if ``model`` already has a lowbit state from ``register`` (DDP's or FSDP's),
+    naming that state: a second one would install a second hook or set of exchanges over the first (or
+    be refused by DDP only after every rank has agreed and made its thread's group)."""
+    first = _REGISTERED.get(model)
+    if first is not None:
+        raise ValueError(f"{what}: this model is already registered ({first}); keep that state (register "
+                         "once per model), or wrap a new model to start over")
+
+
+def remember_register(model: nn.Module, state: Any, settings: str) -> None:
+    """Note that ``model`` has ``state`` (described by ``settings``), for :func:`refuse_second_register`."""
+    _REGISTERED[model] = f"{type(state).__name__} at 0x{id(state):x}: {settings}"
 
 
 def register(ddp_model: nn.Module, *, process_group: Optional[dist.ProcessGroup] = None,
@@ -1030,12 +1058,15 @@ def register(ddp_model: nn.Module, *, process_group: Optional[dist.ProcessGroup]
     group = process_group if process_group is not None else getattr(ddp_model, "process_group", None)
     try:
         cfg = DDPConfig.of(config, **options)
+        refuse_second_register(ddp_model, "lowbit.ddp.register")
         state = _state_for(module, cfg, group, ddp_bucket_caps(ddp_model))
     except ValueError as exc:  # refused here: still compare, so that the other ranks raise now, not at a timeout
         _check_same_config(exc, group)
         raise
     _check_same_config(state, group, state.wants_thread_group(module))
     state.open_thread_group(module)  # after the check: a rank that made it alone would wait in new_group
+    remember_register(ddp_model, state, f"codec {cfg.codec!r}" if cfg.codec is not None
+                      else f"policy {cfg.resolved_policy().describe()}")
     size = C.world(group)[1]
     if size == 1:
         warn_uncompressed(f"the process group has 1 rank, so no gradient is exchanged (the hook is installed "

@@ -68,6 +68,7 @@ from lowbit.comm.agreement import agree
 from lowbit.comm.allreduce import CommStats, _framed, _slot, _zeros, all_reduce
 from lowbit.comm.hierarchical import node_size_for
 from lowbit.comm.residual import restore_unless_finite_anywhere
+from lowbit.ddp import LAUNCH_HINT, refuse_second_register, remember_register, warn_once, warn_uncompressed
 from lowbit.feedback import ErrorFeedback
 from lowbit.fsdp_auto import NATIVE, FSDPAuto, spread_sample
 from lowbit.policy import Policy
@@ -914,6 +915,7 @@ def register(model: nn.Module, *, replicate_group: dist.ProcessGroup | None = No
         if not isinstance(model, nn.Module):
             raise ValueError(f"lowbit.fsdp.register expects an nn.Module, got {type(model).__name__}")
         cfg = FSDPConfig.of(config, **options)
+        refuse_second_register(model, "lowbit.fsdp.register")
         if cfg.auto and replicate_group is not None:
             raise ValueError("lowbit.fsdp.register: codec='auto' does not run under HSDP (replicate_group=); "
                              "give a codec")
@@ -978,6 +980,15 @@ def register(model: nn.Module, *, replicate_group: dist.ProcessGroup | None = No
         raise
     # agree before anything collective is set up: ranks that differ (a node size, a codec) would hang there
     _check_same_config(state, group if replicate_group is None else None)
+    remember_register(model, state, f"codec {state.config()['codec']!r}, param_codec {state.config()['param_codec']!r}")
+    if k == 1 and (replicate_group is None or replicate_group.size() == 1):
+        warn_uncompressed("the FSDP mesh's group has 1 rank, so no gradient or parameter is exchanged (lowbit's "
+                          f"reduce-scatter and all-gather are installed but send nothing); {LAUNCH_HINT}", group)
+    if p_codec is not None and p_codec.stochastic:
+        warn_once(f"lowbit.fsdp: param_codec {p_codec.spec} rounds stochastically: a weight is drawn once per "
+                  "forward, so the rounding noise enters every activation with nothing to average it out "
+                  "(docs/fsdp.md); use a deterministic codec, rounding=nearest (e.g. "
+                  "'qsgd:bits=8,bucket=512,rounding=nearest'), or bf16", group)
     grad_groups = _make_groups(group, ns_eff)
     param_groups = _make_groups(group, ns_eff) if p_codec is not None and ns_eff is not None else None
     # HSDP whose shard group is one node: FSDP's own reduce-scatter runs inside it (NVLink; compressing
