@@ -684,13 +684,6 @@ class LowbitState:
         d["error"] = None
         return d
 
-    def __setstate__(self, d: Dict[str, Any]) -> None:
-        if "options" not in d:  # pickled before DDPConfig: the options were attributes of their own
-            d = dict(d)
-            names = ("algorithm", "error_feedback", "start_iter", "seed", "message_mb", "node_size", "hook_thread")
-            d["options"] = DDPConfig(**{k: d.pop(k) for k in names if k in d})
-        self.__dict__.update(d)
-
 
 def _bucket_capturing(bucket: dist.GradBucket) -> bool:
     """Whether the bucket's CUDA stream is being captured into a graph (never on CPU)."""
