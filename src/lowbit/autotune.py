@@ -73,6 +73,7 @@ whose codec changes then starts with an empty error-feedback residual. A hook re
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import statistics
@@ -92,7 +93,7 @@ from lowbit.comm.allreduce import AUTO, get_algorithm, resolve_algorithm, start
 from lowbit.comm.hierarchical import node_size_for
 from lowbit.guard import Guard, ReportedLoss, combine
 
-__all__ = ["AutoTuner", "AUTO_LEVELS", "DEFAULT_ALLOW", "BOLD_ALLOW", "BASELINE", "TunedState", "default_allow",
+__all__ = ["AutoOptions", "AutoTuner", "AUTO_LEVELS", "DEFAULT_ALLOW", "BOLD_ALLOW", "BASELINE", "TunedState", "default_allow",
            "check_auto_options", "sampling_noise", "close_finalists", "mean_of_passes"]
 
 log = logging.getLogger("lowbit.ddp")
@@ -144,6 +145,68 @@ def check_auto_options(allow: Any, error_budget: Any, level: Any, guard_every: A
     if eb is not None and (isinstance(eb, bool) or not isinstance(eb, (int, float)) or not eb > 0):
         raise ValueError(f"error_budget must be a number > 0 (times {budget_of}; with auto_level='bold', the "
                          f"larger of that and the gradients' sampling noise) or None, got {eb!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AutoOptions:
+    """``codec="auto"``'s options that DDP and FSDP share, written once: the base of
+    :class:`lowbit.ddp.DDPConfig` and :class:`lowbit.fsdp.FSDPConfig`, which add their own options and
+    validate all of them once, at construction (:meth:`check_auto`, in each integration's words).
+
+    ``auto_level``: how far auto may go (:data:`AUTO_LEVELS`); ``guard_every``: steps between the guard's
+    checks (0: no guard); ``allow``: the codecs to choose among (None: the level's, :func:`default_allow`;
+    a list is kept as a tuple); ``error_budget``: the admission limit's factor (None: no limit)."""
+
+    auto_level: str = "conservative"
+    guard_every: int = 50
+    allow: Optional[tuple[Any, ...]] = None
+    error_budget: Optional[float] = 1.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.allow, (list, tuple)):
+            object.__setattr__(self, "allow", tuple(self.allow))  # (a list is fine to pass; frozen keeps a tuple)
+
+    @classmethod
+    def auto_names(cls) -> tuple[str, ...]:
+        """The options of this class that go with ``codec="auto"`` only (a subclass adds its own)."""
+        return tuple(f.name for f in dataclasses.fields(AutoOptions))
+
+    def auto_given(self) -> list[str]:
+        """The auto-only options (:meth:`auto_names`) set to something other than their defaults."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        return [n for n in self.auto_names() if getattr(self, n) != defaults[n]]
+
+    def check_auto(self, auto: bool, codec: Any, *, always: str = "fp32",
+                   budget_of: str = "uniform 8-bit QSGD's error") -> None:
+        """Raise a ``ValueError`` naming the first auto option out of range (:func:`check_auto_options`,
+        with ``always`` and ``budget_of`` in the integration's words), or, when ``auto`` is False, the auto
+        options given with another ``codec``."""
+        if not auto:
+            given = self.auto_given()
+            if given:
+                names = ", ".join(f"{n}=" for n in self.auto_names())
+                raise ValueError(f"{names} go with codec='auto', but codec is {codec!r} and "
+                                 f"{', '.join(f'{n}={getattr(self, n)!r}' for n in given)} was given")
+            return
+        check_auto_options(self.allow, self.error_budget, self.auto_level, self.guard_every, always=always,
+                           budget_of=budget_of)
+
+    @classmethod
+    def of(cls, config: Any = None, /, **options: Any) -> Any:
+        """``config`` as it is, or one built from ``options`` (what ``register(model, config=None,
+        **options)`` does with its keywords). An option this class does not have is a ``TypeError``
+        naming it; ``config`` together with options is a ``ValueError`` (which would win is not obvious)."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise TypeError(f"{cls.__name__} has no option {unknown[0]!r} (its options: {', '.join(names)})")
+        if config is None:
+            return cls(**options)
+        if not isinstance(config, cls):
+            raise ValueError(f"config must be a {cls.__module__}.{cls.__name__}, got {type(config).__name__}")
+        if options:
+            raise ValueError(f"pass config= or the options ({', '.join(sorted(options))}), not both")
+        return config
 
 
 class TunedState(Protocol):

@@ -4,8 +4,8 @@
     state = lowbit.ddp.register(model, codec="qsgd:bits=4")        # the one-line change
 
 or, with the raw pieces, ``model.register_comm_hook(lowbit.ddp.make_state(model.module, ...), lowbit.ddp.hook)``.
-The options live in one frozen, keyword-only :class:`DDPConfig` (validated once; ``register`` and
-``make_state`` build it from their keywords or take ``config=``), kept on ``state.options``.
+The options live in one frozen :class:`DDPConfig` (validated once; ``register(model, *, config=None,
+**options)`` and ``make_state`` build it from their keywords or take ``config=``), kept on ``state.options``.
 
 How a step goes (per DDP bucket, as the backward pass makes it ready):
 
@@ -90,7 +90,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lowbit.autotune import AutoTuner, check_auto_options, default_allow
+from lowbit.autotune import AutoOptions, AutoTuner, default_allow
 from lowbit.choose import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, ddp_bucket_caps, choice, message_limit, split_choice
 from lowbit.timeline import plan_step
 from lowbit.codecs.base import Codec, get_codec
@@ -98,6 +98,8 @@ from lowbit.comm import collectives as C
 from lowbit.comm.agreement import ConfigMismatchError, agree, fingerprint
 from lowbit.comm.allreduce import AUTO, CommStats, get_algorithm, resolve_algorithm, start
 from lowbit.comm.groups import new_subgroup
+from lowbit.comm.registration import (LAUNCH_HINT, refuse_second_register, remember_register, warn_once,  # noqa: F401
+                                      warn_uncompressed)
 from lowbit.comm.threads import Worker
 from lowbit.feedback import flat_residual, load_residuals, residuals_state
 from lowbit.kernels.dispatch import warm_up_for
@@ -119,18 +121,18 @@ def _is_int(value: Any, least: Optional[int] = None) -> bool:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DDPConfig:
+class DDPConfig(AutoOptions):
     """Every option of lowbit's DDP hook, validated once (here, at construction; a ``ValueError`` names
-    the option at fault) and frozen. :func:`register` and :func:`make_state` build one from their keyword
-    arguments, or take one as ``config=``; the study and the Lightning / Accelerate integrations build
-    one too. Five options take ``"auto"``: ``codec`` (measure, then choose per tensor among ``allow``),
+    the option at fault) and frozen: the one list of them. :func:`register` and :func:`make_state` build
+    one from their keyword arguments (``DDPConfig.of(config, **options)``), or take one as ``config=``;
+    the study and the Lightning / Accelerate integrations build one too. Five options take ``"auto"``: ``codec`` (measure, then choose per tensor among ``allow``),
     ``algorithm`` (per codec and world size: :func:`lowbit.comm.allreduce.resolve_algorithm`),
     ``error_feedback`` (on for biased codecs), ``message_mb`` (groups end where DDP's buckets end) and
     ``hook_thread`` (on for CUDA). The module docstring is the tuning guide.
 
-    ``allow``, ``error_budget``, ``measure_steps``, ``remeasure_every``, ``auto_level`` and
-    ``guard_every`` go with ``codec="auto"`` (:mod:`lowbit.autotune`); ``one_node_native`` with
-    :func:`register` only.
+    ``codec="auto"``'s options (:mod:`lowbit.autotune`): ``allow``, ``error_budget``, ``auto_level`` and
+    ``guard_every``, shared with FSDP (:class:`lowbit.autotune.AutoOptions`), and DDP's own
+    ``measure_steps`` and ``remeasure_every``; ``one_node_native`` goes with :func:`register` only.
     """
 
     codec: Union[str, Codec, None] = None
@@ -143,17 +145,16 @@ class DDPConfig:
     node_size: Optional[int] = None
     hook_thread: Union[bool, str] = "auto"
     one_node_native: bool = True
-    allow: Optional[Tuple[str, ...]] = None
-    error_budget: Optional[float] = 1.0
     measure_steps: int = 3
     remeasure_every: int = 0
-    auto_level: str = "conservative"
-    guard_every: int = 50
 
     def __post_init__(self) -> None:
-        if isinstance(self.allow, (list, tuple)):
-            object.__setattr__(self, "allow", tuple(self.allow))  # (a list is fine to pass; frozen keeps a tuple)
+        super().__post_init__()
         self.validate()
+
+    @classmethod
+    def auto_names(cls) -> Tuple[str, ...]:
+        return (*super().auto_names(), "measure_steps", "remeasure_every")
 
     @property
     def auto(self) -> bool:
@@ -204,13 +205,9 @@ class DDPConfig:
             raise ValueError(f"node_size must be a positive int (ranks per node), got {self.node_size!r}")
         if not isinstance(self.one_node_native, bool):
             raise ValueError(f"one_node_native must be True or False, got {self.one_node_native!r}")
+        self.check_auto(self.auto, self.codec)  # (DDP's wording)
         if not self.auto:
-            if (self.allow is not None or self.remeasure_every or self.measure_steps != 3
-                    or self.error_budget != 1.0 or self.auto_level != "conservative" or self.guard_every != 50):
-                raise ValueError("allow=, error_budget=, measure_steps=, remeasure_every=, auto_level= and "
-                                 "guard_every= go with codec='auto'")
             return
-        check_auto_options(self.allow, self.error_budget, self.auto_level, self.guard_every)  # (DDP's wording)
         allowed = [get_codec(s) for s in (self.allow if self.allow is not None else default_allow(self.auto_level))]
         if not _is_int(self.measure_steps, 1):
             raise ValueError(f"measure_steps must be an int >= 1, got {self.measure_steps!r}")
@@ -229,23 +226,6 @@ class DDPConfig:
             raise ValueError(f"algorithm {self.algorithm!r} sums on the wire (fp32/fp16/bf16 only), but the plan "
                              f"quantises with {quantised[0]}: use 'auto', 'scatter_gather', 'allgather' or "
                              "'hierarchical'")
-
-    @classmethod
-    def of(cls, config: Optional["DDPConfig"] = None, **options: Any) -> "DDPConfig":
-        """``config`` as it is, or one built from ``options``; a ``config`` with options that differ from
-        the defaults is an error (which would win is not obvious)."""
-        if config is None:
-            return cls(**options)
-        if not isinstance(config, cls):
-            raise ValueError(f"config must be a lowbit.ddp.DDPConfig, got {type(config).__name__}")
-        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - set(defaults))
-        if unknown:
-            raise TypeError(f"DDPConfig has no option {unknown[0]!r} (its options: {', '.join(defaults)})")
-        given = sorted(k for k, v in options.items() if v is not defaults[k] and v != defaults[k])
-        if given:
-            raise ValueError(f"pass config= or the options ({', '.join(given)}), not both")
-        return config
 
 
 class _Unit:
@@ -711,13 +691,6 @@ class LowbitState:
         d["error"] = None
         return d
 
-    def __setstate__(self, d: Dict[str, Any]) -> None:
-        if "options" not in d:  # pickled before DDPConfig: the options were attributes of their own
-            d = dict(d)
-            names = ("algorithm", "error_feedback", "start_iter", "seed", "message_mb", "node_size", "hook_thread")
-            d["options"] = DDPConfig(**{k: d.pop(k) for k in names if k in d})
-        self.__dict__.update(d)
-
 
 def _bucket_capturing(bucket: dist.GradBucket) -> bool:
     """Whether the bucket's CUDA stream is being captured into a graph (never on CPU)."""
@@ -931,27 +904,9 @@ def _describe_config(settings: List[Any]) -> str:
             f"hook thread group {ext['hook_thread_group']}")
 
 
-def make_state(
-    module: nn.Module,
-    codec: Union[str, Codec, None] = None,
-    algorithm: str = "auto",
-    policy: Union[Policy, str, None] = None,
-    error_feedback: Union[bool, str] = "auto",
-    start_iter: int = 2,
-    seed: int = 0,
-    process_group: Optional[dist.ProcessGroup] = None,
-    message_mb: Union[float, str] = "auto",
-    node_size: Optional[int] = None,
-    allow: Optional[List[str]] = None,
-    error_budget: Optional[float] = 1.0,
-    measure_steps: int = 3,
-    remeasure_every: int = 0,
-    hook_thread: Union[bool, str] = "auto",
-    *,
-    auto_level: str = "conservative",
-    guard_every: int = 50,
-    config: Optional[DDPConfig] = None,
-) -> LowbitState:
+def make_state(module: nn.Module, codec: Union[str, Codec, None] = None, *,
+               process_group: Optional[dist.ProcessGroup] = None, config: Optional[DDPConfig] = None,
+               **options: Any) -> LowbitState:
     """Build the hook's state for ``module`` (the model *inside* DDP) without registering it.
 
     For frameworks that register the hook themselves, e.g. PyTorch Lightning::
@@ -959,17 +914,28 @@ def make_state(
         state = lowbit.ddp.make_state(lightning_module, codec="qsgd:bits=4")
         Trainer(strategy=DDPStrategy(ddp_comm_state=state, ddp_comm_hook=lowbit.ddp.hook))
 
-    The options are :class:`DDPConfig`'s (pass them, or one ``config=``). ``codec="auto"`` measures the
-    job and chooses per tensor among ``allow`` (:mod:`lowbit.autotune`). Where the hook thread may run
-    (``hook_thread`` True, or "auto" with the module on CUDA) and torch.distributed is initialised, it
-    creates the thread's own process group: then every rank of ``process_group`` must call it, in the same
-    order as their other ``new_group`` calls.
+    Where the hook thread may run (``hook_thread`` True, or "auto" with the module on CUDA) and
+    torch.distributed is initialised, it creates the thread's own process group: then every rank of
+    ``process_group`` must call it, in the same order as their other ``new_group`` calls.
+
+    Args:
+        module: the model inside DDP (``ddp_model.module``): its trainable parameters are planned.
+        codec: :class:`DDPConfig`'s ``codec``, the one option that may be passed by position.
+        process_group: the group the gradients are reduced over (default: the world).
+        config: a :class:`DDPConfig`, instead of ``**options``.
+        **options: :class:`DDPConfig`'s options (``policy``, ``algorithm``, ``error_feedback``, ...).
+
+    Returns:
+        The :class:`LowbitState` to register with ``lowbit.ddp.hook``.
+
+    Raises:
+        ValueError: an option out of range or that does not fit the others (the message names it), or
+            ``config`` together with options.
+        TypeError: an option :class:`DDPConfig` does not have.
     """
-    options = DDPConfig.of(config, codec=codec, algorithm=algorithm, policy=policy, error_feedback=error_feedback,
-                           start_iter=start_iter, seed=seed, message_mb=message_mb, node_size=node_size, allow=allow,
-                           error_budget=error_budget, measure_steps=measure_steps, remeasure_every=remeasure_every,
-                           hook_thread=hook_thread, auto_level=auto_level, guard_every=guard_every)
-    state = _state_for(module, options, process_group)
+    if codec is not None:
+        options["codec"] = codec
+    state = _state_for(module, DDPConfig.of(config, **options), process_group)
     state.open_thread_group(module)
     return state
 
@@ -994,85 +960,66 @@ def _state_for(module: nn.Module, options: DDPConfig, process_group: Optional[di
     return state
 
 
-LAUNCH_HINT = ("start several processes: torchrun --nproc-per-node 2 script.py, or accelerate launch --multi_gpu "
-               "--num_processes 2 script.py (docs/ddp.md, 'Launching several processes')")
-_SAID: set = set()  # the no-op warnings this process has given (each once)
-
-
-def warn_uncompressed(reason: str, group: Optional[dist.ProcessGroup] = None) -> None:
-    """Warn (``RuntimeWarning``), once per process and on rank 0 of ``group`` only, that gradients are not
-    compressed and why. ``register`` and the integrations call it where they install nothing: training
-    then runs uncompressed, and the user who asked for compression must hear it."""
-    if reason in _SAID:
-        return
-    _SAID.add(reason)
-    initialised = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank(group) if initialised else int(os.environ.get("RANK", "0"))
-    if rank == 0:
-        warnings.warn(f"lowbit: gradients are not compressed: {reason}", RuntimeWarning, stacklevel=3)
-
-
-def register(
-    ddp_model: nn.Module,
-    codec: Union[str, Codec, None] = None,
-    algorithm: str = "auto",
-    policy: Union[Policy, str, None] = None,
-    error_feedback: Union[bool, str] = "auto",
-    start_iter: int = 2,
-    seed: int = 0,
-    process_group: Optional[dist.ProcessGroup] = None,
-    message_mb: Union[float, str] = "auto",
-    node_size: Optional[int] = None,
-    one_node_native: bool = True,
-    allow: Optional[List[str]] = None,
-    error_budget: Optional[float] = 1.0,
-    measure_steps: int = 3,
-    remeasure_every: int = 0,
-    hook_thread: Union[bool, str] = "auto",
-    *,
-    auto_level: str = "conservative",
-    guard_every: int = 50,
-    config: Optional[DDPConfig] = None,
-) -> LowbitState:
+def register(ddp_model: nn.Module, *, process_group: Optional[dist.ProcessGroup] = None,
+             config: Optional[DDPConfig] = None, **options: Any) -> LowbitState:
     """Install lowbit's comm hook on ``ddp_model`` and return its state.
 
-    The options are :class:`DDPConfig`'s (pass them, or one ``config=``).
+    Collective: every rank must call it, and a configuration that differs across ranks raises
+    :class:`ConfigMismatchError` on every rank (no hang), and so do options refused on some ranks only (a
+    typo in one rank's codec): on those ranks it is chained from their ``ValueError``.
+    ``algorithm="hierarchical"`` with the whole group in one node (``state.one_node``) installs no hook
+    (with a warning): nothing would be compressed, and DDP's own allreduce is the fastest fp32 mean;
+    ``one_node_native=False`` installs it anyway (one fp32 allreduce per bucket, counted in
+    ``state.stats``, as the study does to measure it). With ``codec="auto"`` DDP's own allreduce runs
+    while the first steps are measured, and the hook is installed once the decision compresses
+    something (:mod:`lowbit.autotune`; the decision is on ``state.auto.decision``).
 
-    ``codec`` sets the policy's default codec (``policy`` overrides; default ``qsgd:bits=8,bucket=512``).
-    ``codec="auto"`` measures the first steps and then chooses per parameter tensor among ``allow``
-    (default fp32, bf16, 8-bit QSGD) what makes the step fastest within ``error_budget`` times uniform
-    8-bit QSGD's error, fp32 wherever compression does not pay (:mod:`lowbit.autotune`; the decision is
-    on ``state.auto.decision``); on several nodes it weighs the hierarchical algorithm too, per tensor.
-    ``auto_level="bold"`` also allows 4-bit QSGD and 1bitSGD with error feedback, up to ``error_budget``
-    times the gradients' own sampling noise; ``guard_every`` steps apart its guard checks the chosen
-    codecs while training and steps a tensor up in precision when they go bad (0: no guard).
-    Collective: every rank must call it; a configuration that differs across ranks raises
-    :class:`ConfigMismatchError` on every rank, and so do options refused on some ranks only (a typo in
-    one rank's codec): on those ranks it is chained from their ``ValueError``. ``algorithm="hierarchical"`` with the whole group in one
-    node (``state.one_node``) installs no hook: nothing would be compressed, and DDP's own allreduce is
-    the fastest fp32 mean. ``one_node_native=False`` installs the hook anyway (it then runs one fp32
-    allreduce per bucket and counts it in ``state.stats``, as the study does to measure it).
-    ``hook_thread`` (default ``"auto"``: on for CUDA) does the compressed buckets' host work on one
-    thread per process instead of DDP's autograd thread, which then goes on launching the backward
-    pass (module doc); results are bit-identical either way.
+    Args:
+        ddp_model: a ``torch.nn.parallel.DistributedDataParallel`` model.
+        process_group: the group to reduce over (default: the DDP model's).
+        config: a :class:`DDPConfig`, instead of ``**options``.
+        **options: :class:`DDPConfig`'s options, keyword-only:
+
+            * ``codec``: the policy's default codec (a spec such as ``"qsgd:bits=4"``, a Codec, or
+              ``"auto"``: measured, then chosen per tensor among ``allow``; default ``qsgd:bits=8,bucket=512``).
+            * ``policy``: a :class:`lowbit.Policy` (or spec) deciding per tensor (not with ``codec``).
+            * ``algorithm``: ``"auto"`` (default), ``"allgather"``, ``"scatter_gather"``, ``"hierarchical"``,
+              or an algorithm that sums on the wire (``"allreduce"``, fp32/fp16/bf16 only).
+            * ``error_feedback``: True, False or ``"auto"`` (default: on for biased codecs).
+            * ``start_iter`` (2), ``seed`` (0), ``message_mb`` (``"auto"``), ``node_size`` (None: from the
+              environment), ``hook_thread`` (``"auto"``: on for CUDA), ``one_node_native`` (True).
+            * with ``codec="auto"`` only: ``allow``, ``error_budget`` (1.0), ``auto_level``
+              (``"conservative"`` or ``"bold"``), ``guard_every`` (50; 0: no guard), ``measure_steps`` (3),
+              ``remeasure_every`` (0).
+
+            The module docstring is the tuning guide for each.
+
+    Returns:
+        The :class:`LowbitState`: statistics (``state.stats``), checkpoints (``state_dict()``), the auto
+        tuner (``state.auto``).
+
+    Raises:
+        ValueError: ``ddp_model`` is not a DDP model, an option is out of range or does not fit the
+            others (the message names it), or ``config`` comes with options.
+        ConfigMismatchError: the ranks' settings differ, or some ranks' options were refused.
+        TypeError: an option :class:`DDPConfig` does not have.
     """
     module = getattr(ddp_model, "module", None)
     if module is None or not hasattr(ddp_model, "register_comm_hook"):
         raise ValueError("lowbit.ddp.register expects a torch.nn.parallel.DistributedDataParallel model")
     group = process_group if process_group is not None else getattr(ddp_model, "process_group", None)
     try:
-        options = DDPConfig.of(config, codec=codec, algorithm=algorithm, policy=policy, error_feedback=error_feedback,
-                               start_iter=start_iter, seed=seed, message_mb=message_mb, node_size=node_size,
-                               one_node_native=one_node_native, allow=allow, error_budget=error_budget,
-                               measure_steps=measure_steps, remeasure_every=remeasure_every, hook_thread=hook_thread,
-                               auto_level=auto_level, guard_every=guard_every)
-        state = _state_for(module, options, group, ddp_bucket_caps(ddp_model))
+        cfg = DDPConfig.of(config, **options)
+        refuse_second_register(ddp_model, "lowbit.ddp.register")
+        state = _state_for(module, cfg, group, ddp_bucket_caps(ddp_model))
         warm_up_for([*state.plan.values(), *map(get_codec, state.auto.allow if state.auto else ())], module.parameters())
     except ValueError as exc:  # refused here: still compare, so that the other ranks raise now, not at a timeout
         _check_same_config(exc, group)
         raise
     _check_same_config(state, group, state.wants_thread_group(module))
     state.open_thread_group(module)  # after the check: a rank that made it alone would wait in new_group
+    remember_register(ddp_model, state, f"codec {cfg.codec!r}" if cfg.codec is not None
+                      else f"policy {cfg.resolved_policy().describe()}")
     size = C.world(group)[1]
     if size == 1:
         warn_uncompressed(f"the process group has 1 rank, so no gradient is exchanged (the hook is installed "
@@ -1082,13 +1029,13 @@ def register(
     if state.auto is not None:
         # codec="auto": DDP's own allreduce runs while the first steps are measured; lowbit's hook is
         # registered only once the decision compresses something.
-        if options.one_node_native and state.one_node:
+        if cfg.one_node_native and state.one_node:
             state.auto.detach()  # nothing crosses nodes: DDP's allreduce stays, as for any codec
             warn_uncompressed(one_node, group)
         else:
             state.auto.attach(module, state, install=lambda: ddp_model.register_comm_hook(state, hook))
         return state
-    if options.one_node_native and state.one_node:
+    if cfg.one_node_native and state.one_node:
         # hierarchical inside one node compresses nothing: leave DDP's own C++ allreduce in place, which no
         # Python hook can match (state.stats then counts nothing).
         warn_uncompressed(one_node, group)

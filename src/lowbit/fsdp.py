@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lowbit.autotune import AutoOptions
 from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
 from lowbit.comm import graphs
@@ -68,12 +69,13 @@ from lowbit.comm.allreduce import CommStats, _framed, _slot, _zeros, all_reduce
 from lowbit.comm.groups import new_subgroup
 from lowbit.comm.hierarchical import node_size_for
 from lowbit.comm.residual import restore_unless_finite_anywhere
+from lowbit.comm.registration import LAUNCH_HINT, refuse_second_register, remember_register, warn_once, warn_uncompressed
 from lowbit.feedback import ErrorFeedback
-from lowbit.fsdp_auto import NATIVE, FSDPAuto, check_options, spread_sample
+from lowbit.fsdp_auto import NATIVE, FSDPAuto, spread_sample
 from lowbit.kernels.dispatch import warm_up_for
 from lowbit.policy import Policy
 
-__all__ = ["FSDPState", "LowbitReduceScatter", "LowbitAllGather", "register", "MIN_TORCH"]
+__all__ = ["FSDPConfig", "FSDPState", "LowbitReduceScatter", "LowbitAllGather", "register", "MIN_TORCH"]
 
 log = logging.getLogger("lowbit.fsdp")
 
@@ -780,63 +782,77 @@ def _check_codec(spec: Codec | str, what: str) -> Codec:
     return codec
 
 
-def register(
-    model: nn.Module,
-    *,
-    codec: Codec | str = "qsgd:bits=8",
-    param_codec: Codec | str | None = None,
-    error_feedback: bool = False,
-    node_size: int | None = None,
-    policy: Policy | str | None = None,
-    replicate_group: dist.ProcessGroup | None = None,
-    auto_level: str | None = None,
-    guard_every: int | None = None,
-    allow: Sequence[Codec | str] | None = None,
-    error_budget: float | None = 1.0,
-) -> FSDPState:
-    """Make every ``fully_shard`` module of ``model`` reduce-scatter gradients in ``codec`` and (with
-    ``param_codec``) all-gather parameters in ``param_codec``. Call it on every rank, after
-    ``fully_shard`` and before the first forward.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FSDPConfig(AutoOptions):
+    """Every option of :func:`register`, validated once (here, at construction; a ``ValueError`` names the
+    option at fault) and frozen: the one list of them. ``register(model, codec=...)`` builds one from its
+    keywords (``FSDPConfig.of(config, **options)``), or takes one as ``config=``.
 
-    ``codec``: any lowbit codec (QSGD 1-8/16 bits, ``onebit:bucket=N``, Dettmers with buckets, ``fp16`` /
-    ``bf16`` on the wire with float32 sums, ``fp32``). ``param_codec``: ``None`` keeps FSDP's own
-    all-gather; a deterministic codec (``qsgd:bits=8,rounding=nearest``) is recommended for weights:
-    stochastic rounding adds noise to every forward without anything to average it out.
-    ``error_feedback``: residuals of the gradient codec's error, kept per rank on the *unsharded*
-    gradient (4 bytes per parameter value of the whole model on every rank; ``state_dict()`` saves them).
-    ``node_size``: ranks per node (default ``$LOWBIT_NODE_SIZE`` or torchrun's ``LOCAL_WORLD_SIZE`` when
-    they split the group into several nodes): compress only between nodes. ``policy``: a
-    :class:`lowbit.Policy` (or a spec) deciding per parameter; parameters it keeps in fp32 ride exactly
-    (default: the seed's rule, 1-D tensors and tensors below 10,000 values). ``replicate_group``: HSDP,
-    the group across which the shards are replicated (their reduced gradients are all-reduced across
-    it in ``codec``, and the parameters are broadcast from its first rank now).
-
-    ``codec="auto"`` (:mod:`lowbit.fsdp_auto`): each module's gradient exchange, FSDP's own or a codec,
-    chosen by measured error and measured step time on the first steps; ``auto_level`` ``"conservative"``
-    (default: bf16, 8-bit QSGD) or ``"bold"`` (also 4-bit QSGD and 1bitSGD* with error feedback), or the
-    codecs of ``allow`` (FSDP's own reduce-scatter, ``"native"``, is always allowed), each admitted for a
-    module when its error is at most ``error_budget`` (default 1.0; None: no limit) times 8-bit QSGD's there
-    (bold: or the ranks' sampling noise); its guard checking every ``guard_every`` steps (default 50; 0:
-    never), with the loss reported through ``state.auto.report_loss(loss)``. Not with ``error_feedback``
-    (auto turns it on for the biased codecs it chooses) nor ``replicate_group``.
-
-    Ranks that disagree on any of this get the same :class:`lowbit.ddp.ConfigMismatchError`, and so do
-    options refused on some ranks only (a typo in one rank's codec): on those ranks it is chained from
-    their ``ValueError`` (options refused alike on every rank raise that ``ValueError``).
+    ``codec``: the gradients' codec (any lowbit codec with buckets: QSGD 1-8/16 bits, ``onebit:bucket=N``,
+    Dettmers with buckets, ``fp16`` / ``bf16`` on the wire with float32 sums, ``fp32``), or ``"auto"``
+    (:mod:`lowbit.fsdp_auto`). ``param_codec``: the parameters' all-gather codec (None: FSDP's own).
+    ``error_feedback``: residuals of the gradient codec's error. ``node_size``: ranks per node (None: from
+    the environment). ``policy``: a :class:`lowbit.Policy` (or a spec) deciding per parameter which ride
+    exactly. ``codec="auto"``'s options (``auto_level``, ``guard_every``, ``allow``, ``error_budget``) are
+    :class:`lowbit.autotune.AutoOptions`', shared with DDP; here the budget multiplies each module's 8-bit
+    QSGD error, and FSDP's own reduce-scatter (``"native"``) is always allowed.
     """
-    FSDPModule, _ = _fsdp_api()
-    try:  # every option checked here; a rank refused still compares (below), so no peer waits for it
-        if not isinstance(model, nn.Module):
-            raise ValueError(f"lowbit.fsdp.register expects an nn.Module, got {type(model).__name__}")
-        if not isinstance(error_feedback, bool):
-            raise ValueError(f"lowbit.fsdp.register: error_feedback must be True or False, got {error_feedback!r}")
-        tuner = _check_auto(codec, auto_level, guard_every, allow, error_budget, error_feedback, replicate_group)
-        grad_codec = None if tuner is not None else _check_codec(codec, "codec")
-        p_codec = None if param_codec is None else _check_codec(param_codec, "param_codec")
-        if error_feedback and grad_codec is not None and grad_codec.sums_on_wire:
+
+    codec: Codec | str = "qsgd:bits=8"
+    param_codec: Codec | str | None = None
+    error_feedback: bool = False
+    node_size: int | None = None
+    policy: Policy | str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.validate()
+
+    @property
+    def auto(self) -> bool:
+        """``codec="auto"``: each module's gradient exchange chosen by measurement (:mod:`lowbit.fsdp_auto`)."""
+        return isinstance(self.codec, str) and self.codec == "auto"
+
+    def gradient_codec(self) -> Codec | None:
+        """The gradients' codec (None with ``codec="auto"``)."""
+        return None if self.auto else _check_codec(self.codec, "codec")
+
+    def parameter_codec(self) -> Codec | None:
+        """The parameters' codec (None: FSDP's own all-gather)."""
+        return None if self.param_codec is None else _check_codec(self.param_codec, "param_codec")
+
+    def resolved_policy(self) -> Policy | None:
+        return None if self.policy is None else Policy.coerce(self.policy)
+
+    def validate(self) -> None:
+        """Raise a ``ValueError`` naming the first option that is out of range or does not fit the others."""
+        if not isinstance(self.error_feedback, bool):
+            raise ValueError(f"lowbit.fsdp.register: error_feedback must be True or False, got {self.error_feedback!r}")
+        try:
+            self.check_auto(self.auto, self.codec, always="native, FSDP's own reduce-scatter,",
+                            budget_of="8-bit QSGD's error on each module")
+        except ValueError as e:
+            raise ValueError(f"lowbit.fsdp.register: {e}") from None
+        for c in (self.allow or ()) if self.auto else ():
+            if c != NATIVE:
+                try:
+                    _check_codec(c, "allow's codec")  # a spec, known, with its own buckets
+                except ValueError as e:
+                    msg = str(e) if str(e).startswith("lowbit.fsdp") else f"lowbit.fsdp.register: allow: {e}"
+                    raise ValueError(msg) from None
+        if self.auto and self.error_feedback:
+            raise ValueError("lowbit.fsdp.register: codec='auto' turns error feedback on for the biased codecs it "
+                             "chooses (1bitSGD* at auto_level='bold'); leave error_feedback off")
+        grad_codec = self.gradient_codec()
+        self.parameter_codec()
+        if self.error_feedback and grad_codec is not None and grad_codec.sums_on_wire:
             raise ValueError(f"lowbit.fsdp.register: {grad_codec.spec} is lossless up to a cast; it takes no error feedback")
-        pol = None if policy is None else Policy.coerce(policy)
-        if tuner is not None and pol is not None:
+        if self.node_size is not None and (isinstance(self.node_size, bool) or not isinstance(self.node_size, int)
+                                           or self.node_size < 1):
+            raise ValueError(f"lowbit.fsdp.register: node_size must be a positive int (ranks per node), "
+                             f"got {self.node_size!r}")
+        pol = self.resolved_policy()
+        if self.auto and pol is not None:
             lossy = {**{f"by_type {k!r}": v for k, v in pol.by_type.items()},
                      **{f"by_name {k!r}": v for k, v in pol.by_name.items()}}
             lossy = {k: v for k, v in lossy.items() if v != "fp32"}
@@ -846,6 +862,68 @@ def register(
                 raise ValueError(f"lowbit.fsdp.register: with codec='auto' a policy only keeps parameters exact (fp32); "
                                  f"auto chooses the codecs, so this policy's {lossy} would be ignored: name them in "
                                  "allow=, or give a fixed codec")
+
+
+def register(model: nn.Module, *, replicate_group: dist.ProcessGroup | None = None,
+             config: FSDPConfig | None = None, **options: Any) -> FSDPState:
+    """Make every ``fully_shard`` module of ``model`` reduce-scatter gradients in ``codec`` and (with
+    ``param_codec``) all-gather parameters in ``param_codec``. Call it on every rank, after
+    ``fully_shard`` and before the first forward.
+
+    ``param_codec``: a deterministic codec (``qsgd:bits=8,rounding=nearest``) is recommended for weights:
+    stochastic rounding adds noise to every forward without anything to average it out. Error feedback
+    keeps its residuals per rank on the *unsharded* gradient (4 bytes per parameter value of the whole
+    model on every rank; ``state_dict()`` saves them). Parameters the policy keeps in fp32 ride exactly
+    (default: the seed's rule, 1-D tensors and tensors below 10,000 values). ``codec="auto"``
+    (:mod:`lowbit.fsdp_auto`): each module's gradient exchange, FSDP's own or a codec, chosen by measured
+    error and measured step time on the first steps, its guard fed by ``state.auto.report_loss(loss)``.
+
+    Collective: ranks that disagree on any of this get the same :class:`lowbit.ddp.ConfigMismatchError`,
+    and so do options refused on some ranks only (a typo in one rank's codec): on those ranks it is
+    chained from their ``ValueError`` (options refused alike on every rank raise that ``ValueError``).
+
+    Args:
+        model: the model, after ``fully_shard`` on its blocks and on itself (a 1-D mesh).
+        replicate_group: HSDP, the group across which the shards are replicated: their reduced gradients
+            are all-reduced across it in ``codec``, and the parameters are broadcast from its first rank
+            now. Not with ``codec="auto"``.
+        config: an :class:`FSDPConfig`, instead of ``**options``.
+        **options: :class:`FSDPConfig`'s options, keyword-only:
+
+            * ``codec``: the gradients' codec (default ``"qsgd:bits=8"``), or ``"auto"``.
+            * ``param_codec``: the parameters' codec (default None: FSDP's own all-gather).
+            * ``error_feedback``: True or False (default False; not with ``codec="auto"``, which turns it
+              on for the biased codecs it chooses).
+            * ``node_size``: ranks per node (default ``$LOWBIT_NODE_SIZE`` or torchrun's
+              ``LOCAL_WORLD_SIZE`` when they split the group into nodes): compress only between nodes.
+            * ``policy``: a :class:`lowbit.Policy` (or a spec) deciding per parameter.
+            * with ``codec="auto"`` only: ``auto_level`` (``"conservative"``: bf16, 8-bit QSGD; ``"bold"``:
+              also 4-bit QSGD and 1bitSGD*), ``guard_every`` (50; 0: no guard), ``allow`` (the codecs to
+              choose among; ``"native"`` is always allowed), ``error_budget`` (1.0: a codec is admitted for
+              a module when its error is at most this times 8-bit QSGD's there; None: no limit).
+
+    Returns:
+        The :class:`FSDPState`: statistics, error-feedback residuals and checkpoints (``state_dict()``),
+        the auto tuner (``state.auto``).
+
+    Raises:
+        ValueError: an option out of range or that does not fit the others (the message names it), a
+            model that is not sharded with ``fully_shard`` on a 1-D mesh.
+        lowbit.ddp.ConfigMismatchError: the ranks' settings differ, or some ranks' options were refused.
+        TypeError: an option :class:`FSDPConfig` does not have.
+    """
+    FSDPModule, _ = _fsdp_api()
+    try:  # every option checked here; a rank refused still compares (below), so no peer waits for it
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"lowbit.fsdp.register expects an nn.Module, got {type(model).__name__}")
+        cfg = FSDPConfig.of(config, **options)
+        refuse_second_register(model, "lowbit.fsdp.register")
+        if cfg.auto and replicate_group is not None:
+            raise ValueError("lowbit.fsdp.register: codec='auto' does not run under HSDP (replicate_group=); "
+                             "give a codec")
+        tuner = FSDPAuto(cfg.auto_level, cfg.guard_every, cfg.allow, cfg.error_budget) if cfg.auto else None
+        grad_codec, p_codec, pol = cfg.gradient_codec(), cfg.parameter_codec(), cfg.resolved_policy()
+        error_feedback, node_size = cfg.error_feedback, cfg.node_size
         modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
         if not modules:
             raise ValueError("lowbit.fsdp.register: the model has no fully_shard module; call "
@@ -905,6 +983,15 @@ def register(
         raise
     # agree before anything collective is set up: ranks that differ (a node size, a codec) would hang there
     _check_same_config(state, group if replicate_group is None else None)
+    remember_register(model, state, f"codec {state.config()['codec']!r}, param_codec {state.config()['param_codec']!r}")
+    if k == 1 and (replicate_group is None or replicate_group.size() == 1):
+        warn_uncompressed("the FSDP mesh's group has 1 rank, so no gradient or parameter is exchanged (lowbit's "
+                          f"reduce-scatter and all-gather are installed but send nothing); {LAUNCH_HINT}", group)
+    if p_codec is not None and p_codec.stochastic:
+        warn_once(f"lowbit.fsdp: param_codec {p_codec.spec} rounds stochastically: a weight is drawn once per "
+                  "forward, so the rounding noise enters every activation with nothing to average it out "
+                  "(docs/fsdp.md); use a deterministic codec, rounding=nearest (e.g. "
+                  "'qsgd:bits=8,bucket=512,rounding=nearest'), or bf16", group)
     grad_groups = _make_groups(group, ns_eff)
     param_groups = _make_groups(group, ns_eff) if p_codec is not None and ns_eff is not None else None
     # HSDP whose shard group is one node: FSDP's own reduce-scatter runs inside it (NVLink; compressing
@@ -946,39 +1033,6 @@ def _declare_residuals(state: FSDPState, exchanges: list[tuple[str, int, LowbitR
         state._replicate_numels.update({label: sum(sizes) for _, label, _, sizes, _ in plans})
     if fixed:
         state._required = tuple(state.feedback.residuals)
-
-
-def _check_auto(codec: Codec | str, auto_level: str | None, guard_every: int | None,
-                allow: Sequence[Codec | str] | None, error_budget: float | None, error_feedback: bool,
-                replicate_group: dist.ProcessGroup | None) -> FSDPAuto | None:
-    """codec="auto"'s tuner, its options checked (as lowbit.ddp.DDPConfig checks DDP's); None for any other
-    codec (which takes no auto option)."""
-    if not (isinstance(codec, str) and codec == "auto"):
-        if auto_level is not None or guard_every is not None or allow is not None or error_budget != 1.0:
-            raise ValueError("lowbit.fsdp.register: allow=, error_budget=, auto_level= and guard_every= go with "
-                             "codec='auto'")
-        return None
-    level, every = "conservative" if auto_level is None else auto_level, 50 if guard_every is None else guard_every
-    try:
-        check_options(allow, error_budget, level, every)
-    except ValueError as e:
-        raise ValueError(f"lowbit.fsdp.register: {e}") from None
-    for c in allow or ():
-        if c != NATIVE:
-            try:
-                _check_codec(c, "allow's codec")  # a spec, known, with its own buckets
-            except ValueError as e:
-                msg = str(e) if str(e).startswith("lowbit.fsdp") else f"lowbit.fsdp.register: allow: {e}"
-                raise ValueError(msg) from None
-    if error_feedback:
-        raise ValueError("lowbit.fsdp.register: codec='auto' turns error feedback on for the biased codecs it "
-                         "chooses (1bitSGD* at auto_level='bold'); leave error_feedback off")
-    if replicate_group is not None:
-        raise ValueError("lowbit.fsdp.register: codec='auto' does not run under HSDP (replicate_group=); give a codec")
-    try:
-        return FSDPAuto(level, every, allow, error_budget)
-    except ValueError as e:
-        raise ValueError(f"lowbit.fsdp.register: {e}") from None
 
 
 def _replicate(model: nn.Module, modules: list[tuple[str, nn.Module]], state: FSDPState,

@@ -39,7 +39,8 @@ steps, so on gradients that crossed the wire.
 
 Measuring takes ``warmup_steps + (1 + trial_steps) x finalists`` steps (11 at the conservative level, 17
 at the bold one), some of them under a slower candidate: a few steps' time, once a job. The decision is
-logged once (rank 0, INFO, :meth:`FSDPAuto.table`), kept on ``state.auto`` and saved in
+logged once (rank 0, INFO, :meth:`FSDPAuto.table`; WARNING, with the reason, when it keeps FSDP's own
+reduce-scatter everywhere), kept on ``state.auto`` and saved in
 ``state.state_dict()``: a resumed job does not measure again.
 
 5. **Guard** (``guard_every`` steps apart, default 50; 0: off) while a module is compressed: one step's
@@ -203,6 +204,9 @@ class FSDPAuto:
         passes; every module starts native."""
         self._group, self._device = group, device
         for name, numel, ex in exchanges:
+            if numel == 0:  # a module without parameters of its own (a root over sharded blocks): it never
+                ex.set_choice(NATIVE)  # reduce-scatters, so there is nothing to sample or decide
+                continue
             self.exchanges[name], self.numels[name] = ex, numel
         self._apply({n: NATIVE for n in self.exchanges})
         model.register_forward_pre_hook(self._on_forward)
@@ -329,9 +333,20 @@ class FSDPAuto:
         self._apply(self.assignment)
         self._last, self._times = None, {}
         self.guard.start(step, self._losses.take())  # the losses reported so far: the loss rule's first reference
-        if C.world(self._group)[0] == 0:
-            log.info("lowbit.fsdp codec='auto' at step %d (%d ranks, %s):\n%s", step, C.world(self._group)[1],
-                     self.level, self.table())
+        rank, world = C.world(self._group)
+        if rank == 0 and all(k == NATIVE for k in self.decision.values()):
+            # the one outcome where auto compresses nothing: said as a warning, with the reason (as DDP's)
+            if len(self.finalists) == 1:
+                why = (f"no module of at least {UNIFORM_MIN_NUMEL:,} values admitted an allowed codec "
+                       f"({', '.join(self.allow)}) within its error limit, so none was tried")
+            else:
+                why = (f"no allowed codec ({', '.join(self.allow)}) was measured to make the step at least "
+                       f"{(AUTO_FASTER_THAN_FP32 - 1) * 100:.0f} % faster than native ({native_s * 1e3:.2f} ms)")
+            log.warning("lowbit.fsdp codec='auto' at step %d (%d ranks, %s) keeps FSDP's own reduce-scatter "
+                        "everywhere, so gradients are not compressed: %s\n%s", step, world, self.level, why,
+                        self.table())
+        elif rank == 0:
+            log.info("lowbit.fsdp codec='auto' at step %d (%d ranks, %s):\n%s", step, world, self.level, self.table())
 
     def _bits_of(self, assignment: dict[str, str]) -> float:
         total = sum(self.numels.values()) or 1

@@ -149,7 +149,7 @@ def test_accelerate_with_one_process_says_nothing_is_compressed(monkeypatch) -> 
     import lowbit.ddp
     from lowbit.integrations.accelerate import register
 
-    monkeypatch.setattr(lowbit.ddp, "_SAID", set(), raising=False)
+    monkeypatch.setattr("lowbit.comm.registration._SAID", set())
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("ACCELERATE_USE_CPU", "True")  # what that launch sets in its one process
@@ -175,7 +175,7 @@ def test_lightning_without_ddp_says_nothing_is_compressed_once(monkeypatch) -> N
     import lowbit.ddp
     from lowbit.integrations.lightning import LowbitCallback
 
-    monkeypatch.setattr(lowbit.ddp, "_SAID", set(), raising=False)
+    monkeypatch.setattr("lowbit.comm.registration._SAID", set())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):  # two fits (a tuner and a trainer, say): said once

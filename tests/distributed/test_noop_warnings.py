@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lowbit
+import lowbit.comm.registration
 import lowbit.ddp
 from lowbit.launch import spawn
 
@@ -29,7 +30,7 @@ def _lowbit_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
 
 
 def test_register_on_one_rank_warns_once_with_the_reason(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(lowbit.ddp, "_SAID", set(), raising=False)
+    monkeypatch.setattr("lowbit.comm.registration._SAID", set())
     dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'store'}")
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -54,7 +55,7 @@ class _Records(logging.Handler):
 
 
 def _body_two_ranks(rank: int, world: int) -> dict:
-    getattr(lowbit.ddp, "_SAID", set()).clear()  # (a fresh process: for clarity)
+    lowbit.comm.registration._SAID.clear()  # (a fresh process: for clarity)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         # hierarchical with both ranks in one node: nothing crosses nodes, no hook

@@ -115,3 +115,12 @@ def test_kernel_families_import_only_common() -> None:
             assert name in mods, name
             imports = {i for i in _top_level_imports(mods[name][0]) if i in mods}
             assert imports <= shared, (name, sorted(imports - shared))
+
+
+def test_the_integrations_do_not_import_each_other() -> None:
+    """DDP and FSDP share what lies below them (comm's agreement, registration, groups, graphs) and
+    neither imports the other: using FSDP never loads the DDP hook and its tuner (issue 42)."""
+    for mod, other in (("lowbit.fsdp", "lowbit.ddp"), ("lowbit.ddp", "lowbit.fsdp"),
+                       ("lowbit.fsdp_auto", "lowbit.ddp")):
+        tree, _ = _modules()[mod]
+        assert not any(n == other or n.startswith(other + ".") for n in _top_level_imports(tree)), (mod, other)

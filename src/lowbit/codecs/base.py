@@ -359,7 +359,20 @@ def parse_codec_list(values: Sequence[str] | str, what: str = "codecs", also: Se
 
 
 def get_codec(spec: str | Codec, **params: Any) -> Codec:
-    """Build a codec from a spec string (``"qsgd:bits=4"``) or a name plus keyword parameters."""
+    """Build a codec from a spec string (``"qsgd:bits=4"``) or a name plus keyword parameters.
+
+    Args:
+        spec: ``"name"`` or ``"name:param=value,..."`` (:func:`parse_spec`), or a :class:`Codec` (returned
+            as it is, or with ``params`` replaced).
+        **params: the codec's parameters (``get_codec("qsgd", bits=4, bucket=512)``), over the spec's.
+
+    Returns:
+        The codec (frozen; ``codec.spec`` is its canonical spec, every parameter explicit).
+
+    Raises:
+        ValueError: an unknown codec (the message lists the known ones), a parameter it does not have
+            (listing its parameters) or a value out of range.
+    """
     _ensure_loaded()
     if isinstance(spec, Codec):
         if params:

@@ -202,22 +202,39 @@ def all_reduce(
 
     Like ``torch.distributed.all_reduce``: every rank passes a tensor of the same shape and ends with the
     same (bit-identical) result, and the collectives are issued now, in the caller's program order.
-    ``op``: ``torch.distributed.ReduceOp.SUM`` (the default, as torch's) or ``ReduceOp.AVG``, or the
-    strings ``"sum"`` / ``"mean"``. ``algorithm``: ``scatter_gather`` (default), ``allgather``,
-    ``allreduce`` (fp32/fp16/bf16 only), ``auto`` (:func:`auto_algorithm`: scatter_gather above 2 ranks;
-    for 2, allgather, or scatter_gather for large CPU tensors) or
-    ``hierarchical`` (native inside each node, compressed between nodes; ``node_size`` ranks per node,
-    default ``$LOWBIT_NODE_SIZE`` or torchrun's ``LOCAL_WORLD_SIZE``: :mod:`lowbit.comm.hierarchical`).
-    ``simulated`` is Grubic et al.'s simulation of low-precision NCCL for benchmarks: a native fp32
-    allreduce of a buffer of the codec's wire size, **leaving the tensor unreduced** (speed only).
-    ``feedback`` (an :class:`~lowbit.ErrorFeedback` of the same codec) adds error feedback under ``key``.
     A float32 contiguous ``tensor`` is reduced in place; any other dtype or layout (a strided view) is
     copied into a contiguous float32 buffer and the result copied back into its elements, never
-    touching memory outside them. A tensor whose elements overlap in memory (an expanded view) is
-    refused with a ValueError before anything is sent.
-    ``seed`` keys the stochastic rounding (pass the step number). ``stats`` accumulates calls and bytes
-    sent (and phase times when its ``timing`` is on). With ``async_op=True`` returns a handle whose
-    ``wait()`` makes ``tensor`` hold the result.
+    touching memory outside them.
+
+    Args:
+        tensor: the values to reduce, the same shape on every rank.
+        codec: a codec spec (``"qsgd:bits=4,bucket=512"``) or a :class:`~lowbit.Codec`.
+        group: the process group (default: the world).
+        algorithm: ``scatter_gather`` (default), ``allgather``, ``allreduce`` (fp32/fp16/bf16 only),
+            ``auto`` (:func:`auto_algorithm`: scatter_gather above 2 ranks; for 2, allgather, or
+            scatter_gather for large CPU tensors) or ``hierarchical`` (native inside each node, compressed
+            between nodes: :mod:`lowbit.comm.hierarchical`). ``simulated`` is Grubic et al.'s simulation of
+            low-precision NCCL for benchmarks: a native fp32 allreduce of a buffer of the codec's wire
+            size, **leaving the tensor unreduced** (speed only).
+        op: ``torch.distributed.ReduceOp.SUM`` (the default, as torch's) or ``ReduceOp.AVG``, or the
+            strings ``"sum"`` / ``"mean"``.
+        feedback: an :class:`~lowbit.ErrorFeedback` of the same codec: error feedback, under ``key``.
+        async_op: return a handle instead of waiting.
+        key: the residual's key in ``feedback`` (one per tensor).
+        seed: keys the stochastic rounding (pass the step number).
+        stats: a :class:`CommStats` that accumulates calls and bytes sent (and phase times when its
+            ``timing`` is on).
+        node_size: ranks per node for ``hierarchical`` (default ``$LOWBIT_NODE_SIZE`` or torchrun's
+            ``LOCAL_WORLD_SIZE``).
+
+    Returns:
+        None, or with ``async_op=True`` a handle whose ``wait()`` makes ``tensor`` hold the result.
+
+    Raises:
+        ValueError: an unknown codec or algorithm, a codec the algorithm cannot carry, ``feedback`` of
+            another codec or with a codec summed natively, a tensor whose elements overlap in memory (an
+            expanded view), all before anything is sent.
+        lowbit.comm.CollectiveError: a collective failed (with the rank, the group and the call).
     """
     if not isinstance(codec, (str, Codec)):
         raise ValueError(f"codec must be a codec spec such as 'qsgd:bits=8' or a Codec, got {codec!r} (lowbit.all_reduce "

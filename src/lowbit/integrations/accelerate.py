@@ -27,12 +27,28 @@ require("accelerate", "accelerate", "lowbit.integrations.accelerate")
 __all__ = ["register"]
 
 
-def register(accelerator: Any, model: Any, config: lowbit.ddp.DDPConfig | None = None, process_group: Any = None,
+def register(accelerator: Any, model: Any, *, config: lowbit.ddp.DDPConfig | None = None, process_group: Any = None,
              **options: Any) -> lowbit.ddp.LowbitState | None:
-    """Install lowbit's comm hook on ``model`` as returned by ``accelerator.prepare``; returns the state
-    (``None`` when the run is not distributed). The options are :class:`lowbit.ddp.DDPConfig`'s (or one
-    ``config=``), validated on every run, one process included; ``process_group`` goes to
-    :func:`lowbit.ddp.register`."""
+    """Install lowbit's comm hook on ``model`` as returned by ``accelerator.prepare``. The options are
+    validated on every run, one process included, so a typo fails on a laptop too.
+
+    Args:
+        accelerator: the ``accelerate.Accelerator``.
+        model: the model ``accelerator.prepare`` returned (a ``DistributedDataParallel`` when several
+            processes run).
+        config: a :class:`lowbit.ddp.DDPConfig`, instead of ``**options``.
+        process_group: goes to :func:`lowbit.ddp.register`.
+        **options: :class:`lowbit.ddp.DDPConfig`'s options, keyword-only.
+
+    Returns:
+        The :class:`lowbit.ddp.LowbitState`, or ``None`` (with a warning) when one process runs.
+
+    Raises:
+        ValueError: an option out of range (naming it), ``config`` together with options, or a model that
+            is not a DDP model with several processes; :class:`lowbit.ddp.ConfigMismatchError` as
+            :func:`lowbit.ddp.register`.
+        TypeError: an option :class:`lowbit.ddp.DDPConfig` does not have.
+    """
     config = lowbit.ddp.DDPConfig.of(config, **options)
     if accelerator.num_processes <= 1:
         lowbit.ddp.warn_uncompressed(

@@ -27,13 +27,23 @@ __all__ = ["LowbitCallback"]
 
 
 class LowbitCallback(pl.Callback):
-    """Register lowbit's DDP comm hook on the model Lightning wraps. The options are
-    :class:`lowbit.ddp.DDPConfig`'s (``codec``, ``policy``, ``algorithm``, ``error_feedback``, ...; or one
-    ``config=``), validated here, when the callback is built; ``process_group`` goes to
-    :func:`lowbit.ddp.register`. ``state`` holds the :class:`lowbit.ddp.LowbitState` once fitting has
-    started."""
+    """Register lowbit's DDP comm hook on the model Lightning wraps, when fitting starts. The options are
+    validated here, when the callback is built, so a typo fails before training does. ``state`` holds the
+    :class:`lowbit.ddp.LowbitState` once fitting has started.
 
-    def __init__(self, warn_after: int = 10, config: lowbit.ddp.DDPConfig | None = None,
+    Args:
+        warn_after: steps after which a hook that was never called is warned about (the strategy bypassed it).
+        config: a :class:`lowbit.ddp.DDPConfig`, instead of ``**options``.
+        process_group: goes to :func:`lowbit.ddp.register`.
+        **options: :class:`lowbit.ddp.DDPConfig`'s options (``codec``, ``policy``, ``algorithm``,
+            ``error_feedback``, ...), keyword-only.
+
+    Raises:
+        ValueError: an option out of range (naming it), or ``config`` together with options.
+        TypeError: an option :class:`lowbit.ddp.DDPConfig` does not have.
+    """
+
+    def __init__(self, *, warn_after: int = 10, config: lowbit.ddp.DDPConfig | None = None,
                  process_group: Any = None, **options: Any) -> None:
         self.config = lowbit.ddp.DDPConfig.of(config, **options)
         self.process_group = process_group
