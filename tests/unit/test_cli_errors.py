@@ -207,3 +207,19 @@ def test_a_deeply_nested_study_config_is_not_valid_toml_in_one_line(tmp_path: Pa
     config.write_text("a = " + nest[0] * 5000 + "1" + nest[1] * 5000 + "\n")
     assert main(["study", "--config", str(config), "--dry-run", "--out", str(tmp_path / "out")]) == 2
     _one_line(capsys.readouterr().err, "lowbit study: error:", str(config), "not valid TOML", "nested")
+
+
+def test_lowbit_codecs_is_quick_by_default_and_paper_sized_on_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default table takes seconds (issue 43: 25M samples a distribution took 5 minutes); --paper
+    asks for Table 2's 25M; both at once is one clear error."""
+    from lowbit.cli import codecs as codecs_cli
+
+    seen = []
+    monkeypatch.setattr(codecs_cli, "measure", lambda specs, samples, *a, **k: seen.append(samples) or [])
+    monkeypatch.setattr(codecs_cli, "format_table", lambda rows: "")
+    assert main(["codecs", "--quiet"]) == 0
+    assert main(["codecs", "--quiet", "--paper"]) == 0
+    assert main(["codecs", "--quiet", "--samples", "5000"]) == 0
+    assert seen == [codecs_cli.QUICK_SAMPLES, codecs_cli.PAPER_SAMPLES, 5000]
+    assert codecs_cli.QUICK_SAMPLES <= 1_000_000 < codecs_cli.PAPER_SAMPLES
+    assert main(["codecs", "--quiet", "--paper", "--samples", "5000"]) == 2

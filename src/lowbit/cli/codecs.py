@@ -13,8 +13,18 @@ import torch
 from lowbit.codecs.base import parse_codec_list
 from lowbit.codecs.report import DEFAULT_SPECS, format_table, measure
 
+
+#: Samples per distribution: the quick default, and what Dettmers' Table 2 comparison needs (``--paper``).
+QUICK_SAMPLES = 1_000_000
+PAPER_SAMPLES = 25_000_000
+
+
 def _check(args: argparse.Namespace) -> None:
     """Every argument checked before any work: one line naming the problem (the CLI exits with 2)."""
+    if args.samples is not None and args.paper:
+        raise ValueError("--samples and --paper both set the samples per distribution: give one")
+    if args.samples is None:
+        args.samples = PAPER_SAMPLES if args.paper else QUICK_SAMPLES
     for name, lo in (("samples", 1), ("bench_numel", 1), ("reps", 1)):
         v = getattr(args, name)
         if v < lo:
@@ -64,8 +74,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--codec", action="append", metavar="SPEC",
                    help="codec specs to measure (repeatable), separated by ';' or ',' (a 'key=value' item "
                         "continues the spec before it), as for every lowbit command; default: a standard set")
-    p.add_argument("--samples", type=int, default=25_000_000,
-                   help="samples per distribution (default 25M: fewer leave Table 2's N(0,1) column ~0.1 points off)")
+    p.add_argument("--samples", type=int, default=None,
+                   help=f"samples per distribution (default {QUICK_SAMPLES:,}: about 10-20 s on 2 cores; --paper: "
+                        f"{PAPER_SAMPLES:,})")
+    p.add_argument("--paper", action="store_true",
+                   help=f"{PAPER_SAMPLES:,} samples per distribution, as Table 2's comparison needs (fewer leave its "
+                        "N(0,1) column ~0.1 points off): minutes")
     p.add_argument("--bench-numel", type=int, default=1 << 22, help="elements for the throughput runs")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions (median reported)")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
