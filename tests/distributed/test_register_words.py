@@ -25,6 +25,7 @@ if not hasattr(fsdp_api.FSDPModule, "set_custom_reduce_scatter"):  # pragma: no 
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 import lowbit.fsdp as lf  # noqa: E402
+from tests.distributed.test_noop_warnings import _Records
 
 
 def _blocks(width: int = 32) -> nn.Module:
@@ -88,15 +89,6 @@ def test_a_second_register_on_the_same_model_is_refused(one_rank) -> None:
     lf.register(sharded, codec="qsgd:bits=8")
     with pytest.raises(ValueError, match=r"already registered.*FSDPState.*qsgd:bits=8"):
         lf.register(sharded, codec="bf16")
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
 
 
 def _body_auto_native(rank: int, world: int) -> dict:

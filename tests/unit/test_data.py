@@ -114,11 +114,10 @@ def _ten_samples_args(real_args):
     return args
 
 
-def test_mnist1d_is_cached_on_disk_and_a_damaged_file_is_generated_again(tmp_path, monkeypatch):
-    """The on-disk cache (lowbit.data.mnist1d's doc) with a stand-in generator that counts its calls: the
-    second process (the in-process cache cleared) reads the file; a truncated file, or arrays that no
-    longer match their hash, are generated again and replaced; ``none`` turns the cache off; a cache
-    that cannot be written is skipped."""
+def _stand_in_mnist1d(monkeypatch, tmp_path, rng):
+    """mnist1d's generator replaced by one that counts its calls (``calls``) and makes 8 + 2 samples from
+    ``rng(calls)``, the cache in ``tmp_path``; ``load()`` loads the data set as a new process would (the
+    in-process cache cleared)."""
     import mnist1d.data
 
     from lowbit.data import mnist1d as m
@@ -127,7 +126,7 @@ def test_mnist1d_is_cached_on_disk_and_a_damaged_file_is_generated_again(tmp_pat
 
     def fake_make_dataset(args):
         calls.append(args.num_samples)
-        g = np.random.default_rng(len(calls))  # each generation differs: a read shows as the first's arrays
+        g = rng(len(calls))
         return {"x": g.standard_normal((8, 40)), "y": np.arange(8) % 10,
                 "x_test": g.standard_normal((2, 40)), "y_test": np.arange(2)}
 
@@ -138,6 +137,19 @@ def test_mnist1d_is_cached_on_disk_and_a_damaged_file_is_generated_again(tmp_pat
     def load():
         m._generate.cache_clear()
         return load_dataset("mnist1d")
+
+    return calls, load
+
+
+def test_mnist1d_is_cached_on_disk_and_a_damaged_file_is_generated_again(tmp_path, monkeypatch):
+    """The on-disk cache (lowbit.data.mnist1d's doc) with a stand-in generator that counts its calls: the
+    second process (the in-process cache cleared) reads the file; a truncated file, or arrays that no
+    longer match their hash, are generated again and replaced; ``none`` turns the cache off; a cache
+    that cannot be written is skipped."""
+    from lowbit.data import mnist1d as m
+
+    # each generation differs: a read shows as the first's arrays
+    calls, load = _stand_in_mnist1d(monkeypatch, tmp_path, np.random.default_rng)
 
     try:
         first = load()
@@ -173,25 +185,9 @@ def test_mnist1d_cache_of_another_shape_or_labels_is_generated_again(tmp_path, m
     """A whole cache file (its hash matches) that is not the data set the generator's arguments give:
     other sample counts, labels outside 0-9, signals that are not floats or labels that are not ints.
     Each is generated again and replaced, never used (issue 44)."""
-    import mnist1d.data
-
     from lowbit.data import mnist1d as m
 
-    calls = []
-
-    def fake_make_dataset(args):
-        calls.append(args.num_samples)
-        g = np.random.default_rng(0)
-        return {"x": g.standard_normal((8, 40)), "y": np.arange(8) % 10,
-                "x_test": g.standard_normal((2, 40)), "y_test": np.arange(2)}
-
-    monkeypatch.setattr(mnist1d.data, "make_dataset", fake_make_dataset)
-    monkeypatch.setattr(mnist1d.data, "get_dataset_args", _ten_samples_args(mnist1d.data.get_dataset_args))
-    monkeypatch.setenv(m.CACHE_DIR_ENV, str(tmp_path))
-
-    def load():
-        m._generate.cache_clear()
-        return load_dataset("mnist1d")
+    calls, load = _stand_in_mnist1d(monkeypatch, tmp_path, lambda _: np.random.default_rng(0))
 
     try:
         good = load()
