@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 import os
 
 import pytest
@@ -186,3 +187,96 @@ def test_lightning_without_ddp_says_nothing_is_compressed_once(monkeypatch) -> N
     said = _lowbit_warnings(caught)
     assert len(said) == 1, said
     assert "SingleDeviceStrategy" in said[0] and "strategy='ddp'" in said[0], said[0]
+
+
+def _gpt2_run(tmp: str, world: int, with_lowbit: bool) -> tuple[list[float], Any]:
+    """A tiny random GPT-2 (no download) trained for a few steps by the Hugging Face Trainer on CPU."""
+    import transformers
+
+    from lowbit.integrations.transformers import register
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256,
+                                                                 n_positions=32))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (64, 16), generator=g)
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    args = transformers.TrainingArguments(output_dir=tmp, use_cpu=True, max_steps=6, per_device_train_batch_size=4,
+                                          learning_rate=3e-3, logging_steps=1, report_to=[], save_strategy="no",
+                                          disable_tqdm=True, seed=0, dataloader_num_workers=0)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    sent: list[int] = []  # lowbit's bytes after each step
+    if with_lowbit:
+        cb = register(trainer, codec="qsgd:bits=8,bucket=512")
+
+        class Bytes(transformers.TrainerCallback):
+            def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+                sent.append(cb.state.stats.bytes_sent)
+
+        trainer.add_callback(Bytes())
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return losses, None if not with_lowbit else (cb.state.stats.calls, sent, numel, type(trainer.model_wrapped).__name__)
+
+
+def _body_transformers(rank: int, world: int, tmp: str) -> dict:
+    _env(rank, world)
+    plain, _ = _gpt2_run(f"{tmp}/plain", world, False)
+    lossy, (calls, sent, numel, wrapped) = _gpt2_run(f"{tmp}/lowbit", world, True)
+    return {"plain": plain, "lowbit": lossy, "calls": calls, "sent": sent, "numel": numel, "wrapped": wrapped}
+
+
+def test_transformers_trainer_callback_compresses_on_cpu(tmp_path, reference_kernels) -> None:
+    """The Hugging Face Trainer on 2 CPU processes: the callback registers on the DDP model the Trainer
+    built, the loss curve stays the uncompressed one within 8-bit QSGD's error, and once compression
+    starts (step 3: DDP rebuilds its buckets after step 1) each rank sends, counted from lowbit's buffers,
+    well under the fp32 all-reduce's bytes of the first steps."""
+    pytest.importorskip("transformers")
+    r0, r1 = spawn(_body_transformers, 2, str(tmp_path), backend="gloo", timeout_s=120)
+    assert r0["wrapped"] == "DistributedDataParallel"
+    assert len(r0["plain"]) == len(r0["lowbit"]) == 6
+    for a, b in zip(r0["plain"], r0["lowbit"]):
+        assert abs(a - b) <= 0.02 * abs(a), (r0["plain"], r0["lowbit"])
+    for r in (r0, r1):
+        assert r["calls"] > 0 and len(r["sent"]) == 6
+        step = [b - a for a, b in zip([0, *r["sent"]], r["sent"])]
+        fp32 = 4 * r["numel"]  # a ring all-reduce on 2 ranks: each sends numel fp32 values a step
+        assert step[0] == fp32, (step, fp32)  # the first steps run exact: the count is the buffers' bytes
+        assert all(s < 0.35 * fp32 for s in step[3:]), (step, fp32)  # 8-bit QSGD on ~90% of the values
+
+
+def test_transformers_with_one_process_says_nothing_is_compressed(tmp_path, monkeypatch) -> None:
+    """One process: the Trainer wraps nothing, so the callback installs nothing and says so, once, with
+    what to launch instead; the options were checked when the callback was built."""
+    pytest.importorskip("transformers")
+    import warnings
+
+    import transformers
+    from accelerate.state import AcceleratorState
+
+    from lowbit.integrations.transformers import register
+
+    monkeypatch.setattr("lowbit.comm.registration._SAID", set())
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32,
+                                                                 n_positions=8))
+    data = [{"input_ids": torch.arange(8), "labels": torch.arange(8)}] * 4
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, max_steps=1, report_to=[],
+                                          save_strategy="no", disable_tqdm=True, per_device_train_batch_size=2)
+    try:
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+        with pytest.raises(TypeError, match="codex"):
+            register(trainer, codex="qsgd:bits=8")  # a typo: refused before training
+        cb = register(trainer, codec="qsgd:bits=8,bucket=512")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train()
+            trainer.train()
+    finally:
+        AcceleratorState._reset_state(True)
+    assert cb.state is None
+    said = _lowbit_warnings(caught)
+    assert len(said) == 1, said
+    assert "1 process" in said[0] and "GPT2LMHeadModel" in said[0] and "torchrun" in said[0], said[0]
