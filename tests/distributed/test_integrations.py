@@ -192,6 +192,74 @@ def test_accelerate_recipe_compresses(reference_kernels) -> None:
         assert torch.equal(a, b)
 
 
+def _body_accelerate_fsdp2(rank: int, world: int) -> dict:
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import fully_shard
+
+    import lowbit.fsdp
+    from lowbit.integrations.accelerate import register
+
+    _env(rank, world)
+    acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4))
+
+    def train(model: nn.Module, steps: int = 3) -> None:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(steps):
+            x, y = torch.randn(16, 32, generator=g), torch.randint(0, 4, (16,), generator=g)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+
+    out: dict[str, Any] = {}
+    ddp = acc.prepare(net())  # on CPU the FSDP2 plugin is ignored: a DistributedDataParallel
+    out["prepared"] = type(ddp).__name__
+    try:
+        lowbit.fsdp.register(ddp, codec="qsgd:bits=8")
+    except ValueError as e:
+        out["fsdp_error"] = str(e)
+    state = register(acc, ddp, codec="qsgd:bits=8,bucket=512")
+    train(ddp)
+    out["ddp"] = (type(state).__name__, state.stats.calls)
+    # what the plugin builds on GPU, an FSDP2 model, sharded here by hand: register serves it as well
+    sharded = net()
+    for m in sharded:
+        if isinstance(m, nn.Linear):
+            fully_shard(m)
+    fully_shard(sharded)
+    try:
+        register(acc, sharded, algorithm="allgather")  # a DDP option: refused with FSDP's word
+    except TypeError as e:
+        out["option_error"] = str(e)
+    state = register(acc, sharded, codec="qsgd:bits=8,bucket=512")
+    train(sharded)
+    out["fsdp"] = (type(state).__name__, state.grad_stats.calls, state.grad_stats.bytes_sent)
+    try:
+        register(acc, net(), codec="qsgd:bits=8,bucket=512")
+    except ValueError as e:
+        out["plain_error"] = str(e)
+    return out
+
+
+def test_accelerate_register_serves_ddp_and_fsdp2_models(reference_kernels) -> None:
+    """Accelerate with the FSDP2 plugin on 2 CPU ranks: it builds a DDP model (on CPU it ignores the
+    plugin), on which lowbit.fsdp.register's error points to the DDP path and register serves DDP; an
+    FSDP2 model (what the plugin builds on GPU; sharded by hand here) gets lowbit.fsdp's exchanges."""
+    pytest.importorskip("accelerate")
+    r0, r1 = spawn(_body_accelerate_fsdp2, 2, backend="gloo", timeout_s=120)
+    for r in (r0, r1):
+        assert r["prepared"] == "DistributedDataParallel"
+        assert "is a DistributedDataParallel" in r["fsdp_error"] and "lowbit.ddp.register" in r["fsdp_error"], r
+        assert r["ddp"][0] == "LowbitState" and r["ddp"][1] > 0, r
+        assert r["fsdp"][0] == "FSDPState" and r["fsdp"][1] > 0 and r["fsdp"][2] > 0, r
+        assert "sharded with fully_shard (FSDP2), and lowbit.fsdp.register refuses" in r["option_error"], r
+        assert "Sequential" in r["plain_error"] and "FSDP1" in r["plain_error"], r["plain_error"]
+
+
 def _lowbit_warnings(caught) -> list[str]:
     return [str(w.message) for w in caught
             if issubclass(w.category, RuntimeWarning) and str(w.message).startswith("lowbit:")]

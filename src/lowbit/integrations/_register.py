@@ -17,11 +17,13 @@ import dataclasses
 from typing import Any, Optional, Union
 
 from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.nn.parallel import DistributedDataParallel
 
 import lowbit.ddp
 import lowbit.fsdp
 
-__all__ = ["Options", "check_options", "is_ddp", "is_fsdp", "fsdp_mesh_size", "register_built"]
+__all__ = ["Options", "check_options", "is_ddp", "is_fsdp", "is_fsdp1", "WRAPPERS", "fsdp_mesh_size", "register_built"]
 
 State = Union[lowbit.ddp.LowbitState, lowbit.fsdp.FSDPState]
 
@@ -34,6 +36,7 @@ class Options:
     fsdp: Optional[lowbit.fsdp.FSDPConfig]
     ddp_error: Optional[Exception] = None
     fsdp_error: Optional[Exception] = None
+    who: str = "lowbit.integrations"
 
 
 def _build(cls: Any, config: Any, options: dict[str, Any]) -> tuple[Any, Optional[Exception]]:
@@ -49,12 +52,12 @@ def check_options(config: Any, options: dict[str, Any], who: str) -> Options:
     builds, and are refused here only when neither configuration takes them (the error names both)."""
     if isinstance(config, lowbit.ddp.DDPConfig):
         return Options(lowbit.ddp.DDPConfig.of(config, **options), None,
-                       fsdp_error=ValueError(f"{who} was given a lowbit.ddp.DDPConfig, but the model is sharded "
-                                             "with fully_shard (FSDP2): give a lowbit.fsdp.FSDPConfig"))
+                       fsdp_error=ValueError("it was given a lowbit.ddp.DDPConfig: give a lowbit.fsdp.FSDPConfig"),
+                       who=who)
     if isinstance(config, lowbit.fsdp.FSDPConfig):
         return Options(None, lowbit.fsdp.FSDPConfig.of(config, **options),
-                       ddp_error=ValueError(f"{who} was given a lowbit.fsdp.FSDPConfig, but the model is a "
-                                            "DistributedDataParallel: give a lowbit.ddp.DDPConfig"))
+                       ddp_error=ValueError("it was given a lowbit.fsdp.FSDPConfig: give a lowbit.ddp.DDPConfig"),
+                       who=who)
     if config is not None:
         raise ValueError(f"{who}: config must be a lowbit.ddp.DDPConfig or a lowbit.fsdp.FSDPConfig, "
                          f"got {type(config).__name__}")
@@ -63,9 +66,11 @@ def check_options(config: Any, options: dict[str, Any], who: str) -> Options:
     if ddp is None and fsdp is None:
         assert ddp_error is not None and fsdp_error is not None
         kind = TypeError if isinstance(ddp_error, TypeError) and isinstance(fsdp_error, TypeError) else ValueError
+        if str(ddp_error) == str(fsdp_error):
+            raise kind(f"{who}: {ddp_error}") from ddp_error
         raise kind(f"{who}: these options fit neither lowbit.ddp.register ({ddp_error}) nor "
                    f"lowbit.fsdp.register ({fsdp_error})") from ddp_error
-    return Options(ddp, fsdp, ddp_error, fsdp_error)
+    return Options(ddp, fsdp, ddp_error, fsdp_error, who)
 
 
 def is_fsdp(model: Any) -> bool:
@@ -78,8 +83,14 @@ def is_fsdp(model: Any) -> bool:
 
 
 def is_ddp(model: Any) -> bool:
-    """Whether ``model`` takes a DDP comm hook (a ``DistributedDataParallel``)."""
-    return hasattr(model, "register_comm_hook") and hasattr(model, "module")
+    """Whether ``model`` is a ``DistributedDataParallel`` (FSDP1's ``FullyShardedDataParallel`` has a
+    ``register_comm_hook`` too, whose hooks take no DDP bucket: it is not one)."""
+    return isinstance(model, DistributedDataParallel)
+
+
+def is_fsdp1(model: Any) -> bool:
+    """Whether ``model`` holds FSDP1 (``FullyShardedDataParallel``), which lowbit has no exchange for."""
+    return isinstance(model, nn.Module) and any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
 
 
 def fsdp_mesh_size(model: nn.Module) -> Optional[int]:
@@ -91,6 +102,11 @@ def fsdp_mesh_size(model: nn.Module) -> Optional[int]:
     return None
 
 
+#: what the adapters say when the model is neither (after "the model is a ..."): what lowbit can serve
+WRAPPERS = ("neither a DistributedDataParallel nor an FSDP2 (fully_shard) model; lowbit has no exchange for "
+            "FSDP1 (FullyShardedDataParallel: use FSDP2, fsdp_version=2) or DeepSpeed")
+
+
 def register_built(model: Any, options: Options, *, process_group: Any = None,
                    replicate_group: Any = None) -> Optional[State]:
     """Register lowbit on the model a framework built: :func:`lowbit.fsdp.register` on an FSDP2 model,
@@ -98,10 +114,16 @@ def register_built(model: Any, options: Options, *, process_group: Any = None,
     Options one register refused at construction raise that error here, if that register serves."""
     if is_fsdp(model):
         if options.fsdp is None:
-            raise options.fsdp_error  # type: ignore[misc]
+            raise _refused(options, options.fsdp_error, "is sharded with fully_shard (FSDP2)", "lowbit.fsdp.register")
         return lowbit.fsdp.register(model, replicate_group=replicate_group, config=options.fsdp)
     if is_ddp(model):
         if options.ddp is None:
-            raise options.ddp_error  # type: ignore[misc]
+            raise _refused(options, options.ddp_error, "is a DistributedDataParallel", "lowbit.ddp.register")
         return lowbit.ddp.register(model, process_group=process_group, config=options.ddp)
     return None
+
+
+def _refused(options: Options, error: Optional[Exception], what: str, register: str) -> Exception:
+    """The error, kept from construction, of the one register that serves this model."""
+    kind = TypeError if isinstance(error, TypeError) else ValueError
+    return kind(f"{options.who}: the model {what}, and {register} refuses these options: {error}")

@@ -93,7 +93,8 @@ class LowbitCallback(pl.Callback):
                     f"the Lightning strategy {name} ({trainer.world_size} process(es)) neither wrapped the model in "
                     "DistributedDataParallel nor did configure_model shard it with fully_shard: use strategy='ddp' "
                     "with devices=2 or more (Lightning starts the processes), or ModelParallelStrategy with "
-                    f"fully_shard in configure_model; or {LAUNCH_HINT}")
+                    "fully_shard in configure_model (strategy='fsdp' is FSDP1, which lowbit has no exchange for); "
+                    f"or {LAUNCH_HINT}")
                 return
             self.state = register_built(model, self.options, process_group=self.process_group)
         if self._pending is not None and self.state is not None:

@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 from lowbit.comm.registration import LAUNCH_HINT, warn_uncompressed
 from lowbit.extras import require
-from lowbit.integrations._register import State, check_options, register_built
+from lowbit.integrations._register import WRAPPERS, State, check_options, register_built
 
 transformers = require("transformers", "transformers", "lowbit.integrations.transformers")
 
@@ -67,10 +67,9 @@ class LowbitCallback(transformers.TrainerCallback):
         self.state = register_built(model, self.options, process_group=self.process_group)
         self._model = model
         if self.state is None:
-            warn_uncompressed(
-                f"the Hugging Face Trainer runs {args.world_size} process(es) and its model is a "
-                f"{type(model).__name__}, neither a DistributedDataParallel nor an FSDP2 (fully_shard) model; "
-                f"{LAUNCH_HINT}")
+            what = LAUNCH_HINT if args.world_size <= 1 else WRAPPERS
+            warn_uncompressed(f"the Hugging Face Trainer runs {args.world_size} process(es) and its model is a "
+                              f"{type(model).__name__}, {what}")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         s = self.state
