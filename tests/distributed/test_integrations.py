@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import types
 from typing import Any
 import os
 
@@ -258,6 +260,60 @@ def test_accelerate_register_serves_ddp_and_fsdp2_models(reference_kernels) -> N
         assert r["fsdp"][0] == "FSDPState" and r["fsdp"][1] > 0 and r["fsdp"][2] > 0, r
         assert "sharded with fully_shard (FSDP2), and lowbit.fsdp.register refuses" in r["option_error"], r
         assert "Sequential" in r["plain_error"] and "FSDP1" in r["plain_error"], r["plain_error"]
+
+
+@dataclasses.dataclass
+class _Spec:
+    """A stand-in for torchtitan's ModelSpec (torchtitan is not installed here): its fields that matter."""
+
+    name: str
+    post_optimizer_build_fn: Any = None
+
+
+def _body_torchtitan(rank: int, world: int) -> dict:
+    import warnings
+
+    from torch.distributed.fsdp import fully_shard
+
+    from lowbit.integrations.torchtitan import with_lowbit
+
+    seen = []
+    spec = with_lowbit(_Spec("llama3", post_optimizer_build_fn=lambda *a: seen.append(len(a))),
+                       codec="qsgd:bits=8,bucket=512")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4))
+    for m in model:  # what parallelize_fn does with dp_shard = 2 (then torchtitan materialises the parameters)
+        if isinstance(m, nn.Linear):
+            fully_shard(m)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    plain = nn.Linear(4, 4)  # a part nothing sharded
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        spec.post_optimizer_build_fn(opt, [model, plain], types.SimpleNamespace(dp_shard=2, tp=1))
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 4, (16,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    states = spec.post_optimizer_build_fn.states
+    return {"seen": seen, "states": [type(s).__name__ for s in states], "calls": states[0].grad_stats.calls,
+            "said": _lowbit_warnings(caught)}
+
+
+def test_torchtitan_spec_registers_after_the_optimizers_are_built(reference_kernels) -> None:
+    """with_lowbit's post_optimizer_build_fn, called as torchtitan's trainer calls it, runs the spec's own
+    hook, then registers lowbit.fsdp on the sharded part (its reduce-scatters run) and says that a part
+    not sharded is left alone. Not run against torchtitan (not installed here)."""
+    from lowbit.integrations.torchtitan import with_lowbit
+
+    r0, r1 = spawn(_body_torchtitan, 2, backend="gloo", timeout_s=120)
+    for r in (r0, r1):
+        assert r["seen"] == [3] and r["states"] == ["FSDPState", "NoneType"] and r["calls"] > 0, r
+    assert len(r0["said"]) == 1 and "Linear is not sharded" in r0["said"][0] and "dp_shard=2" in r0["said"][0], r0
+    with pytest.raises(ValueError, match="expects a torchtitan ModelSpec"):
+        with_lowbit(object())
 
 
 def _lowbit_warnings(caught) -> list[str]:
