@@ -925,6 +925,10 @@ def register(model: nn.Module, *, replicate_group: dist.ProcessGroup | None = No
         grad_codec, p_codec, pol = cfg.gradient_codec(), cfg.parameter_codec(), cfg.resolved_policy()
         error_feedback, node_size = cfg.error_feedback, cfg.node_size
         modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+        if not modules and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise ValueError("lowbit.fsdp.register: the model is a DistributedDataParallel, not sharded with "
+                             "fully_shard (Accelerate builds one on CPU even with an FSDP plugin): register it with "
+                             "lowbit.ddp.register, or with lowbit.integrations.accelerate.register, which serves both")
         if not modules:
             raise ValueError("lowbit.fsdp.register: the model has no fully_shard module; call "
                              "torch.distributed.fsdp.fully_shard(...) on its blocks and on the model first")
