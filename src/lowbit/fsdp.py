@@ -354,8 +354,10 @@ class _Comm:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def _graphed(self, x: torch.Tensor, group: dist.ProcessGroup) -> bool:
-        """Whether this call replays a CUDA graph (:mod:`lowbit.comm.graphs`; decided once per group)."""
-        if not x.is_cuda:
+        """Whether this call replays a CUDA graph (:mod:`lowbit.comm.graphs`): the group's backend is
+        checked once; an emulated link, which may be turned on later, at every call (its thread must carry
+        the collective)."""
+        if not x.is_cuda or C.link_emulated():
             return False
         ok = self._graph_ok.get(group)
         if ok is None:
