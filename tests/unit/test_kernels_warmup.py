@@ -145,3 +145,19 @@ def test_stats_count_the_fp32_warm_up_steps_apart() -> None:
         assert calls[3][1] == calls[1][1] and calls[3][0] > calls[1][0]  # then compressed calls, not warm-up
     finally:
         dist.destroy_process_group()
+
+
+def test_warm_up_runs_under_another_default_device() -> None:
+    """A model built under ``with torch.device(...)`` (FSDP2's usual meta or cuda init) calls register,
+    and so warm_up, with that default device set: the warm-up's sample must still be made on the CPU
+    (it raised "Expected a 'cuda' device type for generator" on the H200)."""
+    import torch
+
+    import lowbit
+    from lowbit.kernels import dispatch
+
+    codec = lowbit.get_codec("qsgd:bits=3,bucket=96")  # a spec no other test warms up
+    dispatch._WARMED.discard(f"{codec.spec}@cpu")
+    with torch.device("meta"):
+        dispatch.warm_up(codec, "cpu")
+    assert f"{codec.spec}@cpu" in dispatch._WARMED

@@ -169,11 +169,14 @@ def warm_up(codec: Any, device: str | torch.device = "cpu") -> None:
     if key in _WARMED:
         return
     n = _WARM_NUMEL
-    x = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(device)  # (n,) float32
-    shape = codec.flat_shape(n)
-    payload = codec.encode(x, seed=0)
-    codec.decode(payload, n, shape=shape)
-    codec.decode_sum([payload, payload], n, shape=shape, divide_by=2)
+    # Under the target device as the default: a model built under ``with torch.device("meta")`` (or
+    # "cuda") calls register, and so this, with another default set; the sample is drawn on the CPU.
+    with torch.device(torch.device(device)):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(0), device="cpu").to(device)  # (n,) float32
+        shape = codec.flat_shape(n)
+        payload = codec.encode(x, seed=0)
+        codec.decode(payload, n, shape=shape)
+        codec.decode_sum([payload, payload], n, shape=shape, divide_by=2)
     _WARMED.add(key)
 
 
