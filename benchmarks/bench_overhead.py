@@ -54,6 +54,7 @@ import gc
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -397,9 +398,11 @@ def _timed_hook(fn: Callable) -> Callable:
     return hook
 
 
-def profiled(run: Run, device: torch.device, steps: int = 3) -> tuple[float | None, float | None, list]:
+def profiled(run: Run, device: torch.device, steps: int = 3,
+             trace: str = "") -> tuple[float | None, float | None, list]:
     """(GPU kernel ms a step, kernel launches a step, the 12 kernels of most time: [name, ms a step,
-    launches a step]) under torch.profiler; (None, None, []) on CPU."""
+    launches a step]) under torch.profiler; (None, None, []) on CPU. ``trace``: also write the
+    profiler's Chrome trace there (gzipped JSON; every thread, every stream)."""
     if device.type != "cuda":
         return None, None, []
     from torch.profiler import ProfilerActivity, profile
@@ -409,6 +412,14 @@ def profiled(run: Run, device: torch.device, steps: int = 3) -> tuple[float | No
         for _ in range(steps):
             run.step()
         sync(device)
+    if trace:
+        import gzip
+        import tempfile
+
+        with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+            prof.export_chrome_trace(tmp.name)
+            with open(tmp.name, "rb") as src, gzip.open(trace, "wb") as dst:
+                dst.write(src.read())
     kernel_us, launches = 0.0, 0
     per: dict[str, list[float]] = {}
     for e in prof.events():
@@ -473,6 +484,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--cprofile", default="", help="configs (same separator as --configs) whose host time is "
                     "also profiled with cProfile over 3 steps in the last round: OUT.cprofile.CONFIG.txt")
+    ap.add_argument("--trace", default="", help="configs (same separator as --configs) whose profiled steps are "
+                    "also written as a Chrome trace: OUT.trace.CONFIG.json.gz")
     ap.add_argument("--out", required=True, help="JSON file to write")
     args = ap.parse_args(argv)
     if args.world < 2:
@@ -489,6 +502,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if base not in names:
         names = (base, *names)
     args.names = names
+    args.trace_names = set(c.strip() for c in args.trace.split("," if args.mode == "fsdp" else ";") if c.strip())
     args.cprofile_names = set(c.strip() for c in args.cprofile.split("," if args.mode == "fsdp" else ";") if c.strip())
     for r in ("rounds", "steps"):
         if getattr(args, r) < 1:
@@ -553,7 +567,9 @@ def main(argv: list[str] | None = None) -> int:
                 ms[name].append(timed(run, args.steps, device))
                 peak[name].append(torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0)
                 if r == args.rounds - 1:
-                    gpu, launches, top = profiled(run, device)
+                    tag = re.sub(r"[^A-Za-z0-9_.-]", "_", name)  # (a file name any copy tool keeps)
+                    gpu, launches, top = profiled(run, device, trace=f"{args.out}.trace.{tag}.json.gz"
+                                                  if name in args.trace_names else "")
                     calls, wire = call_host_ms(run, device)
                     extra[name] = {"host_ms": host_ms(run, device), "gpu_ms": gpu, "launches": launches,
                                    "top_kernels": top, "finite": finite(run), "call_host_ms": calls,
@@ -561,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
                                    "residual_mb": run.residual_mb(),
                                    "auto": _auto(run.state)}
                     if name in args.cprofile_names:
-                        cprofile(run, device, f"{args.out}.cprofile.{name.replace(':', '_').replace(',', '_')}.txt")
+                        cprofile(run, device, f"{args.out}.cprofile.{tag}.txt")
                 print(f"round {r + 1}/{args.rounds} {name}: {ms[name][-1]:.2f} ms/step", file=sys.stderr, flush=True)
                 del run
     finally:

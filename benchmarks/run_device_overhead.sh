@@ -7,6 +7,7 @@ OUT=${OUT:-/tmp/overhead}; mkdir -p "$OUT"
 ROUNDS=${ROUNDS:-5}; STEPS=${STEPS:-10}; PARTS=${PARTS:-"fsdp16 fsdp4 ddp_gpt2_small ddp_resnet50 ddp_alexnet"}
 WIRE=${WIRE:-mirror}  # mirror: collectives hand back this rank's bytes (finite values); fake: nothing moves
 CPROF=${CPROF:-}
+TRACE=${TRACE:-}  # configs whose profiled steps are also written as Chrome traces
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 for part in $PARTS; do
   case $part in
@@ -19,6 +20,6 @@ for part in $PARTS; do
   esac
   echo "== $part"
   python benchmarks/bench_overhead.py "${args[@]}" --device cuda --wire "$WIRE" --rounds "$ROUNDS" --steps "$STEPS" \
-    ${CONFIGS:+--configs "$CONFIGS"} ${CPROF:+--cprofile "$CPROF"} --out "$OUT/overhead_${part}_$WIRE.json" 2> "$OUT/overhead_${part}_$WIRE.log" \
+    ${CONFIGS:+--configs "$CONFIGS"} ${CPROF:+--cprofile "$CPROF"} ${TRACE:+--trace "$TRACE"} --out "$OUT/overhead_${part}_$WIRE.json" 2> "$OUT/overhead_${part}_$WIRE.log" \
     || { echo "FAILED: $part"; tail -30 "$OUT/overhead_${part}_$WIRE.log"; }
 done

@@ -133,7 +133,7 @@ def _measure_size(n: int, rank: int, cfg: BenchConfig, pairs: list[tuple[str, st
     ratios to the baseline stay fair on a busy machine.
     """
     g = torch.Generator().manual_seed(1_000 * rank + 17)
-    x0 = torch.randn(n, generator=g).to(device)  # (n,) float32, synthetic
+    x0 = torch.randn(n, generator=g, device="cpu").to(device)  # (n,) float32, synthetic
     t = torch.empty_like(x0)
     cases = [RAW, *pairs]
     feedback = {c: ErrorFeedback(c[0]) if cfg.ef and c[1] != "allreduce" and c != RAW else None for c in cases}

@@ -402,7 +402,9 @@ def _torch_scalar_division(device: torch.device, s: float) -> float:
     if inv * s == 1.0:  # exact reciprocal (s = 0.5, 1): both ways agree
         return 0.0
     g = torch.Generator().manual_seed(0)
-    t = (torch.rand(1 << 14, generator=g) * 2.0**torch.randint(-20, 20, (1 << 14,), generator=g)).to(device)
+    # (drawn on the CPU explicitly: the caller may run under ``with torch.device("cuda")``)
+    t = torch.rand(1 << 14, generator=g, device="cpu")
+    t = (t * 2.0 ** torch.randint(-20, 20, (1 << 14,), generator=g, device="cpu")).to(device)
     torch_way = t / s
     true_div = t / torch.full_like(t, s)  # tensor / tensor: a true division everywhere
     if torch.equal(torch_way, true_div):
