@@ -65,7 +65,8 @@ from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
 from lowbit.comm import graphs
 from lowbit.comm.agreement import agree
-from lowbit.comm.allreduce import CommStats, _framed, _slot, _zeros, all_reduce
+from lowbit.comm import exchange as X
+from lowbit.comm.allreduce import CommStats, _slot, all_reduce
 from lowbit.comm.groups import new_subgroup
 from lowbit.comm.hierarchical import node_size_for
 from lowbit.comm.residual import restore_unless_finite_anywhere
@@ -95,120 +96,11 @@ def _fsdp_api() -> tuple[type, Any]:
 
 
 # ------------------------------------------------------------------------------------------ layout
-_EXACT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-def _exact_codec(dtype: torch.dtype) -> Codec:
-    """The codec that carries values of ``dtype`` exactly (its own bytes)."""
-    return get_codec(_EXACT.get(dtype, "fp32"))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-    """One row of S values in a message: the whole row in ``codec`` (one contiguous encode, one decode
-    straight into place), then the values at ``exact`` (the parameters the policy keeps in full
-    precision: norms, biases; a few thousand of millions) once more in ``exact_codec``, which overwrite
-    their lossy copies after decoding. Costs E extra values on the wire and saves a gather and scatter
-    of the whole row per call."""
-
-    codec: Codec
-    numel: int
-    exact: tuple[tuple[int, int], ...]  # (start, length) column ranges
-    exact_codec: Codec
-
-    @functools.cached_property
-    def exact_numel(self) -> int:
-        return sum(n for _, n in self.exact)
-
-    @functools.cached_property
-    def slot(self) -> tuple[int, int]:
-        """(lead, size) of the row's payload in a message (computed once: a layout serves every call)."""
-        return _slot(self.codec, self.numel)
-
-    @functools.cached_property
-    def exact_slot(self) -> tuple[int, int]:
-        """(lead, size) of the exact values' payload, after the row's; (0, 0) when there are none."""
-        return _slot(self.exact_codec, self.exact_numel) if self.exact else (0, 0)
-
-    @functools.cached_property
-    def cast(self) -> torch.dtype | None:
-        """The wire dtype when both codecs are plain casts (:func:`_cast_dtype`), decided once."""
-        return _cast_dtype(self, self.numel)
-
-    @property
-    def message(self) -> int:
-        return self.slot[1] + self.exact_slot[1]
-
-    def index(self, device: torch.device) -> torch.Tensor:
-        """The exact columns as one index ((E,) int64 on ``device``; E is small)."""
-        return _index(self.exact, device)
-
-
-@functools.lru_cache(maxsize=256)
-def _index(ranges: tuple[tuple[int, int], ...], device: torch.device) -> torch.Tensor:
-    return torch.cat([torch.arange(a, a + n) for a, n in ranges]).to(device)
-
-
-def _row_layout(sizes: Sequence[int], exact: Sequence[bool], numel: int, codec: Codec,
-                exact_codec: Codec) -> tuple[_Layout, bool]:
-    """The layout of a row made of parameter chunks of ``sizes`` values, those flagged ``exact`` patched
-    exactly; when the sizes do not add up to ``numel`` (FSDP left some parameters out of this call:
-    frozen or unused), the whole row in ``codec`` and nothing exact (second value False)."""
-    if sum(sizes) != numel or not sizes:
-        return _Layout(codec, numel, (), exact_codec), numel == 0
-    if codec.spec in ("fp32", exact_codec.spec):  # the codec itself is exact for this dtype
-        return _Layout(codec, numel, (), exact_codec), True
-    ranges: list[tuple[int, int]] = []
-    at = 0
-    for n, ex in zip(sizes, exact):
-        if ex and n:
-            if ranges and ranges[-1][0] + ranges[-1][1] == at:
-                ranges[-1] = (ranges[-1][0], ranges[-1][1] + n)  # neighbours merge into one range
-            else:
-                ranges.append((at, n))
-        at += n
-    if ranges == [(0, numel)]:  # everything exact: the exact codec carries the row itself
-        return _Layout(exact_codec, numel, (), exact_codec), True
-    return _Layout(codec, numel, tuple(ranges), exact_codec), True
-
-
-#: Whether float codecs (bf16, fp16, fp32: a payload that is the values in ``wire_dtype``) take the cast
-#: path: cast straight into the message and out of it, a few kernels a call instead of the codec's
-#: encode / frame / decode (same bytes on the wire, same sums; tests turn it off to compare).
-FAST_FLOATS = True
-
-
-def _cast_dtype(lay: "_Layout", numel: int) -> torch.dtype | None:
-    """The wire dtype when ``lay``'s codecs are plain casts (payload = the values in that dtype, no header,
-    flat), else None."""
-    codec, ecodec = lay.codec, lay.exact_codec
-    wd = codec.wire_dtype
-    if not FAST_FLOATS or wd is None or ecodec.wire_dtype is None or codec.flat_shape(numel) is not None:
-        return None
-    if codec.nbytes(numel) != numel * wd.itemsize or lay.slot[0] or lay.exact_slot[0]:
-        return None
-    e = lay.exact_numel
-    if e and ecodec.nbytes(e) != e * ecodec.wire_dtype.itemsize:
-        return None
-    return wd
-
-
-def _sum_into(out: torch.Tensor, others: list[torch.Tensor], own: torch.Tensor) -> torch.Tensor:
-    """``out`` (float32) = others[0] + others[1] + ... + own, added in that order in float32 (the order
-    and precision of the codec path: decode_sum of the others, then the own row)."""
-    if len(others) == 1 and torch.result_type(others[0], own) == torch.float32:
-        return torch.add(others[0], own, out=out)  # one kernel; a + b == b + a exactly
-    out.copy_(others[0])
-    for o in others[1:]:
-        out.add_(o)
-    return out.add_(own)
-
-
-def _seed(*parts: int) -> int:
-    h = 0
-    for p in parts:
-        h = (h * 1_000_003 + p * 7_919 + 104_729) & 0x7FFFFFFF
-    return h
+# A row's layout, the exact-values patch, the cast path and the seed rule are the exchange core's
+# (lowbit.comm.exchange): FSDP lays out each call's K equal rows with them.
+_exact_codec = X.exact_codec
+_row_layout = X.row_layout
+_seed = X.rounding_seed
 
 
 def _op_scale(op: object, k: int) -> float:
@@ -346,7 +238,8 @@ class _Comm:
         self.state, self.name, self.index = state, name, index
         self.sizes, self.exact, self.codec = sizes, exact, codec
         self.groups = groups
-        self._layouts: dict[tuple[int, torch.dtype], _Layout] = {}
+        self._layouts: dict[tuple[int, torch.dtype], X.Layout] = {}
+        self._plans: dict[tuple[int, torch.dtype, int], X.Plan] = {}
         self._warned = False
         self._graph_ok: dict[dist.ProcessGroup, bool] = {}
 
@@ -364,7 +257,16 @@ class _Comm:
             ok = self._graph_ok[group] = graphs.capturable(x.device, [group])
         return ok
 
-    def layout(self, numel: int, dtype: torch.dtype) -> _Layout:
+    def plan(self, numel: int, dtype: torch.dtype, n: int) -> X.Plan:
+        """The exchange core's plan of a call over ``n`` ranks: ``n`` rows of :meth:`layout`, my own slot
+        sent as zeros (equal splits: the plain all-to-all)."""
+        p = self._plans.get((numel, dtype, n))
+        if p is None:
+            lay = self.layout(numel, dtype)
+            p = self._plans[(numel, dtype, n)] = X.Plan((lay,) * n, pad_own=True)
+        return p
+
+    def layout(self, numel: int, dtype: torch.dtype) -> X.Layout:
         """The row's layout for a call of ``numel`` values a rank in ``dtype`` (exact parameters ride in
         ``dtype``'s own bytes)."""
         lay = self._layouts.get((numel, dtype))
@@ -436,7 +338,7 @@ class LowbitReduceScatter(_Comm):
                 del fb.residuals[k]
         self.choice, self.native = key, key == NATIVE
         self.codec = None if self.native else get_codec(key)  # type: ignore[assignment]
-        self._layouts = {}
+        self._layouts, self._plans = {}, {}
         self.ef = fb is not None and not self.native and self.codec.biased
 
     def sample(self, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -553,91 +455,24 @@ class LowbitReduceScatter(_Comm):
 
     def _exchange(self, x: torch.Tensor, group: dist.ProcessGroup, s: int,
                   out: torch.Tensor | None = None, seeds: Sequence[int | torch.Tensor] = ()) -> torch.Tensor:
-        """Phases 1-2 over ``group``: ``x`` (N, S) holds my row for each of its N ranks; returns the sum of
-        everybody's row for me, (S,) float32 (in ``out`` when given). ``seeds``: the row to rank i's
-        rounding seed (:meth:`_seeds`). Tensor work only (the statistics are :meth:`_count`'s)."""
-        st = self.state
+        """Phases 1-2 over ``group`` (the exchange core's reduce-scatter, :mod:`lowbit.comm.exchange`):
+        ``x`` (N, S) holds my row for each of its N ranks; returns the sum of everybody's row for me, (S,)
+        float32 (in ``out`` when given). ``seeds``: the row to rank i's rounding seed (:meth:`_seeds`).
+        Tensor work only (the statistics are :meth:`_count`'s)."""
         rank, n = group.rank(), group.size()
         dev = x.device
-        lay = self.layout(s, x.dtype)
         if out is None:
             out = torch.empty(s, dtype=torch.float32, device=dev)
         if n == 1:
             out.copy_(x[0])
             return out
-        msg = lay.message
-        codec, ecodec, e = lay.codec, lay.exact_codec, lay.exact_numel
-        (lead, size), (elead, esize) = lay.slot, lay.exact_slot
-        idx = lay.index(dev) if e else None
-        ex = torch.index_select(x, 1, idx) if e else None  # (N, E): the exact values of every row, one gather
-        wd = lay.cast
-        if wd is not None:
-            return self._exchange_cast(x, group, s, out, lay, wd, idx, ex)
-        res = self.residual(s, n, x.dtype, dev)
-        res = res.view(n, s) if res is not None else None
-        parts: list[tuple[int, torch.Tensor, int]] = []
-        for i in range(n):
-            if i == rank:
-                # my own slot stays at home (all_to_all copies it locally): equal splits take NCCL's
-                # plain all-to-all, whose host cost is a third of the one with split lists
-                parts.append((0, _zeros(msg, dev), msg))
-                continue
-            seed = seeds[i] if seeds else 0
-            if res is not None:
-                comp = x[i].float() + res[i]
-                payload = codec.encode(comp, seed=seed)
-                sent = codec.decode(payload, s, shape=codec.flat_shape(s))
-                new = comp - sent
-                if idx is not None:
-                    new.index_fill_(0, idx, 0.0)  # the exact copy delivers these values whole
-                res[i].copy_(new)  # (a non-finite step puts it back: __call__, once the shards are reduced)
-            else:
-                payload = codec.encode(x[i], seed=seed)
-            parts.append((lead, payload, size))
-            if e:
-                parts.append((elead, ecodec.encode(ex[i]), esize))
-        send = _framed(parts, dev)
-        recv = torch.empty(n * msg, dtype=torch.uint8, device=dev)
+        p = self.plan(s, x.dtype, n)
+        res = self.residual(s, n, x.dtype, dev)  # (a non-finite step puts it back: _reduce)
+        send = X.scatter_encode(p, x, rank, seeds, None if res is None else list(res.view(n, s)))
+        recv = torch.empty(n * p.layouts[0].message, dtype=torch.uint8, device=dev)
         C.all_to_all(recv, send, group)
-        nb = codec.nbytes(s, codec.flat_shape(s))
-        others = [j for j in range(n) if j != rank]
-        codec.decode_sum([recv[j * msg + lead : j * msg + lead + nb] for j in others], s, out=out,
-                         shape=codec.flat_shape(s))
-        out.add_(x[rank])  # my own row joins after the others' sum (it never crossed the wire)
-        if e:
-            enb = ecodec.nbytes(e)
-            acc = ecodec.decode_sum([recv[j * msg + size + elead : j * msg + size + elead + enb] for j in others], e)
-            acc.add_(ex[rank])
-            out.index_copy_(0, idx, acc)
         del send
-        return out
-
-    def _exchange_cast(self, x: torch.Tensor, group: dist.ProcessGroup, s: int, out: torch.Tensor,
-                       lay: _Layout, wd: torch.dtype, idx: torch.Tensor | None,
-                       ex: torch.Tensor | None) -> torch.Tensor:
-        """:meth:`_exchange` for a float codec: every row cast into its slot of the message at once (my
-        own slot too: it stays at home), exact values copied behind, one all-to-all, and the sum read
-        straight from the received bytes."""
-        rank, n = group.rank(), group.size()
-        msg, size, nb = lay.message, lay.slot[1], s * wd.itemsize
-        e = lay.exact_numel
-        if not e and msg == nb and x.dtype == wd and x.is_contiguous():
-            # the rows are already the message (FSDP's reduce dtype is the wire's): no copy
-            send, recv = x.view(-1).view(torch.uint8), torch.empty(n, msg, dtype=torch.uint8, device=x.device)
-        else:
-            send, recv = torch.empty(2, n, msg, dtype=torch.uint8, device=x.device)  # one allocation
-            send[:, :nb].view(wd).copy_(x)
-            if e:
-                ed = lay.exact_codec.wire_dtype
-                send[:, size : size + e * ed.itemsize].view(ed).copy_(ex)
-        C.all_to_all(recv.view(-1), send.view(-1), group)
-        others = [j for j in range(n) if j != rank]
-        _sum_into(out, [recv[j, :nb].view(wd) for j in others], x[rank])
-        if e:
-            acc = torch.empty(e, dtype=torch.float32, device=x.device)
-            _sum_into(acc, [recv[j, size : size + e * ed.itemsize].view(ed) for j in others], ex[rank])
-            out.index_copy_(0, idx, acc)
-        return out
+        return X.scatter_sum(p, recv, rank, x[rank], out)
 
 
 class LowbitAllGather(_Comm):
@@ -691,51 +526,17 @@ class LowbitAllGather(_Comm):
         self._gather(ins[0], outs[0], group)
 
     def _gather(self, shard: torch.Tensor, rows: torch.Tensor, group: dist.ProcessGroup) -> None:
-        """Encode ``shard`` ((S,)), all-gather over ``group`` and decode every rank's into ``rows`` (N, S).
-        Tensor work only (the statistics are :meth:`_count`'s)."""
-        st = self.state
+        """Encode ``shard`` ((S,)), all-gather over ``group`` and decode every rank's into ``rows`` (N, S):
+        the exchange core's all-gather (:mod:`lowbit.comm.exchange`). Tensor work only (the statistics
+        are :meth:`_count`'s)."""
         rank, n = group.rank(), group.size()
-        s = shard.numel()
-        dev = shard.device
-        lay = self.layout(s, shard.dtype)
-        codec, ecodec, e = lay.codec, lay.exact_codec, lay.exact_numel
-        (lead, size), (elead, esize) = lay.slot, lay.exact_slot
-        idx = lay.index(dev) if e else None
-        wd = lay.cast
-        if wd is not None:  # a float codec: cast into the message, and out of it for every rank at once
-            msg, size, nb = lay.message, lay.slot[1], s * wd.itemsize
-            send = torch.empty(msg, dtype=torch.uint8, device=dev)
-            send[:nb].view(wd).copy_(shard)
-            if e:
-                ed = ecodec.wire_dtype
-                torch.index_select(shard, 0, idx, out=send[size : size + e * ed.itemsize].view(ed))
-            recv = torch.empty(n, msg, dtype=torch.uint8, device=dev)
-            C.all_gather(recv.view(-1), send, group)
-            rows.copy_(recv[:, :nb].view(wd))
-            if e:
-                rows.index_copy_(1, idx, recv[:, size : size + e * ed.itemsize].view(ed).to(rows.dtype))
-            return
+        p = self.plan(shard.numel(), shard.dtype, n)
         # a fixed seed per module and rank: the backward's re-gather decodes the same weights
-        parts = [(lead, codec.encode(shard, seed=_seed(self.index, st.rank)), size)]
-        if e:
-            parts.append((elead, ecodec.encode(shard[idx]), esize))
-        send = _framed(parts, dev)
-        msg = send.numel()
-        recv = torch.empty(n * msg, dtype=torch.uint8, device=dev)
+        send = X.gather_encode(p, shard, rank, seed=_seed(self.index, self.state.rank))
+        recv = torch.empty(n * p.width, dtype=torch.uint8, device=shard.device)
         C.all_gather(recv, send, group)
-        shape = codec.flat_shape(s)
-        nb = codec.nbytes(s, shape)
-        direct = rows.dtype == torch.float32 and rows.is_contiguous()
-        tmp = None if direct else torch.empty(s, dtype=torch.float32, device=dev)
-        for j in range(n):  # rank order, my own shard too: every rank decodes the same codes
-            codec.decode(recv[j * msg + lead : j * msg + lead + nb], s, out=rows[j] if direct else tmp, shape=shape)
-            if not direct:
-                rows[j].copy_(tmp)
-        if e:
-            enb = ecodec.nbytes(e)
-            vals = recv.view(n, msg)[:, size + elead : size + elead + enb].contiguous().view(shard.dtype)  # (N, E)
-            rows[:, idx] = vals
         del send
+        X.gather_decode(p, recv, rows)
 
 
 # ------------------------------------------------------------------------------------------ register

@@ -23,6 +23,7 @@ if not hasattr(fsdp_api.FSDPModule, "set_custom_reduce_scatter"):  # pragma: no 
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
 import lowbit.fsdp as lf  # noqa: E402
+import lowbit.comm.exchange  # noqa: E402
 
 
 class Net(nn.Module):
@@ -207,14 +208,14 @@ def _body_two(rank: int, world: int) -> dict:
                               ("fp32", "fp16", None)):
         runs = []
         for fast in (True, False):
-            lf.FAST_FLOATS = fast
+            lowbit.comm.exchange.FAST_FLOATS = fast
             m = _shard(Net(), **({"mp_policy": mp} if mp else {}))
             lf.register(m, codec=codec, param_codec=pcodec)
             with spy as calls:
                 _train(m, rank, 3)
             out.setdefault("sync_calls", []).extend(calls)
             runs.append(_full(m))
-        lf.FAST_FLOATS = True
+        lowbit.comm.exchange.FAST_FLOATS = True
         out.setdefault("cast_same", []).append(all(torch.equal(a, b) for a, b in zip(*runs)))
 
     # 8b. a bf16 reduce buffer whose rows are already the message (bf16 codec, 8 | S): sent as it is,
@@ -223,7 +224,7 @@ def _body_two(rank: int, world: int) -> dict:
     g = torch.randn(world * 64, generator=torch.Generator().manual_seed(3 + rank)).to(torch.bfloat16)
     outs = []
     for fast in (True, False):
-        lf.FAST_FLOATS = fast
+        lowbit.comm.exchange.FAST_FLOATS = fast
         codec = lf.get_codec("bf16")
         st = lf.FSDPState(codec, None, False, None, None, None, rank, world, torch.device("cpu"))
         rs = lf.LowbitReduceScatter(st, "blk", 0, [64], [False], codec, groups)
@@ -231,7 +232,7 @@ def _body_two(rank: int, world: int) -> dict:
             o = torch.empty(64, dtype=torch.bfloat16)
             rs(o, g, dist.group.WORLD, op)
             outs.append(o)
-    lf.FAST_FLOATS = True
+    lowbit.comm.exchange.FAST_FLOATS = True
     rows = [torch.randn(world * 64, generator=torch.Generator().manual_seed(3 + j)).to(torch.bfloat16)
             .view(world, 64)[rank].float() for j in range(world)]
     want = sum(rows[j] for j in range(world) if j != rank) + rows[rank]  # the others in order, then mine

@@ -39,6 +39,7 @@ import torch
 
 from lowbit.codecs.base import Codec
 from lowbit.comm import collectives as C
+from lowbit.comm import exchange as X
 from lowbit.comm.framing import _POOL, _framed, _keep, _slot, _up, chunk_sizes
 from lowbit.comm.registry import SIMULATED, AlgorithmPlugin, register_algorithm
 from lowbit.comm.residual import _encode_with_feedback, _guard_residual
@@ -48,9 +49,9 @@ __all__ = ["simulated_numel"]
 
 
 def _seed(seed: int, rank: int, chunk: int, phase: int) -> int:
-    # Distinct, reproducible random streams per step, rank, chunk and phase: ranks must not share
-    # rounding noise, or the errors of the K payloads would be correlated instead of averaging out.
-    return (seed * 1_000_003 + rank * 7_919 + chunk * 104_729 + phase * 15_485_863) & 0x7FFFFFFF
+    """A payload's rounding seed (the exchange core's rule, :func:`lowbit.comm.exchange.rounding_seed`):
+    per step, rank, chunk and phase."""
+    return X.rounding_seed(seed, rank, chunk, phase)
 
 
 def simulated_numel(codec: Codec, n: int, shape: tuple[int, ...] | None = None) -> int:
@@ -104,29 +105,8 @@ def _native(x, codec, group, op, k, stats, out, post) -> torch.futures.Future:
     return C.then(work, finish, "all_reduce", group)
 
 
-def _pow2_inverse(k: int) -> float:
-    """2^-ceil(log2 k): K values of at most float32's max, each times this, sum to at most its max."""
-    return 2.0 ** -(k - 1).bit_length()
-
-
-def _mean_scaling(codec: Codec, payloads: list[torch.Tensor], n: int, shape: tuple[int, ...] | None,
-                  divide_by: int) -> tuple[float, float]:
-    """Finite in, finite out for a mean of K values: summing first, as a fused decode-and-sum does, turns
-    values above float32's max / K into ±Inf. So the received payloads' scales are multiplied by
-    ``pre = 2^-ceil(log2 K)`` (in place: they then decode to ``pre`` times their values, exactly), the sum
-    is taken, then divided by ``K * pre`` (<= 1; none for K a power of two). Scaling by a power of two
-    commutes with float32 rounding, so the result has the same bits as ``sum / K`` wherever that did not
-    overflow (outside the subnormal range). Returns ``(pre, divisor)``: ``(1, divide_by)`` when there is
-    nothing to divide or the codec has no scales (:meth:`Codec.scale_fields`); then the caller divides
-    as before."""
-    if divide_by == 1 or n == 0:
-        return 1.0, divide_by
-    pre = _pow2_inverse(divide_by)
-    if codec.scale_fields(n, shape) is None:
-        return 1.0, divide_by
-    for p in payloads:
-        codec.scale_payload_(p, n, pre, shape)
-    return pre, divide_by * pre
+_pow2_inverse = X.pow2_inverse
+_mean_scaling = X.mean_scaling
 
 
 def _allgather(x, comp, n, exact, codec, group, op, rank, k, residual, seed, stats, out, post,
@@ -181,32 +161,36 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return s
 
 
+_PLANS: dict[tuple, X.Plan] = {}
+
+
+def _chunk_plan(codec: Codec, n: int, k: int) -> X.Plan:
+    """The exchange core's plan of ``n`` values in ``k`` chunks (:func:`chunk_sizes`), kept per call
+    shape: DDP sends the same messages every step."""
+    key = (codec.spec, id(codec), n, k)
+    p = _PLANS.get(key)
+    if p is None or p.layouts[0].codec is not codec:  # (the caller's codec object: an id may be reused)
+        if len(_PLANS) >= 1024:
+            _PLANS.clear()
+        p = _PLANS[key] = X.plan(codec, chunk_sizes(n, k))
+    return p
+
+
 def _scatter_gather(comp, codec, group, op, rank, k, residual, seed, stats, out, post) -> torch.futures.Future:
     dev = comp.device
     n = comp.numel()
-    sizes = chunk_sizes(n, k)
+    p = _chunk_plan(codec, n, k)
+    sizes = [lay.numel for lay in p.layouts]
     starts = [sum(sizes[:i]) for i in range(k)]
-    slots = [_slot(codec, m) for m in sizes]
-    nbytes = [codec.nbytes(m, codec.flat_shape(m)) for m in sizes]
-    smax = max(sz for _, sz in slots)
-    # Phase 1: encode my copy of every other rank's chunk (worker quantisation); chunk i goes to rank i.
-    # My own chunk stays in fp32 on this rank: it never crosses the wire, so quantising it would only
-    # add error and work (its residual is 0).
+    chunks = [comp[a : a + m] for a, m in zip(starts, sizes)]
+    # Phase 1: encode my copy of every other rank's chunk (worker quantisation); chunk i goes to rank i
+    # (the exchange core's reduce-scatter). My own chunk stays in fp32 on this rank: it never crosses
+    # the wire, so quantising it would only add error and work (its residual is 0).
     with _Timer(stats, "t_encode", dev):
-        parts = []
-        for i in range(k):
-            if i == rank:
-                continue
-            lo, hi = starts[i], starts[i] + sizes[i]
-            payload = _encode_with_feedback(codec, comp[lo:hi], None if residual is None else residual[lo:hi],
-                                            _seed(seed, rank, i, 0))
-            parts.append((slots[i][0], payload, slots[i][1]))
-        if residual is not None:
-            residual[starts[rank] : starts[rank] + sizes[rank]].zero_()
-        send = _framed(parts, dev)
-        send_splits = [0 if i == rank else slots[i][1] for i in range(k)]
-        my_lead, my_slot = slots[rank]
-        recv_splits = [0 if i == rank else my_slot for i in range(k)]
+        send = X.scatter_encode(p, chunks, rank, [_seed(seed, rank, i, 0) for i in range(k)],
+                                None if residual is None else [residual[a : a + m] for a, m in zip(starts, sizes)],
+                                compensated=True)
+        send_splits, recv_splits = p.send_splits(rank), p.recv_splits(rank)
         recv = _POOL.take(sum(recv_splits), torch.uint8, dev)
     work1 = C.all_to_all_async(recv, send, send_splits, recv_splits, group)
     if stats is not None:
@@ -216,30 +200,21 @@ def _scatter_gather(comp, codec, group, op, rank, k, residual, seed, stats, out,
     def phase2() -> tuple[object, torch.Tensor]:
         # Decode the other ranks' copies of my chunk and sum them (rank order, fp32), add my own fp32
         # copy, take the mean, then re-encode (server quantisation) and all-gather.
-        mine, nb = sizes[rank], nbytes[rank]
+        mine = sizes[rank]
         with _Timer(stats, "t_decode", dev):
-            own_chunk = comp[starts[rank] : starts[rank] + mine]
             reduced = _POOL.take(mine, torch.float32, dev)
-            if k > 1 and mine:
-                payloads = [recv[j * my_slot + my_lead : j * my_slot + my_lead + nb] for j in range(k - 1)]
-                pre, div = _mean_scaling(codec, payloads, mine, codec.flat_shape(mine), k if op == "mean" else 1)
-                codec.decode_sum(payloads, mine, out=reduced, shape=codec.flat_shape(mine))
-                reduced.add_(own_chunk, alpha=pre)  # (pre * own is exact: a power of two)
-            else:
-                reduced.copy_(own_chunk)
-                div = 1
-            if div != 1:
-                reduced.div_(div)
+            X.scatter_sum(p, recv, rank, chunks[rank], reduced, divide_by=k if op == "mean" else 1)
         with _Timer(stats, "t_encode", dev):
-            own = codec.encode(reduced, seed=_seed(seed, rank, rank, 1))
+            own = X.gather_encode(p, reduced, rank, seed=_seed(seed, rank, rank, 1))
             if residual is not None and mine:
                 # Fold the server's error into my residual; it re-enters next step's sum (x K for a mean).
-                server_err = reduced - codec.decode(own, mine, shape=codec.flat_shape(mine))
+                lay = p.layouts[rank]
+                sent = own[lay.slot[0] : lay.slot[0] + lay.nbytes]
+                server_err = reduced - codec.decode(sent, mine, shape=lay.code_shape)
                 if op == "mean":
                     server_err.mul_(k)
                 residual[starts[rank] : starts[rank] + mine].add_(server_err)
-            own = _framed([(my_lead, own, smax)], dev)  # all_gather needs equal sizes; pads count as sent
-            gathered = _POOL.take(k * smax, torch.uint8, dev)
+            gathered = _POOL.take(k * p.width, torch.uint8, dev)  # all_gather needs equal sizes; pads count as sent
             _POOL.give(recv)
             _POOL.give(reduced)
         work2 = C.all_gather_async(gathered, own, group)
@@ -275,11 +250,7 @@ def _scatter_gather(comp, codec, group, op, rank, k, residual, seed, stats, out,
         with _Timer(stats, "t_decode", dev):
             _keep(gathered)
             _keep(out)
-            for i in range(k):
-                if sizes[i]:
-                    lo, at = starts[i], i * smax + slots[i][0]
-                    codec.decode(gathered[at : at + nbytes[i]], sizes[i], out=out[lo : lo + sizes[i]],
-                                 shape=codec.flat_shape(sizes[i]))
+            X.gather_decode(p, gathered, [out[a : a + m] for a, m in zip(starts, sizes)])
             _POOL.give(gathered)
         return out if post is None else post()
 

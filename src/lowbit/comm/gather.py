@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
-from lowbit.comm.framing import _framed, _keep, _slot
+from lowbit.comm import exchange as X
+from lowbit.comm.framing import _keep, _slot
 from lowbit.comm.stats import CommStats
 
 __all__ = ["all_gather", "reduce_scatter", "part_sizes", "bytes_all_gather", "bytes_reduce_scatter"]
@@ -103,6 +104,8 @@ class _Plan:
     slots: tuple[tuple[int, int], ...]
     nbytes: tuple[int, ...]
     width: int
+    #: The exchange core's plan of the parts (:mod:`lowbit.comm.exchange`): what encodes and decodes them.
+    x: X.Plan | None = None
     #: What the ranks must agree on (codec, dimension, parts, the other dimensions, dtype): checked on
     #: every call, cached plan or not (:func:`_check_call`).
     fields: tuple = ()
@@ -133,11 +136,11 @@ def _plan(x: torch.Tensor, codec: Codec | str, group: dist.ProcessGroup | None, 
     fields = (codec.spec, d, tuple(sizes), shape, str(x.dtype))
     _check_call(group, what, fields, x.device)
     shapes = tuple(_shape(x.shape, d, s) for s in sizes)
-    slots = tuple(_slot(codec, _numel(s), _codec_shape(codec, s)) for s in shapes)
+    xp = X.plan(codec, [_numel(s) for s in shapes], [_codec_shape(codec, s) for s in shapes])
     plan = _Plan(codec=codec, group=weakref.ref(g) if g is not None else (lambda: None), d=d, rank=rank, k=k,
-                 sizes=tuple(sizes), starts=tuple(sum(sizes[:r]) for r in range(k)), shapes=shapes, slots=slots,
-                 nbytes=tuple(codec.nbytes(_numel(s), _codec_shape(codec, s)) for s in shapes),
-                 width=max(size for _, size in slots), fields=fields)
+                 sizes=tuple(sizes), starts=tuple(sum(sizes[:r]) for r in range(k)), shapes=shapes,
+                 slots=tuple(lay.slot for lay in xp.layouts), nbytes=tuple(lay.nbytes for lay in xp.layouts),
+                 width=xp.width, fields=fields, x=xp)
     if key is not None:
         if len(_PLANS) >= 4096:  # shapes that keep changing: start over rather than grow without bound
             _PLANS.clear()
@@ -175,19 +178,11 @@ def bytes_reduce_scatter(codec: Codec | str, shape: Sequence[int], dim: int, siz
                for r, s in enumerate(sizes) if r != rank)
 
 
-def _encode(codec: Codec, part: torch.Tensor, seed: int) -> torch.Tensor:
-    part = part.to(torch.float32).contiguous()
-    return codec.encode(part if codec.per_tensor else part.reshape(-1), seed=seed)
-
-
-def _decode_into(codec: Codec, payload: torch.Tensor, dst: torch.Tensor) -> None:
-    """Decode ``payload`` into the view ``dst`` (any layout and float dtype)."""
-    shape = _codec_shape(codec, tuple(dst.shape))
-    n = dst.numel()
-    if dst.is_contiguous() and dst.dtype == torch.float32:
-        codec.decode(payload, n, out=dst.view(-1), shape=shape)
-    else:
-        dst.copy_(codec.decode(payload, n, shape=shape).view(dst.shape))
+def _xplan(p: _Plan, codec: Codec) -> X.Plan:
+    """The core's plan with the caller's codec object (equal ones may differ: a test may count its calls)."""
+    if p.x.layouts[0].codec is codec:  # type: ignore[union-attr]
+        return p.x  # type: ignore[return-value]
+    return X.Plan(tuple(dataclasses.replace(lay, codec=codec) for lay in p.x.layouts))  # type: ignore[union-attr]
 
 
 def all_gather(
@@ -209,14 +204,12 @@ def all_gather(
     """
     p = _plan(x, codec, group, dim, sizes, "all_gather")
     codec = codec if isinstance(codec, Codec) else p.codec  # the caller's object (equal ones may differ)
+    xp = _xplan(p, codec)
     d, rank, k, width = p.d, p.rank, p.k, p.width
-    lead = p.slots[rank][0]
-    payload = _encode(codec, x, seed * 7_919 + rank) if x.numel() else torch.empty(0, dtype=torch.uint8,
-                                                                                      device=x.device)
-    send = _framed([(lead, payload, width)], x.device)  # equal slots: all-gather needs equal sizes
+    send = X.gather_encode(xp, x, rank, seed=X.rounding_seed(seed, rank))  # equal slots: all-gather needs equal sizes
     out = torch.empty(_shape(x.shape, d, p.starts[-1] + p.sizes[-1]), dtype=x.dtype, device=x.device)
     if k == 1:
-        _decode_into(codec, payload, out)
+        X.gather_decode(xp, send, [out])
         return C.done(out, x.device) if async_op else out
     recv = torch.empty(k * width, dtype=torch.uint8, device=x.device)
     work = C.all_gather_async(recv, send, group)
@@ -227,9 +220,7 @@ def all_gather(
     def finish() -> torch.Tensor:
         _keep(recv)
         _keep(out)
-        for r, (s, at, (ld, _), nb) in enumerate(zip(p.sizes, p.starts, p.slots, p.nbytes)):
-            if s:
-                _decode_into(codec, recv[r * width + ld : r * width + ld + nb], out.narrow(d, at, s))
+        X.gather_decode(xp, recv, [out.narrow(d, at, s) for s, at in zip(p.sizes, p.starts)])
         return out
 
     fut = C.then(work, finish, "all_gather_into_tensor", group)
@@ -257,37 +248,28 @@ def reduce_scatter(
     """
     p = _plan(x, codec, group, dim, sizes, "reduce_scatter")
     codec = codec if isinstance(codec, Codec) else p.codec  # the caller's object (equal ones may differ)
-    d, rank, k, sizes, starts, slots = p.d, p.rank, p.k, p.sizes, p.starts, p.slots
+    xp = _xplan(p, codec)
+    d, rank, k, sizes, starts = p.d, p.rank, p.k, p.sizes, p.starts
     own = x.narrow(d, starts[rank], sizes[rank]).to(torch.float32)
     if k == 1:
         res = own.contiguous().to(x.dtype)
         return C.done(res, x.device) if async_op else res
-    empty = torch.empty(0, dtype=torch.uint8, device=x.device)
-    send = _framed([(slots[r][0],
-                     _encode(codec, x.narrow(d, starts[r], sizes[r]), seed * 7_919 + rank * 104_729 + r)
-                     if sizes[r] else empty, slots[r][1]) for r in range(k) if r != rank], x.device)
-    mine_lead, mine_slot = slots[rank]
-    send_splits = [0 if r == rank else slots[r][1] for r in range(k)]
-    recv_splits = [0 if r == rank else mine_slot for r in range(k)]
+    parts = [x.narrow(d, starts[r], sizes[r]) for r in range(k)]
+    send = X.scatter_encode(xp, parts, rank, [X.rounding_seed(seed, rank, r) for r in range(k)])
+    send_splits, recv_splits = xp.send_splits(rank), xp.recv_splits(rank)
     recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=x.device)
     work = C.all_to_all_async(recv, send, send_splits, recv_splits, group)
     if stats is not None:
         stats.calls += 1
         stats.bytes_sent += sum(send_splits)
     own = own.contiguous()
-    mine_shape = _codec_shape(codec, p.shapes[rank])
 
     def finish() -> torch.Tensor:
         _keep(recv)
         _keep(send)
         _keep(own)
-        n = own.numel()
-        total = torch.zeros(n, dtype=torch.float32, device=x.device)
-        if n:
-            nb = p.nbytes[rank]
-            payloads = [recv[j * mine_slot + mine_lead : j * mine_slot + mine_lead + nb] for j in range(k - 1)]
-            codec.decode_sum(payloads, n, out=total, shape=mine_shape)
-            total.add_(own.view(-1))
+        total = torch.empty(own.numel(), dtype=torch.float32, device=x.device)
+        X.scatter_sum(xp, recv, rank, own, total)
         return total.view(p.shapes[rank]).to(x.dtype)
 
     fut = C.then(work, finish, "all_to_all_single", group)
