@@ -95,8 +95,10 @@ from lowbit.choose import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, ddp_bucket_c
 from lowbit.timeline import plan_step
 from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
+from lowbit.comm import flat, graphs
 from lowbit.comm.agreement import ConfigMismatchError, agree, fingerprint
 from lowbit.comm.allreduce import AUTO, CommStats, get_algorithm, resolve_algorithm, start
+from lowbit.comm.registry import resolve_entry
 from lowbit.comm.groups import new_subgroup
 from lowbit.comm.registration import (LAUNCH_HINT, refuse_second_register, remember_register, warn_once,  # noqa: F401
                                       warn_uncompressed)
@@ -320,6 +322,11 @@ class _Group:
         done, src, dst = self.fut, self.src, self.dst
 
         stage = self.stage
+        if self._graphed(state, group):
+            self._replay(state, group, step_seed + self.seed_base)
+            _copy_all(src, dst)
+            done.set_result(stage)  # type: ignore[union-attr]  # (its events: after the replay, on this stream)
+            return
 
         def post() -> None:
             _copy_all(src, dst)
@@ -344,6 +351,58 @@ class _Group:
                     done.set_exception(exc)  # type: ignore[union-attr]
 
         fut.add_done_callback(fail)
+
+
+    def _graphed(self, state: "LowbitState", group: Optional[dist.ProcessGroup]) -> bool:
+        """Whether this message's exchange replays a CUDA graph (:mod:`lowbit.comm.graphs`): on the hook
+        thread (its side stream: the backward's stream never waits for the exchange), CUDA, a group that
+        can be captured (checked once per group), scatter_gather or allgather, rounding seeds read from
+        device memory where the codec rounds stochastically, no timing (its syncs), no emulated link."""
+        if not self.stage.is_cuda or not getattr(_ON_HOOK_THREAD, "on", False) or C.link_emulated():
+            return False
+        if state.stats.timing or (self.codec.stochastic and not self.codec.device_seed) or not self.n:
+            return False
+        algo = self._algorithm(state)
+        if algo not in ("scatter_gather", "allgather") or (algo == "scatter_gather" and (self.exact or self.shape)):
+            return False
+        ok = state._graph_ok.get(id(group)) if hasattr(state, "_graph_ok") else None
+        if ok is None:
+            if not hasattr(state, "_graph_ok"):
+                state._graph_ok = {}
+            ok = state._graph_ok[id(group)] = graphs.capturable(self.device, [group])
+        return ok
+
+    def _algorithm(self, state: "LowbitState") -> str:
+        """The algorithm this message's exchange runs (the registry's rule, as ``start`` resolves it)."""
+        if getattr(self, "_algo", None) is None:
+            self._algo = resolve_entry(self.algorithm, self.codec, state._world[1],  # type: ignore[index]
+                                       None if self.exact else self.stage.numel(), self.device)[0]
+        return self._algo
+
+    def _replay(self, state: "LowbitState", group: Optional[dist.ProcessGroup], seed: int) -> None:
+        """The exchange (:func:`lowbit.comm.flat.exchange_now`) on the staging buffer, in place, as a replay
+        of its CUDA graph (captured once, after one eager call); the statistics as ``start`` counts them."""
+        world = state._world
+        algo, codec, residual = self._algorithm(state), self.codec, self.residual
+        rank, k = world  # type: ignore[misc]
+        seeds = flat.call_seeds(algo, seed, rank, k) if codec.stochastic else []
+
+        def fn(ins: List[torch.Tensor], outs: List[torch.Tensor], keys: List[Any]) -> None:
+            flat.exchange_now(ins[0], codec, group, algo, "mean", residual, keys, world,  # type: ignore[arg-type]
+                              exact=self.exact, shape=self.shape)
+
+        if getattr(state, "_graphs", None) is None:
+            state._graphs = graphs.Graphs("lowbit.ddp")
+        key = (self.index, algo, codec.spec, id(group), self.stage.data_ptr(),
+               0 if residual is None else residual.data_ptr())
+        state._graphs.run(key, fn, [self.stage], [], seeds, keyed=codec.device_seed, static=True)
+        state.stats.calls += 1
+        state.stats.bytes_sent += flat.bytes_now(codec, algo, self.n, k, rank, self.exact, self.shape)
+
+
+#: Set on the hook thread while it runs a job (:class:`_HookThread`): only there may a message replay a
+#: CUDA graph (on the thread's side stream; inline, it would run on the backward's own stream).
+_ON_HOOK_THREAD = threading.local()
 
 
 def _plan_groups(state: "LowbitState", k: int, device: torch.device) -> Dict[str, _Group]:
@@ -553,6 +612,8 @@ class LowbitState:
     def _forget_messages(self) -> None:
         self._group_of = None
         self._layouts.clear()
+        if getattr(self, "_graphs", None) is not None:
+            self._graphs.clear()  # (they read the old groups' buffers)
 
     # ------------------------------------------------------------------------------ helpers
     @property
@@ -689,6 +750,8 @@ class LowbitState:
         d["_native"] = False
         d["_thread_group"] = None
         d["error"] = None
+        d.pop("_graphs", None)  # (CUDA graphs and their memory: captured again after a restore)
+        d.pop("_graph_ok", None)
         return d
 
 
@@ -845,7 +908,11 @@ class _HookThread:
                 stream = self._stream(buf.device)
                 with torch.cuda.device(buf.device), torch.cuda.stream(stream):
                     stream.wait_event(ready)
-                    inner = _issue(state, lay, buf, group, step_seed, last)
+                    _ON_HOOK_THREAD.on = True
+                    try:
+                        inner = _issue(state, lay, buf, group, step_seed, last)
+                    finally:
+                        _ON_HOOK_THREAD.on = False
             else:
                 inner = _issue(state, lay, buf, group, step_seed, last)
         except BaseException as exc:  # noqa: BLE001 — DDP's wait on the bucket raises it

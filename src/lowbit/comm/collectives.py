@@ -323,6 +323,17 @@ def all_to_all(recv: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup 
               send.numel() * send.element_size())
 
 
+def all_to_all_v(recv: torch.Tensor, send: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+                 group: dist.ProcessGroup | None) -> None:
+    """The byte exchange of :func:`all_to_all_async` with its split lists, run synchronously
+    (:func:`_complete`)."""
+    if len(send_splits) == 1:
+        recv.copy_(send[: recv.numel()])
+        return
+    _complete("all_to_all_single", group, lambda a: dist.all_to_all_single(
+        recv, send, recv_splits, send_splits, group=group, async_op=a), send.numel() * send.element_size())
+
+
 def all_gather(recv: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup | None,
                link: bool = True) -> None:
     """:func:`all_gather_async`, run synchronously (:func:`_complete`; ``link``: as there)."""

@@ -33,9 +33,10 @@ chunked, which keeps checkpoints valid across DDP's bucket rebuilds.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from lowbit.codecs.base import Codec
 from lowbit.comm import collectives as C
@@ -44,6 +45,7 @@ from lowbit.comm.framing import _POOL, _framed, _keep, _slot, _up, chunk_sizes
 from lowbit.comm.registry import SIMULATED, AlgorithmPlugin, register_algorithm
 from lowbit.comm.residual import _encode_with_feedback, _guard_residual
 from lowbit.comm.stats import _comm_clock, _Timer
+from lowbit.feedback import restore_unless_finite
 
 __all__ = ["simulated_numel"]
 
@@ -109,42 +111,66 @@ _pow2_inverse = X.pow2_inverse
 _mean_scaling = X.mean_scaling
 
 
+def call_seeds(algorithm: str, seed: int, rank: int, k: int) -> list[int]:
+    """The rounding seeds of one call of ``algorithm`` (its payloads' streams, :func:`_seed`): allgather's
+    one payload; scatter_gather's chunk for each rank, then the server's re-encode of my chunk."""
+    if algorithm == "allgather":
+        return [_seed(seed, rank, 0, 0)]
+    return [_seed(seed, rank, i, 0) for i in range(k)] + [_seed(seed, rank, rank, 1)]
+
+
+def _allgather_encode(x: torch.Tensor, comp: torch.Tensor, n: int, exact: int, codec: Codec,
+                      residual: torch.Tensor | None, seed: int | torch.Tensor,
+                      shape: tuple[int, ...] | None) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """allgather's message: ``comp`` encoded once (error feedback: the residual keeps what it lost), the
+    ``exact`` fp32 riders (``x[n:]``) raw behind it. Returns it and (lead, payload bytes, slot size)."""
+    payload = _encode_with_feedback(codec, comp, residual, seed, shape)
+    lead, psize = _slot(codec, n, shape)
+    parts = [(lead, payload, psize)]
+    if exact:
+        parts.append((0, x[n:].view(torch.uint8), _up(4 * exact)))
+    return _framed(parts, x.device), (lead, payload.numel(), psize)
+
+
+def _allgather_sum(recv: torch.Tensor, at: tuple[int, int, int], s: int, n: int, exact: int, codec: Codec,
+                   k: int, op: str, shape: tuple[int, ...] | None, out: torch.Tensor) -> None:
+    """allgather's result: every rank's payload (``K`` slots of ``s`` bytes) decoded and summed in rank
+    order, the riders summed exactly, the mean scaled first (:func:`lowbit.comm.exchange.mean_scaling`)."""
+    lead, p, psize = at
+    divide_by = k if op == "mean" else 1
+    payloads = [recv[i * s + lead : i * s + lead + p] for i in range(k)]
+    pre, div = _mean_scaling(codec, payloads, n, shape, divide_by)
+    if n:
+        codec.decode_sum(payloads, n, out=out[:n], shape=shape, divide_by=divide_by if pre == 1 else 1)
+        if pre != 1 and div != 1:
+            out[:n].div_(div)
+    if exact:
+        vals = recv.view(k, s)[:, psize : psize + 4 * exact].view(torch.float32)  # (k, exact), rank order
+        tail = out[n:]
+        torch.sum(vals if divide_by == 1 else vals.mul_(_pow2_inverse(k)), dim=0, out=tail)
+        if divide_by != 1 and divide_by * _pow2_inverse(k) != 1:
+            tail.div_(divide_by * _pow2_inverse(k))
+
+
 def _allgather(x, comp, n, exact, codec, group, op, rank, k, residual, seed, stats, out, post,
                shape=None) -> torch.futures.Future:
     dev = x.device
     with _Timer(stats, "t_encode", dev):
-        payload = _encode_with_feedback(codec, comp, residual, _seed(seed, rank, 0, 0), shape)
-        p = payload.numel()
-        lead, psize = _slot(codec, n, shape)
-        parts = [(lead, payload, psize)]
-        if exact:
-            parts.append((0, x[n:].view(torch.uint8), _up(4 * exact)))
-        send = _framed(parts, dev)
+        send, at = _allgather_encode(x, comp, n, exact, codec, residual, call_seeds("allgather", seed, rank, k)[0],
+                                     shape)
         s = send.numel()
         recv = _POOL.take(k * s, torch.uint8, dev)
     work = C.all_gather_async(recv, send, group)
     if stats is not None:
         stats.bytes_sent += (k - 1) * s
     stamp = _comm_clock(stats, work, dev)
-    divide_by = k if op == "mean" else 1
 
     def finish() -> torch.Tensor:
         stamp()
         with _Timer(stats, "t_decode", dev):
             _keep(recv)
             _keep(out)
-            payloads = [recv[i * s + lead : i * s + lead + p] for i in range(k)]
-            pre, div = _mean_scaling(codec, payloads, n, shape, divide_by)
-            if n:
-                codec.decode_sum(payloads, n, out=out[:n], shape=shape, divide_by=divide_by if pre == 1 else 1)
-                if pre != 1 and div != 1:
-                    out[:n].div_(div)
-            if exact:
-                vals = recv.view(k, s)[:, psize : psize + 4 * exact].view(torch.float32)  # (k, exact), rank order
-                tail = out[n:]
-                torch.sum(vals if divide_by == 1 else vals.mul_(_pow2_inverse(k)), dim=0, out=tail)
-                if divide_by != 1 and divide_by * _pow2_inverse(k) != 1:
-                    tail.div_(divide_by * _pow2_inverse(k))
+            _allgather_sum(recv, at, s, n, exact, codec, k, op, shape, out)
             _POOL.give(recv)
         return out if post is None else post()
 
@@ -176,20 +202,60 @@ def _chunk_plan(codec: Codec, n: int, k: int) -> X.Plan:
     return p
 
 
+def _sg_encode(p: X.Plan, comp: torch.Tensor, rank: int, residual: torch.Tensor | None,
+               seeds: list) -> torch.Tensor:
+    """scatter_gather's phase 1 (the exchange core's reduce-scatter): my copy of every other rank's chunk
+    encoded for it (worker quantisation, error feedback). My own chunk stays in fp32 on this rank: it
+    never crosses the wire, so quantising it would only add error and work (its residual is 0)."""
+    k = len(p.layouts)
+    cuts = _cuts(p)
+    return X.scatter_encode(p, [comp[a:b] for a, b in cuts], rank, seeds[:k],
+                            None if residual is None else [residual[a:b] for a, b in cuts], compensated=True)
+
+
+def _cuts(p: X.Plan) -> list[tuple[int, int]]:
+    out, at = [], 0
+    for lay in p.layouts:
+        out.append((at, at + lay.numel))
+        at += lay.numel
+    return out
+
+
+def _sg_middle(p: X.Plan, codec: Codec, comp: torch.Tensor, recv: torch.Tensor, rank: int, op: str,
+               residual: torch.Tensor | None, seed: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """scatter_gather's phase 2: the other ranks' copies of my chunk decoded and summed (rank order, fp32),
+    my own fp32 copy added, the mean taken, then re-encoded (server quantisation) for the all-gather;
+    the server's error joins my residual (x K for a mean: it re-enters next step's sum). Returns the
+    all-gather's message and its receive buffer."""
+    k = len(p.layouts)
+    a, b = _cuts(p)[rank]
+    mine = b - a
+    dev = comp.device
+    reduced = _POOL.take(mine, torch.float32, dev)
+    X.scatter_sum(p, recv, rank, comp[a:b], reduced, divide_by=k if op == "mean" else 1)
+    own = X.gather_encode(p, reduced, rank, seed=seed)
+    if residual is not None and mine:
+        lay = p.layouts[rank]
+        sent = own[lay.slot[0] : lay.slot[0] + lay.nbytes]
+        server_err = reduced - codec.decode(sent, mine, shape=lay.code_shape)
+        if op == "mean":
+            server_err.mul_(k)
+        residual[a:b].add_(server_err)
+    _POOL.give(reduced)
+    return own, _POOL.take(k * p.width, torch.uint8, dev)  # all_gather needs equal sizes; pads count as sent
+
+
+def _sg_finish(p: X.Plan, gathered: torch.Tensor, out: torch.Tensor) -> None:
+    """scatter_gather's phase 3: every rank decodes every re-encoded chunk (bit-identical everywhere)."""
+    X.gather_decode(p, gathered, [out[a:b] for a, b in _cuts(p)])
+
+
 def _scatter_gather(comp, codec, group, op, rank, k, residual, seed, stats, out, post) -> torch.futures.Future:
     dev = comp.device
-    n = comp.numel()
-    p = _chunk_plan(codec, n, k)
-    sizes = [lay.numel for lay in p.layouts]
-    starts = [sum(sizes[:i]) for i in range(k)]
-    chunks = [comp[a : a + m] for a, m in zip(starts, sizes)]
-    # Phase 1: encode my copy of every other rank's chunk (worker quantisation); chunk i goes to rank i
-    # (the exchange core's reduce-scatter). My own chunk stays in fp32 on this rank: it never crosses
-    # the wire, so quantising it would only add error and work (its residual is 0).
+    p = _chunk_plan(codec, comp.numel(), k)
+    seeds = call_seeds("scatter_gather", seed, rank, k)
     with _Timer(stats, "t_encode", dev):
-        send = X.scatter_encode(p, chunks, rank, [_seed(seed, rank, i, 0) for i in range(k)],
-                                None if residual is None else [residual[a : a + m] for a, m in zip(starts, sizes)],
-                                compensated=True)
+        send = _sg_encode(p, comp, rank, residual, seeds)
         send_splits, recv_splits = p.send_splits(rank), p.recv_splits(rank)
         recv = _POOL.take(sum(recv_splits), torch.uint8, dev)
     work1 = C.all_to_all_async(recv, send, send_splits, recv_splits, group)
@@ -198,25 +264,9 @@ def _scatter_gather(comp, codec, group, op, rank, k, residual, seed, stats, out,
     stamp1 = _comm_clock(stats, work1, dev)
 
     def phase2() -> tuple[object, torch.Tensor]:
-        # Decode the other ranks' copies of my chunk and sum them (rank order, fp32), add my own fp32
-        # copy, take the mean, then re-encode (server quantisation) and all-gather.
-        mine = sizes[rank]
         with _Timer(stats, "t_decode", dev):
-            reduced = _POOL.take(mine, torch.float32, dev)
-            X.scatter_sum(p, recv, rank, chunks[rank], reduced, divide_by=k if op == "mean" else 1)
-        with _Timer(stats, "t_encode", dev):
-            own = X.gather_encode(p, reduced, rank, seed=_seed(seed, rank, rank, 1))
-            if residual is not None and mine:
-                # Fold the server's error into my residual; it re-enters next step's sum (x K for a mean).
-                lay = p.layouts[rank]
-                sent = own[lay.slot[0] : lay.slot[0] + lay.nbytes]
-                server_err = reduced - codec.decode(sent, mine, shape=lay.code_shape)
-                if op == "mean":
-                    server_err.mul_(k)
-                residual[starts[rank] : starts[rank] + mine].add_(server_err)
-            gathered = _POOL.take(k * p.width, torch.uint8, dev)  # all_gather needs equal sizes; pads count as sent
+            own, gathered = _sg_middle(p, codec, comp, recv, rank, op, residual, seeds[k])
             _POOL.give(recv)
-            _POOL.give(reduced)
         work2 = C.all_gather_async(gathered, own, group)
         if stats is not None:
             stats.bytes_sent += (k - 1) * own.numel()
@@ -245,16 +295,60 @@ def _scatter_gather(comp, codec, group, op, rank, k, residual, seed, stats, out,
     stamp2 = _comm_clock(stats, work2, dev)
 
     def finish() -> torch.Tensor:
-        # Phase 3: every rank decodes every re-encoded chunk (bit-identical everywhere).
         stamp2()
         with _Timer(stats, "t_decode", dev):
             _keep(gathered)
             _keep(out)
-            X.gather_decode(p, gathered, [out[a : a + m] for a, m in zip(starts, sizes)])
+            _sg_finish(p, gathered, out)
             _POOL.give(gathered)
         return out if post is None else post()
 
     return C.then(work2, finish, "all_gather_into_tensor", group)
+
+
+def exchange_now(x: torch.Tensor, codec: Codec, group: dist.ProcessGroup | None, algorithm: str, op: str,
+                 residual: torch.Tensor | None, seeds: Sequence[int | torch.Tensor], world: tuple[int, int],
+                 exact: int = 0, shape: tuple[int, ...] | None = None) -> None:
+    """One call of ``scatter_gather`` or ``allgather`` on ``x`` in place, synchronously: its collectives
+    are waited for on the current stream (no host wait on NCCL), so the whole call is tensor work that a
+    CUDA graph can capture (:mod:`lowbit.comm.graphs`; the DDP hook replays it per message). The same
+    phases, the same bits as :func:`lowbit.comm.allreduce.start` with those arguments, ``seeds`` those of
+    :func:`call_seeds` (ints, or one-element int32 device tensors of their keys). With error feedback
+    ``x + residual`` is sent, and a non-finite result puts the residual back (lowbit.feedback's rule).
+    The statistics are the caller's (:func:`bytes_now`)."""
+    rank, k = world
+    n = x.numel() - exact
+    prev = residual.clone() if residual is not None and n else None
+    comp = x[:n] if residual is None else x[:n].add_(residual)  # in place: x is only written after it is read
+    if algorithm == "allgather":
+        send, at = _allgather_encode(x, comp, n, exact, codec, residual, seeds[0] if seeds else 0, shape)
+        s = send.numel()
+        recv = torch.empty(k * s, dtype=torch.uint8, device=x.device)
+        C.all_gather(recv, send, group)
+        _allgather_sum(recv, at, s, n, exact, codec, k, op, shape, x)
+    elif algorithm == "scatter_gather" and not exact and shape is None:
+        p = _chunk_plan(codec, n, k)
+        seeds = list(seeds) if seeds else [0] * (k + 1)
+        send = _sg_encode(p, comp, rank, residual, seeds)
+        recv = torch.empty(sum(p.recv_splits(rank)), dtype=torch.uint8, device=x.device)
+        C.all_to_all_v(recv, send, p.send_splits(rank), p.recv_splits(rank), group)
+        own, gathered = _sg_middle(p, codec, comp, recv, rank, op, residual, seeds[k])
+        C.all_gather(gathered, own, group)
+        _sg_finish(p, gathered, x)
+    else:
+        raise ValueError(f"lowbit: exchange_now runs scatter_gather and allgather, not {algorithm!r}"
+                         f"{' with riders or a shape' if algorithm == 'scatter_gather' else ''}")
+    if prev is not None:
+        restore_unless_finite(residual, prev, x[:n])  # type: ignore[arg-type]
+
+
+def bytes_now(codec: Codec, algorithm: str, n: int, k: int, rank: int, exact: int = 0,
+              shape: tuple[int, ...] | None = None) -> int:
+    """Bytes one :func:`exchange_now` call sends from ``rank`` (what the async path counts)."""
+    if algorithm == "allgather":
+        return (k - 1) * (_slot(codec, n, shape)[1] + (_up(4 * exact) if exact else 0))
+    p = _chunk_plan(codec, n, k)
+    return sum(p.send_splits(rank)) + (k - 1) * p.width
 
 
 # ------------------------------------------------------------------------------ the registry's entries

@@ -100,10 +100,12 @@ class Graphs:
         self._static.clear()
 
     def run(self, key: Hashable, fn: Fn, ins: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
-            seeds: Sequence[int] = (), keyed: bool = True) -> None:
+            seeds: Sequence[int] = (), keyed: bool = True, static: bool = False) -> None:
         """``fn(ins, outs, seeds)``, eagerly or as a replay of its graph. ``keyed``: ``fn`` accepts its
         seeds as one-element int32 device tensors of rounding keys (else a signature with seeds that
-        change between calls stays eager)."""
+        change between calls stays eager). ``static``: ``ins`` and ``outs`` are persistent buffers, the
+        same tensors at every call of ``key`` (their addresses belong in the key): the graph works on
+        them directly, with no copy in or out."""
         e = self.entries.get(key)
         if e is None:
             e = self.entries[key] = _Entry()
@@ -117,10 +119,10 @@ class Graphs:
                 keys = write_keys(torch.empty(len(seeds), dtype=torch.int32, device=dev), seeds)
                 fn(ins, outs, [keys[i : i + 1] for i in range(len(seeds))])
                 return
-            if not self._capture(key, e, fn, ins, outs, len(seeds)):
+            if not self._capture(key, e, fn, ins, outs, len(seeds), static):
                 fn(ins, outs, seeds)
                 return
-        self._replay(e, ins, outs, seeds)
+        self._replay(e, ins, outs, seeds, static)
 
     # ------------------------------------------------------------------------------------------
     def _buffer(self, role: str, i: int, t: torch.Tensor) -> torch.Tensor:
@@ -131,14 +133,14 @@ class Graphs:
         return b
 
     def _capture(self, key: Hashable, e: _Entry, fn: Fn, ins: Sequence[torch.Tensor],
-                 outs: Sequence[torch.Tensor], n_seeds: int) -> bool:
+                 outs: Sequence[torch.Tensor], n_seeds: int, static: bool = False) -> bool:
         dev = (ins[0] if ins else outs[0]).device
         cur = torch.cuda.current_stream(dev)
         if self._side is None:
             self._side = torch.cuda.Stream(dev)
             self._pool = torch.cuda.graph_pool_handle()
-        e.ins = [self._buffer("in", i, t) for i, t in enumerate(ins)]
-        e.outs = [self._buffer("out", i, t) for i, t in enumerate(outs)]
+        e.ins = list(ins) if static else [self._buffer("in", i, t) for i, t in enumerate(ins)]
+        e.outs = list(outs) if static else [self._buffer("out", i, t) for i, t in enumerate(outs)]
         e.keys = torch.zeros(max(n_seeds, 1), dtype=torch.int32, device=dev)
         graph = torch.cuda.CUDAGraph()
         self._side.wait_stream(cur)
@@ -159,17 +161,19 @@ class Graphs:
         return True
 
     def _replay(self, e: _Entry, ins: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
-                seeds: Sequence[int]) -> None:
+                seeds: Sequence[int], static: bool = False) -> None:
         dev = e.outs[0].device if e.outs else e.ins[0].device
         cur = torch.cuda.current_stream(dev)
         if self._stream is not None and self._stream != cur:
             cur.wait_stream(self._stream)  # the static buffers and pool are this cache's, one replay at a time
-        for s, t in zip(e.ins, ins):
-            s.copy_(t)
+        if not static:
+            for s, t in zip(e.ins, ins):
+                s.copy_(t)
         if seeds:
             write_keys(e.keys, seeds)
         e.graph.replay()  # type: ignore[union-attr]
-        for s, t in zip(e.outs, outs):
-            t.copy_(s)
+        if not static:
+            for s, t in zip(e.outs, outs):
+                t.copy_(s)
         self._stream = cur
         self.replays += 1
