@@ -156,8 +156,9 @@ def test_warm_up_runs_under_another_default_device() -> None:
     import lowbit
     from lowbit.kernels import dispatch
 
-    codec = lowbit.get_codec("qsgd:bits=3,bucket=96")  # a spec no other test warms up
-    dispatch._WARMED.discard(f"{codec.spec}@cpu")
-    with torch.device("meta"):
-        dispatch.warm_up(codec, "cpu")
-    assert f"{codec.spec}@cpu" in dispatch._WARMED
+    for spec in ("qsgd:bits=3,bucket=96", "dettmers:type=linear,bucket=96"):  # specs no other test warms up
+        codec = lowbit.get_codec(spec)
+        dispatch._WARMED.discard(f"{codec.spec}@cpu")
+        with torch.device("meta"):
+            dispatch.warm_up(codec, "cpu")
+        assert f"{codec.spec}@cpu" in dispatch._WARMED

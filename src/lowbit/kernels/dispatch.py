@@ -169,9 +169,10 @@ def warm_up(codec: Any, device: str | torch.device = "cpu") -> None:
     if key in _WARMED:
         return
     n = _WARM_NUMEL
-    # Under the target device as the default: a model built under ``with torch.device("meta")`` (or
-    # "cuda") calls register, and so this, with another default set; the sample is drawn on the CPU.
-    with torch.device(torch.device(device)):
+    # Under the CPU as the default device, as a training step runs: a model built under ``with
+    # torch.device("meta")`` (or "cuda") calls register, and so this, with another default set (a CPU
+    # generator then meets a CUDA default; a codec's table built from numpy lands on the GPU).
+    with torch.device("cpu"):
         x = torch.randn(n, generator=torch.Generator().manual_seed(0), device="cpu").to(device)  # (n,) float32
         shape = codec.flat_shape(n)
         payload = codec.encode(x, seed=0)
