@@ -1,4 +1,7 @@
-"""``codec="auto"``: the DDP hook measures this job, then chooses per parameter tensor a codec that pays.
+"""``codec="auto"`` for the DDP hook: the adapter that measures this job, then chooses per parameter
+tensor a codec that pays. The options, the clock, the estimates, the trials, the decision rules and the
+guard are :mod:`lowbit.auto`'s, shared with FSDP; what is DDP's own is here: the backward timeline, the
+link probes and the replay that predicts the finalists.
 
     state = lowbit.ddp.register(model, codec="auto")                       # fp32, bf16, 8-bit QSGD
     state = lowbit.ddp.register(model, codec="auto", auto_level="bold")    # ... and 4-bit QSGD, 1bitSGD*
@@ -30,7 +33,8 @@ How (on the job's own first steps, nothing extra for the user to run):
    noise as the batch has, as training at half the batch would; ranks that see the same data have no
    noise, and bold is then as strict as the default. That allowance is for unbiased codecs, whose error
    is noise; a biased codec (1bitSGD*, top-k: error feedback repays their distortion late) is held to
-   the default limit, its error weighed by bold's limit over 8-bit QSGD's (:meth:`AutoTuner._weighed`).
+   the default limit, its error weighed by bold's limit over 8-bit QSGD's (:func:`lowbit.auto.decide.
+   biased_weight`).
    Which codecs pass is decided by those measured errors, tensor by tensor, then by the trials' speed:
    not by codec names.
 
@@ -42,17 +46,13 @@ How (on the job's own first steps, nothing extra for the user to run):
    tensor, and the finalists include each codec both ways. The decision names the algorithm of every
    tensor and finalist (``Decision.algorithms``, the table's algorithm column).
 5. **Try**: otherwise lowbit's hook is registered and the finalists (the predicted best, each allowed
-   codec as a fixed codec would apply it) run one warm-up and ``trial_steps`` timed steps each, one
-   after another; the ranks agree on the times (averaged in rank order). Two timed steps cannot separate
-   codecs within about 10 % (2x H200 over sockets, ResNet-50: one level's trials measured 8-bit QSGD at
-   39.8 ms a step and bf16 at 42.6 ms, the other level's in the same job 42.9 and 39.1 ms), so when two
-   or more finalists measured within ``retry_within`` (10 %) of the fastest (:func:`close_finalists`;
-   fp32 counts only where it is a finalist, as when re-measuring), those run a second pass in reverse
-   order (a drift over the trials then weighs on both ends alike), one warm-up and ``trial_steps`` timed
-   steps each, and each counts with the mean of its two passes (``Decision.retried`` names them; the
-   ranks agree on the second pass's times too, and decide which are close from agreed times only).
-   :func:`lowbit.choose.pick` (the rule ``lowbit advise`` uses) chooses on the measured step times
-   against the measured fp32 step. :meth:`AutoTuner.last_decision_step` bounds the step of the decision.
+   codec as a fixed codec would apply it) are tried by :class:`lowbit.auto.trials.Trials`, FSDP's rule
+   too: one warm-up and ``trial_steps`` timed steps each, one after another, the median per rank,
+   averaged over the ranks; those within ``retry_within`` (10 %) of the fastest (fp32 counts only where
+   it is a finalist, as when re-measuring) run a second pass in reverse order and count with the mean
+   of both passes (``Decision.retried`` names them). :func:`measured_decision` then chooses on the
+   measured step times against the measured fp32 step (:func:`lowbit.auto.decide.choose_measured`, the
+   rule ``lowbit advise`` uses). :meth:`AutoTuner.last_decision_step` bounds the step of the decision.
 
 The decision is logged once (rank 0, ``logging.INFO``, a table: tensor, numel, codec, predicted saving,
 the finalists predicted and measured; a ``WARNING`` with the reason when it keeps fp32 everywhere), kept
@@ -66,147 +66,40 @@ whose codec changes then starts with an empty error-feedback residual. A hook re
    steps one step's gradients are sampled and the chosen codecs checked: non-finite gradients or
    residuals, the codec's error against its value at the decision, error-feedback residual growth, and
    the loss the user may report (``state.auto.report_loss(loss)``). Every rank's numbers are gathered
-   and summed in rank order, so every rank takes the same step-ups (:mod:`lowbit.guard` has the rule);
+   and summed in rank order, so every rank takes the same step-ups (:mod:`lowbit.auto.guard` has the rule);
    each is logged once (rank 0, ``WARNING``), kept in ``state.auto.changes`` and ``state.auto.assignment``
    and saved in checkpoints, and re-measuring keeps a stepped-up tensor at its new precision or above.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 import statistics
-import time
 from collections.abc import Mapping
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
-from lowbit.choose import (AUTO_FASTER_THAN_FP32, WITHIN_BEST, CodecCost, Decision, TensorTiming, Timeline, Tried,
-                           choice, compute_time, ddp_buckets, decide, explain, pick, simulate, split_choice,
-                           weighted_bits)
+from lowbit.auto.clock import Clock, DeviceClock
+from lowbit.auto.decide import Measured, choose_measured, error_limit, weighed_errors
+from lowbit.auto.estimates import agree, codec_errors, prefix_sample, sampling_noise, squared_norm
+from lowbit.auto.guard import Guard, ReportedLoss, combine, local_entry
+from lowbit.auto.options import BASELINE, check_auto_options, default_allow
+from lowbit.auto.trials import TRIAL_STEPS, RETRY_WITHIN, Trials, most_steps
+from lowbit.choose import (AUTO_FASTER_THAN_FP32, WITHIN_BEST, CodecCost, Decision, TensorTiming, Timeline, choice,
+                           compute_time, ddp_buckets, decide, explain, simulate, split_choice, weighted_bits)
 from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
 from lowbit.comm.allreduce import AUTO, get_algorithm, resolve_algorithm, start
 from lowbit.comm.hierarchical import node_size_for
-from lowbit.guard import Guard, ReportedLoss, combine
 
-__all__ = ["AutoOptions", "AutoTuner", "AUTO_LEVELS", "DEFAULT_ALLOW", "BOLD_ALLOW", "BASELINE", "TunedState", "default_allow",
-           "check_auto_options", "sampling_noise", "close_finalists", "mean_of_passes"]
+__all__ = ["AutoTuner", "TunedState", "measured_decision"]
 
 log = logging.getLogger("lowbit.ddp")
 
-#: how far ``codec="auto"`` may go (``auto_level``): "conservative" (the default) keeps within uniform 8-bit
-#: QSGD's error; "bold" also allows 4-bit QSGD and 1bitSGD* with error feedback, up to the gradients' own
-#: sampling noise between the ranks (module doc)
-AUTO_LEVELS = ("conservative", "bold")
-#: what ``codec="auto"`` chooses among unless told otherwise
-DEFAULT_ALLOW = ("fp32", "bf16", "qsgd:bits=8,bucket=512")
-#: ... and with ``auto_level="bold"`` (1bitSGD* gets error feedback from ``error_feedback="auto"``)
-BOLD_ALLOW = DEFAULT_ALLOW + ("qsgd:bits=4,bucket=512", "onebit:bucket=64")
-#: the error budget is relative to this codec everywhere (L-GreCo's uniform baseline)
-BASELINE = "qsgd:bits=8,bucket=512"
-#: values of each tensor whose compression error is measured (a prefix; scaled to the tensor)
-ERROR_SAMPLE = 1 << 16
 _FP32 = get_codec("fp32").spec
 _HIERARCHICAL = "hierarchical"
-
-
-def default_allow(level: str = "conservative") -> tuple[str, ...]:
-    """The codecs ``codec="auto"`` chooses among at ``level`` unless ``allow`` says otherwise."""
-    return BOLD_ALLOW if level == "bold" else DEFAULT_ALLOW
-
-
-def check_auto_options(allow: Any, error_budget: Any, level: Any, guard_every: Any, *, always: str = "fp32",
-                       budget_of: str = "uniform 8-bit QSGD's error") -> None:
-    """Raise a ``ValueError`` naming the first of ``codec="auto"``'s shared options that is out of range:
-    ``level`` (``auto_level``: one of :data:`AUTO_LEVELS`), ``guard_every`` (an int >= 0), ``allow`` (None
-    or a list or tuple of codecs, not empty: ``always`` is allowed anyway) and ``error_budget`` (None or
-    a number > 0 that multiplies ``budget_of``). The one check of them for DDP (:class:`lowbit.ddp.
-    DDPConfig`, :class:`AutoTuner`; the defaults' wording) and FSDP (``lowbit.fsdp.register``,
-    :class:`lowbit.fsdp_auto.FSDPAuto`: ``always`` native, the budget per module). What each codec in
-    ``allow`` must be differs between them: their callers check it."""
-    if not isinstance(level, str) or level not in AUTO_LEVELS:
-        raise ValueError(f"auto_level must be one of {', '.join(map(repr, AUTO_LEVELS))} ('conservative', the "
-                         f"default: at most {budget_of}; 'bold': also 4-bit QSGD and 1bitSGD with error feedback, "
-                         f"up to the gradients' own sampling noise), got {level!r}")
-    if isinstance(guard_every, bool) or not isinstance(guard_every, int) or guard_every < 0:
-        raise ValueError(f"guard_every must be an int >= 0 (steps between codec='auto''s guard checks; 0: no "
-                         f"guard), got {guard_every!r}")
-    if isinstance(allow, str):
-        raise ValueError(f"allow must be a list of codec specs, got the string {allow!r}")
-    if allow is not None and not isinstance(allow, (list, tuple)):
-        raise ValueError(f"allow must be a list of codec specs, got {allow!r}")
-    if allow is not None and not allow:
-        raise ValueError(f"allow must name at least one codec ({always} is always allowed)")
-    eb = error_budget
-    if eb is not None and (isinstance(eb, bool) or not isinstance(eb, (int, float)) or not eb > 0):
-        raise ValueError(f"error_budget must be a number > 0 (times {budget_of}; with auto_level='bold', the "
-                         f"larger of that and the gradients' sampling noise) or None, got {eb!r}")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class AutoOptions:
-    """``codec="auto"``'s options that DDP and FSDP share, written once: the base of
-    :class:`lowbit.ddp.DDPConfig` and :class:`lowbit.fsdp.FSDPConfig`, which add their own options and
-    validate all of them once, at construction (:meth:`check_auto`, in each integration's words).
-
-    ``auto_level``: how far auto may go (:data:`AUTO_LEVELS`); ``guard_every``: steps between the guard's
-    checks (0: no guard); ``allow``: the codecs to choose among (None: the level's, :func:`default_allow`;
-    a list is kept as a tuple); ``error_budget``: the admission limit's factor (None: no limit)."""
-
-    auto_level: str = "conservative"
-    guard_every: int = 50
-    allow: Optional[tuple[Any, ...]] = None
-    error_budget: Optional[float] = 1.0
-
-    def __post_init__(self) -> None:
-        if isinstance(self.allow, (list, tuple)):
-            object.__setattr__(self, "allow", tuple(self.allow))  # (a list is fine to pass; frozen keeps a tuple)
-
-    @classmethod
-    def auto_names(cls) -> tuple[str, ...]:
-        """The options of this class that go with ``codec="auto"`` only (a subclass adds its own)."""
-        return tuple(f.name for f in dataclasses.fields(AutoOptions))
-
-    def auto_given(self) -> list[str]:
-        """The auto-only options (:meth:`auto_names`) set to something other than their defaults."""
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        return [n for n in self.auto_names() if getattr(self, n) != defaults[n]]
-
-    def check_auto(self, auto: bool, codec: Any, *, always: str = "fp32",
-                   budget_of: str = "uniform 8-bit QSGD's error") -> None:
-        """Raise a ``ValueError`` naming the first auto option out of range (:func:`check_auto_options`,
-        with ``always`` and ``budget_of`` in the integration's words), or, when ``auto`` is False, the auto
-        options given with another ``codec``."""
-        if not auto:
-            given = self.auto_given()
-            if given:
-                names = ", ".join(f"{n}=" for n in self.auto_names())
-                raise ValueError(f"{names} go with codec='auto', but codec is {codec!r} and "
-                                 f"{', '.join(f'{n}={getattr(self, n)!r}' for n in given)} was given")
-            return
-        check_auto_options(self.allow, self.error_budget, self.auto_level, self.guard_every, always=always,
-                           budget_of=budget_of)
-
-    @classmethod
-    def of(cls, config: Any = None, /, **options: Any) -> Any:
-        """``config`` as it is, or one built from ``options`` (what ``register(model, config=None,
-        **options)`` does with its keywords). An option this class does not have is a ``TypeError``
-        naming it; ``config`` together with options is a ``ValueError`` (which would win is not obvious)."""
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(options) - set(names))
-        if unknown:
-            raise TypeError(f"{cls.__name__} has no option {unknown[0]!r} (its options: {', '.join(names)})")
-        if config is None:
-            return cls(**options)
-        if not isinstance(config, cls):
-            raise ValueError(f"config must be a {cls.__module__}.{cls.__name__}, got {type(config).__name__}")
-        if options:
-            raise ValueError(f"pass config= or the options ({', '.join(sorted(options))}), not both")
-        return config
 
 
 class TunedState(Protocol):
@@ -240,16 +133,17 @@ class TunedState(Protocol):
 class AutoTuner:
     """The measurements and the decision of ``codec="auto"`` (module doc); lives on ``state.auto``.
     Its options come validated (:class:`lowbit.ddp.DDPConfig`); ``allow`` is kept as canonical specs,
-    fp32 first unless listed."""
+    fp32 first unless listed. ``clock``: where every time is read (default: the module's device,
+    :class:`lowbit.auto.clock.DeviceClock`); ``trials``: the trials running (None otherwise)."""
 
     #: finalists whose first-pass trial times are within this share of the fastest run a second pass
     #: (module doc, step 5)
-    retry_within = 0.10
+    retry_within = RETRY_WITHIN
 
     def __init__(self, allow: Optional[Sequence[str]] = None, error_budget: Optional[float] = 1.0,
                  measure_steps: int = 3, remeasure_every: int = 0,
                  faster_than_fp32: float = AUTO_FASTER_THAN_FP32, *, level: str = "conservative",
-                 guard_every: int = 50) -> None:
+                 guard_every: int = 50, clock: Optional[Clock] = None) -> None:
         check_auto_options(allow, error_budget, level, guard_every)
         self.level = level
         self.guard_every = guard_every
@@ -266,13 +160,12 @@ class AutoTuner:
         #                        autotuning, NCCL's socket connections, allocator growth); measured from
         #                        the first step on, auto's fp32 step was 7-17 % above the steady one
         #                        (ResNet-50, AlexNet, 2x H100 over sockets; docs/results.md)
-        self.trial_steps = 2   # timed steps per finalist (after one warm-up step); 0: trust the prediction
+        self.trial_steps = TRIAL_STEPS  # timed steps per finalist (after one warm-up step); 0: trust the prediction
         self.max_trials = 6 if level == "bold" else 4  # finalists tried at most (bold: more codecs to try)
         self.phase = "measure"  # -> "trial" -> "done"
-        self._pending: Optional[Decision] = None
-        self._trial, self._marks, self._trial_times = 0, [], []  # type: ignore[var-annotated]
-        self._order: list[int] = []  # the finalists (indices) this pass of the trials runs, in order
-        self._first: Optional[list[float]] = None  # the first pass's agreed times, during the second
+        self._pending: Optional[Decision] = None  # the prediction whose finalists are being tried
+        self.trials: Optional[Trials] = None
+        self.clock = clock
         self.decision: Optional[Decision] = None
         self.decided_iter: Optional[int] = None
         self.measured: Optional[dict[str, Any]] = None  # the agreed measurements the decision came from
@@ -293,6 +186,11 @@ class AutoTuner:
         self._module: Optional[torch.nn.Module] = None
         self._device = torch.device("cpu")
 
+    def _clock(self) -> Clock:
+        if self.clock is None:
+            self.clock = DeviceClock(self._device)
+        return self.clock
+
     # ------------------------------------------------------------------------------ configuration
     def config(self) -> dict[str, Any]:
         out = {"allow": self.allow, "error_budget": self.error_budget, "measure_steps": self.measure_steps,
@@ -311,7 +209,7 @@ class AutoTuner:
 
     def report_loss(self, loss: Any) -> None:
         """Report this step's training loss (a float or a tensor: added on its device, no host sync), for
-        the guard's loss rule (:mod:`lowbit.guard`); optional. Call it once a step, on every rank."""
+        the guard's loss rule (:mod:`lowbit.auto.guard`); optional. Call it once a step, on every rank."""
         self._losses.add(loss)
 
     def attach(self, module: torch.nn.Module, state: TunedState,
@@ -332,7 +230,7 @@ class AutoTuner:
         """The step whose forward pass takes the first decision at the latest: ``start_iter``, the warm-up
         and measured steps, then every finalist's warm-up and timed steps, twice when all of them measured
         close (the second pass, module doc step 5; fewer finalists, or fewer close ones, decide earlier)."""
-        return start_iter + self.warmup_steps + self.measure_steps + 2 * (1 + self.trial_steps) * self.max_trials
+        return start_iter + self.warmup_steps + self.measure_steps + most_steps(self.max_trials, self.trial_steps)
 
     def detach(self) -> None:
         """Remove the hooks on the module (measuring stops)."""
@@ -356,10 +254,9 @@ class AutoTuner:
             if self.phase != "measure" or not first <= step < first + self.measure_steps:
                 return
             if self._steps:
-                self._steps[-1]["grads"].append((name, _mark(self._device)))
+                self._steps[-1]["grads"].append((name, self._clock().mark()))
             if step == first + self.measure_steps - 1 and p.grad is not None:
-                g = p.grad.reshape(-1)
-                self._samples[name] = (g[: min(g.numel(), ERROR_SAMPLE)].detach().float().clone(), g.numel())
+                self._samples[name] = prefix_sample(p.grad)
         return hook
 
     def _on_forward(self, module: torch.nn.Module, _inp: Any) -> None:
@@ -373,7 +270,7 @@ class AutoTuner:
         if self.phase == "measure":
             first = st.start_iter + self.warmup_steps
             if step >= first:
-                self._steps.append({"forward": _mark(self._device), "grads": []})
+                self._steps.append({"forward": self._clock().mark(), "grads": []})
             if step >= first + self.measure_steps:
                 self._predict(st, step)
         elif self.phase == "trial":
@@ -393,8 +290,8 @@ class AutoTuner:
         if self.measured is None:
             timeline = self._timeline(state)
             specs = self.allow + [get_codec(BASELINE).spec]
-            errors = {name: _errors(x, n, specs) for name, (x, n) in self._samples.items()}
-            norms = {name: _norm(x, n) for name, (x, n) in self._samples.items()}
+            errors = {name: codec_errors(x, n, specs) for name, (x, n) in self._samples.items()}
+            norms = {name: squared_norm(x, n) for name, (x, n) in self._samples.items()}
             # bold: how much the ranks' gradients differ (a collective: every rank, the same tensors)
             noise = self._noise(state, group, world) if self.level == "bold" else {}
             self._samples = {}
@@ -408,11 +305,13 @@ class AutoTuner:
                 "backward_end_s": timeline.backward_end_s, "step_s": timeline.step_s,
                 "costs": self._probe(state, group, device, timeline, world, nodes),
                 "errors": errors, "norms": norms, "noise": noise, "node_size": nodes}
-        agreed = _average(C.all_gather_object(mine, group))  # the same numbers on every rank
+        agreed = agree(mine, group)  # the same numbers on every rank
         self.node_size = agreed["node_size"]
         costs = {s: CodecCost(**c) for s, c in agreed["costs"].items()}
         timeline = _timeline_of(agreed, state.message_mb, self._rides(state))
-        pred = decide(timeline, costs, self._weighed(_by_choice(agreed["errors"], costs), agreed),
+        weighed = weighed_errors(_by_choice(agreed["errors"], costs), self.level, self.error_budget,
+                                 *_summed_refs(agreed))
+        pred = decide(timeline, costs, weighed,
                       error_limit=self._error_limit(agreed),
                       fp32=_FP32, within_best=WITHIN_BEST, faster_than_fp32=self.faster_than_fp32,
                       max_finalists=self.max_trials,
@@ -435,60 +334,39 @@ class AutoTuner:
             self._finish(state, step, pred)
             return
         pred.finalists = finalists
-        self._pending, self._trial, self._marks, self._trial_times = pred, 0, [], []
-        self._order, self._first = list(range(len(finalists))), None
+        self.run_trials(state, step, pred, agreed)
+
+    def run_trials(self, state: TunedState, step: int, prediction: Decision, measured: dict[str, Any]) -> None:
+        """Try ``prediction``'s finalists from this step (a training forward pass) on, on every rank
+        (module doc, step 5); the decision comes at the forward pass after the last trial step.
+
+        Args:
+            state: the hook's state, whose plan each finalist sets in turn.
+            step: the step starting now.
+            prediction: its ``finalists`` (label, assignment, predicted seconds) are tried; ``measured_s``
+                holds fp32's measured step (``"fp32"``).
+            measured: the agreed measurements the prediction came from (``tensors``, ``costs``, ...)."""
+        self.measured = measured
+        self._pending = prediction
+        self.trials = Trials(len(prediction.finalists), self._clock(), steps=self.trial_steps,
+                             retry_within=self.retry_within)
         self.phase = "trial"
         self._maybe_install(state, step)
         self._trial_mark(state, step)
 
     def _trial_mark(self, state: TunedState, step: int) -> None:
-        """At a forward pass during the trials: the first step of each finalist warms up, the next
-        ``trial_steps`` are timed (forward start to forward start); then the next finalist of this pass
-        (``_order``). After the first pass, a second over the finalists measured close (module doc,
-        step 5), in reverse order; then the decision."""
-        pred = self._pending
-        if not self._marks:
-            state.set_plan(pred.finalists[self._order[self._trial]][1])
-        self._marks.append(_mark(self._device))
-        if len(self._marks) < self.trial_steps + 2:
+        """At a forward pass during the trials: the plan of the finalist whose trial begins; after the
+        last, the decision (:func:`measured_decision`)."""
+        pred, trials = self._pending, self.trials
+        got = trials.step(state.process_group)
+        if got is not None:
+            if got.begins:
+                state.set_plan(pred.finalists[got.finalist][1])
             return
-        periods = [_elapsed(a, b) for a, b in zip(self._marks[1:], self._marks[2:])]
-        self._trial_times.append(statistics.median(periods))
-        self._trial += 1
-        self._marks = []
-        if self._trial < len(self._order):
-            self._trial_mark(state, step)  # this forward pass starts the next finalist's warm-up step
-            return
-        got = _average(C.all_gather_object(self._trial_times, state.process_group))  # agree
-        if self._first is None:
-            times = list(got)
-            close = close_finalists(times, self.retry_within)  # from agreed times: every rank alike
-            if close:
-                self._first, self._order = times, close[::-1]
-                self._trial, self._trial_times = 0, []
-                self._trial_mark(state, step)  # this forward pass starts the second pass's first warm-up
-                return
-        else:
-            times = mean_of_passes(self._first, self._order, got)
-            pred.retried = tuple(pred.finalists[i][0] for i in sorted(self._order))
-        self._first = None
-        for (label, _, _), t in zip(pred.finalists, times):
-            pred.measured_s[label] = t  # (a re-measured "fp32" replaces the first measurement)
-        fp32_s = pred.measured_s["fp32"]
         timeline = _timeline_of(self.measured, state.message_mb, self._rides(state))
         costs = {s: CodecCost(**c) for s, c in self.measured["costs"].items()}
-        tried = [Tried(assignment, fp32_s / t, weighted_bits(timeline, assignment, costs), label)
-                 for (label, assignment, _), t in zip(pred.finalists, times) if label != "fp32"]
-        fp32 = Tried({n: _FP32 for n in state.plan}, 1.0, 32.0, "fp32")
-        best, none_pays = pick(tried, fp32, within_best=WITHIN_BEST, faster_than_fp32=self.faster_than_fp32)
-        pred.chosen = f"{best.extra} (measured)" if not none_pays else "fp32 (measured: nothing paid)"
-        if best.extra != pred.finalists[0][0] or none_pays:  # the predicted best lost: describe the winner
-            compute = compute_time(timeline, costs, _FP32)
-            pred.assignment = dict(best.assignment)
-            pred.rows = explain(timeline, costs, pred.assignment, compute, _FP32)
-            pred.step_s = compute + simulate(timeline, pred.assignment, costs)
-            pred.fp32_is_best = none_pays
-        self._pending = None
+        measured_decision(pred, trials.times, trials.retried, timeline, costs, list(state.plan), self.faster_than_fp32)
+        self._pending, self.trials = None, None
         self._finish(state, step, pred)
 
     def _finish(self, state: TunedState, step: int, decision: Decision) -> None:
@@ -523,30 +401,11 @@ class AutoTuner:
         install()
 
     def _error_limit(self, agreed: dict[str, Any]) -> Optional[float]:
-        """The most error an assignment may add (None: no limit): ``error_budget`` times uniform 8-bit
-        QSGD's summed error, or with ``auto_level="bold"`` times the larger of that and the gradients'
-        summed sampling noise."""
+        """The most error an assignment may add, over the tensors (:func:`lowbit.auto.decide.error_limit`
+        on the summed references; None: no limit)."""
         if self.error_budget is None or not agreed["errors"]:
             return None
-        ref, noise = _summed_refs(agreed)
-        return self.error_budget * (max(ref, noise) if self.level == "bold" else ref)
-
-    def _weighed(self, errors: dict[str, dict[str, float]], agreed: dict[str, Any]) -> dict[str, dict[str, float]]:
-        """Bold's noise allowance is for unbiased codecs: a codec whose error is zero-mean adds noise as a
-        smaller batch would, within the noise the batch already has. A biased codec's error (1bitSGD*,
-        top-k, with error feedback) is a systematic distortion that error feedback repays late, not
-        noise: it is held to the default level's limit (8-bit QSGD's summed error), by weighing its error
-        by bold's limit over that one. On the MLP on MNIST-1D (issue 29) 1bitSGD* was admitted under the
-        noise (0.86 against 1.53) and, forced, cost 1.1-5.8 points of accuracy over 8 seeds (mean 3.2):
-        docs/ddp.md, "How far auto may go"."""
-        if self.level != "bold" or self.error_budget is None:
-            return errors
-        ref, noise = _summed_refs(agreed)
-        if not (ref > 0 and noise > ref):
-            return errors
-        w = noise / ref
-        return {name: {key: e * w if get_codec(split_choice(key)[0]).biased else e for key, e in errs.items()}
-                for name, errs in errors.items()}
+        return error_limit(self.level, self.error_budget, *_summed_refs(agreed))
 
     def _nodes(self, state: TunedState, world: int) -> Optional[int]:
         """Ranks per node when the group spans several nodes of several ranks each and the algorithm is
@@ -574,7 +433,7 @@ class AutoTuner:
 
     def _guard_step(self, state: TunedState, step: int) -> None:
         """At a forward pass after the decision: check the watched step once its backward pass has run,
-        and watch the step the guard asks for (module lowbit.guard)."""
+        and watch the step the guard asks for (lowbit.auto.guard)."""
         if self._watch is not None and step > self._watch:
             self._check(state, step)
         nxt = self.guard.next_check
@@ -588,12 +447,11 @@ class AutoTuner:
     def _on_guard_grad(self, name: str) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
             if p.grad is not None and self.forwards - 1 == self._watch:
-                g = p.grad.reshape(-1)
-                self._guard_samples[name] = (g[: min(g.numel(), ERROR_SAMPLE)].detach().float().clone(), g.numel())
+                self._guard_samples[name] = prefix_sample(p.grad)
         return hook
 
     def _check(self, state: TunedState, step: int) -> None:
-        """The guard's check of the watched step, from what every rank saw (lowbit.guard.combine), and the
+        """The guard's check of the watched step, from what every rank saw (lowbit.auto.guard.combine), and the
         step-ups it decides, the same on every rank; each logged once (rank 0)."""
         self._release(keep_forward=True)
         samples, self._guard_samples, watched, self._watch = self._guard_samples, {}, self._watch, None
@@ -605,12 +463,9 @@ class AutoTuner:
                 continue
             spec = split_choice(key)[0]
             x, n = samples.get(name, (torch.zeros(0), state.numels.get(name, 0)))
-            finite = bool(torch.isfinite(x).all())
             res = state.residuals.get(name)
-            tensors[name] = {"err": _errors(x, n, [spec])[spec] if finite else 0.0,
-                             "norm": _norm(x, n) if finite else 0.0, "finite": finite,
-                             "residual": None if res is None else float((res.double() ** 2).sum()),
-                             "values": int(x.numel())}
+            tensors[name] = local_entry(x, n, spec, bool(torch.isfinite(x).all()),
+                                        None if res is None else float((res.double() ** 2).sum()))
         mine = {"tensors": tensors, **ReportedLoss.entry(self._losses.take())}
         stats = combine(C.all_gather_object(mine, state.process_group))
         measured = self.measured or {}
@@ -655,8 +510,8 @@ class AutoTuner:
         for s, nxt in done:
             f = s["forward"]
             for name, m in s["grads"]:
-                offsets.setdefault(name, []).append(_elapsed(f, m))
-            periods.append(_elapsed(f, nxt["forward"]))
+                offsets.setdefault(name, []).append(self._clock().elapsed(f, m))
+            periods.append(self._clock().elapsed(f, nxt["forward"]))
         ready = {name: statistics.median(v) for name, v in offsets.items()}
         names = sorted(ready, key=lambda n: (ready[n], -state.order.get(n, 0)))
         cut = ddp_buckets([state.numels[n] for n in names], state.bucket_bytes, first_bytes=state.first_bucket_bytes)
@@ -684,6 +539,7 @@ class AutoTuner:
         big = int(min(max(total // 3, 1 << 16), 1 << 24))
         small = max(big // 16, 1 << 12)
         choices = [(spec, None) for spec in self.allow]
+        clock = self._clock()
         if nodes:
             choices += [(spec, _HIERARCHICAL) for spec in self.allow if _hierarchical_ok(get_codec(spec))]
 
@@ -694,12 +550,12 @@ class AutoTuner:
                 codec = get_codec(spec)
                 algo = "allreduce" if codec.sums_on_wire else resolve_algorithm(via or state.algorithm, codec, k)
                 size = nodes if via == _HIERARCHICAL else state.node_size
-                times = [_min_time(lambda n=n: start(data[:n].clone(), codec, group, algo, "mean",
-                                                     node_size=size).wait(), device)
+                times = [clock.best_of(lambda n=n: start(data[:n].clone(), codec, group, algo, "mean",
+                                                         node_size=size).wait())
                          for n in (small, big)]
                 if spec not in enc_of:
                     enc_of[spec] = 0.0 if codec.sums_on_wire else \
-                        _min_time(lambda: codec.encode(data, seed=1), device) / big
+                        clock.best_of(lambda: codec.encode(data, seed=1)) / big
                 enc = enc_of[spec] / (nodes if via == _HIERARCHICAL else 1)
                 slope = max((times[1] - times[0]) / (big - small), 0.0)
                 alpha = max(times[0] - slope * small, 0.0)
@@ -742,7 +598,7 @@ class AutoTuner:
         self.guard.start(self.decided_iter or 0)
         if d.get("guard") is not None:
             self.guard.load_state_dict(d["guard"])
-        self.phase, self._pending, self._marks, self._steps, self._samples = "done", None, [], [], {}
+        self.phase, self._pending, self.trials, self._steps, self._samples = "done", None, None, [], {}
         self._watch, self._guard_samples = None, {}
         self._release(keep_forward=bool(self.remeasure_every) or self._guarding())
         state.set_plan(dict(self.assignment))
@@ -767,8 +623,7 @@ class AutoTuner:
         d["_grad_handles"], d["_steps"], d["_samples"], d["_marks"] = [], [], {}, []
         d["_guard_samples"], d["_losses"] = {}, ReportedLoss()
         if d.get("phase") == "trial":  # unpickled mid-trial (either pass): measure again
-            d["phase"], d["_pending"], d["measured"] = "measure", None, None
-            d["_trial"], d["_trial_times"], d["_order"], d["_first"] = 0, [], [], None
+            d["phase"], d["_pending"], d["measured"], d["trials"] = "measure", None, None, None
         return d
 
     def __setstate__(self, d: dict[str, Any]) -> None:
@@ -787,7 +642,7 @@ class AutoTuner:
             self._watch, self._guard_samples, self._module = None, {}, None
 
 
-# ------------------------------------------------------------------------------------------ helpers
+
 def _timeline_of(d: dict[str, Any], message_mb: Any, ride: bool = False) -> Timeline:
     return Timeline(tuple(TensorTiming(**t) for t in d["tensors"]), d["backward_end_s"], d["step_s"], message_mb,
                     ride)
@@ -797,65 +652,6 @@ def _device_of(module: torch.nn.Module) -> torch.device:
     for p in module.parameters():
         return p.device
     return torch.device("cpu")
-
-
-def _mark(device: torch.device) -> Any:
-    """A point on the compute timeline: a CUDA event on the current stream, or the host clock."""
-    if device.type == "cuda":
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        return ev
-    return time.perf_counter()
-
-
-def _elapsed(a: Any, b: Any) -> float:
-    if isinstance(a, float):
-        return b - a
-    b.synchronize()
-    return a.elapsed_time(b) / 1e3
-
-
-def _min_time(fn: Callable[[], Any], device: torch.device, reps: int = 5) -> float:
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    fn()  # warm-up: kernels compiled, buffers allocated
-    out = []
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        out.append(time.perf_counter() - t0)
-    return min(out)  # the least disturbed run: other processes share these cores and links
-
-
-def _errors(x: torch.Tensor, n: int, specs: Sequence[str]) -> dict[str, float]:
-    """Each codec's squared error on ``x`` (a prefix of a gradient of ``n`` values), scaled to ``n``."""
-    x = x.float().contiguous()
-    scale = n / max(x.numel(), 1)
-    out = {}
-    for spec in specs:
-        codec = get_codec(spec)
-        if spec == _FP32 or x.numel() == 0:
-            out[spec] = 0.0
-            continue
-        y = codec.decode(codec.encode(x, seed=7), x.numel())
-        out[spec] = float(((y - x) ** 2).sum()) * scale
-    return out
-
-
-def _summed_refs(agreed: Mapping[str, Any]) -> tuple[float, float]:
-    """Uniform 8-bit QSGD's summed error over the tensors, and their summed sampling noise (0 unmeasured):
-    the two references of the error limit."""
-    base = get_codec(BASELINE).spec
-    return (sum(e.get(base, 0.0) for e in agreed["errors"].values()),
-            float(sum(agreed.get("noise", {}).values())))
-
-
-def _norm(x: torch.Tensor, n: int) -> float:
-    """The squared norm of a gradient of ``n`` values, from ``x``, a prefix of it."""
-    return float((x.double() ** 2).sum()) * n / max(x.numel(), 1)
 
 
 def _hierarchical_ok(codec: Codec) -> bool:
@@ -869,69 +665,46 @@ def _by_choice(errors: Mapping[str, Mapping[str, float]], costs: Mapping[str, An
     return {name: {key: e.get(split_choice(key)[0], 0.0) for key in costs} for name, e in errors.items()}
 
 
-def sampling_noise(samples: Mapping[str, tuple[torch.Tensor, int]], numels: Mapping[str, int],
-                   group: Optional[dist.ProcessGroup], k: int, device: torch.device) -> dict[str, float]:
-    """Per tensor, the sampling noise of one rank's gradient: E|g_r - mean|^2 * K/(K-1) over the ranks, on
-    the gradient samples (``samples[name]``: a sample of ``min(numel, ERROR_SAMPLE)`` values and the
-    gradient's size, which scales it), from one sum of the samples over the group. Every rank passes
-    the same ``numels`` (names in the same order); zeros stand in where it has no sample."""
-    parts = []
-    for name, numel in numels.items():
-        x = samples.get(name)
-        parts.append(x[0] if x is not None else torch.zeros(min(numel, ERROR_SAMPLE), device=device))
-    if not parts or k < 2:
-        return {}
-    mine = torch.cat(parts)
-    total = mine.clone()
-    C.wait(C.all_reduce_async(total, group), "all_reduce", group)
-    dev = mine - total / k
-    out, pos = {}, 0
-    for (name, numel), x in zip(numels.items(), parts):
-        m = x.numel()
-        if name in samples and m:
-            out[name] = float((dev[pos:pos + m].double() ** 2).sum()) * numel / m * k / (k - 1)
-        pos += m
-    return out
+def _summed_refs(agreed: Mapping[str, Any]) -> tuple[float, float]:
+    """Uniform 8-bit QSGD's summed error over the tensors, and their summed sampling noise (0 unmeasured):
+    the two references of the error limit."""
+    base = get_codec(BASELINE).spec
+    return (sum(e.get(base, 0.0) for e in agreed["errors"].values()),
+            float(sum(agreed.get("noise", {}).values())))
 
 
-def close_finalists(times: Sequence[float], within: float) -> list[int]:
-    """The finalists (indices into ``times``, their first pass's agreed step times) measured within
-    ``within`` of the fastest (time <= fastest * (1 + within)), when at least two are: those run a second
-    pass (module doc, step 5); else none. Non-finite times are never close."""
-    finite = [t for t in times if math.isfinite(t)]
-    if not finite:
-        return []
-    limit = min(finite) * (1 + within)
-    close = [i for i, t in enumerate(times) if math.isfinite(t) and t <= limit]
-    return close if len(close) > 1 else []
+def measured_decision(prediction: Decision, times: Sequence[float], retried: Sequence[int], timeline: Timeline,
+                      costs: Mapping[str, CodecCost], names: Sequence[str],
+                      faster_than_fp32: float = AUTO_FASTER_THAN_FP32) -> Decision:
+    """``prediction`` made the decision measured by its trials (module doc, step 5), in place.
 
+    Args:
+        prediction: its ``finalists`` were tried; ``measured_s["fp32"]`` is fp32's measured step, replaced
+            where fp32 is a finalist (re-measuring).
+        times: every finalist's agreed step time (:attr:`lowbit.auto.trials.Trials.times`).
+        retried: the finalists that ran a second pass (indices).
+        timeline, costs: the measured step and codec costs, to weigh bits and describe a winner the
+            prediction did not put first.
+        names: every tensor of the plan (fp32's assignment, when nothing pays).
+        faster_than_fp32: the least speed-up over fp32 that pays.
 
-def mean_of_passes(first: Sequence[float], retried: Sequence[int], second: Sequence[float]) -> list[float]:
-    """Every finalist's trial time: its first pass's (``first``), or for those run again (``retried``,
-    indices in the order the second pass ran them; ``second``, their times in that order) the mean of
-    its two passes."""
-    out = list(first)
-    for i, t in zip(retried, second, strict=True):
-        out[i] = (first[i] + t) / 2
-    return out
-
-
-def _average(per_rank: list[Any]) -> Any:
-    """Element-wise mean of the ranks' measurements (same structure on every rank), in rank order."""
-    first = per_rank[0]
-    if isinstance(first, dict):
-        keys = list(first)
-        for r in per_rank[1:]:
-            if not isinstance(r, dict) or list(r) != keys:
-                raise RuntimeError("lowbit codec='auto': the ranks measured different structures "
-                                   f"({sorted(first)[:5]} vs {sorted(r)[:5] if isinstance(r, dict) else r!r})")
-        return {k: _average([r[k] for r in per_rank]) for k in keys}
-    if isinstance(first, list):
-        return [_average(list(col)) for col in zip(*per_rank)]
-    if isinstance(first, bool) or isinstance(first, str) or first is None:
-        return first
-    if isinstance(first, (int, float)):
-        if isinstance(first, int) and all(r == first for r in per_rank):
-            return first
-        return sum(float(r) for r in per_rank) / len(per_rank)
-    return first
+    Returns:
+        ``prediction``, with ``measured_s``, ``retried``, ``chosen`` and, where the predicted best lost,
+        the winner's ``assignment``, ``rows`` and ``step_s``."""
+    pred = prediction
+    if retried:
+        pred.retried = tuple(pred.finalists[i][0] for i in sorted(retried))
+    for (label, _, _), t in zip(pred.finalists, times, strict=True):
+        pred.measured_s[label] = t  # (a re-measured "fp32" replaces the first measurement)
+    fp32 = Measured("fp32", {n: _FP32 for n in names}, 32.0, pred.measured_s["fp32"])
+    tried = [Measured(label, assignment, weighted_bits(timeline, assignment, costs), t)
+             for (label, assignment, _), t in zip(pred.finalists, times) if label != "fp32"]
+    best, none_pays = choose_measured(tried, fp32, faster_than_fp32)
+    pred.chosen = f"{best.label} (measured)" if not none_pays else "fp32 (measured: nothing paid)"
+    if best.label != pred.finalists[0][0] or none_pays:  # the predicted best lost: describe the winner
+        compute = compute_time(timeline, costs, _FP32)
+        pred.assignment = dict(best.assignment)
+        pred.rows = explain(timeline, costs, pred.assignment, compute, _FP32)
+        pred.step_s = compute + simulate(timeline, pred.assignment, costs)
+        pred.fp32_is_best = none_pays
+    return pred
