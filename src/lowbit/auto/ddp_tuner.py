@@ -74,60 +74,31 @@ whose codec changes then starts with an empty error-feedback residual. A hook re
 from __future__ import annotations
 
 import logging
-import statistics
 from collections.abc import Mapping
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from lowbit.auto.clock import Clock, DeviceClock
+from lowbit.auto.ddp_measure import (TunedState, by_choice, hierarchical_ok, measure_timeline, nodes_of, probe_costs,
+                                     rides, timeline_of)
 from lowbit.auto.decide import Measured, choose_measured, error_limit, weighed_errors
 from lowbit.auto.estimates import agree, codec_errors, prefix_sample, sampling_noise, squared_norm
 from lowbit.auto.guard import Guard, ReportedLoss, combine, local_entry
 from lowbit.auto.options import BASELINE, check_auto_options, default_allow
 from lowbit.auto.trials import TRIAL_STEPS, RETRY_WITHIN, Trials, most_steps
-from lowbit.choose import (AUTO_FASTER_THAN_FP32, WITHIN_BEST, CodecCost, Decision, TensorTiming, Timeline, choice,
-                           compute_time, ddp_buckets, decide, explain, simulate, split_choice, weighted_bits)
-from lowbit.codecs.base import Codec, get_codec
+from lowbit.choose import (AUTO_FASTER_THAN_FP32, WITHIN_BEST, CodecCost, Decision, Timeline, compute_time, decide,
+                           explain, simulate, split_choice, weighted_bits)
+from lowbit.codecs.base import get_codec
 from lowbit.comm import collectives as C
-from lowbit.comm.allreduce import AUTO, get_algorithm, resolve_algorithm, start
-from lowbit.comm.hierarchical import node_size_for
+from lowbit.comm.allreduce import get_algorithm
 
 __all__ = ["AutoTuner", "TunedState", "measured_decision"]
 
 log = logging.getLogger("lowbit.ddp")
 
 _FP32 = get_codec("fp32").spec
-_HIERARCHICAL = "hierarchical"
-
-
-class TunedState(Protocol):
-    """What ``codec="auto"`` reads from the DDP hook's state and the methods it changes it through:
-    :class:`lowbit.ddp.LowbitState` (a layer above, so named here by its shape, not imported)."""
-
-    plan: Mapping[str, Codec]             # parameter name -> codec (read; changed through set_plan)
-    residuals: Mapping[str, torch.Tensor]  # parameter name -> error-feedback residual (read by the guard)
-    order: Mapping[str, int]              # parameter name -> position in model order
-    process_group: Optional[dist.ProcessGroup]
-    iter: int                             # read; changed through count_step / hook_starts
-    bucket_bytes: float                   # DDP's bucket caps
-    first_bucket_bytes: float
-
-    @property
-    def start_iter(self) -> int: ...
-    @property
-    def algorithm(self) -> str: ...
-    @property
-    def message_mb(self) -> Any: ...
-    @property
-    def node_size(self) -> Optional[int]: ...
-    @property
-    def numels(self) -> Mapping[str, int]: ...
-    def world(self) -> tuple[int, int]: ...
-    def set_plan(self, assignment: dict[str, str]) -> None: ...
-    def count_step(self, step: int) -> None: ...
-    def hook_starts(self, step: int) -> None: ...
 
 
 class AutoTuner:
@@ -172,7 +143,7 @@ class AutoTuner:
         self.node_size: Optional[int] = None  # ranks per node when auto weighed the hierarchical algorithm
         self.assignment: dict[str, str] = {}  # what runs now: the decision, with the guard's step-ups
         self.guard = Guard(guard_every, [(s, float(get_codec(s).bits_per_value(1 << 20))) for s in self.allow],
-                           [s for s in self.allow if _hierarchical_ok(get_codec(s))], fp32=_FP32)
+                           [s for s in self.allow if hierarchical_ok(get_codec(s))], fp32=_FP32)
         self._watch: Optional[int] = None  # the step whose gradients the guard samples
         self._guard_samples: dict[str, tuple[torch.Tensor, int]] = {}
         self._losses = ReportedLoss()  # reported since the last check (on their device: no host sync)
@@ -288,7 +259,7 @@ class AutoTuner:
         device = self._device
         rank, world = C.world(group)
         if self.measured is None:
-            timeline = self._timeline(state)
+            timeline = measure_timeline(self._steps, state, self._clock(), rides(self.allow, state))
             specs = self.allow + [get_codec(BASELINE).spec]
             errors = {name: codec_errors(x, n, specs) for name, (x, n) in self._samples.items()}
             norms = {name: squared_norm(x, n) for name, (x, n) in self._samples.items()}
@@ -296,20 +267,20 @@ class AutoTuner:
             noise = self._noise(state, group, world) if self.level == "bold" else {}
             self._samples = {}
         else:  # re-measuring: the link only
-            timeline = _timeline_of(self.measured, state.message_mb, self._rides(state))
+            timeline = timeline_of(self.measured, state.message_mb, rides(self.allow, state))
             errors = self.measured["errors"]
             norms, noise = self.measured.get("norms", {}), self.measured.get("noise", {})
-        nodes = self._nodes(state, world)  # ranks per node when several nodes are known, else None
+        nodes = nodes_of(state, world)  # ranks per node when several nodes are known, else None
         mine = {"tensors": [dict(name=t.name, numel=t.numel, ready_s=t.ready_s, bucket=t.bucket)
                             for t in timeline.tensors],
                 "backward_end_s": timeline.backward_end_s, "step_s": timeline.step_s,
-                "costs": self._probe(state, group, device, timeline, world, nodes),
+                "costs": probe_costs(self.allow, state, group, device, timeline, world, self._clock(), nodes),
                 "errors": errors, "norms": norms, "noise": noise, "node_size": nodes}
         agreed = agree(mine, group)  # the same numbers on every rank
         self.node_size = agreed["node_size"]
         costs = {s: CodecCost(**c) for s, c in agreed["costs"].items()}
-        timeline = _timeline_of(agreed, state.message_mb, self._rides(state))
-        weighed = weighed_errors(_by_choice(agreed["errors"], costs), self.level, self.error_budget,
+        timeline = timeline_of(agreed, state.message_mb, rides(self.allow, state))
+        weighed = weighed_errors(by_choice(agreed["errors"], costs), self.level, self.error_budget,
                                  *_summed_refs(agreed))
         pred = decide(timeline, costs, weighed,
                       error_limit=self._error_limit(agreed),
@@ -363,7 +334,7 @@ class AutoTuner:
             if got.begins:
                 state.set_plan(pred.finalists[got.finalist][1])
             return
-        timeline = _timeline_of(self.measured, state.message_mb, self._rides(state))
+        timeline = timeline_of(self.measured, state.message_mb, rides(self.allow, state))
         costs = {s: CodecCost(**c) for s, c in self.measured["costs"].items()}
         measured_decision(pred, trials.times, trials.retried, timeline, costs, list(state.plan), self.faster_than_fp32)
         self._pending, self.trials = None, None
@@ -406,18 +377,6 @@ class AutoTuner:
         if self.error_budget is None or not agreed["errors"]:
             return None
         return error_limit(self.level, self.error_budget, *_summed_refs(agreed))
-
-    def _nodes(self, state: TunedState, world: int) -> Optional[int]:
-        """Ranks per node when the group spans several nodes of several ranks each and the algorithm is
-        left to auto (``node_size=``, ``$LOWBIT_NODE_SIZE``, torchrun's ``LOCAL_WORLD_SIZE``): then the
-        hierarchical algorithm is weighed too. None on one node, one rank a node, or when unknown."""
-        if state.algorithm != AUTO or world < 4:
-            return None
-        try:
-            g = node_size_for(state.process_group, state.node_size)
-        except ValueError:
-            return None  # not known, or not whole nodes: the flat algorithms only
-        return g if 1 < g < world else None
 
     def _noise(self, state: TunedState, group: Optional[dist.ProcessGroup], k: int) -> dict[str, float]:
         """Per tensor, the sampling noise of one rank's gradient (:func:`sampling_noise`), over the model's
@@ -496,82 +455,6 @@ class AutoTuner:
         module = self._module
         return [] if module is None else [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 
-    def _timeline(self, state: TunedState) -> Timeline:
-        """Median gradient-ready offsets over the measured steps (the first measured step is a warm-up
-        when there are more than one); DDP's buckets rebuilt from the ready order and the bucket cap."""
-        done = [(s, nxt) for s, nxt in zip(self._steps, self._steps[1:]) if s["grads"]]
-        if len(done) > 1:
-            done = done[1:]
-        if not done:
-            raise RuntimeError("lowbit codec='auto': no step was measured (no gradient became ready after a "
-                               "training forward pass of the registered module)")
-        offsets: dict[str, list[float]] = {}
-        periods = []
-        for s, nxt in done:
-            f = s["forward"]
-            for name, m in s["grads"]:
-                offsets.setdefault(name, []).append(self._clock().elapsed(f, m))
-            periods.append(self._clock().elapsed(f, nxt["forward"]))
-        ready = {name: statistics.median(v) for name, v in offsets.items()}
-        names = sorted(ready, key=lambda n: (ready[n], -state.order.get(n, 0)))
-        cut = ddp_buckets([state.numels[n] for n in names], state.bucket_bytes, first_bytes=state.first_bucket_bytes)
-        bucket_ready: dict[int, float] = {}  # a bucket is handed to the hook when its last gradient is ready
-        for n, b in zip(names, cut):
-            bucket_ready[b] = max(bucket_ready.get(b, ready[n]), ready[n])
-        tensors = [TensorTiming(n, state.numels[n], bucket_ready[b], b) for n, b in zip(names, cut)]
-        backward_end = max(ready.values())
-        step = statistics.median(periods)
-        return Timeline(tuple(tensors), backward_end, max(step, backward_end), state.message_mb, self._rides(state))
-
-    def _rides(self, state: TunedState) -> bool:
-        """Whether the fp32 tensors would ride in the quantised codecs' messages (allgather)."""
-        quantised = [get_codec(s) for s in self.allow if not get_codec(s).sums_on_wire]
-        k = state.world()[1]
-        return bool(quantised) and resolve_algorithm(state.algorithm, quantised[0], k) == "allgather"
-
-    def _probe(self, state: TunedState, group: Optional[dist.ProcessGroup], device: torch.device,
-               timeline: Timeline, k: int, nodes: Optional[int] = None) -> dict[str, dict[str, Any]]:
-        """Each allowed codec's exchange at two sizes, and its encoding alone: fitted as seconds per message
-        plus seconds per value. With ``nodes`` ranks per node (several nodes), each quantised codec that can
-        send a shard of a tensor is also probed through the hierarchical algorithm, as a choice of its own
-        (``spec@hierarchical``; it encodes a 1/``nodes`` shard)."""
-        total = sum(t.numel for t in timeline.tensors)
-        big = int(min(max(total // 3, 1 << 16), 1 << 24))
-        small = max(big // 16, 1 << 12)
-        choices = [(spec, None) for spec in self.allow]
-        clock = self._clock()
-        if nodes:
-            choices += [(spec, _HIERARCHICAL) for spec in self.allow if _hierarchical_ok(get_codec(spec))]
-
-        def probe(data: torch.Tensor) -> dict[str, dict[str, Any]]:
-            out: dict[str, dict[str, Any]] = {}
-            enc_of: dict[str, float] = {}
-            for spec, via in choices:
-                codec = get_codec(spec)
-                algo = "allreduce" if codec.sums_on_wire else resolve_algorithm(via or state.algorithm, codec, k)
-                size = nodes if via == _HIERARCHICAL else state.node_size
-                times = [clock.best_of(lambda n=n: start(data[:n].clone(), codec, group, algo, "mean",
-                                                         node_size=size).wait())
-                         for n in (small, big)]
-                if spec not in enc_of:
-                    enc_of[spec] = 0.0 if codec.sums_on_wire else \
-                        clock.best_of(lambda: codec.encode(data, seed=1)) / big
-                enc = enc_of[spec] / (nodes if via == _HIERARCHICAL else 1)
-                slope = max((times[1] - times[0]) / (big - small), 0.0)
-                alpha = max(times[0] - slope * small, 0.0)
-                link = max(slope - enc, slope * 0.05)  # what is left for the link and decoding
-                out[choice(spec, via)] = {"spec": choice(spec, via), "bits": float(codec.bits_per_value(1 << 20)),
-                                          "native": bool(codec.sums_on_wire), "alpha_s": alpha, "s_per_value": link,
-                                          "encode_s_per_value": enc, "per_tensor": bool(codec.per_tensor),
-                                          "algorithm": algo}
-            return out
-
-        out = probe(torch.randn(big, generator=torch.Generator(device="cpu").manual_seed(12345)).to(device))
-        if device.type == "cuda":  # hand the probes' buffers back: training's allocations stay as they were
-            torch.cuda.synchronize(device)
-            torch.cuda.empty_cache()
-        return out
-
     # ------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         return {"config": self.config(), "decided_iter": self.decided_iter, "measured": self.measured,
@@ -636,33 +519,17 @@ class AutoTuner:
             self.level, self.guard_every, self.node_size = "conservative", 50, None
             self.assignment = dict(self.decision.assignment) if self.decision is not None else {}
             self.guard = Guard(50, [(s, float(get_codec(s).bits_per_value(1 << 20))) for s in self.allow],
-                               [s for s in self.allow if _hierarchical_ok(get_codec(s))], fp32=_FP32)
+                               [s for s in self.allow if hierarchical_ok(get_codec(s))], fp32=_FP32)
             if self.decided_iter is not None:
                 self.guard.start(self.decided_iter)
             self._watch, self._guard_samples, self._module = None, {}, None
 
 
 
-def _timeline_of(d: dict[str, Any], message_mb: Any, ride: bool = False) -> Timeline:
-    return Timeline(tuple(TensorTiming(**t) for t in d["tensors"]), d["backward_end_s"], d["step_s"], message_mb,
-                    ride)
-
-
 def _device_of(module: torch.nn.Module) -> torch.device:
     for p in module.parameters():
         return p.device
     return torch.device("cpu")
-
-
-def _hierarchical_ok(codec: Codec) -> bool:
-    """Whether the hierarchical algorithm compresses this codec between nodes (it shards each tensor:
-    codecs summed on the wire and per-tensor codecs go their own ways)."""
-    return not codec.sums_on_wire and not codec.per_tensor
-
-
-def _by_choice(errors: Mapping[str, Mapping[str, float]], costs: Mapping[str, Any]) -> dict[str, dict[str, float]]:
-    """Per tensor, each choice's error: its codec's (the same measured error, flat or hierarchical)."""
-    return {name: {key: e.get(split_choice(key)[0], 0.0) for key in costs} for name, e in errors.items()}
 
 
 def _summed_refs(agreed: Mapping[str, Any]) -> tuple[float, float]:
