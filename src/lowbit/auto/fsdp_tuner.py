@@ -130,13 +130,13 @@ def _short(key: str) -> str:
 class FSDPAuto:
     """The measurements, decision and guard of ``lowbit.fsdp.register(..., codec="auto")`` (module doc), on
     ``state.auto``: ``finalists`` (label -> per-module choice) with their ``measured_s`` (seconds a step,
-    averaged over the ranks; ``retried``: those that ran a second pass), the agreed ``errors`` (module -> codec -> squared error), ``norms``, ``noise`` and
-    ``limits``, ``decision`` (module -> choice, at ``decided_iter``), ``assignment`` (what runs now: the
-    decision with the guard's step-ups, listed in ``changes``). ``allow``: the codecs to choose among
-    besides native (default: the level's; ``"native"`` and ``"fp32"`` name native, always allowed), kept
-    as canonical specs; ``error_budget``: the admission limit's factor (None: no limit); ``clock``: where
-    the trials read time (default: the device's, :class:`lowbit.auto.clock.DeviceClock`). The options
-    come checked by :func:`lowbit.fsdp.register`."""
+    averaged over the ranks; ``retried``: those that ran a second pass), the agreed ``errors`` (module ->
+    codec -> squared error), ``norms``, ``noise`` and ``limits``, ``decision`` (module -> choice, at
+    ``decided_iter``), ``assignment`` (what runs now: the decision with the guard's step-ups, listed in
+    ``changes``). ``allow``: the codecs to choose among besides native (default: the level's; ``"native"``
+    and ``"fp32"`` name native, always allowed), kept as canonical specs; ``error_budget``: the admission
+    limit's factor (None: no limit); ``clock``: where the trials read time (default: the device's,
+    :class:`lowbit.auto.clock.DeviceClock`). The options come checked by :func:`lowbit.fsdp.register`."""
 
     def __init__(self, level: str = "conservative", guard_every: int = 50, allow: Optional[Sequence[Any]] = None,
                  error_budget: Optional[float] = 1.0, *, clock: Optional[Clock] = None) -> None:
@@ -360,7 +360,8 @@ class FSDPAuto:
                          + "".join(f"{e:>11.3g}" for e in errs))
         if self.measured_s:
             lines.append("measured step (mean over the ranks): "
-                         + ", ".join(f"{_short(label)} {s * 1e3:.2f} ms" + (" (2 passes)" if label in self.retried else "")
+                         + ", ".join(f"{_short(label)} {s * 1e3:.2f} ms"
+                                     + (" (2 passes)" if label in self.retried else "")
                                      for label, s in self.measured_s.items()))
         lines.append(f"chosen: {_short(self.chosen)}" + (" (native everywhere: compression did not pay)"
                                                          if self.chosen == NATIVE else ""))

@@ -2,8 +2,9 @@
 
 A decision is taken on a few steps at the start of training; gradients change as training goes on, and
 a codec that was harmless then may not stay so. Every ``every`` steps (``guard_every``) the tuner
-(:mod:`lowbit.auto.ddp_tuner`, :mod:`lowbit.auto.fsdp_tuner`) watches one step and hands :meth:`Guard.check` what every rank saw, summed
-over the ranks in rank order (:func:`combine`), so that every rank takes the same decision:
+(:mod:`lowbit.auto.ddp_tuner`, :mod:`lowbit.auto.fsdp_tuner`) watches one step and hands
+:meth:`Guard.check` what every rank saw, summed over the ranks in rank order (:func:`combine`), so that
+every rank takes the same decision:
 
 * per compressed tensor: whether its gradient (a sample of it) and its error-feedback residual were
   finite, the chosen codec's squared error on the gradient sample and the sample's squared norm, the
@@ -43,7 +44,8 @@ import torch
 
 from lowbit.auto.estimates import codec_errors, squared_norm
 
-__all__ = ["Guard", "ReportedLoss", "combine", "local_entry", "ERROR_DRIFT", "RESIDUAL_GROWTH", "LOSS_RISE", "MIN_DRIFT_VALUES"]
+__all__ = ["Guard", "ReportedLoss", "combine", "local_entry", "ERROR_DRIFT", "RESIDUAL_GROWTH", "LOSS_RISE",
+           "MIN_DRIFT_VALUES"]
 
 #: a codec's relative error this many times its value at decision time: one level up
 ERROR_DRIFT = 4.0
