@@ -191,3 +191,23 @@ def test_a_module_without_a_finite_sample_waits_a_step_then_stays_native() -> No
             assert t.decided_iter == 3 and t.decision == {"big": lf.NATIVE, "small": lf.NATIVE}, t.table()
             row = next(line for line in t.table().splitlines() if line.startswith("big"))
             assert row.split()[-2:] == ["nan", "nan"], t.table()
+
+
+def test_each_finalist_runs_its_trial_steps_in_one_block_after_a_warm_up() -> None:
+    """DDP's trial rule (lowbit.auto.trials): a finalist's warm-up step and its two timed steps run back to
+    back, so a module switches once a finalist (an error-feedback codec keeps its residual over its timed
+    steps), not at every step as in rounds."""
+    costs = {lf.NATIVE: 0.001, BF16: 0.006, Q8: 0.008}
+    t = FSDPAuto(guard_every=0, clock=CLOCK)
+    t.model = nn.Linear(2, 2)
+    exchanges = [_Exchange("big", 40_000, costs), _Exchange("small", 4_000, costs)]
+    switches = []
+    exchanges[0].set_choice = lambda key: (switches.append(key), setattr(exchanges[0], "choice", key))
+    t.attach(t.model, None, torch.device("cpu"), [(ex.name, ex.rows.numel(), ex) for ex in exchanges])
+    ran = []
+    while t.decision is None:
+        _step(t, 0.01)
+        ran.append(exchanges[0].choice)  # what this step ran (set at its forward pass)
+    assert ran[:2] == [lf.NATIVE] * 2  # the warm-up steps
+    assert ran[2:11] == [lf.NATIVE] * 3 + [BF16] * 3 + [Q8] * 3, ran
+    assert switches == [BF16, Q8, lf.NATIVE], switches  # into each trial once, then the decision (native)
