@@ -440,7 +440,7 @@ def auto_targets(results: dict[str, Any], hooks: list[str]) -> str:
     """Issue 29's ratios, per model, for each ``codec="auto"`` config: against plain DDP, the best fixed
     8-bit lowbit config (any algorithm), the best fixed lowbit config of a codec its level allows, and
     PowerSGD rank 4 (empty when the run lacks it)."""
-    from lowbit.autotune import default_allow
+    from lowbit.auto.options import default_allow
     from lowbit.codecs.base import get_codec
 
     autos = [h for h in hooks if (p := lowbit_hook(h)) is not None and p[0].strip().lower() == "auto"]

@@ -9,7 +9,7 @@ fp32 everywhere and its parameter-weighted bits per value, and :func:`pick` choo
   first when speed is a wash).
 
 ``lowbit advise`` predicts its assignments from a network profile and link specs (:mod:`lowbit.perfmodel`);
-``codec="auto"`` (:mod:`lowbit.autotune`) from what it measured on the running job: when each DDP
+``codec="auto"`` (:mod:`lowbit.auto`) from what it measured on the running job: when each DDP
 bucket's gradients became ready during the first fp32 steps (a :class:`Timeline`), what each codec's
 exchange costs on this link at two message sizes and what its encoding costs on this device
 (:class:`CodecCost`), and each codec's error on each tensor's own gradient. :func:`simulate` replays a
@@ -40,7 +40,7 @@ from lowbit.timeline import (AUTO_MESSAGE_MIN, AUTO_MESSAGE_SHARE, DDP_BUCKET_BY
 __all__ = ["ALGORITHM_SEP", "choice", "split_choice", "Tried", "pick", "TensorTiming", "Timeline", "CodecCost", "step_plan", "simulate", "decide", "Decision",
            "compute_time", "explain", "weighted_bits",
            "ddp_bucket_caps", "WITHIN_BEST", "FASTER_THAN_FP32", "AUTO_FASTER_THAN_FP32",
-           # the step's plan (lowbit.timeline), as lowbit.ddp, autotune and the benchmarks import it from here
+           # the step's plan (lowbit.timeline), as lowbit.ddp, lowbit.auto and the benchmarks import it from here
            "AUTO_MESSAGE_MIN", "AUTO_MESSAGE_SHARE", "DDP_BUCKET_BYTES", "DDP_FIRST_BUCKET_BYTES", "closes_after",
            "ddp_buckets", "message_limit"]
 
@@ -231,7 +231,7 @@ class Decision:
     #: each choice (assignment value) -> the algorithm that carries it
     algorithms: dict[str, str] = dataclasses.field(default_factory=dict)
     #: the finalists' labels that were tried twice, their measured_s the mean of both passes (finalists
-    #: measured close: lowbit.autotune, step 5). A plain default, so a Decision pickled before it reads ()
+    #: measured close: lowbit.auto.trials). A plain default, so a Decision pickled before it reads ()
     retried: tuple[str, ...] = ()
 
     @property

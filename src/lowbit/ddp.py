@@ -35,7 +35,7 @@ Tuning guide (:class:`DDPConfig`'s options):
 
 * ``codec`` / ``policy`` — 8-bit QSGD (bucket 512) recovered full accuracy in every experiment of the
   seed; 4-bit usually does; 2-bit loses about a point on conv nets. onebit needs error feedback.
-  ``codec="auto"`` measures and chooses per tensor (:mod:`lowbit.autotune`): ``auto_level`` says how far
+  ``codec="auto"`` measures and chooses per tensor (:mod:`lowbit.auto`): ``auto_level`` says how far
   it may go (``"conservative"``: within 8-bit QSGD's error; ``"bold"``: 4-bit QSGD and 1bitSGD* too, up to
   the gradients' sampling noise), ``guard_every`` how often its guard checks the choice while training.
 * ``algorithm`` — ``auto`` (default): ``allgather`` for two ranks, ``scatter_gather`` above (it sends
@@ -90,7 +90,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lowbit.autotune import AutoOptions, AutoTuner, default_allow
+from lowbit.auto.ddp_tuner import AutoTuner
+from lowbit.auto.options import AutoOptions, default_allow
 from lowbit.choose import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, ddp_bucket_caps, choice, message_limit, split_choice
 from lowbit.timeline import plan_step
 from lowbit.codecs.base import Codec, get_codec
@@ -132,8 +133,8 @@ class DDPConfig(AutoOptions):
     ``error_feedback`` (on for biased codecs), ``message_mb`` (groups end where DDP's buckets end) and
     ``hook_thread`` (on for CUDA). The module docstring is the tuning guide.
 
-    ``codec="auto"``'s options (:mod:`lowbit.autotune`): ``allow``, ``error_budget``, ``auto_level`` and
-    ``guard_every``, shared with FSDP (:class:`lowbit.autotune.AutoOptions`), and DDP's own
+    ``codec="auto"``'s options (:mod:`lowbit.auto`): ``allow``, ``error_budget``, ``auto_level`` and
+    ``guard_every``, shared with FSDP (:class:`lowbit.auto.options.AutoOptions`), and DDP's own
     ``measure_steps`` and ``remeasure_every``; ``one_node_native`` goes with :func:`register` only.
     """
 
@@ -160,7 +161,7 @@ class DDPConfig(AutoOptions):
 
     @property
     def auto(self) -> bool:
-        """``codec="auto"``: the hook measures the job, then chooses per tensor (:mod:`lowbit.autotune`)."""
+        """``codec="auto"``: the hook measures the job, then chooses per tensor (:mod:`lowbit.auto`)."""
         return isinstance(self.codec, str) and self.codec.strip().lower() == "auto"
 
     def resolved_policy(self) -> Policy:
@@ -1039,7 +1040,7 @@ def register(ddp_model: nn.Module, *, process_group: Optional[dist.ProcessGroup]
     ``one_node_native=False`` installs it anyway (one fp32 allreduce per bucket, counted in
     ``state.stats``, as the study does to measure it). With ``codec="auto"`` DDP's own allreduce runs
     while the first steps are measured, and the hook is installed once the decision compresses
-    something (:mod:`lowbit.autotune`; the decision is on ``state.auto.decision``).
+    something (:mod:`lowbit.auto`; the decision is on ``state.auto.decision``).
 
     Args:
         ddp_model: a ``torch.nn.parallel.DistributedDataParallel`` model.

@@ -37,7 +37,7 @@ node. HSDP (replicate x shard): shard with ``fully_shard`` on the inner (node) m
 ``replicate_group=``; lowbit all-reduces the reduced shards across it (compressed, bit-identical on
 every replica) through FSDP's ``set_all_reduce_hook``.
 
-``codec="auto"`` (:mod:`lowbit.fsdp_auto`): each module's reduce-scatter starts as FSDP's own (the
+``codec="auto"`` (:mod:`lowbit.auto.fsdp_tuner`): each module's reduce-scatter starts as FSDP's own (the
 custom reduce-scatter calls ``reduce_scatter_tensor`` in FSDP's reduce dtype and op) and takes, per module,
 whatever the first steps measure to pay: a codec within the level's error limit, or FSDP's own.
 
@@ -60,7 +60,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lowbit.autotune import AutoOptions
+from lowbit.auto.estimates import spread_sample
+from lowbit.auto.fsdp_tuner import NATIVE, FSDPAuto
+from lowbit.auto.options import AutoOptions, FSDP_WORDS
 from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
 from lowbit.comm import graphs
@@ -72,7 +74,6 @@ from lowbit.comm.hierarchical import node_size_for
 from lowbit.comm.residual import restore_unless_finite_anywhere
 from lowbit.comm.registration import LAUNCH_HINT, refuse_second_register, remember_register, warn_once, warn_uncompressed
 from lowbit.feedback import ErrorFeedback
-from lowbit.fsdp_auto import NATIVE, FSDPAuto, spread_sample
 from lowbit.kernels.dispatch import warm_up_for
 from lowbit.policy import Policy
 
@@ -126,7 +127,7 @@ class FSDPState:
     reduce-scatter, ``codec="auto"``'s native choice, the chunks of this rank's gradient that go to ranks
     on other nodes, ``(K - node_size) x S`` values: what its algorithm (NCCL's ring, say) routes between
     nodes is its own); ``grad_stats`` and ``param_stats`` split them by direction. ``state_dict()`` / ``load_state_dict()`` carry the residuals (per rank) through checkpoints.
-    With ``codec="auto"``, ``codec`` is None and ``auto`` (:class:`lowbit.fsdp_auto.FSDPAuto`) holds what
+    With ``codec="auto"``, ``codec`` is None and ``auto`` (:class:`lowbit.auto.fsdp_tuner.FSDPAuto`) holds what
     each module runs and why; checkpoints carry it too.
     """
 
@@ -342,7 +343,7 @@ class LowbitReduceScatter(_Comm):
         self.ef = fb is not None and not self.native and self.codec.biased
 
     def sample(self, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """codec="auto": a sample of this rank's gradient rows ((K, S); :func:`lowbit.fsdp_auto.spread_sample`)
+        """codec="auto": a sample of this rank's gradient rows ((K, S); :func:`lowbit.auto.estimates.spread_sample`)
         with the values the policy keeps exact read as zeros (they cross exactly), and how many values it
         stands for."""
         k, s = rows.shape
@@ -593,11 +594,11 @@ class FSDPConfig(AutoOptions):
 
     ``codec``: the gradients' codec (any lowbit codec with buckets: QSGD 1-8/16 bits, ``onebit:bucket=N``,
     Dettmers with buckets, ``fp16`` / ``bf16`` on the wire with float32 sums, ``fp32``), or ``"auto"``
-    (:mod:`lowbit.fsdp_auto`). ``param_codec``: the parameters' all-gather codec (None: FSDP's own).
+    (:mod:`lowbit.auto.fsdp_tuner`). ``param_codec``: the parameters' all-gather codec (None: FSDP's own).
     ``error_feedback``: residuals of the gradient codec's error. ``node_size``: ranks per node (None: from
     the environment). ``policy``: a :class:`lowbit.Policy` (or a spec) deciding per parameter which ride
     exactly. ``codec="auto"``'s options (``auto_level``, ``guard_every``, ``allow``, ``error_budget``) are
-    :class:`lowbit.autotune.AutoOptions`', shared with DDP; here the budget multiplies each module's 8-bit
+    :class:`lowbit.auto.options.AutoOptions`', shared with DDP; here the budget multiplies each module's 8-bit
     QSGD error, and FSDP's own reduce-scatter (``"native"``) is always allowed.
     """
 
@@ -613,7 +614,7 @@ class FSDPConfig(AutoOptions):
 
     @property
     def auto(self) -> bool:
-        """``codec="auto"``: each module's gradient exchange chosen by measurement (:mod:`lowbit.fsdp_auto`)."""
+        """``codec="auto"``: each module's gradient exchange chosen by measurement (:mod:`lowbit.auto.fsdp_tuner`)."""
         return isinstance(self.codec, str) and self.codec == "auto"
 
     def gradient_codec(self) -> Codec | None:
@@ -632,8 +633,7 @@ class FSDPConfig(AutoOptions):
         if not isinstance(self.error_feedback, bool):
             raise ValueError(f"lowbit.fsdp.register: error_feedback must be True or False, got {self.error_feedback!r}")
         try:
-            self.check_auto(self.auto, self.codec, always="native, FSDP's own reduce-scatter,",
-                            budget_of="8-bit QSGD's error on each module")
+            self.check_auto(self.auto, self.codec, **FSDP_WORDS)
         except ValueError as e:
             raise ValueError(f"lowbit.fsdp.register: {e}") from None
         for c in (self.allow or ()) if self.auto else ():
@@ -678,7 +678,7 @@ def register(model: nn.Module, *, replicate_group: dist.ProcessGroup | None = No
     keeps its residuals per rank on the *unsharded* gradient (4 bytes per parameter value of the whole
     model on every rank; ``state_dict()`` saves them). Parameters the policy keeps in fp32 ride exactly
     (default: the seed's rule, 1-D tensors and tensors below 10,000 values). ``codec="auto"``
-    (:mod:`lowbit.fsdp_auto`): each module's gradient exchange, FSDP's own or a codec, chosen by measured
+    (:mod:`lowbit.auto.fsdp_tuner`): each module's gradient exchange, FSDP's own or a codec, chosen by measured
     error and measured step time on the first steps, its guard fed by ``state.auto.report_loss(loss)``.
 
     Collective: ranks that disagree on any of this get the same :class:`lowbit.ddp.ConfigMismatchError`,

@@ -89,6 +89,16 @@ def _train(model: nn.Module, rank: int, steps: int, start: int = 0, nan_at: int 
             state.auto.report_loss(report(i, loss.detach()))
 
 
+def _train_to_decision(model: nn.Module, rank: int, state: lf.FSDPState, steps: int, extra: int = 6) -> None:
+    """_train for ``steps`` steps, then on (at most ``extra`` more) until auto has decided: a second pass
+    over close finalists takes 3 steps each (the same on every rank: the ranks agree on which)."""
+    _train(model, rank, steps)
+    for i in range(steps, steps + extra):
+        if state.auto.decision is not None:
+            break
+        _train(model, rank, 1, start=i)
+
+
 def _train_accum(model: nn.Module, rank: int, steps: int, start: int = 0, nan_from: int | None = None,
                  until=None) -> int:
     """_train with 2 micro-batches a step, the first without reduce-scatter (set_requires_gradient_sync(False));
@@ -118,7 +128,7 @@ def _running(state: lf.FSDPState) -> dict[str, str]:
 def _decision(state: lf.FSDPState) -> dict:
     a = state.auto
     return {"decision": a.decision, "decided": a.decided_iter, "measured": a.measured_s, "chosen": a.chosen,
-            "finalists": [label for label, _ in a.finalists], "errors": a.errors, "limits": a.limits,
+            "finalists": [label for label, _ in a.finalists], "retried": a.retried, "errors": a.errors, "limits": a.limits,
             "noise": a.noise, "running": _running(state), "table": a.table()}
 
 
@@ -128,7 +138,7 @@ def _body_slow(rank: int, world: int, path: str) -> dict:
     the compressed modules up when the gradients turn NaN."""
     C.emulate_link(LINK / (1 + rank))
     m, st = _model(guard_every=2)
-    _train(m, rank, 12)
+    _train_to_decision(m, rank, st, 12)
     out = _decision(st)
     out["bytes_per_step"] = _bytes_per_step(m, st, rank, 12)
     torch.save(st.state_dict(), f"{path}.{rank}")
@@ -170,7 +180,7 @@ def _body_bold(rank: int, world: int) -> dict:
     up to 8-bit QSGD's error."""
     C.emulate_link(LINK / (1 + rank))
     m, st = _model(auto_level="bold", guard_every=0)
-    _train(m, rank, 2 + 3 * 5 + 1)
+    _train_to_decision(m, rank, st, 2 + 3 * 5 + 1, extra=3 * 5)
     out = _decision(st)
     out["residuals"] = sorted({key[0] for key in st.feedback.residuals})
     C.emulate_link(None)
@@ -267,12 +277,13 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list:
 def test_slow_link_compresses_the_big_modules_and_ranks_agree(ranks: list) -> None:
     r0, r1 = part(ranks, "slow")
     for key in ("decision", "measured", "chosen", "errors", "limits"):
-        assert r0[key] == r1[key], key  # the slowest rank's times and the averaged errors: the same everywhere
+        assert r0[key] == r1[key], key  # the agreed (averaged) times and errors: the same everywhere
     d = r0["decision"]
     assert d["<root>"] == "native"  # below 10,000 values
     assert all(d[b] != "native" for b in BLOCKS), r0["table"]
     assert r0["running"] == d
-    assert r0["decided"] == 2 + 3 * len(r0["finalists"])  # 2 warm-up steps, then 1 + 2 steps a finalist
+    # 2 warm-up steps, then 1 + 2 steps a finalist, and again for those within 10 % of the fastest
+    assert r0["decided"] == 2 + 3 * (len(r0["finalists"]) + len(r0["retried"])), r0["table"]
     # the conservative level: every codec within 8-bit QSGD's error, which is its own limit
     for name in BLOCKS:
         assert r0["errors"][name][Q8] == r0["limits"][name] > 0
@@ -290,9 +301,10 @@ def test_gradient_accumulation_steps_are_the_passes_that_reduce_scatter(ranks: l
     d = r0["decision"]
     assert d["<root>"] == "native" and all(d[b] != "native" for b in BLOCKS), r0["table"]
     assert r0["running"] == d
-    # 2 warm-up steps, then 1 + 2 a finalist (each step 2 passes, one reduce-scatter a module); decided at
-    # the first pass of the step after
-    assert r0["decided"] == r0["steps_to_decide"] - 1 == 2 + 3 * len(r0["finalists"]), r0["table"]
+    # 2 warm-up steps, then 1 + 2 a finalist and again for the close ones (each step 2 passes, one
+    # reduce-scatter a module); decided at the first pass of the step after
+    trial_steps = 3 * (len(r0["finalists"]) + len(r0["retried"]))
+    assert r0["decided"] == r0["steps_to_decide"] - 1 == 2 + trial_steps, r0["table"]
     assert r0["iter"] == 3 * r0["steps_to_decide"]
     for name in BLOCKS:
         assert math.isfinite(r0["errors"][name][Q8]) and r0["errors"][name][Q8] == r0["limits"][name] > 0

@@ -63,7 +63,7 @@ def _body_two_ranks(rank: int, world: int) -> dict:
         s1 = lowbit.ddp.register(hier, codec="qsgd:bits=4", algorithm="hierarchical", node_size=2)
         s2 = lowbit.ddp.register(DDP(_net()), codec="qsgd:bits=4", algorithm="hierarchical", node_size=2)
     handler = _Records()
-    log = logging.getLogger("lowbit.ddp")  # (autotune logs as lowbit.ddp)
+    log = logging.getLogger("lowbit.ddp")  # (auto.ddp_tuner logs as lowbit.ddp)
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     try:

@@ -1,5 +1,5 @@
 """codec="auto"'s shared options (auto_level, guard_every, allow, error_budget) have one check,
-lowbit.autotune.check_auto_options, which DDP's configuration, both tuners and lowbit.fsdp.register call:
+lowbit.auto.options.check_auto_options, which DDP's configuration, both tuners and lowbit.fsdp.register call:
 the same rule everywhere, each in its own words (what is always allowed, what the budget multiplies)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from torch import nn
 
 import lowbit.ddp as D
 import lowbit.fsdp as lf
-from lowbit.autotune import AutoTuner
-from lowbit.fsdp_auto import FSDPAuto
+from lowbit.auto.ddp_tuner import AutoTuner
+from lowbit.auto.fsdp_tuner import FSDPAuto
 
 BAD = [(dict(level="wild"), "auto_level must be one of 'conservative', 'bold'"),
        (dict(level=None), "auto_level must be one of"),

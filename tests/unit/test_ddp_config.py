@@ -135,35 +135,37 @@ def test_a_state_pickles_with_its_options() -> None:
 
 
 def test_the_bold_error_limit_is_the_larger_of_8_bit_qsgd_error_and_the_sampling_noise() -> None:
-    from lowbit.autotune import BASELINE, AutoTuner
+    # the tensors' summed references: 8-bit QSGD's error 2.0 + 0.0, the sampling noise 40 + 10
+    from lowbit.auto.decide import error_limit
 
-    q8 = lowbit.get_codec(BASELINE).spec
-    agreed = {"errors": {"w": {q8: 2.0}, "b": {q8: 0.0}}, "noise": {"w": 40.0, "b": 10.0}}
-    assert AutoTuner()._error_limit(agreed) == 2.0  # conservative: the noise plays no part
-    assert AutoTuner(level="bold")._error_limit(agreed) == 50.0
-    assert AutoTuner(error_budget=0.1, level="bold")._error_limit(agreed) == pytest.approx(5.0)
-    quiet = {**agreed, "noise": {"w": 0.5}}  # ranks that see (nearly) the same gradients: never below 8-bit's
-    assert AutoTuner(level="bold")._error_limit(quiet) == 2.0
-    assert AutoTuner(error_budget=None, level="bold")._error_limit(agreed) is None
+    assert error_limit("conservative", 1.0, 2.0, 50.0) == 2.0  # conservative: the noise plays no part
+    assert error_limit("bold", 1.0, 2.0, 50.0) == 50.0
+    assert error_limit("bold", 0.1, 2.0, 50.0) == pytest.approx(5.0)
+    assert error_limit("bold", 1.0, 2.0, 0.5) == 2.0  # ranks that see (nearly) the same gradients: never below 8-bit's
+    assert error_limit("bold", None, 2.0, 50.0) is None
 
 
 def test_bold_holds_a_biased_codec_to_the_default_limit() -> None:
     """Bold's noise allowance is for unbiased codecs: a biased one's error (1bitSGD*, top-k) is weighed by
     bold's limit over 8-bit QSGD's, so that alone it must fit 8-bit QSGD's error, as at the default level.
-    The decision then prices it so: 1bitSGD* at 1.5x 8-bit's error passes the noise (50) but not 2.0."""
-    from lowbit.autotune import BASELINE, AutoTuner
+    The decision then prices it so: 1bitSGD* at 1.5x 8-bit's error passes the noise (50) but not 2.0. Per
+    module (FSDP) the same rule is a lower limit for the biased codec."""
+    from lowbit.auto.decide import error_limit, module_limit, weighed_errors
+    from lowbit.auto.options import BASELINE
     from lowbit.choose import choice
 
     q8, q4, one = (lowbit.get_codec(s).spec for s in (BASELINE, "qsgd:bits=4,bucket=512", "onebit:bucket=64"))
-    agreed = {"errors": {"w": {q8: 2.0, q4: 20.0, one: 3.0}, "b": {q8: 0.0, q4: 0.0, one: 0.0}},
-              "noise": {"w": 40.0, "b": 10.0}}
+    ref, noise = 2.0, 50.0  # summed over the tensors w (8-bit: 2.0, noise 40) and b (0.0, 10)
     errors = {"w": {"fp32": 0.0, q8: 2.0, q4: 20.0, one: 3.0, choice(one, "hierarchical"): 3.0}}
-    bold = AutoTuner(level="bold")
-    w = bold._weighed(errors, agreed)["w"]
+    w = weighed_errors(errors, "bold", 1.0, ref, noise)["w"]
     assert w[q8] == 2.0 and w[q4] == 20.0 and w["fp32"] == 0.0  # unbiased: as measured, within the noise
     assert w[one] == w[choice(one, "hierarchical")] == pytest.approx(3.0 * 50.0 / 2.0)  # 75 > the limit, 50
-    assert w[q4] <= bold._error_limit(agreed) < w[one]
-    assert AutoTuner()._weighed(errors, agreed) == errors  # the default level: no allowance to hold back
-    assert AutoTuner(level="bold", error_budget=None)._weighed(errors, agreed) == errors  # no limit at all
-    quiet = {**agreed, "noise": {"w": 0.5}}  # the limit is 8-bit's already: nothing to weigh
-    assert bold._weighed(errors, quiet) == errors
+    assert w[q4] <= error_limit("bold", 1.0, ref, noise) < w[one]
+    assert weighed_errors(errors, "conservative", 1.0, ref, noise) == errors  # no allowance to hold back
+    assert weighed_errors(errors, "bold", None, ref, noise) == errors  # no limit at all
+    assert weighed_errors(errors, "bold", 1.0, ref, 0.5) == errors  # the limit is 8-bit's already: nothing to weigh
+    # per module: 1bitSGD* (biased) held to 8-bit's error, 4-bit QSGD (unbiased) to the noise
+    assert module_limit("bold", 1.0, 2.0, 40.0, biased=True) == 2.0 < 3.0
+    assert module_limit("bold", 1.0, 2.0, 40.0, biased=False) == 40.0 >= 20.0
+    assert module_limit("conservative", 1.0, 2.0, 40.0, biased=False) == 2.0
+    assert module_limit("bold", None, 2.0, 40.0, biased=True) == float("inf")

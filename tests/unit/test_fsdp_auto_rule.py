@@ -1,6 +1,6 @@
 """lowbit.fsdp's codec="auto" rule alone, in one process, on a clock the test sets: module exchanges that
-cost a known time per choice (a link and codecs of known speed; the clock the tuner reads, fsdp_auto's
-``_mark``, advances by it) and show the tuner random gradient rows; what it admits, tries and chooses, its
+cost a known time per choice (a link and codecs of known speed; the clock the tuner reads, injected
+through ``clock=``, advances by it) and show the tuner random gradient rows; what it admits, tries and chooses, its
 ties, allow= and error_budget=, the guard's loss rule, a non-finite sample. Nothing sleeps, so a busy
 second worker cannot move a close call (a tie within 3 %: bf16 53.0 ms against 8-bit QSGD 52.9 ms a
 step). The 2-rank FSDP2 checks are in tests/distributed/test_fsdp_auto.py."""
@@ -20,16 +20,16 @@ if not hasattr(fsdp_api.FSDPModule, "set_custom_reduce_scatter"):  # pragma: no 
     pytest.skip("this torch's FSDP2 has no custom reduce-scatter", allow_module_level=True)
 
 import lowbit.fsdp as lf  # noqa: E402
-import lowbit.fsdp_auto as fa  # noqa: E402
+from lowbit.auto.estimates import spread_sample  # noqa: E402
+from lowbit.auto.fsdp_tuner import FSDPAuto  # noqa: E402
+from tests.unit.manual_clock import ManualClock  # noqa: E402
 
-CLOCK = [0.0]  # seconds: the tuner's host clock in this file
+CLOCK = ManualClock()  # the tuners' clock in this file (seconds)
 
 
 @pytest.fixture(autouse=True)
-def _set_clock(monkeypatch: pytest.MonkeyPatch) -> None:
-    """fsdp_auto times whole steps with ``_mark`` (the host clock on CPU): here it reads CLOCK."""
-    CLOCK[0] = 1000.0
-    monkeypatch.setattr(fa, "_mark", lambda device: CLOCK[0])
+def _set_clock() -> None:
+    CLOCK.now = 1000.0
 
 Q8 = lowbit.get_codec("qsgd:bits=8,bucket=512").spec
 Q4 = lowbit.get_codec("qsgd:bits=4,bucket=512").spec
@@ -48,16 +48,16 @@ class _Exchange:
         self.choice = key
 
     def sample(self, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
-        return lowbit.fsdp_auto.spread_sample(rows.reshape(-1)), rows.numel()
+        return spread_sample(rows.reshape(-1)), rows.numel()
 
     def residual_sq(self) -> None:
         return None
 
 
-def _tune(costs: dict[str, float], base_s: float, level: str = "conservative", **kw) -> lowbit.fsdp_auto.FSDPAuto:
+def _tune(costs: dict[str, float], base_s: float, level: str = "conservative", **kw) -> FSDPAuto:
     """Run steps of a big module (40,000 values) and a small one (4,000) until the tuner decides; a step
     also computes for ``base_s``. ``kw``: FSDPAuto's other options (guard_every 0 unless given)."""
-    tuner = lowbit.fsdp_auto.FSDPAuto(level, **{"guard_every": 0, **kw})
+    tuner = FSDPAuto(level, **{"guard_every": 0, **kw}, clock=CLOCK)
     model = nn.Linear(2, 2)
     exchanges = [_Exchange("big", 40_000, costs), _Exchange("small", 4_000, costs)]
     tuner.attach(model, None, torch.device("cpu"), [(ex.name, ex.rows.numel(), ex) for ex in exchanges])
@@ -67,13 +67,13 @@ def _tune(costs: dict[str, float], base_s: float, level: str = "conservative", *
     return tuner
 
 
-def _step(tuner: lowbit.fsdp_auto.FSDPAuto, base_s: float = 0.0, loss: float | None = None) -> None:
+def _step(tuner: FSDPAuto, base_s: float = 0.0, loss: float | None = None) -> None:
     """One step of _tune's model: its forward, each module's reduce-scatter, ``loss`` reported."""
     tuner.model(torch.zeros(1, 2))
     for ex in tuner.exchanges.values():
         tuner.observe(ex, ex.rows)
-        CLOCK[0] += ex.costs[ex.choice]
-    CLOCK[0] += base_s
+        CLOCK.now += ex.costs[ex.choice]
+    CLOCK.now += base_s
     if loss is not None:
         tuner.report_loss(loss)
 
@@ -86,16 +86,21 @@ def test_native_when_the_codecs_cost_more_than_they_save() -> None:
     assert [label for label, _ in t.finalists] == [lf.NATIVE, BF16, Q8]  # tried ...
     assert t.chosen == lf.NATIVE and set(t.decision.values()) == {lf.NATIVE}, t.table()  # ... and lost
     assert t.measured_s[lf.NATIVE] < min(t.measured_s[BF16], t.measured_s[Q8])
-    assert t.decided_iter == 2 + 3 * 3
+    assert t.measured_s == pytest.approx({lf.NATIVE: 0.012, BF16: 0.017, Q8: 0.019}) and t.retried == []
+    assert t.decided_iter == 2 + 3 * 3  # 2 warm-up steps, then 1 + 2 steps a finalist: none close to another
 
 
 def test_compresses_the_big_module_and_a_tie_goes_to_the_more_precise() -> None:
     # a slow link: 8-bit QSGD clearly fastest
     t = _tune({lf.NATIVE: 0.02, BF16: 0.015, Q8: 0.004}, base_s=0.01)
     assert t.decision == {"big": Q8, "small": lf.NATIVE} == {n: ex.choice for n, ex in t.exchanges.items()}, t.table()
-    # bf16 and 8-bit QSGD within 3 % of each other (53.0 and 52.9 ms a step): bf16, the more precise
+    # bf16 and 8-bit QSGD within 3 % of each other (53.0 and 52.9 ms a step): bf16, the more precise; within
+    # 10 % of each other, both ran a second pass (in reverse order), native (60 ms) did not
     t = _tune({lf.NATIVE: 0.01, BF16: 0.003, Q8: 0.0029}, base_s=0.04)
     assert t.decision == {"big": BF16, "small": lf.NATIVE}, t.table()
+    assert t.retried == [BF16, Q8] and t.decided_iter == 2 + 3 * 3 + 3 * 2, t.table()
+    assert t.measured_s == pytest.approx({lf.NATIVE: 0.060, BF16: 0.053, Q8: 0.0529})
+    assert "bf16 53.00 ms (2 passes)" in t.table() and "native 60.00 ms," in t.table()
 
 
 def test_bold_admits_no_codec_whose_error_exceeds_the_limit() -> None:
@@ -137,7 +142,7 @@ def test_report_loss_feeds_the_guard_s_loss_rule() -> None:
     """One process: the losses reported while measuring are the rule's first reference; a loss 3x that
     and not coming down steps the compressed module one up (8-bit QSGD -> bf16), a NaN loss to native."""
     costs = {lf.NATIVE: 0.02, BF16: 0.015, Q8: 0.004}
-    t = lowbit.fsdp_auto.FSDPAuto(guard_every=2)
+    t = FSDPAuto(guard_every=2, clock=CLOCK)
     t.model = nn.Linear(2, 2)
     exchanges = [_Exchange("big", 40_000, costs), _Exchange("small", 4_000, costs)]
     t.attach(t.model, None, torch.device("cpu"), [(ex.name, ex.rows.numel(), ex) for ex in exchanges])
@@ -164,7 +169,7 @@ def test_a_module_without_a_finite_sample_waits_a_step_then_stays_native() -> No
     NaN again, the module is admitted nothing (native) and the table says nan, not 0 (admitted)."""
     costs = {lf.NATIVE: 0.02, BF16: 0.015, Q8: 0.004}
     for recovers in (True, False):
-        t = lowbit.fsdp_auto.FSDPAuto(guard_every=0)
+        t = FSDPAuto(guard_every=0, clock=CLOCK)
         t.model = nn.Linear(2, 2)
         exchanges = [_Exchange("big", 40_000, costs), _Exchange("small", 4_000, costs)]
         t.attach(t.model, None, torch.device("cpu"), [(ex.name, ex.rows.numel(), ex) for ex in exchanges])
@@ -186,3 +191,23 @@ def test_a_module_without_a_finite_sample_waits_a_step_then_stays_native() -> No
             assert t.decided_iter == 3 and t.decision == {"big": lf.NATIVE, "small": lf.NATIVE}, t.table()
             row = next(line for line in t.table().splitlines() if line.startswith("big"))
             assert row.split()[-2:] == ["nan", "nan"], t.table()
+
+
+def test_each_finalist_runs_its_trial_steps_in_one_block_after_a_warm_up() -> None:
+    """DDP's trial rule (lowbit.auto.trials): a finalist's warm-up step and its two timed steps run back to
+    back, so a module switches once a finalist (an error-feedback codec keeps its residual over its timed
+    steps), not at every step as in rounds."""
+    costs = {lf.NATIVE: 0.001, BF16: 0.006, Q8: 0.008}
+    t = FSDPAuto(guard_every=0, clock=CLOCK)
+    t.model = nn.Linear(2, 2)
+    exchanges = [_Exchange("big", 40_000, costs), _Exchange("small", 4_000, costs)]
+    switches = []
+    exchanges[0].set_choice = lambda key: (switches.append(key), setattr(exchanges[0], "choice", key))
+    t.attach(t.model, None, torch.device("cpu"), [(ex.name, ex.rows.numel(), ex) for ex in exchanges])
+    ran = []
+    while t.decision is None:
+        _step(t, 0.01)
+        ran.append(exchanges[0].choice)  # what this step ran (set at its forward pass)
+    assert ran[:2] == [lf.NATIVE] * 2  # the warm-up steps
+    assert ran[2:11] == [lf.NATIVE] * 3 + [BF16] * 3 + [Q8] * 3, ran
+    assert switches == [BF16, Q8, lf.NATIVE], switches  # into each trial once, then the decision (native)

@@ -1,4 +1,4 @@
-"""lowbit.guard: codec="auto"'s guard rule on made-up checks (no processes): each signal steps a tensor up,
+"""lowbit.auto.guard: codec="auto"'s guard rule on made-up checks (no processes): each signal steps a tensor up,
 the healthy case changes nothing, and every rank's numbers combine to one decision."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 import torch
 
-from lowbit.guard import ERROR_DRIFT, LOSS_RISE, RESIDUAL_GROWTH, Guard, ReportedLoss, combine
+from lowbit.auto.guard import ERROR_DRIFT, LOSS_RISE, RESIDUAL_GROWTH, Guard, ReportedLoss, combine
 
 Q1, Q4, Q8, ONE = "qsgd:bits=1", "qsgd:bits=4", "qsgd:bits=8", "onebit:bucket=64"
 LADDER = [("fp32", 32.0), ("bf16", 16.0), (Q8, 8.06), (Q4, 4.06), (ONE, 2.0)]

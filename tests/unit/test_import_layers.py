@@ -17,7 +17,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 #: DESIGN.md's drawing, top (imports everything below) to bottom.
-LAYER = {"__init__": 10, "__main__": 10, "cli": 9, "study": 8, "perfmodel": 7, "ddp": 6, "baselines": 6, "fsdp": 6, "fsdp_auto": 6, "parallel": 6, "autotune": 5.5, "integrations": 5, "policy": 4, "choose": 4, "timeline": 3.5, "comm": 3,
+LAYER = {"__init__": 10, "__main__": 10, "cli": 9, "study": 8, "perfmodel": 7, "ddp": 6, "baselines": 6, "fsdp": 6, "parallel": 6, "auto": 5.5, "integrations": 5, "policy": 4, "choose": 4, "timeline": 3.5, "comm": 3,
          "feedback": 2, "codecs": 1, "kernels": 0, "models": 0, "data": 0, "env": -1, "launch": -1, "extras": -1, "_version": -2}
 UPWARD_ALLOWED = {("lowbit.integrations.accelerate", "lowbit.ddp"), ("lowbit.integrations.lightning", "lowbit.ddp"),
                   ("lowbit.integrations._register", "lowbit.ddp"), ("lowbit.integrations._register", "lowbit.fsdp"),
@@ -123,6 +123,29 @@ def test_the_integrations_do_not_import_each_other() -> None:
     """DDP and FSDP share what lies below them (comm's agreement, registration, groups, graphs) and
     neither imports the other: using FSDP never loads the DDP hook and its tuner (issue 42)."""
     for mod, other in (("lowbit.fsdp", "lowbit.ddp"), ("lowbit.ddp", "lowbit.fsdp"),
-                       ("lowbit.fsdp_auto", "lowbit.ddp")):
+                       ("lowbit.auto.fsdp_tuner", "lowbit.ddp"), ("lowbit.auto.fsdp_tuner", "lowbit.auto.ddp_tuner"),
+                       ("lowbit.auto.ddp_tuner", "lowbit.fsdp"), ("lowbit.auto.ddp_tuner", "lowbit.auto.fsdp_tuner"),
+                       ("lowbit.fsdp", "lowbit.auto.ddp_tuner"), ("lowbit.ddp", "lowbit.auto.fsdp_tuner"),
+                       ("lowbit.auto", "lowbit.auto.ddp_tuner"), ("lowbit.auto", "lowbit.auto.fsdp_tuner")):
         tree, _ = _modules()[mod]
         assert not any(n == other or n.startswith(other + ".") for n in _top_level_imports(tree)), (mod, other)
+
+
+#: the lab: what a training script never needs (DESIGN.md, "Library and lab")
+LAB = ("study", "report", "perfmodel", "cli", "data", "models", "baselines")
+
+
+def test_auto_imports_no_lab_and_no_private_names() -> None:
+    """codec="auto" (lowbit.auto) is core: it never imports the lab; and neither it nor the integrations
+    that adapt it import another module's private (underscore) names from it or through it (issue 42)."""
+    mods = _modules()
+    for name, (tree, _) in mods.items():
+        auto = _layer(name) == "auto"
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lowbit")):
+                continue
+            if auto:
+                assert _layer(node.module) not in LAB, (name, node.module)
+            if auto or _layer(node.module) == "auto":
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, (name, node.module, private)

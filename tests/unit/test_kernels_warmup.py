@@ -64,7 +64,7 @@ def test_the_study_warms_its_codecs_up_before_any_worker(tmp_path: Path, monkeyp
     main(["study", "--networks", "mlp", "--datasets", "digits", "--codecs", "auto:bold", "--world-sizes", "2",
           "--epochs", "1", "--device", "cpu", "--out", str(tmp_path / "bold")])
     import lowbit
-    from lowbit.autotune import BOLD_ALLOW
+    from lowbit.auto.options import BOLD_ALLOW
 
     assert calls == [f"warm {lowbit.get_codec(s).spec} cpu" for s in BOLD_ALLOW] + ["workers"], calls
 

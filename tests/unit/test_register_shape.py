@@ -12,7 +12,7 @@ from torch import nn
 
 import lowbit.ddp as D
 import lowbit.fsdp as lf
-from lowbit.autotune import AutoOptions
+from lowbit.auto.options import AutoOptions
 
 
 def _positional(fn) -> list[str]:

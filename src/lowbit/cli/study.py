@@ -17,7 +17,7 @@ import argparse
 import sys
 from typing import Any
 
-from lowbit.autotune import default_allow
+from lowbit.auto.options import default_allow
 from lowbit.baselines import get_baseline, is_baseline
 from lowbit.codecs.base import get_codec, parse_codec_list
 from lowbit.comm.allreduce import algorithms

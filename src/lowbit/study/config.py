@@ -58,7 +58,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from lowbit.autotune import AUTO_LEVELS, default_allow
+from lowbit.auto.options import AUTO_LEVELS, default_allow
 from lowbit.baselines import get_baseline, is_baseline
 from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm.allreduce import algorithms as registered_algorithms

@@ -2,8 +2,9 @@
 
 A decision is taken on a few steps at the start of training; gradients change as training goes on, and
 a codec that was harmless then may not stay so. Every ``every`` steps (``guard_every``) the tuner
-(:mod:`lowbit.autotune`) watches one step and hands :meth:`Guard.check` what every rank saw, summed
-over the ranks in rank order (:func:`combine`), so that every rank takes the same decision:
+(:mod:`lowbit.auto.ddp_tuner`, :mod:`lowbit.auto.fsdp_tuner`) watches one step and hands
+:meth:`Guard.check` what every rank saw, summed over the ranks in rank order (:func:`combine`), so that
+every rank takes the same decision:
 
 * per compressed tensor: whether its gradient (a sample of it) and its error-feedback residual were
   finite, the chosen codec's squared error on the gradient sample and the sample's squared norm, the
@@ -39,7 +40,12 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Optional
 
-__all__ = ["Guard", "ReportedLoss", "combine", "ERROR_DRIFT", "RESIDUAL_GROWTH", "LOSS_RISE", "MIN_DRIFT_VALUES"]
+import torch
+
+from lowbit.auto.estimates import codec_errors, squared_norm
+
+__all__ = ["Guard", "ReportedLoss", "combine", "local_entry", "ERROR_DRIFT", "RESIDUAL_GROWTH", "LOSS_RISE",
+           "MIN_DRIFT_VALUES"]
 
 #: a codec's relative error this many times its value at decision time: one level up
 ERROR_DRIFT = 4.0
@@ -53,8 +59,17 @@ MIN_DRIFT_VALUES = 4096
 _SEP = "@"  # lowbit.choose.ALGORITHM_SEP (a choice: spec, or spec@algorithm)
 
 
+def local_entry(x: torch.Tensor, n: int, spec: str, finite: bool, residual: Optional[float]) -> dict[str, Any]:
+    """One rank's numbers for one compressed tensor at a check: codec ``spec``'s squared error on the
+    gradient sample ``x`` (of a gradient of ``n`` values) and the sample's squared norm (zeros where it is
+    not ``finite``), whether it is finite, the error-feedback ``residual``'s squared norm (None: none) and
+    the sample's size; :func:`combine` sums them over the ranks."""
+    return {"err": codec_errors(x, n, [spec])[spec] if finite else 0.0, "norm": squared_norm(x, n) if finite else 0.0,
+            "finite": bool(finite), "residual": residual, "values": int(x.numel())}
+
+
 def combine(per_rank: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Every rank's local check (:meth:`lowbit.autotune.AutoTuner` builds them: ``{"tensors": {name:
+    """Every rank's local check (both tuners build them with :func:`local_entry`: ``{"tensors": {name:
     {"err", "norm", "residual", "finite", "values"}}, "loss": float | None, "loss_finite": bool}``) as
     one: errors, norms and residuals summed in rank order, finite only where finite on every rank,
     the loss averaged over the ranks that reported one. The same result on every rank."""

@@ -1,14 +1,17 @@
-"""``codec="auto"`` for :mod:`lowbit.fsdp`: each FSDP module's gradient exchange, chosen by measurement.
+"""``codec="auto"`` for :mod:`lowbit.fsdp`: the adapter that chooses each FSDP module's gradient exchange
+by measurement. The options, the clock, the estimates, the trials, the decision rules and the guard are
+:mod:`lowbit.auto`'s, shared with DDP; what is FSDP's own is here: steps counted on reduce-scatters, the
+samples of their inputs, admission per module and the finalists.
 
     state = lowbit.fsdp.register(model, codec="auto")                      # native, bf16, 8-bit QSGD
     state = lowbit.fsdp.register(model, codec="auto", auto_level="bold")   # ... 4-bit QSGD, 1bitSGD*
     state = lowbit.fsdp.register(model, codec="auto", allow=["bf16"])      # native or bf16
     state.auto.report_loss(loss)                                           # optional, each step: the guard
 
-The rules of DDP's ``codec="auto"`` (:mod:`lowbit.autotune`) on FSDP's unit of communication, one
+The rules of DDP's ``codec="auto"`` (:mod:`lowbit.auto.ddp_tuner`) on FSDP's unit of communication, one
 reduce-scatter per ``fully_shard`` module. The candidates: FSDP's own reduce-scatter in its reduce dtype
 (``"native"``, always allowed), and the codecs of ``allow``, by default those of the level
-(:func:`lowbit.autotune.default_allow`): ``"conservative"`` (the default) bf16 on the wire and 8-bit QSGD,
+(:func:`lowbit.auto.options.default_allow`): ``"conservative"`` (the default) bf16 on the wire and 8-bit QSGD,
 ``"bold"`` also 4-bit QSGD and 1bitSGD* (error feedback on for the biased codecs). Measured on the job's
 own first steps, nothing extra to run. A step is the training forward passes up to one whose modules
 reduce-scatter (with gradient accumulation, the micro-batches run under ``set_requires_gradient_sync(False)``
@@ -16,35 +19,38 @@ belong to the step whose last pass reduce-scatters): samples, trials and the gua
 steps, so on gradients that crossed the wire.
 
 1. **Warm up** (``warmup_steps``, 2): every module reduce-scatters natively. On the last of them each
-   module's reduce-scatter input (this rank's unsharded gradient) is sampled (:func:`spread_sample`; the
+   module's reduce-scatter input (this rank's unsharded gradient) is sampled (:func:`lowbit.auto.estimates.
+   spread_sample`; the
    values the policy keeps exact read as zeros: they cross exactly) and each codec's squared error on
    the sample measured. A module without a sample, or with a non-finite one (inf/NaN gradients), on any
    rank puts admission off one step; not finite again, it is admitted nothing (native; nan in the table).
 2. **Agree and admit**: the ranks' errors are averaged in rank order, so every rank holds the same
    numbers. A codec is admitted for a module when its error there is at most ``error_budget`` (default 1)
    times 8-bit QSGD's (conservative), or times the larger of that and the gradients' sampling noise
-   between the ranks (bold, :func:`lowbit.autotune.sampling_noise`): by measured error, not by codec
+   between the ranks (bold, :func:`lowbit.auto.estimates.sampling_noise`): by measured error, not by codec
    name. Bold's noise allowance is for unbiased codecs: a biased one (1bitSGD*, top-k) is held to the
-   default limit (:meth:`FSDPAuto._limit`). DDP's budget bounds the error summed over the tensors, this
+   default limit (:func:`lowbit.auto.decide.module_limit`). DDP's budget bounds the error summed over the tensors, this
    one each module's (``None``: no limit, every allowed codec admitted).
 3. **Finalists**: native everywhere, and for each codec, every module of at least 10,000 values taking it
    where it is admitted (else the next admitted one up the ladder, more bits; native at the top), the
    smaller modules native.
-4. **Try**: each finalist runs one warm-up step, then ``trial_steps`` (2) rounds of one timed step each,
-   forward start to forward start (the whole step): rounds, so that a machine or link that drifts (the
-   first steps of a job run slower) weighs on every finalist alike. A rank's time of a finalist is its
-   fastest timed step (the least disturbed); the ranks' times are gathered and the slowest rank's
-   counts. :func:`lowbit.choose.pick` chooses, as for DDP: native unless a finalist is at least 2 %
-   faster; of the finalists within 3 % of the fastest, the one with the most bits (the more precise).
+4. **Try**, by DDP's rule (:class:`lowbit.auto.trials.Trials`): each finalist runs one warm-up step and
+   ``trial_steps`` (2) timed steps, forward start to forward start (the whole step), one finalist after
+   another; a rank's time of a finalist is the median of its timed steps, and the ranks' times are
+   averaged; finalists within 10 % of the fastest run a second pass, in reverse order, and count with
+   the mean of both (``retried``). :func:`lowbit.auto.decide.choose_measured` chooses, as for DDP:
+   native unless a finalist is at least 2 % faster; of the finalists within 3 % of the fastest, the one
+   with the most bits (the more precise).
 
-Measuring takes ``warmup_steps + (1 + trial_steps) x finalists`` steps (11 at the conservative level, 17
-at the bold one), some of them under a slower candidate: a few steps' time, once a job. The decision is
+Measuring takes ``warmup_steps + (1 + trial_steps) x (finalists + retried)`` steps (11 at the
+conservative level without a second pass, 17 at the bold one; at most twice the trials), some of them
+under a slower candidate: a few steps' time, once a job. The decision is
 logged once (rank 0, INFO, :meth:`FSDPAuto.table`; WARNING, with the reason, when it keeps FSDP's own
 reduce-scatter everywhere), kept on ``state.auto`` and saved in
 ``state.state_dict()``: a resumed job does not measure again.
 
 5. **Guard** (``guard_every`` steps apart, default 50; 0: off) while a module is compressed: one step's
-   reduce-scatter inputs are sampled, and :class:`lowbit.guard.Guard`'s rule, on the ranks' numbers
+   reduce-scatter inputs are sampled, and :class:`lowbit.auto.guard.Guard`'s rule, on the ranks' numbers
    summed in rank order (so every rank alike), steps a module up the ladder (native at the top): a
    gradient not finite at two checks in a row or a non-finite residual (straight to native), the codec's
    error grown past 4x its value at the decision, an error-feedback residual growing; and the loss the
@@ -64,22 +70,23 @@ from typing import Any, Optional, Protocol
 import torch
 import torch.distributed as dist
 
-from lowbit.autotune import (BASELINE, ERROR_SAMPLE, _average, _elapsed, _errors, _mark, _norm, check_auto_options,
-                             default_allow, sampling_noise)
-from lowbit.choose import AUTO_FASTER_THAN_FP32, UNIFORM_MIN_NUMEL, WITHIN_BEST, Tried, pick
+from lowbit.auto.clock import Clock, DeviceClock
+from lowbit.auto.decide import Measured, choose_measured, module_limit
+from lowbit.auto.estimates import agree, codec_errors, sampling_noise, squared_norm
+from lowbit.auto.guard import Guard, ReportedLoss, combine, local_entry
+from lowbit.auto.options import BASELINE, FSDP_WORDS, check_auto_options, default_allow
+from lowbit.auto.trials import TRIAL_STEPS, Trials
+from lowbit.choose import AUTO_FASTER_THAN_FP32, UNIFORM_MIN_NUMEL
 from lowbit.codecs.base import get_codec
 from lowbit.comm import collectives as C
-from lowbit.guard import Guard, ReportedLoss, combine
 
-__all__ = ["FSDPAuto", "NATIVE", "check_options", "spread_sample"]
+__all__ = ["FSDPAuto", "NATIVE", "check_options"]
 
 log = logging.getLogger("lowbit.fsdp")
 
 #: the choice of FSDP's own reduce-scatter (in its reduce dtype): the top of the ladder
 NATIVE = "native"
 _FP32 = get_codec("fp32").spec
-#: a gradient sample is this many runs of neighbouring values, spread evenly over the buffer
-RUNS = 16
 
 
 class Exchange(Protocol):
@@ -94,21 +101,11 @@ class Exchange(Protocol):
     def residual_sq(self) -> Optional[torch.Tensor]: ...
 
 
-def spread_sample(x: torch.Tensor) -> torch.Tensor:
-    """Up to ``ERROR_SAMPLE`` values of flat ``x``, a float32 copy: all of them, or ``RUNS`` runs of
-    neighbouring values spread evenly over it (runs: a codec's buckets see neighbours, as on the wire)."""
-    n = x.numel()
-    if n <= ERROR_SAMPLE:
-        return x.float().clone()
-    run = ERROR_SAMPLE // RUNS
-    return torch.cat([x[a : a + run] for a in torch.linspace(0, n - run, RUNS).long().tolist()]).float()
-
-
 def check_options(allow: Any, error_budget: Any, level: Any, guard_every: Any) -> None:
-    """codec="auto"'s shared options (:func:`lowbit.autotune.check_auto_options`), in FSDP's words: native
-    is always allowed, and the error budget multiplies each module's 8-bit QSGD error."""
-    check_auto_options(allow, error_budget, level, guard_every, always="native, FSDP's own reduce-scatter,",
-                       budget_of="8-bit QSGD's error on each module")
+    """codec="auto"'s shared options (:func:`lowbit.auto.options.check_auto_options`), in FSDP's words
+    (:data:`lowbit.auto.options.FSDP_WORDS`): native is always allowed, and the error budget multiplies
+    each module's 8-bit QSGD error."""
+    check_auto_options(allow, error_budget, level, guard_every, **FSDP_WORDS)
 
 
 def _specs(codecs: Sequence[Any]) -> list[str]:
@@ -133,15 +130,16 @@ def _short(key: str) -> str:
 class FSDPAuto:
     """The measurements, decision and guard of ``lowbit.fsdp.register(..., codec="auto")`` (module doc), on
     ``state.auto``: ``finalists`` (label -> per-module choice) with their ``measured_s`` (seconds a step,
-    the slowest rank's), the agreed ``errors`` (module -> codec -> squared error), ``norms``, ``noise`` and
-    ``limits``, ``decision`` (module -> choice, at ``decided_iter``), ``assignment`` (what runs now: the
-    decision with the guard's step-ups, listed in ``changes``). ``allow``: the codecs to choose among
-    besides native (default: the level's; ``"native"`` and ``"fp32"`` name native, always allowed), kept
-    as canonical specs; ``error_budget``: the admission limit's factor (None: no limit). The options come
-    checked by :func:`lowbit.fsdp.register`."""
+    averaged over the ranks; ``retried``: those that ran a second pass), the agreed ``errors`` (module ->
+    codec -> squared error), ``norms``, ``noise`` and ``limits``, ``decision`` (module -> choice, at
+    ``decided_iter``), ``assignment`` (what runs now: the decision with the guard's step-ups, listed in
+    ``changes``). ``allow``: the codecs to choose among besides native (default: the level's; ``"native"``
+    and ``"fp32"`` name native, always allowed), kept as canonical specs; ``error_budget``: the admission
+    limit's factor (None: no limit); ``clock``: where the trials read time (default: the device's,
+    :class:`lowbit.auto.clock.DeviceClock`). The options come checked by :func:`lowbit.fsdp.register`."""
 
     def __init__(self, level: str = "conservative", guard_every: int = 50, allow: Optional[Sequence[Any]] = None,
-                 error_budget: Optional[float] = 1.0) -> None:
+                 error_budget: Optional[float] = 1.0, *, clock: Optional[Clock] = None) -> None:
         check_options(allow, error_budget, level, guard_every)
         self.level, self.guard_every = level, guard_every
         self.allow = _specs(default_allow(level) if allow is None else allow)
@@ -149,7 +147,8 @@ class FSDPAuto:
         self.error_budget = None if error_budget is None else float(error_budget)
         self.bits = {s: float(get_codec(s).bits_per_value(1 << 20)) for s in self.allow}
         self.guard = Guard(guard_every, list(self.bits.items()), fp32=NATIVE)
-        self.warmup_steps, self.trial_steps = 2, 2
+        self.warmup_steps, self.trial_steps = 2, TRIAL_STEPS
+        self.clock = clock
         self.phase = "measure"  # -> "trial" -> "done"
         # steps: a step is the training forward passes up to one whose modules reduce-scatter (gradient
         # accumulation's micro-batches under set_requires_gradient_sync(False) belong to the step they end in)
@@ -165,6 +164,7 @@ class FSDPAuto:
         self.limits: dict[str, float] = {}
         self.finalists: list[tuple[str, dict[str, str]]] = []
         self.measured_s: dict[str, float] = {}
+        self.retried: list[str] = []  # the finalists (labels) that ran a second pass
         self.chosen = ""
         self.decision: Optional[dict[str, str]] = None
         self.decided_iter: Optional[int] = None
@@ -174,9 +174,7 @@ class FSDPAuto:
         self._samples: dict[str, tuple[torch.Tensor, int]] = {}
         self._seen: dict[str, tuple[torch.Tensor, int, torch.Tensor, Optional[torch.Tensor]]] = {}
         self._watch: Optional[int] = None  # the step whose gradients the guard samples
-        self._schedule: list[tuple[int, bool]] = []  # trial steps to come: (finalist, timed)
-        self._last: Optional[tuple[Any, int, bool]] = None  # the trial step running: (mark, finalist, timed)
-        self._times: dict[int, list[float]] = {}
+        self.trials: Optional[Trials] = None  # the trials running
         self._losses = ReportedLoss()  # reported since the last check (not saved: the guard's references are)
 
     def config(self) -> dict[str, Any]:
@@ -190,7 +188,7 @@ class FSDPAuto:
 
     def report_loss(self, loss: Any) -> None:
         """Report this step's training loss (a float or a tensor: added on its device, no host sync), for
-        the guard's loss rule (:mod:`lowbit.guard`); optional. Call it once a step, on every rank."""
+        the guard's loss rule (:mod:`lowbit.auto.guard`); optional. Call it once a step, on every rank."""
         self._losses.add(loss)
 
     @property
@@ -203,6 +201,8 @@ class FSDPAuto:
         """Tune ``exchanges`` ((module, values, its reduce-scatter)), counting ``model``'s training forward
         passes; every module starts native."""
         self._group, self._device = group, device
+        if self.clock is None:
+            self.clock = DeviceClock(device)
         for name, numel, ex in exchanges:
             if numel == 0:  # a module without parameters of its own (a root over sharded blocks): it never
                 ex.set_choice(NATIVE)  # reduce-scatters, so there is nothing to sample or decide
@@ -251,15 +251,15 @@ class FSDPAuto:
         mine: dict[str, Any] = {"errors": {}, "norms": {}, "noise": {}}
         for name in self.numels:
             got = self._samples.get(name)
-            mine["errors"][name] = _errors(got[0], got[1], specs) if got else dict.fromkeys(specs, math.nan)
-            mine["norms"][name] = _norm(got[0], got[1]) if got else math.nan
+            mine["errors"][name] = codec_errors(got[0], got[1], specs) if got else dict.fromkeys(specs, math.nan)
+            mine["norms"][name] = squared_norm(got[0], got[1]) if got else math.nan
         if self.level == "bold":  # a collective: every rank, the same modules in the same order
             # scaled, as the errors are, by the values each call carried (frozen or unused parameters left
             # out), which every rank's call shares; a module without a sample keeps its parameters' count
             carried = {n: self._samples[n][1] if n in self._samples else v for n, v in self.numels.items()}
             noise = sampling_noise(self._samples, carried, self._group, C.world(self._group)[1], self._device)
             mine["noise"] = {n: noise.get(n, 0.0) for n in self.numels}
-        agreed = _average(C.all_gather_object(mine, self._group))
+        agreed = agree(mine, self._group)
         bad = [n for n in self.numels if not self._finite(agreed, n)]  # the same on every rank (agreed numbers)
         if bad and not self._deferred:
             self._deferred, self._samples = True, {}
@@ -269,8 +269,7 @@ class FSDPAuto:
                         ", ".join(bad[:4]) + (" ..." if len(bad) > 4 else ""))
         self.errors, self.norms, self.noise = agreed["errors"], agreed["norms"], agreed["noise"]
         base = get_codec(BASELINE).spec
-        eb = self.error_budget
-        self.limits = {n: math.inf if eb is None else eb * max(e[base], self.noise.get(n, 0.0))
+        self.limits = {n: module_limit(self.level, self.error_budget, e[base], self.noise.get(n, 0.0), False)
                        for n, e in self.errors.items()}
         self._samples = {}
         self.finalists = [(NATIVE, {n: NATIVE for n in self.numels})]
@@ -278,9 +277,8 @@ class FSDPAuto:
             a = {n: self._fit(n, spec) if v >= UNIFORM_MIN_NUMEL else NATIVE for n, v in self.numels.items()}
             if all(a != b for _, b in self.finalists):
                 self.finalists.append((spec, a))
-        n = len(self.finalists)
-        self._schedule = [(f, False) for f in range(n)] + [(f, True) for _ in range(self.trial_steps) for f in range(n)]
-        self._last, self._times = None, {}
+        if len(self.finalists) > 1:
+            self.trials = Trials(len(self.finalists), self.clock, steps=self.trial_steps)
         self.phase = "trial"
         return True
 
@@ -299,39 +297,32 @@ class FSDPAuto:
         return key
 
     def _limit(self, name: str, key: str) -> float:
-        """Module ``name``'s admission limit for codec ``key``: bold's noise allowance is for unbiased
-        codecs; a biased one (1bitSGD*, top-k) is held to the default level's limit, 8-bit QSGD's error
-        times the budget (the reason: lowbit.autotune.AutoTuner._weighed). NaN for a module not admitted
-        yet."""
+        """Module ``name``'s admission limit for codec ``key`` (:func:`lowbit.auto.decide.module_limit`: a
+        biased codec held to the conservative limit). NaN for a module not admitted yet."""
         if name not in self.limits or name not in self.errors:
             return math.nan
-        if self.level == "bold" and self.error_budget is not None and get_codec(key).biased:
-            return self.error_budget * self.errors[name].get(get_codec(BASELINE).spec, 0.0)
-        return self.limits[name]
+        ref = self.errors[name].get(get_codec(BASELINE).spec, 0.0)
+        return module_limit(self.level, self.error_budget, ref, self.noise.get(name, 0.0),
+                            self.level == "bold" and get_codec(key).biased)
 
     def _trial_mark(self, step: int) -> None:
-        """At a forward pass during the trials: the step that ended is timed if it was a timed one; the
-        next runs its finalist; after the last, agree and choose."""
-        now = _mark(self._device)
-        if self._last is not None and self._last[2]:
-            self._times.setdefault(self._last[1], []).append(_elapsed(self._last[0], now))
-        if len(self.finalists) > 1 and self._schedule:
-            f, timed = self._schedule.pop(0)
-            self._apply(self.finalists[f][1])
-            self._last = (now, f, timed)
-            return
-        if len(self.finalists) > 1:
-            mine = [min(self._times[f]) for f in range(len(self.finalists))]
-            per_rank = C.all_gather_object(mine, self._group)
-            self.measured_s = {label: max(col) for (label, _), col in zip(self.finalists, zip(*per_rank))}
+        """At a forward pass during the trials (:class:`lowbit.auto.trials.Trials`): the finalist whose trial
+        begins takes over; after the last, choose on the agreed times."""
+        if self.trials is not None:
+            got = self.trials.step(self._group)
+            if got is not None:
+                if got.begins:
+                    self._apply(self.finalists[got.finalist][1])
+                return
+            self.measured_s = {label: t for (label, _), t in zip(self.finalists, self.trials.times)}
+            self.retried = [self.finalists[i][0] for i in self.trials.retried]
+            self.trials = None
         native_s = self.measured_s.get(NATIVE, 1.0)
-        tried = [Tried(a, native_s / self.measured_s[label], self._bits_of(a), label) for label, a in self.finalists[1:]]
-        best, _ = pick(tried, Tried(self.finalists[0][1], 1.0, 32.0, NATIVE), within_best=WITHIN_BEST,
-                       faster_than_fp32=AUTO_FASTER_THAN_FP32)
-        self.chosen, self.decision, self.decided_iter, self.phase = best.extra, dict(best.assignment), step, "done"
+        tried = [Measured(label, a, self._bits_of(a), self.measured_s[label]) for label, a in self.finalists[1:]]
+        best, _ = choose_measured(tried, Measured(NATIVE, self.finalists[0][1], 32.0, native_s), AUTO_FASTER_THAN_FP32)
+        self.chosen, self.decision, self.decided_iter, self.phase = best.label, dict(best.assignment), step, "done"
         self.assignment = dict(self.decision)
         self._apply(self.assignment)
-        self._last, self._times = None, {}
         self.guard.start(step, self._losses.take())  # the losses reported so far: the loss rule's first reference
         rank, world = C.world(self._group)
         if rank == 0 and all(k == NATIVE for k in self.decision.values()):
@@ -368,8 +359,10 @@ class FSDPAuto:
             lines.append(f"{name[:28]:<28} {numel:>11,}  {_short(self.assignment.get(name, NATIVE)):<12}"
                          + "".join(f"{e:>11.3g}" for e in errs))
         if self.measured_s:
-            lines.append("measured step (the slowest rank's): "
-                         + ", ".join(f"{_short(label)} {s * 1e3:.2f} ms" for label, s in self.measured_s.items()))
+            lines.append("measured step (mean over the ranks): "
+                         + ", ".join(f"{_short(label)} {s * 1e3:.2f} ms"
+                                     + (" (2 passes)" if label in self.retried else "")
+                                     for label, s in self.measured_s.items()))
         lines.append(f"chosen: {_short(self.chosen)}" + (" (native everywhere: compression did not pay)"
                                                          if self.chosen == NATIVE else ""))
         lines += [f"guard, step {c['step']}: {c['tensor']} {_short(c['from'])} -> {_short(c['to'])}: {c['reason']}"
@@ -388,7 +381,7 @@ class FSDPAuto:
             self._watch, self._seen = step, {}
 
     def _check(self, step: int) -> None:
-        """The guard's check of the watched step from every rank's numbers (lowbit.guard.combine); the
+        """The guard's check of the watched step from every rank's numbers (lowbit.auto.guard.combine); the
         step-ups it decides, the same on every rank, logged once (rank 0)."""
         seen, self._seen, watched, self._watch = self._seen, {}, self._watch, None
         if self._device.type == "cuda":
@@ -398,9 +391,7 @@ class FSDPAuto:
             if key == NATIVE:
                 continue
             x, n, finite, res = seen.get(name, (torch.zeros(0), 0, torch.tensor(True), None))
-            ok = bool(finite)
-            tensors[name] = {"err": _errors(x, n, [key])[key] if ok else 0.0, "norm": _norm(x, n) if ok else 0.0,
-                             "finite": ok, "residual": None if res is None else float(res), "values": int(x.numel())}
+            tensors[name] = local_entry(x, n, key, bool(finite), None if res is None else float(res))
         mine = {"tensors": tensors, **ReportedLoss.entry(self._losses.take())}
         stats = combine(C.all_gather_object(mine, self._group))
         reference = {n: self.errors[n][k] / self.norms[n] if self.norms.get(n) and k in self.errors.get(n, {}) else None
@@ -422,6 +413,7 @@ class FSDPAuto:
         return {"forwards": self.steps + int(self._scattered), "decided_iter": self.decided_iter, "decision": self.decision,
                 "assignment": dict(self.assignment), "chosen": self.chosen,
                 "finalists": [[label, dict(a)] for label, a in self.finalists], "measured_s": dict(self.measured_s),
+                "retried": list(self.retried),
                 "errors": self.errors, "norms": self.norms, "noise": self.noise, "limits": self.limits,
                 "guard": self.guard.state_dict()}
 
@@ -439,7 +431,7 @@ class FSDPAuto:
         if d["decision"] is None:
             return lambda: None
         missing = [k for k in ("assignment", "forwards", "decided_iter", "chosen", "finalists", "measured_s",
-                               "errors", "norms", "noise", "limits", "guard") if k not in d]
+                               "retried", "errors", "norms", "noise", "limits", "guard") if k not in d]
         if missing:
             raise ValueError(f"lowbit.fsdp checkpoint: its codec='auto' entry has no {missing} (not made by "
                              "FSDPAuto.state_dict())")
@@ -462,11 +454,11 @@ class FSDPAuto:
         def load() -> None:
             self.decision, self.assignment = dict(d["decision"]), dict(d["assignment"])
             self.steps, self.decided_iter, self.chosen = steps, d["decided_iter"], d["chosen"]
-            self.finalists = finalists
+            self.finalists, self.retried = finalists, list(d["retried"])
             self.measured_s, self.errors, self.norms = d["measured_s"], d["errors"], d["norms"]
             self.noise, self.limits, self.guard = d["noise"], d["limits"], guard
             self.phase, self._samples, self._seen, self._watch = "done", {}, {}, None
             self._scattered, self._starting, self._deferred = False, True, False
-            self._schedule, self._last, self._times = [], None, {}
+            self.trials = None
             self._apply(self.assignment)
         return load
