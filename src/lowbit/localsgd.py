@@ -39,9 +39,10 @@ as it does. Parameters sharded by FSDP2 (DTensors) are not supported yet.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -484,6 +485,21 @@ class LocalSGD:
             for p in fr.params:
                 p.copy_(fr.anchor[pos : pos + p.numel()].view_as(p))
                 pos += p.numel()
+
+    @contextlib.contextmanager
+    def anchor_weights(self) -> Iterator[None]:
+        """Inside the block the model holds the anchor, the weights every rank agreed on at each fragment's
+        last synchronisation (to evaluate the model the ranks share); its own weights come back after."""
+        saved = [[p.detach().clone() for p in fr.params] for fr in self._frags]
+        for fr in self._frags:
+            self._reset(fr)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for fr, keep in zip(self._frags, saved):
+                    for p, v in zip(fr.params, keep):
+                        p.copy_(v)
 
     # ----------------------------------------------------------------------------- checkpoints
     def bytes_per_outer_step(self) -> float:
