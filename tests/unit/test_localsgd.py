@@ -176,3 +176,15 @@ def test_memory_cost_anchor_scratch_momentum_residual() -> None:
     opt = LocalSGD(model, _opt(model), local_steps=2, codec="fp32")
     _steps(model, opt, 2)
     assert opt.memory_bytes() == 3 * 4 * n
+
+
+def test_anchor_weights_swaps_in_the_agreed_weights_and_back() -> None:
+    model = _model()
+    opt = LocalSGD(model, _opt(model), local_steps=4, codec="fp32")
+    anchor = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+    _steps(model, opt, 2)  # mid-period: the weights moved, the anchor did not
+    own = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+    assert not torch.equal(own, anchor)
+    with opt.anchor_weights():
+        assert torch.equal(torch.cat([p.detach().reshape(-1) for p in model.parameters()]), anchor)
+    assert torch.equal(torch.cat([p.detach().reshape(-1) for p in model.parameters()]), own)
