@@ -20,7 +20,7 @@ def __getattr__(name: str):  # lazy: collectives and DDP pull in torch.distribut
         from lowbit.comm.allreduce import all_reduce
 
         return all_reduce
-    if name in ("ddp", "fsdp"):
+    if name in ("ddp", "fsdp", "localsgd"):
         import importlib
 
         return importlib.import_module(f"lowbit.{name}")

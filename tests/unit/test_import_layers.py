@@ -17,7 +17,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 #: DESIGN.md's drawing, top (imports everything below) to bottom.
-LAYER = {"__init__": 10, "__main__": 10, "cli": 9, "study": 8, "perfmodel": 7, "ddp": 6, "baselines": 6, "fsdp": 6, "parallel": 6, "auto": 5.5, "integrations": 5, "policy": 4, "choose": 4, "timeline": 3.5, "comm": 3,
+LAYER = {"__init__": 10, "__main__": 10, "cli": 9, "study": 8, "perfmodel": 7, "ddp": 6, "baselines": 6, "fsdp": 6, "parallel": 6, "localsgd": 6, "auto": 5.5, "integrations": 5, "policy": 4, "choose": 4, "timeline": 3.5, "comm": 3,
          "feedback": 2, "codecs": 1, "kernels": 0, "models": 0, "data": 0, "env": -1, "launch": -1, "extras": -1, "_version": -2}
 UPWARD_ALLOWED = {("lowbit.integrations.accelerate", "lowbit.ddp"), ("lowbit.integrations.lightning", "lowbit.ddp"),
                   ("lowbit.integrations._register", "lowbit.ddp"), ("lowbit.integrations._register", "lowbit.fsdp"),

@@ -75,8 +75,36 @@ def test_table_times_ratios_and_runs_that_never_reached(tmp_path: Path) -> None:
     assert ps["ratios"]["torch:fp16"] == (pytest.approx(1.5), 1)
     ddp = rows["torch:ddp"]
     assert ddp["reached"] == 0 and ddp["time_to_target_s"] is None and ddp["ratios"]["torch:fp16"] == (None, 0)
-    assert rows["torch:fp16"]["sets_target"] and rows["torch:fp16"]["target"] == pytest.approx(1.51)
+    # the target rule: the baseline's final validation loss plus 1 % (mean over the seeds' 1.50 and 1.52)
+    assert rows["torch:fp16"]["sets_target"] and rows["torch:fp16"]["target"] == pytest.approx(1.51 * 1.01)
+    assert q["time_to_target_strict_s"] == pytest.approx(57.5) and q["reached_strict"] == 2
     assert setting_title(runs[0]) == "gpt2_small, pysource, K=2, nccl/cuda, sockets"
+
+
+def test_target_rule_one_percent_above_the_baseline_with_the_strict_time_beside(tmp_path: Path) -> None:
+    """A run whose curve passes 1.01 x the baseline's final loss at 30 s and the final loss itself at 90 s:
+    30 s under the rule, 90 s strict; one that ends 2 % above reaches neither."""
+    store = ResultStore(tmp_path)
+    for codec, points in (("torch:fp16", [(40.0, 1.60), (120.0, 1.50)]),
+                          ("qsgd:bits=4,bucket=512,norm=max,rounding=stochastic", [(30.0, 1.514), (90.0, 1.50)]),
+                          ("torch:ddp", [(30.0, 1.70), (200.0, 1.53)])):
+        row = copy.deepcopy(_ROW)
+        row["key"] = codec
+        row["config"].update(codec=codec, algorithm="torch" if codec.startswith("torch:") else "allgather")
+        row["summary"].update(target_loss=1.50, target_from="torch:fp16", reached_target=None, time_to_target_s=None,
+                              final_val_loss=points[-1][1], stop_reason="budget")
+        row["curve"] = [{"step": int(t), "epoch": 1, "train_s": t, "samples": t, "val_loss": v, "val_acc": 0.5,
+                         "lr": 1e-4} for t, v in points]
+        store.append(row)
+    runs, _ = load_runs(store.path)
+    rows = {r["codec"]: r for r in tta_table(runs)}
+    q = rows["qsgd:bits=4,bucket=512,norm=max,rounding=stochastic"]
+    assert (q["time_to_target_s"], q["time_to_target_strict_s"]) == (30.0, 90.0)
+    assert rows["torch:fp16"]["time_to_target_s"] == 120.0 == rows["torch:fp16"]["time_to_target_strict_s"]
+    assert rows["torch:ddp"]["reached"] == 0 and rows["torch:ddp"]["time_to_target_strict_s"] is None
+    assert q["ratios"]["torch:fp16"] == (pytest.approx(4.0), 1)
+    html = _tta_section(runs, None)
+    assert "strict time (s)" in html and "plus 1 % (relative)" in html
 
 
 def test_report_section_says_not_reached_and_names_the_references(tmp_path: Path) -> None:

@@ -12,7 +12,9 @@ seeds, every point trained for ``epochs`` epochs. Example (every key is optional
     algorithms = ["scatter_gather"]     # for quantised codecs; fp32/fp16/bf16 always use the native allreduce
     world_sizes = [1, 2]
     nodes = [1]                         # [1, 2]: each world size also as 2 emulated nodes (docs/multinode.md)
-    parallelism = ["data"]              # data | model | hybrid (Dettmers: docs/parallel.md); sub_batches = 1
+    parallelism = ["data"]              # data | model | hybrid (Dettmers: docs/parallel.md); sub_batches = 1;
+                                        # localsgd: local steps, the weight change exchanged in the codec every
+                                        # local_steps steps (docs/localsgd.md; fragments, outer_lr, outer_momentum)
     backends = ["gloo"]                 # gloo | nccl | mpi
     batch_sizes = [32]                  # PER WORKER; or "fig4", "fig4:resnet110", "global:256" (see below)
     epochs = 4
@@ -82,6 +84,9 @@ __all__ = [
     "is_auto",
     "SCHEMA",
     "MAX_WORLD_SIZE",
+    "LOCALSGD",
+    "STUDY_PARALLELISMS",
+    "localsgd_label",
 ]
 
 #: Version of the run-key recipe and the result rows; bump when either changes meaning.
@@ -97,7 +102,13 @@ AUTOCASTS = ("bf16",)
 DEVICES = ("auto", "cpu", "cuda")
 OPTIMIZERS = ("sgd", "rmsprop", "adam")
 
-PRESETS = ("default", "seeds", "throughput", "smoke", "fig3", "tta", "tta_cpu")
+PRESETS = ("default", "seeds", "throughput", "smoke", "fig3", "tta", "tta_cpu", "localsgd")
+
+#: the study's parallelisms: lowbit.parallel's (data, model, hybrid) and local SGD (lowbit.localsgd)
+LOCALSGD = "localsgd"
+STUDY_PARALLELISMS = PARALLELISMS + (LOCALSGD,)
+#: the keys of a table of ``also`` (every key but these): a grid of its own, unioned with the main one
+_NOT_IN_ALSO = ("name", "description", "also", "target_from", "target_budget_factor")
 
 _LIST_KEYS = ("networks", "datasets", "codecs", "algorithms", "world_sizes", "backends", "batch_sizes", "seeds",
               "nodes", "policies", "parallelism")
@@ -137,6 +148,12 @@ class StudyConfig:
     # codec; hybrid: features data-parallel, classifier model-parallel (docs/parallel.md)
     parallelism: tuple[str, ...] = ("data",)
     sub_batches: int = 1           # hybrid runs: sub-batches whose transfers overlap compute
+    # localsgd runs (lowbit.localsgd): H inner steps a period, F streaming fragments, the outer SGD's
+    # learning rate and Nesterov momentum (DiLoCo's 0.7 / 0.9)
+    local_steps: int = 0
+    fragments: int = 1
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
     # per-layer overrides of the run's codec ({} = none): {by_type = {Conv2d = "fp32"}}, {by_name = {...}}
     policies: tuple[Mapping[str, Mapping[str, str]], ...] = ({},)
     backends: tuple[str, ...] = ("gloo",)
@@ -157,8 +174,9 @@ class StudyConfig:
     device: str = "auto"
     start_iter: int = 2
     # gloo only: lowbit's collectives cross an emulated link of this speed ("400mbit", "50MB/s"; none:
-    # the real one), and every run registers lowbit's hook up front so that fp32 crosses it too
-    emulate_link: str | None = None
+    # the real one), and every run registers lowbit's hook up front so that fp32 crosses it too; a list
+    # of speeds is a grid dimension
+    emulate_link: str | tuple[str, ...] | None = None
     # "fig3": each network's epochs and initial learning rate from the Grubic paper's Figure 3 (over
     # `epochs` and `lr`; networks it does not list are an error)
     recipe: str | None = None
@@ -181,6 +199,9 @@ class StudyConfig:
     autocast: str | None = None             # "bf16": forward passes under CUDA autocast
     model_args: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
     dataset_args: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    # more grids, unioned with this one: each table overrides keys of this config for its own runs (local
+    # SGD's codecs beside DDP's, a streaming row: presets/localsgd.toml); they share its target
+    also: tuple[Mapping[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):  # every number of the config, nested tables and lists too
@@ -228,7 +249,8 @@ class StudyConfig:
             _check_int("world_sizes", ws, 1, MAX_WORLD_SIZE, "ranks, the most a study starts")
         for nn in self.nodes:
             _check_int("nodes", nn, 1, MAX_WORLD_SIZE, "nodes, one rank each at most")
-        _check_names("parallelism", self.parallelism, PARALLELISMS, "parallelism")
+        _check_names("parallelism", self.parallelism, STUDY_PARALLELISMS, "parallelism")
+        self._check_localsgd()
         _check_int("sub_batches", self.sub_batches, 1)
         canon_pol = []
         for pol in self.policies:
@@ -253,12 +275,19 @@ class StudyConfig:
                 raise ValueError(f"study config: 'recipe' \"fig3\" has no epochs / learning rate for {missing}; "
                                  f"Figure 3 lists {sorted(seed_data.FIG3_RECIPE)}")
         if self.emulate_link is not None:
-            if not isinstance(self.emulate_link, str):
-                raise ValueError(f"study config: 'emulate_link' is a speed such as \"400mbit\", got {self.emulate_link!r}")
-            try:
-                parse_bandwidth(self.emulate_link)
-            except ValueError as exc:
-                raise ValueError(f"study config: 'emulate_link': {exc}") from None
+            links = self.emulate_link
+            if isinstance(links, (list, tuple)):
+                if not links or len(set(links)) != len(links):
+                    raise ValueError(f"study config: 'emulate_link' as a list must be non-empty, without repeats: {links!r}")
+                object.__setattr__(self, "emulate_link", tuple(links))
+            for link in links if isinstance(links, (list, tuple)) else (links,):
+                if not isinstance(link, str):
+                    raise ValueError(f"study config: 'emulate_link' is a speed such as \"400mbit\" (or a list of "
+                                     f"them), got {link!r}")
+                try:
+                    parse_bandwidth(link)
+                except ValueError as exc:
+                    raise ValueError(f"study config: 'emulate_link': {exc}") from None
             if any(b != "gloo" for b in self.backends):
                 raise ValueError("study config: 'emulate_link' emulates a link for gloo (CPU) runs; for NCCL "
                                  "use a real slow path (docs/multinode.md: sockets, emulated nodes)")
@@ -287,6 +316,7 @@ class StudyConfig:
         if self.lr == 0:
             raise ValueError("study config: 'lr' must be > 0")
         self._check_time_to_accuracy()
+        self._check_also()
         for key, names, what in (("model_args", _known_models(), "model"), ("dataset_args", _known_datasets(), "data set")):
             table = getattr(self, key)
             if not isinstance(table, Mapping):
@@ -301,6 +331,45 @@ class StudyConfig:
                 except TypeError:
                     raise ValueError(f"study config: '{key}.{name}' holds a value that is not plain data: {args!r}") from None
             object.__setattr__(self, key, {k: dict(v) for k, v in table.items()})
+
+    def _check_localsgd(self) -> None:
+        _check_int("local_steps", self.local_steps, 0)
+        _check_int("fragments", self.fragments, 1)
+        if LOCALSGD in self.parallelism:
+            if self.local_steps < 1:
+                raise ValueError("study config: parallelism \"localsgd\" needs 'local_steps' (inner steps between "
+                                 "two outer synchronisations), an integer >= 1")
+            if self.fragments > self.local_steps:
+                raise ValueError(f"study config: 'fragments' ({self.fragments}) must be at most 'local_steps' "
+                                 f"({self.local_steps})")
+        for key, lo, hi in (("outer_lr", 0.0, math.inf), ("outer_momentum", 0.0, 1.0)):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v < hi or (key == "outer_lr" and v == 0):
+                raise ValueError(f"study config: {key!r} must be a number "
+                                 + ("> 0" if key == "outer_lr" else "in [0, 1)") + f", got {v!r}")
+            object.__setattr__(self, key, float(v))
+
+    def _check_also(self) -> None:
+        also = self.also
+        if isinstance(also, Mapping) or not isinstance(also, (list, tuple)):
+            raise ValueError(f"study config: 'also' is a list of tables ([[also]] in TOML), got {also!r}")
+        object.__setattr__(self, "also", tuple(also))
+        for i, t in enumerate(self.also):
+            if not isinstance(t, Mapping):
+                raise ValueError(f"study config: 'also' entry {i} must be a table, got {t!r}")
+            bad = sorted(k for k in t if k in _NOT_IN_ALSO or k not in _field_names())
+            if bad:
+                raise ValueError(f"study config: 'also' entry {i}: key {bad[0]!r} cannot be set there (an 'also' table "
+                                 f"sets grid keys; not {', '.join(_NOT_IN_ALSO)})")
+            try:
+                self.also_config(i)
+            except ValueError as exc:
+                raise ValueError(f"study config: 'also' entry {i}: {exc}") from None
+
+    def also_config(self, i: int) -> StudyConfig:
+        """The config of ``also`` entry ``i``: this one with the entry's keys (no target of its own: its runs
+        take this config's, :func:`expand_runs`)."""
+        return dataclasses.replace(self, also=(), target_from=None, target_budget_factor=1.0, **dict(self.also[i]))
 
     def _check_time_to_accuracy(self) -> None:
         for key in ("time_budget_s", "target_loss", "target_accuracy"):
@@ -586,6 +655,11 @@ class RunConfig:
     parallelism: str = "data"  # data | model | hybrid; in the key only when not "data"
     sub_batches: int = 1       # hybrid only; in the key only when > 1
     emulate_link: str | None = None  # an emulated link's speed (gloo); in the key only when set
+    # localsgd runs only (in the key only then): H, F, the outer SGD's lr and momentum
+    local_steps: int = 0
+    fragments: int = 1
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
     policy: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # per-layer overrides; in the key if any
     # time to accuracy (StudyConfig's keys; each in the key only when set, so older runs keep theirs)
     time_budget_s: float | None = None
@@ -628,6 +702,9 @@ class RunConfig:
             d.pop("sub_batches")
         if d["emulate_link"] is None:
             d.pop("emulate_link")
+        if d.get("parallelism") != LOCALSGD:  # (popped above for data parallelism)
+            for field in _LOCALSGD_FIELDS:
+                d.pop(field)
         if not d["policy"]:
             d.pop("policy")  # likewise for runs without per-layer overrides
         d.pop("target_from")  # a label: the target's value (resolved) is in target_loss
@@ -642,7 +719,12 @@ class RunConfig:
 
     @property
     def codec_label(self) -> str:
-        return codec_label(self.codec, self.error_feedback) + policy_label(self.policy)
+        return codec_label(self.codec, self.error_feedback) + policy_label(self.policy) + self.localsgd_label
+
+    @property
+    def localsgd_label(self) -> str:
+        """`` [local SGD H=8]`` (`` [local SGD H=8, F=4]`` streaming) for a local SGD run, else ''."""
+        return localsgd_label(self.to_dict())
 
     @property
     def time_to_accuracy(self) -> bool:
@@ -652,7 +734,7 @@ class RunConfig:
     @property
     def is_target_source(self) -> bool:
         """The run whose final validation loss is the target of its setting's other runs (``target_from``)."""
-        return self.target_from is not None and self.codec == self.target_from
+        return self.target_from is not None and self.codec == self.target_from and self.parallelism != LOCALSGD
 
     @property
     def awaits_target(self) -> bool:
@@ -665,8 +747,10 @@ class RunConfig:
         ``target_budget_factor`` scales); the seed included."""
         d = self.to_dict()
         for field in ("codec", "algorithm", "error_feedback", "policy", "batch_preset", "target_loss",
-                      "schedule", "time_budget_s"):
+                      "schedule", "time_budget_s") + _LOCALSGD_FIELDS:
             d.pop(field)
+        if d["parallelism"] == LOCALSGD:  # local SGD takes its target from the data-parallel run's
+            d["parallelism"] = "data"
         return json.dumps(d, sort_keys=True)
 
     def with_target(self, source: Mapping[str, Any]) -> RunConfig:
@@ -687,7 +771,10 @@ class RunConfig:
         return (f"{self.network:<10} {self.dataset:<9} K={self.world_size}"
                 + (f" ({self.nodes} nodes)" if self.nodes > 1 else "")
                 + (f" {self.parallelism}" + (f"/{self.sub_batches}" if self.sub_batches > 1 else "")
-                   if self.parallelism != "data" else "") + f" {self.backend:<5} "
+                   + (f" H={self.local_steps}" + (f" F={self.fragments}" if self.fragments > 1 else "")
+                      if self.parallelism == LOCALSGD else "")
+                   if self.parallelism != "data" else "")
+                + (f" link={self.emulate_link}" if self.emulate_link else "") + f" {self.backend:<5} "
                 f"b={self.batch_size:<4} {self.codec_label:<22} {self.algorithm:<14} "
                 f"seed={self.seed} epochs={self.epochs}" + self._describe_target())
 
@@ -749,6 +836,18 @@ def auto_spec(level: str) -> str:
     name, and so the run keys, of the runs made before levels existed), else ``"auto:LEVEL"``."""
     return AUTO if level == DEFAULT_AUTO_LEVEL else f"{AUTO}:{level}"
 
+#: RunConfig's local SGD fields (in a run's key only when its parallelism is localsgd)
+_LOCALSGD_FIELDS = ("local_steps", "fragments", "outer_lr", "outer_momentum")
+
+
+def localsgd_label(cfg: Mapping[str, Any]) -> str:
+    """What a run's label adds for local SGD (a config dict: a RunConfig's or a result row's), else ''."""
+    if cfg.get("parallelism") != LOCALSGD:
+        return ""
+    f = int(cfg.get("fragments") or 1)
+    return f" [local SGD H={cfg.get('local_steps')}" + (f", F={f}" if f > 1 else "") + "]"
+
+
 #: RunConfig's time-to-accuracy fields and their values when unset (then left out of the run's key)
 _TTA_UNSET = {"time_budget_s": None, "target_loss": None, "target_accuracy": None, "schedule": (),
               "eval_every": 0, "eval_every_s": 0.0, "eval_samples": 0, "warmup": 0.0, "autocast": None}
@@ -758,6 +857,15 @@ _TTA_UNSET = {"time_budget_s": None, "target_loss": None, "target_accuracy": Non
 #: and top-k need it; QSGD is unbiased, and Dettmers used none), ``biased`` turns it on for every biased
 #: codec (Dettmers too)
 EF_CHOICES = (True, False, "auto", "biased")
+
+
+def _localsgd_feedback(ef: bool | str, codec: Codec) -> bool:
+    """Error feedback of a local SGD run: ``auto`` is lowbit.localsgd's (biased codecs and 4 bits or fewer)."""
+    if codec.sums_on_wire:
+        return False
+    if ef == "auto":
+        return codec.biased or codec.code_bits <= 4
+    return _feedback(ef, codec)
 
 
 def _feedback(ef: bool | str, codec: Codec) -> bool:
@@ -773,7 +881,7 @@ def _feedback(ef: bool | str, codec: Codec) -> bool:
 @functools.lru_cache(maxsize=None)
 def _splits(network: str, parallelism: str) -> bool:
     """Whether ``network`` runs under ``parallelism`` (built once on the meta device)."""
-    if parallelism == "data":
+    if parallelism in ("data", LOCALSGD):
         return True
     import torch
 
@@ -798,12 +906,16 @@ def expand_runs(cfg: StudyConfig) -> list[RunConfig]:
     runs: list[RunConfig] = []
     seen: set[str] = set()
     efs = cfg.error_feedback if isinstance(cfg.error_feedback, tuple) else (cfg.error_feedback,)
-    for backend, ws, nodes, seed, dataset, network, batch, spec, policy, algorithm, par, ef in itertools.product(
+    links = cfg.emulate_link if isinstance(cfg.emulate_link, tuple) else (cfg.emulate_link,)
+    for backend, ws, nodes, seed, dataset, network, batch, spec, policy, algorithm, par, ef, link in itertools.product(
         cfg.backends, sorted(cfg.world_sizes), sorted(cfg.nodes), cfg.seeds, cfg.datasets, cfg.networks,
-        cfg.batch_sizes, cfg.codecs, cfg.policies, cfg.algorithms, cfg.parallelism, efs,
+        cfg.batch_sizes, cfg.codecs, cfg.policies, cfg.algorithms, cfg.parallelism, efs, links,
     ):
         if ws % nodes:  # (one rank is one node)
             continue
+        local = par == LOCALSGD
+        if local and (ws == 1 or nodes > 1 or policy or is_baseline(spec) or is_auto(spec)):
+            continue  # local SGD: across workers, one codec for the whole weight change, lowbit's own
         if par != "data" and (ws == 1 or not _splits(network, par) or policy):
             continue  # one worker is data parallelism's baseline; networks that do not split are skipped
         if is_baseline(spec):
@@ -854,6 +966,7 @@ def expand_runs(cfg: StudyConfig) -> list[RunConfig]:
                             # (lowbit.ddp's error_feedback="auto"); the default level's codecs take none
                             else any(get_codec(s).biased for s in default_allow(auto_level(spec)))
                             if is_auto(spec)
+                            else _localsgd_feedback(ef, codec) if local
                             else _feedback(ef, codec) if (ws > 1 or cfg.compress_at_world_size_1) and par != "model"
                             else False),  # (activations take no error feedback)
             world_size=ws, backend=backend, device=device, batch_size=per_worker,
@@ -868,7 +981,9 @@ def expand_runs(cfg: StudyConfig) -> list[RunConfig]:
             nodes=nodes,
             policy=dict(policy) if ws > 1 or cfg.compress_at_world_size_1 else {},
             parallelism=par,
-            sub_batches=cfg.sub_batches if par == "hybrid" else 1, emulate_link=cfg.emulate_link,
+            sub_batches=cfg.sub_batches if par == "hybrid" else 1, emulate_link=link,
+            local_steps=cfg.local_steps if local else 0, fragments=cfg.fragments if local else 1,
+            outer_lr=cfg.outer_lr if local else 0.7, outer_momentum=cfg.outer_momentum if local else 0.9,
             time_budget_s=(cfg.time_budget_s * cfg.target_budget_factor
                            if cfg.time_budget_s is not None and cfg.target_from not in (None, run_codec)
                            else cfg.time_budget_s),
@@ -880,6 +995,15 @@ def expand_runs(cfg: StudyConfig) -> list[RunConfig]:
         if k not in seen:
             seen.add(k)
             runs.append(run)
+    for i in range(len(cfg.also)):
+        for run in expand_runs(cfg.also_config(i)):
+            if cfg.target_from is not None:  # the main grid's target, and its budget for the runs that take it
+                run = dataclasses.replace(run, target_from=cfg.target_from, time_budget_s=(
+                    cfg.time_budget_s * cfg.target_budget_factor if cfg.time_budget_s is not None else None))
+            k = run.key()
+            if k not in seen:
+                seen.add(k)
+                runs.append(run)
     if not runs:
         why = []
         if not any(ws % n == 0 for ws in cfg.world_sizes for n in cfg.nodes):

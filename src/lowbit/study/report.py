@@ -39,7 +39,7 @@ from lowbit.codecs.base import get_codec
 from lowbit.extras import require
 from lowbit.perfmodel.projection import projection_curve, speedup_bound
 from lowbit.study import seed_data
-from lowbit.study.config import codec_label, policy_label
+from lowbit.study.config import LOCALSGD, codec_label, localsgd_label, policy_label
 from lowbit.study.export import output_folder, write_csv, write_curves_csv
 from lowbit.study.store import read_runs, resolve_results_path
 from lowbit.study.tta import references, setting_title, tta_metric, tta_runs, tta_setting, tta_table
@@ -75,7 +75,9 @@ def load_runs(results: str | os.PathLike[str], *, strict: bool = False) -> tuple
              "labels": row.get("labels", {}), "env": row.get("env", {}), "study": row.get("study", ""),
              "finished": row.get("finished", ""), "curve": row.get("curve") or []}
         r["label"] = codec_label(cfg["codec"], bool(cfg.get("error_feedback"))) + policy_label(cfg["policy"])
-        if cfg["parallelism"] != "data":  # the codec carries activations too: say which parallelism
+        if cfg["parallelism"] == LOCALSGD:  # the weight change every H steps, not gradients every step
+            r["label"] += localsgd_label(cfg)
+        elif cfg["parallelism"] != "data":  # the codec carries activations too: say which parallelism
             r["label"] += f" [{cfg['parallelism']}" + (f", {cfg['sub_batches']} sub-batches" if cfg["sub_batches"] > 1
                                                         else "") + "]"
         if cfg.get("algorithm") == "hierarchical":  # (the flat algorithms share their codec's label)
@@ -643,7 +645,8 @@ def _tta_section(runs: list[dict[str, Any]], fig: str | None) -> str:
              "validation loss of that configuration's run at the same setting and seed. ● where a run first met "
              "it; × a run that never did (it stopped at its budget or at the end of its schedule).</p>",
              _img(fig, "validation against training seconds")]
-    header = ["setting", "configuration", "target", "time to target (s)", "steps to target", "final val"]
+    header = ["setting", "configuration", "target", "time to target (s)", "strict time (s)", "steps to target",
+              "final val", "MB sent per rank"]
     header += [f"× sooner than {ref_names.get(ref, ref)}" for ref in refs] + ["stopped"]
     lines, classes = [], []
     for r in rows:
@@ -658,8 +661,10 @@ def _tta_section(runs: list[dict[str, Any]], fig: str | None) -> str:
                 ttt += f" (n={r['seeds']})"
         cells = [r["setting"], r["label"] + (" (sets the target)" if r["sets_target"] else ""),
                  "—" if r["target"] is None else f"{r['target']:.4g}", ttt,
+                 "not reached" if r["time_to_target_strict_s"] is None else f"{r['time_to_target_strict_s']:.1f}",
                  "—" if r["steps_to_target"] is None else f"{r['steps_to_target']:.0f}",
-                 "—" if r["final_val"] is None else f"{r['final_val']:.4g}"]
+                 "—" if r["final_val"] is None else f"{r['final_val']:.4g}",
+                 "—" if r.get("bytes_sent") is None else f"{r['bytes_sent'] / 1e6:.1f}"]
         for ref in refs:
             ratio, n = r["ratios"].get(ref, (None, 0))
             cells.append("—" if r["codec"] == ref else "not reached" if never else
@@ -669,7 +674,9 @@ def _tta_section(runs: list[dict[str, Any]], fig: str | None) -> str:
         fp16 = (r["ratios"].get(refs[0]) or (None, 0))[0] if refs else None
         classes.append("bad" if never else "base" if r["codec"] in refs else "ok" if fp16 and fp16 >= 1 else "")
     parts.append(_table(header, lines, left=2, classes=classes))
-    parts.append("<p class='note'>Time to target: training seconds until the first validation that met the target "
+    parts.append("<p class='note'>The target rule: a target taken from a baseline's run (<code>target_from</code>) is "
+                 "its final validation loss plus 1 % (relative); the strict time, beside it, is to the baseline's final "
+                 "loss itself. Time to target: training seconds until the first validation that met the target "
                  "(mean over the seeds that reached it; validations are every <code>eval_every</code> steps or "
                  "<code>eval_every_s</code> seconds, so this is the first validation at or after the moment, not the "
                  "moment itself). × sooner: the reference's time to target over this configuration's, at the same "

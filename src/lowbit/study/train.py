@@ -1,4 +1,5 @@
-"""One run of the study on this rank: data, model, DDP + lowbit (or model / hybrid parallelism), the
+"""One run of the study on this rank: data, model, DDP + lowbit (or model / hybrid parallelism, or local
+SGD: lowbit.localsgd), the
 training loop with its timing, and the run's row (:func:`train_run`). Scheduling runs onto worker
 groups is :mod:`lowbit.study.runner`; what each number means is :mod:`lowbit.study.metrics`."""
 
@@ -20,7 +21,9 @@ from torch import nn
 
 import lowbit.baselines
 import lowbit.ddp
+import lowbit.localsgd
 from lowbit.comm import collectives as C
+from lowbit.codecs.base import get_codec
 from lowbit.comm.allreduce import get_algorithm
 from lowbit.data import load_dataset
 from lowbit.data.sharding import ShardedLoader
@@ -28,8 +31,9 @@ from lowbit.models import build_model
 from lowbit.parallel import Hybrid, ParallelComm, hybrid_parts, model_parallel_chain, parallelize
 from lowbit.perfmodel.links import parse_bandwidth
 from lowbit.policy import Policy
-from lowbit.study.config import DEFAULT_AUTO_LEVEL, RunConfig, auto_level
+from lowbit.study.config import DEFAULT_AUTO_LEVEL, LOCALSGD, RunConfig, auto_level
 from lowbit.study.metrics import TailClock, environment, fwd_bwd_gflop_per_sample
+from lowbit.study.tta import TARGET_TOLERANCE, tolerant_target
 
 __all__ = ["train_run", "timed_epochs", "make_optimizer", "now", "lr_factor", "validation_subset", "time_to_target"]
 
@@ -153,9 +157,21 @@ class _Trainer:
         self.state: Any = None
         self.comm: Any = None    # model / hybrid parallelism: the activations' ParallelComm
         self.hybrid: Any = None
+        self.lsgd: lowbit.localsgd.LocalSGD | None = None  # local SGD: the outer synchronisation
         self.compressed = 0      # parameters whose gradients cross compressed
         self.net: nn.Module = model
         if world == 1:
+            return
+        if run.parallelism == LOCALSGD:
+            # every rank its own group: inner steps alone, the weight change exchanged every local_steps
+            # steps in the run's codec (the inner optimizer is stepped by the loop: after_step counts it)
+            self.lsgd = self.state = lowbit.localsgd.LocalSGD(
+                model, None, local_steps=run.local_steps, fragments=run.fragments, codec=run.codec,
+                error_feedback=run.error_feedback, algorithm="auto" if run.algorithm == "none" else run.algorithm,
+                outer_lr=run.outer_lr, outer_momentum=run.outer_momentum)
+            self.lsgd.stats.timing = not (run.time_to_accuracy and cuda)
+            self.compressed = 0 if get_codec(run.codec).sums_on_wire else sum(
+                p.numel() for p in model.parameters() if p.requires_grad)
             return
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -237,6 +253,8 @@ class _Trainer:
         opt.step()
         if self.comm is not None:
             self.comm.step += 1
+        if self.lsgd is not None:  # (an outer synchronisation every local_steps steps, inside the step's time)
+            self.lsgd.after_step()
         return loss
 
     def samples(self, x: torch.Tensor) -> float:
@@ -281,6 +299,9 @@ class _Trainer:
             return _evaluate(self.hybrid, x[:n_eq], y[:n_eq], self.rank, self.world, self.device)
         if self.same_batch_everywhere:  # every rank the whole test set, in step
             return _evaluate(self.net, x, y, 0, 1, self.device)
+        if self.lsgd is not None:  # the weights the ranks agreed on (between syncs each rank has its own)
+            with self.lsgd.anchor_weights():
+                return _evaluate(self.model, x, y, self.rank, self.world, self.device)
         return _evaluate(self.model, x, y, self.rank, self.world, self.device)
 
 
@@ -318,6 +339,7 @@ def _summary(epochs: list[dict[str, Any]], steps: int, t_run: float, params: int
         "epoch_decode_s": per_epoch("decode_s"),
         "steps_per_epoch": steps,
         "bytes_per_step_per_rank": sum(e["bytes_sent_per_rank"] for e in timed) / max(1, sum(e["steps"] for e in timed)),
+        "bytes_sent_total": sum(e["bytes_sent_per_rank"] for e in epochs),  # per rank, every epoch
         "final_test_acc": epochs[-1]["test_acc"],
         "final_test_top5": epochs[-1]["test_top5"],
         "num_classes": num_classes,
@@ -565,13 +587,20 @@ class _ToTarget:
         target_loss, target_acc = run.target_loss, run.target_accuracy
         if self.self_target:  # the run that sets its setting's target: its own final validation loss
             target_loss = curve[-1]["val_loss"] if curve else None
-        hit = time_to_target(curve, target_loss, target_acc) if target_loss is not None or target_acc is not None \
+        # the target rule (lowbit.study.tta): a baseline's final loss plus 1 %; the strict time beside it
+        rule_loss = tolerant_target(target_loss, run.target_from is not None)
+        hit = time_to_target(curve, rule_loss, target_acc) if target_loss is not None or target_acc is not None \
+            else None
+        strict = time_to_target(curve, target_loss, target_acc) if target_loss is not None or target_acc is not None \
             else None
         losses = [p["val_loss"] for p in curve if isinstance(p["val_loss"], float) and math.isfinite(p["val_loss"])]
         return {
             "target_loss": target_loss, "target_accuracy": target_acc, "target_from": run.target_from,
             "reached_target": hit is not None if (target_loss is not None or target_acc is not None) else None,
             "time_to_target_s": hit["train_s"] if hit else None,
+            "target_loss_rule": rule_loss, "target_tolerance": TARGET_TOLERANCE if run.target_from is not None else 0.0,
+            "time_to_target_strict_s": strict["train_s"] if strict else None,
+            "reached_target_strict": strict is not None if (target_loss is not None or target_acc is not None) else None,
             "steps_to_target": hit["step"] if hit else None,
             "samples_to_target": hit["samples"] if hit else None,
             "stop_reason": self.stop or "epochs", "time_budget_s": run.time_budget_s,
@@ -610,6 +639,8 @@ def _steady_from(run: RunConfig, world: int, auto: Any) -> int:
     if lowbit.baselines.is_baseline(run.codec):  # PowerSGD compresses from its start_iter; the casts at once
         b = lowbit.baselines.get_baseline(run.codec)
         return b.start_iter + 1 if b.kind == "powersgd" and world > 1 else 1
+    if world > 1 and run.parallelism == LOCALSGD:
+        return run.local_steps + 1  # the first outer synchronisation compiles the codec's kernels
     if world > 1 and run.parallelism == "data" and run.codec != "fp32":
         if auto is not None:  # codec="auto": after its decision (measuring and trials come first)
             return (auto.decided_iter if auto.decided_iter is not None else run.start_iter) + 1

@@ -1,0 +1,78 @@
+"""The study's local SGD (parallelism = "localsgd", issue 45): its keys refused by name, the `also` grids
+and a list of emulated links as grid dimensions, error feedback's default for local SGD, run keys and
+labels, and the localsgd preset's rows. A real run: tests/distributed/test_study_localsgd.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from lowbit.study.config import StudyConfig, expand_runs, load_config
+
+
+def _cfg(**kw: object) -> StudyConfig:
+    base = dict(networks=["mlp"], datasets=["digits"], world_sizes=[2], codecs=["fp32"])
+    return StudyConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(parallelism=["localsgd"]), "needs 'local_steps'"),
+    (dict(parallelism=["localsgd"], local_steps=2, fragments=3), "'fragments' (3) must be at most 'local_steps' (2)"),
+    (dict(local_steps=-1), "'local_steps' must be an integer >= 0"),
+    (dict(outer_lr=0), "'outer_lr' must be a number > 0"),
+    (dict(outer_momentum=1.0), "'outer_momentum' must be a number in [0, 1)"),
+    (dict(also={"codecs": ["fp32"]}), "'also' is a list of tables"),
+    (dict(also=[{"target_from": "fp32"}]), "key 'target_from' cannot be set there"),
+    (dict(also=[{"nope": 1}]), "key 'nope' cannot be set there"),
+    (dict(also=[{"parallelism": ["localsgd"]}]), "'also' entry 0: study config: parallelism \"localsgd\" needs"),
+    (dict(emulate_link=["100mbit", "100mbit"]), "without repeats"),
+    (dict(emulate_link=["fast"]), "'emulate_link'"),
+])
+def test_bad_keys_are_refused_by_name(kw: dict, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        _cfg(**kw)
+    assert message in str(info.value)
+
+
+def test_localsgd_runs_keys_labels_and_feedback() -> None:
+    cfg = _cfg(codecs=["fp32", "qsgd:bits=4,bucket=512", "qsgd:bits=8,bucket=512", "torch:ddp"],
+               parallelism=["data", "localsgd"], local_steps=8, algorithms=["allgather"])
+    runs = expand_runs(cfg)
+    local = [r for r in runs if r.parallelism == "localsgd"]
+    data = [r for r in runs if r.parallelism == "data"]
+    assert len(data) == 4 and len(local) == 3  # PyTorch's hooks are DDP's alone
+    by = {r.codec.split(",")[0]: r for r in local}
+    assert by["qsgd:bits=4"].error_feedback and not by["qsgd:bits=8"].error_feedback and not by["fp32"].error_feedback
+    assert by["qsgd:bits=4"].codec_label == "QSGD 4bit/512 +EF [local SGD H=8]"
+    assert all(r.local_steps == 0 for r in data) and all(r.local_steps == 8 for r in local)
+    # the same codec under DDP and local SGD are two runs, two keys; changing H changes local SGD's key only
+    assert len({r.key() for r in runs}) == len(runs)
+    runs16 = expand_runs(cfg.replace(local_steps=16))
+    assert {r.key() for r in runs16 if r.parallelism == "data"} == {r.key() for r in data}
+    assert not {r.key() for r in runs16 if r.parallelism == "localsgd"} & {r.key() for r in local}
+
+
+def test_also_grids_share_the_main_grids_target_and_links() -> None:
+    cfg = _cfg(codecs=["fp32"], target_from="fp32", time_budget_s=10, target_budget_factor=2, eval_every_s=1.0,
+               emulate_link=["100mbit", "1gbit"],
+               also=[{"parallelism": ["localsgd"], "local_steps": 4, "codecs": ["qsgd:bits=4,bucket=512"]},
+                     {"parallelism": ["localsgd"], "local_steps": 4, "fragments": 2, "codecs": ["qsgd:bits=4,bucket=512"]}])
+    runs = expand_runs(cfg)
+    assert sorted({r.emulate_link for r in runs}) == ["100mbit", "1gbit"]
+    src = [r for r in runs if r.is_target_source]
+    assert len(src) == 2 and all(r.time_budget_s == 10 for r in src)
+    local = [r for r in runs if r.parallelism == "localsgd"]
+    assert len(local) == 4 and {r.fragments for r in local} == {1, 2}
+    for r in local:  # each takes the data-parallel fp32 run's target at its link, with the scaled budget
+        assert r.awaits_target and r.time_budget_s == 20
+        assert [s.target_setting() for s in src if s.emulate_link == r.emulate_link] == [r.target_setting()]
+
+
+def test_localsgd_preset_rows() -> None:
+    runs = expand_runs(load_config(preset="localsgd"))
+    assert {r.world_size for r in runs} == {2, 4} and {r.emulate_link for r in runs} == {"100mbit", "1gbit"}
+    assert {r.seed for r in runs} == {0, 1, 2}
+    labels = sorted({r.codec_label for r in runs})
+    assert labels == sorted(["DDP fp32 (torch)", "QSGD 4bit/512", "32bit [local SGD H=16]",
+                             "8bit dynamic (Dettmers) [local SGD H=16]", "QSGD 4bit/512 +EF [local SGD H=16]",
+                             "QSGD 2bit/512 +EF [local SGD H=16]", "QSGD 4bit/512 +EF [local SGD H=16, F=4]"]), labels
+    assert len(runs) == 7 * 2 * 2 * 3
