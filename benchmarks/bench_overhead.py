@@ -187,9 +187,11 @@ class Run:
         self.native_ddp_bytes = native_ddp_bytes  # DDP's own all-reduce (or torch's hook): bytes a step
 
     def residual_mb(self) -> float:
+        """Error feedback's residual memory: FSDP's (``state.feedback.residuals``) or DDP's
+        (``state.residuals``, name -> tensor)."""
         fb = getattr(self.state, "feedback", None)
-        res = getattr(fb, "residuals", None) or {}
-        return sum(t.numel() * t.element_size() for t in res.values()) / 2**20
+        res = getattr(fb, "residuals", None) or getattr(self.state, "residuals", None) or {}
+        return sum(t.numel() * t.element_size() for t in res.values() if isinstance(t, torch.Tensor)) / 2**20
 
 
 def build_fsdp(args: argparse.Namespace, config: str, device: torch.device) -> Run:
