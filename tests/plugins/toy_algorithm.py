@@ -13,17 +13,19 @@ from __future__ import annotations
 import torch
 
 from lowbit.comm import collectives as C
-from lowbit.comm.allreduce import AlgorithmPlugin, register_algorithm
+from lowbit.comm.allreduce import AlgorithmPlugin, Call, register_algorithm
 from lowbit.perfmodel.collectives import CommCost, Topology, ring_allgather
 
 NAME = "toy_ring"
 CALLS = 0  # reductions this process ran with it (the test reads it in its workers)
 
 
-def _start(x, codec, group, op, residual, seed, stats, out, post, node_size, shape, world):  # noqa: ANN001
+def _start(call: Call) -> torch.futures.Future:
     global CALLS
     CALLS += 1
-    rank, k = world
+    x, codec, group, op, residual, seed, stats, out, post, shape = (
+        call.x, call.codec, call.group, call.op, call.residual, call.seed, call.stats, call.out, call.post, call.shape)
+    rank, k = call.world
     n = x.numel()
     if n == 0:
         return C.done(out if post is None else post(), x.device)

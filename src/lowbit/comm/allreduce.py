@@ -37,14 +37,14 @@ from lowbit.comm import collectives as C
 from lowbit.comm.flat import _native, simulated_numel  # (importing it registers the flat algorithms)
 from lowbit.comm.framing import ALIGN, _POOL, _framed, _keep, _slot, _up, _zeros, chunk_sizes  # noqa: F401
 from lowbit.comm.registry import (AUTO, AUTO_TWO_RANKS_SCATTER_FROM, SIMULATED, _PLUGINS,  # noqa: F401
-                                  AlgorithmPlugin, algorithm_choices, algorithms, auto_algorithm, get_algorithm,
+                                  AlgorithmPlugin, Call, algorithm_choices, algorithms, auto_algorithm, get_algorithm,
                                   register_algorithm, resolve_algorithm, resolve_entry)
 from lowbit.comm.residual import _encode_with_feedback, _guard_residual  # noqa: F401
 from lowbit.comm.stats import CommStats
 from lowbit.feedback import ErrorFeedback
 
 __all__ = ["AUTO", "SIMULATED", "AlgorithmPlugin", "register_algorithm", "algorithms", "algorithm_choices",
-           "get_algorithm", "CommStats", "Handle", "all_reduce", "chunk_sizes", "bytes_sent_per_rank",
+           "get_algorithm", "Call", "CommStats", "Handle", "all_reduce", "run", "chunk_sizes", "bytes_sent_per_rank",
            "auto_algorithm", "resolve_algorithm", "simulated_numel", "start"]
 
 
@@ -131,16 +131,22 @@ def start(
     (see :mod:`lowbit.comm.hierarchical`). ``shape``: the shape of the first n values, for per-tensor
     codecs (per column, one scale per tensor); default flat.
     """
-    rank, k = C.world(group) if world is None else world
-    out = x if out is None else out
-    # (fp32 riders go with allgather only: with them auto does not look at the size)
-    _, entry = resolve_entry(algorithm, codec, k, None if exact else x.numel(), x.device)
-    if exact and not entry.exact:
-        raise ValueError("exact values ride only with the allgather algorithm")
+    call = Call(x, codec, group, op, x if out is None else out, C.world(group) if world is None else world,
+                residual, seed, stats, post, node_size, shape, exact)
     if stats is not None:
-        stats.calls += 1
-    kw = {"exact": exact} if entry.exact else {}
-    return entry.start(x, codec, group, op, residual, seed, stats, out, post, node_size, shape, (rank, k), **kw)
+        stats.calls += 1  # (once: an algorithm that runs another goes through run(), which does not count)
+    return run(call, algorithm)
+
+
+def run(call: Call, algorithm: str) -> torch.futures.Future:
+    """Run ``call`` through the entry ``algorithm`` resolves to, without counting it (:func:`start` has):
+    what an algorithm that hands its call, or a part of it, to another uses."""
+    # (fp32 riders go with allgather only: with them auto does not look at the size)
+    _, entry = resolve_entry(algorithm, call.codec, call.world[1], None if call.exact else call.x.numel(),
+                             call.x.device)
+    if call.exact and not entry.exact:
+        raise ValueError("exact values ride only with the allgather algorithm")
+    return entry.start(call)
 
 
 def bytes_sent_per_rank(codec: Codec, n: int, k: int, algorithm: str, rank: int = 0, exact: int = 0,

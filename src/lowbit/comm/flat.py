@@ -42,7 +42,7 @@ from lowbit.codecs.base import Codec
 from lowbit.comm import collectives as C
 from lowbit.comm import exchange as X
 from lowbit.comm.framing import _POOL, _framed, _keep, _slot, _up, chunk_sizes
-from lowbit.comm.registry import SIMULATED, AlgorithmPlugin, register_algorithm
+from lowbit.comm.registry import SIMULATED, AlgorithmPlugin, Call, register_algorithm
 from lowbit.comm.residual import _encode_with_feedback, _guard_residual
 from lowbit.comm.stats import _comm_clock, _Timer
 from lowbit.feedback import restore_unless_finite
@@ -321,6 +321,7 @@ def exchange_now(x: torch.Tensor, codec: Codec, group: dist.ProcessGroup | None,
     prev = residual.clone() if residual is not None and n else None
     comp = x[:n] if residual is None else x[:n].add_(residual)  # in place: x is only written after it is read
     if algorithm == "allgather":
+        shape = shape if shape is not None else codec.flat_shape(n)  # (as the async path)
         send, at = _allgather_encode(x, comp, n, exact, codec, residual, seeds[0] if seeds else 0, shape)
         s = send.numel()
         recv = torch.empty(k * s, dtype=torch.uint8, device=x.device)
@@ -352,8 +353,8 @@ def bytes_now(codec: Codec, algorithm: str, n: int, k: int, rank: int, exact: in
 
 
 # ------------------------------------------------------------------------------ the registry's entries
-# start(x, codec, group, op, residual, seed, stats, out, post, node_size, shape, world[, exact]) and
-# bytes_per_rank(codec, n, k, rank, exact, node_size, shape), as every AlgorithmPlugin has them.
+# start(call) and bytes_per_rank(codec, n, k, rank, exact, node_size, shape), as every AlgorithmPlugin
+# has them.
 def _coded(x: torch.Tensor, exact: int, residual: torch.Tensor | None, out: torch.Tensor,
            post: Callable[[], torch.Tensor] | None
            ) -> tuple[int, torch.Tensor, Callable[[], torch.Tensor] | None, torch.futures.Future | None]:
@@ -371,33 +372,30 @@ def _coded(x: torch.Tensor, exact: int, residual: torch.Tensor | None, out: torc
     return n, comp, post, None
 
 
-def _start_allgather(x, codec, group, op, residual, seed, stats, out, post, node_size, shape, world,  # noqa: ANN001
-                     exact: int = 0) -> torch.futures.Future:
-    n, comp, post, done = _coded(x, exact, residual, out, post)
+def _start_allgather(c: Call) -> torch.futures.Future:
+    n, comp, post, done = _coded(c.x, c.exact, c.residual, c.out, c.post)
     if done is not None:
         return done
-    rank, k = world
-    return _allgather(x, comp, n, exact, codec, group, op, rank, k, residual, seed, stats, out, post,
-                      shape if shape is not None else codec.flat_shape(n))
+    rank, k = c.world
+    return _allgather(c.x, comp, n, c.exact, c.codec, c.group, c.op, rank, k, c.residual, c.seed, c.stats, c.out,
+                      post, c.shape if c.shape is not None else c.codec.flat_shape(n))
 
 
-def _start_scatter_gather(x, codec, group, op, residual, seed, stats, out, post, node_size, shape,  # noqa: ANN001
-                          world) -> torch.futures.Future:
-    n, comp, post, done = _coded(x, 0, residual, out, post)
+def _start_scatter_gather(c: Call) -> torch.futures.Future:
+    n, comp, post, done = _coded(c.x, 0, c.residual, c.out, c.post)
     if done is not None:
         return done
-    rank, k = world
-    return _scatter_gather(comp, codec, group, op, rank, k, residual, seed, stats, out, post)
+    rank, k = c.world
+    return _scatter_gather(comp, c.codec, c.group, c.op, rank, k, c.residual, c.seed, c.stats, c.out, post)
 
 
-def _start_native(x, codec, group, op, residual, seed, stats, out, post, node_size, shape,  # noqa: ANN001
-                  world) -> torch.futures.Future:
-    return _native(x, codec, group, op, world[1], stats, out, post)
+def _start_native(c: Call) -> torch.futures.Future:
+    return _native(c.x, c.codec, c.group, c.op, c.world[1], c.stats, c.out, c.post)
 
 
-def _start_simulated(x, codec, group, op, residual, seed, stats, out, post, node_size, shape, world,  # noqa: ANN001
-                     exact: int = 0) -> torch.futures.Future:
-    return _simulated(x, codec, group, world[1], stats, out, post, shape)  # (riders: part of x, simulated too)
+def _start_simulated(c: Call) -> torch.futures.Future:
+    # (riders: part of x, simulated too)
+    return _simulated(c.x, c.codec, c.group, c.world[1], c.stats, c.out, c.post, c.shape)
 
 
 def _bytes_allgather(codec: Codec, n: int, k: int, rank: int, exact: int, node_size: int | None,

@@ -38,11 +38,11 @@ import torch.distributed as dist
 from lowbit.codecs.base import Codec
 from lowbit.codecs.floats import FP32
 from lowbit.comm import collectives as C
-from lowbit.comm.allreduce import bytes_sent_per_rank, start
+from lowbit.comm.allreduce import bytes_sent_per_rank, run
 from lowbit.comm.flat import _native
 from lowbit.comm.framing import _keep
 from lowbit.comm.groups import PerGroup, new_subgroup
-from lowbit.comm.registry import AlgorithmPlugin, register_algorithm, resolve_algorithm
+from lowbit.comm.registry import AlgorithmPlugin, Call, register_algorithm, resolve_algorithm
 
 __all__ = ["NODE_SIZE_ENV", "node_size_for", "Topology", "topology", "start_hierarchical", "bytes_between_nodes",
            "bytes_hierarchical"]
@@ -186,11 +186,11 @@ def start_hierarchical(
     if topo.nodes > 1 and mine:
         before = stats.bytes_sent if stats is not None else 0  # type: ignore[attr-defined]
         res = residual[lo : lo + mine] if residual is not None else None
-        fut = start(chunk[:mine], codec, topo.cross, resolve_algorithm("auto", codec, topo.nodes), "sum", res,
-                    seed, stats, world=(topo.node, topo.nodes))
+        part = chunk[:mine]
+        fut = run(Call(part, codec, topo.cross, "sum", part, (topo.node, topo.nodes), res, seed, stats),
+                  resolve_algorithm("auto", codec, topo.nodes))  # (run: still one call of the caller's)
         if stats is not None:
             stats.bytes_inter += stats.bytes_sent - before  # type: ignore[attr-defined]
-            stats.calls -= 1  # type: ignore[attr-defined]  # one call of the caller's, not two
         C.wait(fut, "all_reduce", topo.cross)
     # Phase 3: every chunk to every rank of the node.
     if g > 1:
@@ -220,23 +220,18 @@ def start_hierarchical(
 _FP32 = FP32()  # (not get_codec: a lookup would import $LOWBIT_PLUGINS while lowbit.comm is half imported)
 
 
-def _start(x: torch.Tensor, codec: Codec, group: dist.ProcessGroup | None, op: str, residual: torch.Tensor | None,
-           seed: int, stats: object | None, out: torch.Tensor, post: Callable[[], torch.Tensor] | None,
-           node_size: int | None, shape: tuple[int, ...] | None, world: tuple[int, int]) -> torch.futures.Future:
+def _start(c: Call) -> torch.futures.Future:
     """``algorithm="hierarchical"`` as lowbit.comm.allreduce.start dispatches it (the call is counted)."""
-    k = world[1]
-    if node_size_for(group, node_size) == k:
+    k = c.world[1]
+    if node_size_for(c.group, c.node_size) == k:
         # One node: nothing crosses a slow link, so nothing is compressed (per-tensor codecs included):
         # one native fp32 allreduce, which NCCL runs best inside a node.
-        return _native(x, _FP32, group, op, k, stats, out, post)
-    if codec.sums_on_wire:  # fp16 / bf16: summed by the native allreduce, as every algorithm does
-        return _native(x, codec, group, op, k, stats, out, post)
-    if codec.per_tensor:  # a tensor's own groups cannot be cut into shards: the flat allgather
-        if stats is not None:
-            stats.calls -= 1  # type: ignore[attr-defined]  # (start counts it again)
-        return start(x, codec, group, "allgather", op, residual, seed, stats, out=out, post=post, world=world,
-                     shape=shape)
-    return start_hierarchical(x, codec, group, op, residual, seed, stats, out, post, node_size)
+        return _native(c.x, _FP32, c.group, c.op, k, c.stats, c.out, c.post)
+    if c.codec.sums_on_wire:  # fp16 / bf16: summed by the native allreduce, as every algorithm does
+        return _native(c.x, c.codec, c.group, c.op, k, c.stats, c.out, c.post)
+    if c.codec.per_tensor:  # a tensor's own groups cannot be cut into shards: the flat allgather
+        return run(c, "allgather")
+    return start_hierarchical(c.x, c.codec, c.group, c.op, c.residual, c.seed, c.stats, c.out, c.post, c.node_size)
 
 
 def _bytes(codec: Codec, n: int, k: int, rank: int, exact: int, node_size: int | None,

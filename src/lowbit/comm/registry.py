@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from lowbit.codecs.base import Codec, load_plugins
 
-__all__ = ["AUTO", "SIMULATED", "AlgorithmPlugin", "register_algorithm", "algorithms", "algorithm_choices",
+__all__ = ["AUTO", "SIMULATED", "AlgorithmPlugin", "Call", "register_algorithm", "algorithms", "algorithm_choices",
            "get_algorithm", "AUTO_TWO_RANKS_SCATTER_FROM", "auto_algorithm", "resolve_algorithm"]
 
 #: The name that is not an algorithm but picks one per call (:func:`resolve_algorithm`).
@@ -34,6 +34,36 @@ AUTO = "auto"
 SIMULATED = "simulated"
 
 
+@dataclasses.dataclass
+class Call:
+    """One reduction, as an algorithm's ``start`` receives it (:func:`lowbit.comm.allreduce.start` builds
+    it): reduce ``x`` ((n + exact,) float32) over ``group`` into ``out`` and return the future of ``out``
+    (of ``post()`` when given). ``op``: "sum" or "mean"; ``residual``: error feedback ((n,) float32,
+    updated in place: ``x + residual`` is sent); ``seed``: the call's rounding seed; ``stats``: where the
+    bytes go (the call itself is already counted, once, by ``start``); ``node_size``: ranks per node
+    (``hierarchical``); ``shape``: the shape of the first n values, for per-tensor codecs; ``world``:
+    (rank, size) in ``group``; ``exact``: the last ``exact`` values ride raw in fp32 (entries with
+    ``exact=True`` only)."""
+
+    x: torch.Tensor
+    codec: Codec
+    group: dist.ProcessGroup | None
+    op: str
+    out: torch.Tensor
+    world: tuple[int, int]
+    residual: torch.Tensor | None = None
+    seed: int = 0
+    stats: Any = None
+    post: Callable[[], torch.Tensor] | None = None
+    node_size: int | None = None
+    shape: tuple[int, ...] | None = None
+    exact: int = 0
+
+    def finished(self) -> torch.Tensor:
+        """What the call's future holds: ``post()`` when given, else ``out``."""
+        return self.out if self.post is None else self.post()
+
+
 @dataclasses.dataclass(frozen=True)
 class AlgorithmPlugin:
     """One collective algorithm: an entry of the registry that every layer reads (:func:`register_algorithm`,
@@ -41,9 +71,10 @@ class AlgorithmPlugin:
     :mod:`lowbit.comm.hierarchical`), and a new algorithm is one more, in a module of its own
     (``tests/plugins/toy_algorithm.py``; docs/codecs.md, "Your own algorithm").
 
-    ``start(x, codec, group, op, residual, seed, stats, out, post, node_size, shape, world)`` issues one
-    reduction of ``x`` ((n,) float32) into ``out`` and returns the future of ``out`` (of ``post()`` when
-    given), as :func:`lowbit.comm.allreduce.start` does, the call already counted in ``stats``.
+    ``start(call)`` issues one reduction (a :class:`Call`: ``call.x`` into ``call.out``) and returns the
+    future of ``call.finished()``, as :func:`lowbit.comm.allreduce.start` does, the call already counted
+    in ``call.stats`` (an algorithm that runs another through :func:`lowbit.comm.allreduce.run` does not
+    count it again).
     ``bytes_per_rank(codec, n, k, rank, exact, node_size, shape)`` is what rank ``rank`` sends for one call
     of ``n`` values. ``prepare(group, node_size)`` resolves, once per call before the ranks agree, what they
     must agree on (hierarchical: the node size); ``None``: nothing.
@@ -52,8 +83,9 @@ class AlgorithmPlugin:
     call names it or ``auto``, and codecs that sum on the wire run ``allreduce``, per-tensor codecs
     ``allgather`` whatever was named; it runs for one rank too. Not flat (the default, a plugin's):
     ``start`` gets every call of more than one rank that names it, whatever the codec, and a one-rank call
-    runs the flat ``allgather``. ``exact``: ``start`` also takes ``exact=m``, the last ``m`` values of
-    ``x`` riding raw in fp32 (the DDP hook's small tensors, in allgather's message); other entries refuse them.
+    runs the flat ``allgather``. ``exact``: ``start`` also takes calls with ``call.exact = m``, the last
+    ``m`` values of ``x`` riding raw in fp32 (the DDP hook's small tensors, in allgather's message); other
+    entries refuse them.
 
     For the speed model (``None``: lowbit.perfmodel's own formulas for lowbit's algorithms
     (:mod:`lowbit.perfmodel.collectives`), else the algorithm is not modelled): ``cost(nbytes, topo,
