@@ -299,8 +299,7 @@ class _Group:
             self.slot[name] = self.stage[pos : pos + n]
             pos += n
         # per-tensor codecs (per column, one scale per tensor) encode their one tensor with its shape
-        self.shape = (getattr(state, "_shapes", {}).get(members[0][0])  # (states pickled before shapes: flat)
-                      if codec.per_tensor and len(members) == 1 else None)
+        self.shape = state._shapes.get(members[0][0]) if codec.per_tensor and len(members) == 1 else None
         self.residual: Optional[torch.Tensor] = None
         if state.uses_feedback(codec) and self.n:
             self.residual = flat_residual(state.residuals, members, device)

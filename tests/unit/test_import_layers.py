@@ -149,3 +149,35 @@ def test_auto_imports_no_lab_and_no_private_names() -> None:
             if auto or _layer(node.module) == "auto":
                 private = [a.name for a in node.names if a.name.startswith("_")]
                 assert not private, (name, node.module, private)
+
+
+#: the library a training script imports (CONTRIBUTING.md, "Layers"): everything that is not the lab
+CORE = ("codecs", "kernels", "comm", "feedback", "policy", "timeline", "choose", "auto", "ddp", "fsdp",
+        "parallel", "localsgd", "integrations", "env", "launch", "extras", "_version", "_forkserver_freeze")
+
+
+def test_the_core_never_imports_the_lab() -> None:
+    """The boundary between the library and the lab (issue 42 item 3): no module of the core imports
+    study, report, perfmodel, cli, data, models or baselines, at its top or inside a function, so a
+    training script that imports lowbit.ddp / lowbit.fsdp / lowbit.comm never loads the lab."""
+    bad = []
+    for name, (tree, _) in _modules().items():
+        if _layer(name) not in CORE:
+            continue
+        for node in ast.walk(tree):
+            mods = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lowbit"):
+                mods = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                mods = [a.name for a in node.names if a.name.startswith("lowbit")]
+            for m in mods:
+                if m.startswith("lowbit.") and _layer(m) in LAB and m.split(".")[1] in LAB:
+                    bad.append((name, m))
+    assert not bad, bad
+
+
+def test_every_top_level_module_is_core_or_lab() -> None:
+    """Each top-level module or package of lowbit is named on one side of the boundary."""
+    tops = {name.split(".")[1] for name in _modules() if name.count(".") >= 1}
+    unnamed = sorted(t for t in tops if t not in CORE and t not in LAB and t not in ("__init__", "__main__"))
+    assert not unnamed, f"name these in CORE or LAB: {unnamed}"

@@ -348,7 +348,7 @@ class AutoTuner:
         self.guard.start(step, self._losses.take())  # the loss reported so far: the fp32 steps' reference
         self._release(keep_forward=bool(self.remeasure_every) or self._guarding())
         state.set_plan(decision.assignment)
-        if rank == 0 and decision.fp32_is_best and not getattr(self, "_said_fp32", False):  # (older pickles)
+        if rank == 0 and decision.fp32_is_best and not self._said_fp32:
             # the one outcome where auto compresses nothing: said once, as a warning, with the reason
             self._said_fp32 = True
             log.warning("lowbit.ddp codec='auto' at step %d (%d ranks) keeps fp32 everywhere, so gradients are not "
@@ -508,22 +508,6 @@ class AutoTuner:
         if d.get("phase") == "trial":  # unpickled mid-trial (either pass): measure again
             d["phase"], d["_pending"], d["measured"], d["trials"] = "measure", None, None, None
         return d
-
-    def __setstate__(self, d: dict[str, Any]) -> None:
-        self.__dict__.update(d)
-        if "_losses" not in d:  # pickled when the sum was two fields (_loss_sum, _loss_n; never saved with values)
-            self.__dict__.pop("_loss_sum", None)
-            self.__dict__.pop("_loss_n", None)
-            self._losses = ReportedLoss()
-        if "guard" not in d:  # pickled before the levels and the guard: the defaults (the guard from now on)
-            self.level, self.guard_every, self.node_size = "conservative", 50, None
-            self.assignment = dict(self.decision.assignment) if self.decision is not None else {}
-            self.guard = Guard(50, [(s, float(get_codec(s).bits_per_value(1 << 20))) for s in self.allow],
-                               [s for s in self.allow if hierarchical_ok(get_codec(s))], fp32=_FP32)
-            if self.decided_iter is not None:
-                self.guard.start(self.decided_iter)
-            self._watch, self._guard_samples, self._module = None, {}, None
-
 
 
 def _device_of(module: torch.nn.Module) -> torch.device:

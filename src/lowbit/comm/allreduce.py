@@ -48,13 +48,6 @@ __all__ = ["AUTO", "SIMULATED", "AlgorithmPlugin", "register_algorithm", "algori
            "auto_algorithm", "resolve_algorithm", "simulated_numel", "start"]
 
 
-def __getattr__(name: str) -> Any:
-    # ALGORITHMS, as it was a tuple: now read from the registry when asked for.
-    if name == "ALGORITHMS":
-        return algorithm_choices()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def normalize_op(op: object) -> str:
     """``"sum"`` or ``"mean"`` from torch's ``ReduceOp.SUM`` / ``ReduceOp.AVG`` or the strings "sum",
     "mean", "avg" (any case). Other reductions (max, product, ...) are not sums: a ValueError."""

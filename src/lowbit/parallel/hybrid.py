@@ -167,7 +167,7 @@ class Hybrid(nn.Module):
         for opt in (opt_features, opt_classifier):
             if opt is not None:
                 opt.zero_grad(set_to_none=True)
-        graphed = getattr(self, "graph", False) and x.is_cuda and k > 1  # (modules pickled before graphs)
+        graphed = self.graph and x.is_cuda and k > 1
         labels_of = None if graphed else self._labels(y)  # issued first: they cross while the features compute
         feats = self.features(x)
         det = feats.detach()

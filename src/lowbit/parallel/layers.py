@@ -269,7 +269,7 @@ class SharedDropout(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        static = getattr(self, "_static", None)  # (modules pickled before graphs: no such attribute)
+        static = self._static
         if static is not None:  # being captured: this step's masks are drawn before each replay
             if self._gcall >= len(static) or tuple(static[self._gcall].shape) != tuple(x.shape):
                 raise RuntimeError("SharedDropout: the captured step calls the dropout differently from its "

@@ -115,13 +115,6 @@ _LIST_KEYS = ("networks", "datasets", "codecs", "algorithms", "world_sizes", "ba
 _POLICY_KEYS = ("by_type", "by_name")
 
 
-def __getattr__(name: str) -> Any:
-    # ALGORITHMS, as it was a tuple: the algorithms registered now (lowbit.comm.allreduce.algorithms)
-    if name == "ALGORITHMS":
-        return registered_algorithms()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def _known_models() -> list[str]:
 
     return available_models()
