@@ -595,7 +595,8 @@ class FSDPConfig(AutoOptions):
     ``codec``: the gradients' codec (any lowbit codec with buckets: QSGD 1-8/16 bits, ``onebit:bucket=N``,
     Dettmers with buckets, ``fp16`` / ``bf16`` on the wire with float32 sums, ``fp32``), or ``"auto"``
     (:mod:`lowbit.auto.fsdp_tuner`). ``param_codec``: the parameters' all-gather codec (None: FSDP's own).
-    ``error_feedback``: residuals of the gradient codec's error. ``node_size``: ranks per node (None: from
+    ``error_feedback``: residuals of the gradient codec's error: ``"auto"`` (default, as DDP's) on for
+    biased codecs (``codec.biased``: 1bitSGD*, top-k), True, or False. ``node_size``: ranks per node (None: from
     the environment). ``policy``: a :class:`lowbit.Policy` (or a spec) deciding per parameter which ride
     exactly. ``codec="auto"``'s options (``auto_level``, ``guard_every``, ``allow``, ``error_budget``) are
     :class:`lowbit.auto.options.AutoOptions`', shared with DDP; here the budget multiplies each module's 8-bit
@@ -604,7 +605,7 @@ class FSDPConfig(AutoOptions):
 
     codec: Codec | str = "qsgd:bits=8"
     param_codec: Codec | str | None = None
-    error_feedback: bool = False
+    error_feedback: bool | str = "auto"
     node_size: int | None = None
     policy: Policy | str | None = None
 
@@ -628,10 +629,19 @@ class FSDPConfig(AutoOptions):
     def resolved_policy(self) -> Policy | None:
         return None if self.policy is None else Policy.coerce(self.policy)
 
+    def uses_feedback(self) -> bool:
+        """Whether the gradient codec keeps error-feedback residuals: ``"auto"`` for a biased codec (with
+        ``codec="auto"``: none here; the tuner turns them on for the biased codecs it may choose)."""
+        if self.error_feedback == "auto":
+            codec = self.gradient_codec()
+            return codec is not None and codec.biased
+        return bool(self.error_feedback)
+
     def validate(self) -> None:
         """Raise a ``ValueError`` naming the first option that is out of range or does not fit the others."""
-        if not isinstance(self.error_feedback, bool):
-            raise ValueError(f"lowbit.fsdp.register: error_feedback must be True or False, got {self.error_feedback!r}")
+        if not isinstance(self.error_feedback, bool) and self.error_feedback != "auto":
+            raise ValueError(f"lowbit.fsdp.register: error_feedback must be True, False or 'auto', got "
+                             f"{self.error_feedback!r}")
         try:
             self.check_auto(self.auto, self.codec, **FSDP_WORDS)
         except ValueError as e:
@@ -643,12 +653,12 @@ class FSDPConfig(AutoOptions):
                 except ValueError as e:
                     msg = str(e) if str(e).startswith("lowbit.fsdp") else f"lowbit.fsdp.register: allow: {e}"
                     raise ValueError(msg) from None
-        if self.auto and self.error_feedback:
+        if self.auto and self.error_feedback is True:
             raise ValueError("lowbit.fsdp.register: codec='auto' turns error feedback on for the biased codecs it "
                              "chooses (1bitSGD* at auto_level='bold'); leave error_feedback off")
         grad_codec = self.gradient_codec()
         self.parameter_codec()
-        if self.error_feedback and grad_codec is not None and grad_codec.sums_on_wire:
+        if self.error_feedback is True and grad_codec is not None and grad_codec.sums_on_wire:
             raise ValueError(f"lowbit.fsdp.register: {grad_codec.spec} is lossless up to a cast; it takes no error feedback")
         if self.node_size is not None and (isinstance(self.node_size, bool) or not isinstance(self.node_size, int)
                                            or self.node_size < 1):
@@ -695,8 +705,8 @@ def register(model: nn.Module, *, replicate_group: dist.ProcessGroup | None = No
 
             * ``codec``: the gradients' codec (default ``"qsgd:bits=8"``), or ``"auto"``.
             * ``param_codec``: the parameters' codec (default None: FSDP's own all-gather).
-            * ``error_feedback``: True or False (default False; not with ``codec="auto"``, which turns it
-              on for the biased codecs it chooses).
+            * ``error_feedback``: ``"auto"`` (default: on for biased codecs, as in DDP), True or False (not
+              True with ``codec="auto"``, which turns it on for the biased codecs it chooses).
             * ``node_size``: ranks per node (default ``$LOWBIT_NODE_SIZE`` or torchrun's
               ``LOCAL_WORLD_SIZE`` when they split the group into nodes): compress only between nodes.
             * ``policy``: a :class:`lowbit.Policy` (or a spec) deciding per parameter.
@@ -726,7 +736,7 @@ def register(model: nn.Module, *, replicate_group: dist.ProcessGroup | None = No
                              "give a codec")
         tuner = FSDPAuto(cfg.auto_level, cfg.guard_every, cfg.allow, cfg.error_budget) if cfg.auto else None
         grad_codec, p_codec, pol = cfg.gradient_codec(), cfg.parameter_codec(), cfg.resolved_policy()
-        error_feedback, node_size = cfg.error_feedback, cfg.node_size
+        error_feedback, node_size = cfg.uses_feedback(), cfg.node_size
         modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
         if not modules and isinstance(model, torch.nn.parallel.DistributedDataParallel):
             raise ValueError("lowbit.fsdp.register: the model is a DistributedDataParallel, not sharded with "

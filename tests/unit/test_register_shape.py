@@ -91,3 +91,19 @@ def test_public_entry_points_document_args_returns_and_raises() -> None:
             doc = ast.get_docstring(defs[name]) or ""
             sections = ["Args:", "Raises:"] + ([] if isinstance(defs[name], ast.ClassDef) else ["Returns:"])
             assert all(s in doc for s in sections), (path, name, [s for s in sections if s not in doc])
+
+
+def test_fsdp_error_feedback_defaults_as_ddp() -> None:
+    """One default for both (issue 42): error feedback "auto" is on for biased codecs only."""
+    from lowbit.ddp import DDPConfig
+    from lowbit.fsdp import FSDPConfig
+
+    for spec, biased in (("onebit:bucket=64", True), ("topk", True), ("qsgd:bits=4,bucket=512", False),
+                         ("bf16", False)):
+        assert FSDPConfig(codec=spec).uses_feedback() is biased, spec
+        assert DDPConfig().error_feedback == FSDPConfig().error_feedback == "auto"
+    assert FSDPConfig(codec="qsgd:bits=2,bucket=128", error_feedback=True).uses_feedback()
+    assert not FSDPConfig(codec="onebit:bucket=64", error_feedback=False).uses_feedback()
+    assert not FSDPConfig(codec="auto").uses_feedback()  # (auto's tuner keeps its own)
+    with pytest.raises(ValueError, match="error_feedback must be True, False or 'auto'"):
+        FSDPConfig(error_feedback="yes")
