@@ -81,7 +81,7 @@ def test_public_entry_points_document_args_returns_and_raises() -> None:
     from pathlib import Path
 
     src = Path(D.__file__).parent
-    wanted = {"ddp.py": ["register", "make_state"], "fsdp.py": ["register"], "comm/allreduce.py": ["all_reduce"],
+    wanted = {"ddp.py": ["register", "make_state"], "fsdp/__init__.py": ["register"], "comm/allreduce.py": ["all_reduce"],
               "codecs/base.py": ["get_codec"], "integrations/accelerate.py": ["register"],
               "integrations/lightning.py": ["LowbitCallback"]}
     for path, names in wanted.items():
