@@ -179,11 +179,12 @@ def test_a_resumed_onebit_run_with_error_feedback_exits_cleanly_every_time(tmp_p
     """Issue 44: after a resumed 2-rank onebit + error feedback run ending in a plain
     ``destroy_process_group()`` (the model and lowbit's state alive), the process aborted at exit with
     "terminate called without an active exception": before the fix 4 of 12 resumed runs with
-    ``hook_thread="auto"`` (0 of the 12 save runs; 0 of 20 runs with the hook thread), gloo, 2 cores. gdb on the core: gloo's worker thread, inside lowbit's
-    callback (``set_result`` of the future DDP waited for), killed by CPython's ``pthread_exit`` while
-    it took the GIL back during finalisation, unwinding through a ``noexcept`` C++ frame. The callbacks
-    now run on lowbit's completion thread, joined at exit (the fast test above is the mechanism).
-    After: 0 of 40 with "auto", 0 of 40 with the hook thread. 2-5 minutes on 2 shared cores."""
+    ``hook_thread="auto"`` (0 of the 12 save runs; 0 of 20 runs with the hook thread), gloo, 2 cores.
+    gdb on the core: gloo's worker thread, inside lowbit's callback (``set_result`` of the future DDP
+    waited for), killed by CPython's ``pthread_exit`` while it took the GIL back during finalisation,
+    unwinding through a ``noexcept`` C++ frame. The callbacks now run on lowbit's completion thread,
+    joined at exit (the fast test above is the mechanism). After: 0 of 40 with "auto", 0 of 40 with
+    the hook thread (benchmarks/results/exit_abort_issue44_cpu.md). 2-5 minutes on 2 shared cores."""
     script = tmp_path / "resume.py"
     script.write_text(RESUME_SCRIPT)
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
