@@ -28,7 +28,8 @@ How a step goes (per DDP bucket, as the backward pass makes it ready):
    (SyncBatchNorm, ``torch.distributed.nn``, a custom autograd function) cannot meet lowbit's in a
    different order on different ranks.
 3. Decoding, the mean and the copy back into the bucket(s) run when the data has arrived: on CUDA on a
-   pool stream that waits for the collective (the backward pass goes on), on CPU on gloo's thread.
+   pool stream that waits for the collective (the backward pass goes on), on CPU on lowbit's completion
+   thread (not gloo's own, which the interpreter cannot join at exit: :mod:`lowbit.comm.threads`).
    DDP waits for each bucket's future (its groups' messages) before the optimizer step.
 
 Tuning guide (:class:`DDPConfig`'s options):
@@ -338,7 +339,7 @@ class _Group:
                     step_seed + self.seed_base, state.stats, exact=self.exact, post=post, world=state._world,
                     node_size=state.node_size, shape=self.shape)
 
-        held = weakref.ref(state)  # (not the state: a callback freed on gloo's thread must not free its group)
+        held = weakref.ref(state)  # (not the state: a finished message's callback keeps nothing of the step)
 
         def fail(f: torch.futures.Future) -> None:
             try:

@@ -55,3 +55,29 @@ def test_a_worker_finishes_its_jobs_and_is_joined_at_interpreter_exit(tmp_path: 
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert p.returncode == 0, p.stderr
     assert out.read_text() == "done"
+
+
+def test_stop_all_also_stops_a_worker_that_another_s_last_job_gave_work() -> None:
+    """The DDP hook thread's last job queues its collectives' completions on lowbit's completion thread:
+    whichever of the two ``stop_all`` stops first, neither is left running (one was, in either order)."""
+    from lowbit.comm.threads import stop_all
+
+    seen: list[str] = []
+    a: Worker
+    b: Worker
+
+    def run_a(job: str) -> None:
+        seen.append(job)
+        if job == "a1":
+            b.put("b1")
+
+    def run_b(job: str) -> None:
+        seen.append(job)
+        a.put("a2")
+
+    a = Worker("lowbit-test-a", run_a)
+    b = Worker("lowbit-test-b", run_b)
+    a.put("a1")
+    assert stop_all(timeout=5)
+    assert not a.alive() and not b.alive()
+    assert seen == ["a1", "b1", "a2"]

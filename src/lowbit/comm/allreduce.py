@@ -19,7 +19,8 @@ returns, so lowbit's collectives keep the caller's program order and mix freely 
 with DDP's. Nothing blocks the host on CUDA: encoding runs on the caller's current stream, NCCL orders
 the collective after it, and decoding runs in the collective's future callback, on a pool stream that
 waits for it (scatter_gather's middle phase runs on a side stream that waits for the all-to-all). On
-CPU (gloo) decoding runs on gloo's thread when the data has arrived; scatter_gather waits for its
+CPU (gloo) decoding runs on lowbit's completion thread when the data has arrived (not on gloo's own,
+which the interpreter cannot join at exit); scatter_gather waits for its
 all-to-all on the caller's thread before it can issue the all-gather. ``async_op=True`` returns a
 handle whose ``wait()`` gives the result, as torch's Work does.
 """

@@ -58,8 +58,9 @@ def _fail(op: str, group: dist.ProcessGroup | None | tuple[int, int], exc: BaseE
 # Every op below is *issued* on the calling thread before it returns (so collectives keep the caller's
 # program order, like torch's own) and returns a torch future. ``then`` runs a callback once the op has
 # completed: on CUDA right away, on a pool stream that waits for the op (NCCL completes futures at
-# enqueue time), on CPU on the backend's thread when the data has arrived. Callbacks never issue
-# collectives: that would break the order.
+# enqueue time), on CPU on lowbit's completion thread when the data has arrived (never on the backend's
+# own thread: :func:`_on_lowbit_thread` says why). Callbacks never issue collectives (that would break
+# the order) and never wait for another op's callback.
 
 
 def done(value: object, device: torch.device) -> torch.futures.Future:
@@ -112,25 +113,66 @@ class Deferred:
 
 def then(work: object, fn: Callable[[], object], op: str,
          group: dist.ProcessGroup | None) -> torch.futures.Future | Deferred:
-    """Future of ``fn()`` run after ``work`` (a torch Work, or an already complete future) completed.
+    """Future of ``fn()`` run after ``work`` (a torch Work, or a future of lowbit's: already complete, or
+    the emulated link's) completed: on CPU on lowbit's completion thread (:func:`_on_lowbit_thread`).
     A failed op surfaces as :class:`CollectiveError` naming it. During CUDA graph capture: a
     :class:`Deferred` (``fn()`` runs when waited for)."""
     if capturing():
         return Deferred(work, fn, op, group)
-    fut = work if isinstance(work, torch.futures.Future) else work.get_future()  # type: ignore[attr-defined]
-    # The callback runs on the backend's thread and is freed there: it must not hold the group. Where the
-    # job has already destroyed the group, the callback's reference was the last one, and gloo's group,
-    # destroyed on its own worker thread, aborted the process at exit (a thread cannot join itself).
+    mine = isinstance(work, torch.futures.Future)  # lowbit's own (done, or the emulated link's)
+    fut = work if mine else work.get_future()  # type: ignore[attr-defined]
+    # The callback must not hold the group (it may be freed after the job destroyed the group, and a
+    # group freed on its own backend thread cannot join that thread): only its rank and size.
     where = world(group)
 
-    def cb(f: torch.futures.Future) -> object:
+    after = fut if mine else _on_lowbit_thread(fut)
+    read = fut.value if after is fut else fut.wait  # (complete by now; wait(): this stream waits for its events)
+
+    def cb(_: torch.futures.Future) -> object:
         try:
-            f.value()
+            read()
         except Exception as exc:  # noqa: BLE001 — re-raised with context
             raise _fail(op, where, exc) from exc
         return fn()
 
-    return fut.then(cb)
+    return after.then(cb)
+
+
+def _complete_job(job: tuple) -> None:
+    fut, trigger = job
+    try:
+        fut.wait()  # (the host waits, the GIL released; an error is read again by the callback)
+    except Exception:  # noqa: BLE001 — handed on: the callback raises it with context
+        pass
+    trigger.set_result(None)  # the callbacks chained on it run here, on this thread
+
+
+#: lowbit's completion thread (lowbit.comm.threads: joined at interpreter exit and before the group goes)
+_COMPLETION_WORKER = Worker("lowbit-completion", _complete_job)
+
+
+def _on_lowbit_thread(fut: torch.futures.Future) -> torch.futures.Future:
+    """``fut`` (a backend's future), or where it is not complete yet, a future that lowbit's completion
+    thread completes once ``fut`` has: whatever is chained on it runs on that thread, in issue order.
+
+    Why not on the backend's thread, where ``fut.then`` would run it: a Python callback there runs on a
+    C++ thread (gloo's worker) that the interpreter cannot join. When the callback completes the future
+    the caller waits for (DDP's reducer, the last bucket of the step), the caller may go on to exit while
+    that thread still has to take the GIL back (returning from ``set_result``, freeing the callback). At
+    interpreter exit CPython ends such a thread with ``pthread_exit``, whose unwinding through a C++
+    ``noexcept`` frame (pybind11's ``gil_scoped_release``) is ``std::terminate``: "terminate called without
+    an active exception", SIGABRT after the work was done (issue 44: 4 of 12 resumed 2-rank onebit runs).
+    lowbit's own thread is joined at exit (:func:`lowbit.comm.threads.stop_all`, an ``atexit`` handler)
+    before the interpreter finalises, so the chain always runs to its end. NCCL completes its futures at
+    enqueue time, so on CUDA the callbacks still run at once on the issuing thread, as before."""
+    if fut.done():
+        return fut
+    # (CUDA tensors on gloo: the callbacks run on streams of these devices and their future records events)
+    cuda = torch.cuda.is_initialized()
+    trigger: torch.futures.Future = torch.futures.Future(
+        devices=[torch.device("cuda", i) for i in range(torch.cuda.device_count())] if cuda else None)
+    _COMPLETION_WORKER.put((fut, trigger))
+    return trigger
 
 
 def join(futs: list[torch.futures.Future], value: Callable[[], object], device: torch.device) -> torch.futures.Future:

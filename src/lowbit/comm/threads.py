@@ -1,8 +1,10 @@
 """lowbit's background threads: one FIFO worker each, stopped before the process group goes.
 
-Two parts of lowbit run work on a thread of their own: the DDP hook thread (lowbit.ddp) and the
-emulated link (:func:`lowbit.comm.collectives.emulate_link`). Each is a :class:`Worker`, a daemon
-thread that runs the jobs put to it in order, started on first use. Their lifecycle:
+Three parts of lowbit run work on a thread of their own: the DDP hook thread (lowbit.ddp), the
+emulated link (:func:`lowbit.comm.collectives.emulate_link`) and the completion thread, which runs the
+callbacks of the backend's collectives on CPU (gloo) instead of gloo's own threads, which the
+interpreter cannot join (``lowbit.comm.collectives._on_lowbit_thread``). Each is a :class:`Worker`, a
+daemon thread that runs the jobs put to it in order, started on first use. Their lifecycle:
 
 1. A worker keeps no reference to a job once it has run. The DDP hook thread's frame held the last
    bucket's job (the state, its buffers, its process group) until the next one: the state outlived
@@ -102,8 +104,16 @@ class Worker:
 
 
 def stop_all(timeout: float | None = STOP_TIMEOUT_S) -> bool:
-    """Stop every worker (:meth:`Worker.stop`); True when none is left running."""
-    return all([w.stop(timeout) for w in list(_WORKERS)])
+    """Stop every worker (:meth:`Worker.stop`), again while one that was stopped got work from another's
+    last jobs (the DDP hook thread queues its collectives' completions on lowbit's completion thread);
+    True when none is left running."""
+    stuck: list[Worker] = []  # (still running after ``timeout``: not waited for again)
+    for _ in range(len(_WORKERS) + 1):
+        todo = [w for w in list(_WORKERS) if w.alive() and w not in stuck]
+        if not todo:
+            break
+        stuck += [w for w in todo if not w.stop(timeout)]
+    return not stuck
 
 
 def _after_fork() -> None:
