@@ -336,7 +336,7 @@ class _SyncNet(nn.Module):
 def _body_collective_in_backward(rank: int, world: int) -> list:
     import time
 
-    issue = lowbit.ddp._issue
+    issue = lowbit.ddp.hooking._issue
 
     def slow(*a, **k):  # noqa: ANN002, ANN003, ANN202
         time.sleep(0.3)
@@ -346,7 +346,7 @@ def _body_collective_in_backward(rank: int, world: int) -> list:
     for thread in (False, True):
         # ... and rank 1's hook thread lags (host jitter): on one shared group the two ranks' orders differ
         # (the inline run, the reference, issues in autograd's order whatever the lags: run without them)
-        lowbit.ddp._issue = slow if rank == 1 and thread else issue
+        lowbit.ddp.hooking._issue = slow if rank == 1 and thread else issue
         _LAG[:] = [True] if thread else []
         torch.manual_seed(0)
         model = DDP(_SyncNet(), bucket_cap_mb=0.01)
@@ -360,7 +360,7 @@ def _body_collective_in_backward(rank: int, world: int) -> list:
             loss.backward()
             opt.step()
         out.append([p.detach().clone() for p in model.parameters()])
-    lowbit.ddp._issue = issue
+    lowbit.ddp.hooking._issue = issue
     _LAG.clear()
     return out
 
