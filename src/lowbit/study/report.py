@@ -793,7 +793,7 @@ body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:1.5em
 h1{font-size:1.5em}h2{font-size:1.2em;margin-top:2em;border-bottom:1px solid #ccc}h3{font-size:1.0em}
 table{border-collapse:collapse;margin:.6em 0;font-size:.85em}td,th{border:1px solid #ccc;padding:3px 7px;text-align:right}
 th{background:#f3f3f3}td.l,th.l{text-align:left}.ok{background:#e8f5e9}.bad{background:#ffebee}.base{background:#e0f7fa}
-.note{color:#555;font-size:.9em}img{max-width:100%;border:1px solid #eee;margin:.4em 0}code{background:#f5f5f5;padding:0 3px}
+tr.first td{border-top:2px solid #999}.note{color:#555;font-size:.9em}img{max-width:100%;border:1px solid #eee;margin:.4em 0}code{background:#f5f5f5;padding:0 3px}
 """
 
 
@@ -928,17 +928,19 @@ def _volume_table(runs: list[dict[str, Any]]) -> str:
         base = _mean_std([r["summary"].get("bytes_per_step_per_rank") for r in rs if r["codec"] == "fp32"])[0]
         labels, v = _per_label(rs, ("bytes_per_step_per_rank", "epoch_train_s", "epoch_exposed_comm_s",
                                     "epoch_encode_s", "epoch_comm_s", "epoch_decode_s", "compressed_fraction"))
-        for lab in labels:
+        for i, lab in enumerate(labels):
             x = v[lab]
             ratio = (base / x["bytes_per_step_per_rank"]) if base and x["bytes_per_step_per_rank"] else math.nan
-            rows.append([_title(rs[0]), lab, f"{x['bytes_per_step_per_rank'] / 1e3:,.1f}",
+            # the setting once, on its first row: repeated on every row it wrapped into a column of its own
+            rows.append([_title(rs[0]) if i == 0 else "", lab, f"{x['bytes_per_step_per_rank'] / 1e3:,.1f}",
                          "—" if ratio != ratio else f"{ratio:.1f}x", f"{x['compressed_fraction'] * 100:.1f}%",
                          f"{x['epoch_train_s']:.2f}", f"{x['epoch_exposed_comm_s']:.2f}", f"{x['epoch_encode_s']:.2f}",
                          f"{x['epoch_comm_s']:.2f}", f"{x['epoch_decode_s']:.2f}"])
     if not rows:
         return ""
     return _table(["setting", "precision", "kB sent/step/rank", "less than fp32", "params compressed",
-                   "s/epoch", "exposed comm", "encode", "communicate", "decode"], rows, left=2)
+                   "s/epoch", "exposed comm", "encode", "communicate", "decode"], rows, left=2,
+                  classes=["first" if row[0] else "" for row in rows])
 
 
 def _env_section(runs: list[dict[str, Any]], notes: dict[str, Any]) -> str:
