@@ -29,6 +29,7 @@ import html
 import math
 import os
 import statistics
+import textwrap
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -287,14 +288,49 @@ def _colors(labels: Sequence[str]) -> dict[str, str]:
 def _figure(n_panels: int, width: float = 4.6, height: float = 3.4, max_cols: int = 3):
 
     Figure = require("matplotlib.figure", "study", "lowbit report's plots").Figure  # noqa: N806
+    backend_agg = require("matplotlib.backends.backend_agg", "study", "lowbit report's plots")
 
     cols = min(max_cols, max(1, n_panels))
     rows = max(1, math.ceil(n_panels / cols))
     fig = Figure(figsize=(width * cols, height * rows), dpi=90)
+    backend_agg.FigureCanvasAgg(fig)  # the canvas savefig draws on; its renderer measures text before the layout
     axes = fig.subplots(rows, cols, squeeze=False).ravel().tolist()
     for ax in axes[n_panels:]:
         ax.set_visible(False)
     return fig, axes[:n_panels]
+
+
+def _legend_above(fig: Any, axes: Sequence[Any], fontsize: float = 7.0, extra: Sequence[tuple[Any, str]] = ()) -> Any:
+    """One legend for all panels, above them (the figure grows by its height; :func:`_save` lays the panels
+    out below it). Inside a panel a legend covered curves and bars, and named only that panel's series.
+
+    Args:
+        fig: the figure, from :func:`_figure`.
+        axes: its panels; every labelled artist of any of them gets one entry (the first of each label).
+        fontsize: of the entries.
+        extra: (handle, label) entries added at the end (a key for a marker style, say).
+
+    Returns:
+        The legend, or None when nothing is labelled. It has as many columns as fit the figure's width.
+    """
+    handles: dict[str, Any] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    for handle, label in extra:
+        handles.setdefault(label, handle)
+    if not handles:
+        return None
+    renderer = fig.canvas.get_renderer()
+    for ncols in range(len(handles), 0, -1):
+        leg = fig.legend(list(handles.values()), list(handles), loc="upper center", bbox_to_anchor=(0.5, 1.0),
+                         ncols=ncols, fontsize=fontsize, frameon=False, columnspacing=1.5)
+        if ncols == 1 or leg.get_window_extent(renderer).width <= 0.97 * fig.bbox.width:
+            break
+        leg.remove()
+    w, h = fig.get_size_inches()
+    fig.set_size_inches(w, h + leg.get_window_extent(renderer).height / fig.dpi)
+    return leg
 
 
 def _word_ticks(ax: Any, labels: Sequence[str], **kwargs: Any) -> None:
@@ -319,7 +355,10 @@ def _save(fig: Any, out: Path, name: str) -> str:
     for text in fig.findobj(lambda a: hasattr(a, "set_parse_math")):
         if id(text) not in formatted:
             text.set_parse_math(False)
-    fig.tight_layout()
+    # the panels go under the figure's legend (see _legend_above), which sits at the top edge
+    renderer = fig.canvas.get_renderer()
+    top = max([(leg.get_window_extent(renderer).height + 4) / fig.bbox.height for leg in fig.legends], default=0.0)
+    fig.tight_layout(rect=(0.0, 0.0, 1.0, 1.0 - top))
     fig.savefig(out / name)
     return name
 
@@ -338,7 +377,7 @@ def _plot_accuracy(runs: list[dict[str, Any]], out: Path, field: str, ylabel: st
             by[r["label"]].append(r)
         gone = {label for label, group in by.items() if any(diverged(r) for r in group)}
         scale = 100.0 if field == "test_acc" else 1.0
-        lo, hi, n_off = -math.inf, math.inf, 0
+        lo, hi = -math.inf, math.inf
         if field == "test_acc":
             # zoomed on the final accuracies of the runs that learned, so that close codecs stay apart; what
             # falls outside is marked at the edge below
@@ -353,6 +392,7 @@ def _plot_accuracy(runs: list[dict[str, Any]], out: Path, field: str, ylabel: st
                 pad = 0.06 * (max(kept) - min(kept)) or 0.1
                 lo, hi = min(kept) - pad, max(kept) + pad
                 ax.set_ylim(lo, hi)
+        off: list[tuple[str, str, list[tuple[str, str, float]]]] = []  # (curve, colour, where it left)
         for label in [lab for lab in labels if lab in by]:
             curves = [[e.get(field) for e in r["epoch_rows"]] for r in by[label]]
             n_ep = min(len(c) for c in curves)
@@ -364,13 +404,9 @@ def _plot_accuracy(runs: list[dict[str, Any]], out: Path, field: str, ylabel: st
             shown = f"{label} (diverged)" if label in gone else label
             ax.plot(xs, m, label=shown, color=colors[label], lw=lw, marker="o", ms=2.5,
                     ls=":" if label in gone else "-")
-            off = _off_axis(ax, xs, m, lo, hi, colors[label], shown)
-            if off:  # said under the panel (the legend is the first panel's only), one line each below the
-                # x label: outside the axes, so a note never covers a curve, the legend or another note
-                ax.annotate(off, xy=(0.0, 0.0), xycoords=("axes fraction", ax.xaxis.label), ha="left", va="top",
-                            xytext=(0, -2 - 9 * n_off), textcoords="offset points", fontsize=6.5,
-                            color=colors[label], annotation_clip=False, gid=f"off-axis note: {shown}")
-                n_off += 1
+            parts = _off_axis(ax, xs, m, lo, hi, colors[label], shown)
+            if parts:
+                off.append((shown, colors[label], parts))
             if len(curves) > 1:
                 ax.fill_between(xs, [a - b for a, b in zip(m, sd)], [a + b for a, b in zip(m, sd)],
                                 color=colors[label], alpha=0.12, lw=0)
@@ -378,26 +414,75 @@ def _plot_accuracy(runs: list[dict[str, Any]], out: Path, field: str, ylabel: st
         ax.set_xlabel("epoch")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7, loc="center right" if field == "test_acc" else "upper right")
+        # said under the panel, below its x label, one note under the other: outside the axes, so a note never
+        # covers a curve, the legend (above the panels) or another note
+        cols = ax.get_subplotspec().get_gridspec().ncols
+        width = int(fig.get_figwidth() / cols * 72 * 0.8 / (_NOTE_PT * 0.56))  # characters in a panel's width
+        offset = -2.0
+        panel = [f"{lab} (diverged)" if lab in gone else lab for lab in labels if lab in by]
+        for text, color, who in _off_axis_notes(off, panel, width):
+            ax.annotate(text, xy=(0.0, 0.0), xycoords=("axes fraction", ax.xaxis.label), ha="left", va="top",
+                        xytext=(0, offset), textcoords="offset points", fontsize=_NOTE_PT, color=color,
+                        annotation_clip=False, gid=f"off-axis note: {who}")
+            offset -= _NOTE_PT * 1.25 * (text.count("\n") + 1) + 1.5
+    _legend_above(fig, axes)
     return _save(fig, out, name)
 
 
+#: Font size (points) of Figure 5's notes under a panel.
+_NOTE_PT = 7.0
+
+
 def _off_axis(ax: Any, xs: Sequence[float], ys: Sequence[float], lo: float, hi: float, color: str,
-              label: str) -> str:
+              label: str) -> list[tuple[str, str, float]]:
     """Mark the points of a curve that lie outside the axis's [lo, hi]: a triangle on the edge they left
-    by (▼ bottom, ▲ top), at their epoch; returns the line that names them ("" when none)."""
-    note = []
+    by (▼ bottom, ▲ top), at their epoch. Returns where it left, ``(side, epochs, lowest or highest value)``
+    per side ("below" / "above"; epochs as :func:`_ranges` writes them), and ``("not finite", epochs, nan)``
+    for epochs whose mean is NaN or infinite (a diverged loss); empty when the curve stays on the axis."""
+    out = []
     below = [(x, y) for x, y in zip(xs, ys) if y < lo]
-    above = [(x, y) for x, y in zip(xs, ys) if y > hi]
-    for pts, edge, marker, side, extreme in ((below, lo, "v", "below", "min"), (above, hi, "^", "above", "max")):
+    above = [(x, y) for x, y in zip(xs, ys) if y > hi and math.isfinite(y)]
+    for pts, edge, marker, side in ((below, lo, "v", "below"), (above, hi, "^", "above")):
         if not pts:
             continue
         ax.plot([x for x, _ in pts], [edge] * len(pts), ls="none", marker=marker, ms=7, color=color,
                 clip_on=False, zorder=5, gid=f"off-axis {side}: {label}")
-        value = min(y for _, y in pts) if extreme == "min" else max(y for _, y in pts)
-        epochs = _ranges([x for x, _ in pts])
-        note.append(f"{'▼' if side == 'below' else '▲'} {side} the axis at epoch {epochs} ({extreme} {value:.1f})")
-    return f"{label}: {'; '.join(note)}" if note else ""
+        value = min(y for _, y in pts) if side == "below" else max(y for _, y in pts)
+        out.append((side, _ranges([x for x, _ in pts]), value))
+    bad = [x for x, y in zip(xs, ys) if not math.isfinite(y)]
+    if bad:
+        out.append(("not finite", _ranges(bad), math.nan))
+    return out
+
+
+def _off_axis_notes(off: Sequence[tuple[str, str, list[tuple[str, str, float]]]], panel: Sequence[str],
+                    width: int) -> list[tuple[str, str, str]]:
+    """The lines under a Figure 5 panel whose curves (labelled as in ``panel``) left the axis as ``off`` says:
+    curves that left at the same epochs share one note ("every curve: ▼ below the axis at epoch 1–2 (min
+    42.2)" when all did, as every curve starts below an axis zoomed on the final accuracies; "every curve but
+    ..." when most did), in the curve's colour when it is one, grey otherwise; wrapped at ``width``
+    characters. Returns ``(text, colour, the note's curves' labels joined by '|')`` per note."""
+    groups: dict[tuple, list[tuple[str, str, list[tuple[str, str, float]]]]] = defaultdict(list)
+    for item in off:
+        groups[tuple((side, epochs) for side, epochs, _ in item[2])].append(item)
+    notes = []
+    for where, items in groups.items():
+        labels = [label for label, _, _ in items]
+        others = [label for label in panel if label not in labels]
+        who = (labels[0] if len(labels) == 1 else "every curve" if not others
+               else f"every curve but {', '.join(others)}" if len(others) < min(len(labels), 4) else ", ".join(labels))
+        said = []
+        for i, (side, epochs) in enumerate(where):
+            values = [item[2][i][2] for item in items]
+            if side == "not finite":
+                said.append(f"not finite at epoch {epochs}")
+            else:
+                value = min(values) if side == "below" else max(values)
+                arrow, extreme = ("▼", "min") if side == "below" else ("▲", "max")
+                said.append(f"{arrow} {side} the axis at epoch {epochs} ({extreme} {value:.1f})")
+        text = textwrap.fill(f"{who}: {'; '.join(said)}", width=max(30, width), break_on_hyphens=False)
+        notes.append((text, items[0][1] if len(items) == 1 else "#444444", "|".join(labels)))
+    return notes
 
 
 def _ranges(xs: Sequence[float]) -> str:
@@ -442,7 +527,7 @@ def _plot_breakdown(runs: list[dict[str, Any]], out: Path) -> str | None:
         ax.set_ylabel("seconds per epoch")
         ax.set_title(_title(rs[0]), fontsize=8.5)
         ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(fontsize=7, loc="upper left")
+    _legend_above(fig, axes)
     return _save(fig, out, "fig6_9_time_breakdown.png")
 
 
@@ -463,7 +548,7 @@ def _plot_phases(runs: list[dict[str, Any]], out: Path) -> str | None:
         ax.set_ylabel("thread seconds per epoch")
         ax.set_title(_title(rs[0]), fontsize=8.5)
         ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(fontsize=7)
+    _legend_above(fig, axes)
     return _save(fig, out, "fig6_9_phases.png")
 
 
@@ -503,38 +588,52 @@ def _plot_scalability(runs: list[dict[str, Any]], out: Path) -> str | None:
         ax.set_title(_title(rs[0], with_k=False), fontsize=8.5)
         ax.set_xticks(sorted({r["world_size"] for r in rs}))
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    _legend_above(fig, axes)
     return _save(fig, out, "fig12_15_scalability.png")
 
 
 def _plot_price(runs: list[dict[str, Any]], out: Path, price: float) -> str | None:
+    """Price of the training time against final test accuracy, one point per (setting, precision, workers),
+    the mean over seeds. Runs that diverged (:func:`diverged`) are never averaged with the others: their
+    point is hollow and crossed, with a key in the legend, as the table marks them "✗ diverged"."""
     real = [r for r in runs if not _speed_only(r)]
     if not real:
         return None
-    pts: dict[tuple[str, str, int], list[dict[str, Any]]] = defaultdict(list)
+    pts: dict[tuple[str, str, int, bool], list[dict[str, Any]]] = defaultdict(list)
     for r in real:
-        pts[(_title(r, with_k=False, with_batch=False), r["label"], r["world_size"])].append(r)
+        pts[(_title(r, with_k=False, with_batch=False), r["label"], r["world_size"], diverged(r))].append(r)
     settings = sorted({k[0] for k in pts})
     labels = _order((r["label"], r["bits"]) for r in real)
     colors = _colors(labels)
     markers = ["o", "s", "^", "D", "v", "P", "X", "*", "<", ">"]
     fig, axes = _figure(1, width=7.5, height=4.6)
     ax = axes[0]
-    for (setting, lab, k), rs in pts.items():
+    extra: list[tuple[Any, str]] = []
+    for (setting, lab, k, gone), rs in pts.items():
         cost = _mean_std([r["summary"].get("train_s", 0) * k / 3600 * price for r in rs])[0]
         acc = _mean_std([r["summary"].get("final_test_acc") for r in rs])[0] * 100
-        ax.scatter([cost], [acc], color=colors.get(lab, "k"), marker=markers[settings.index(setting) % len(markers)],
+        color, marker = colors.get(lab, "k"), markers[settings.index(setting) % len(markers)]
+        if gone:  # hollow and crossed, as the table's "✗ diverged" (a word beside each would overlap the next)
+            ax.scatter([cost], [acc], facecolors="none", edgecolors=color, marker=marker, s=70, lw=1.3, zorder=4,
+                       gid=f"diverged: {lab}, {setting}, K={k}")
+            ax.scatter([cost], [acc], color=color, marker="x", s=28, lw=1.3, zorder=4)
+            continue
+        ax.scatter([cost], [acc], color=color, marker=marker,
                    s=28 if k > 1 else 50, edgecolor="k" if k == 1 else "none", lw=0.6)
     for lab in labels:
         ax.scatter([], [], color=colors[lab], marker="o", label=lab)
     for i, s in enumerate(settings):
         ax.scatter([], [], color="grey", marker=markers[i % len(markers)], label=s)
+    if any(k[3] for k in pts):
+        key = (ax.scatter([], [], facecolors="none", edgecolors="grey", marker="o", s=70, lw=1.3),
+               ax.scatter([], [], color="grey", marker="x", s=28, lw=1.3))
+        extra = [(key, "hollow, crossed: diverged (ended at chance, or a non-finite loss)")]
     ax.set_xscale("log")
     ax.set_xlabel(f"price of the training time ($, {price:g} per worker-hour)")
     ax.set_ylabel("final test accuracy (%)")
     ax.set_title("Price vs accuracy (outlined: 1 worker)", fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=6.5, ncol=2, loc="lower right")
+    _legend_above(fig, axes, fontsize=6.5, extra=extra)
     return _save(fig, out, "fig16_price_accuracy.png")
 
 
@@ -572,7 +671,7 @@ def _plot_speedup_ratio(runs: list[dict[str, Any]], out: Path) -> str | None:
     ax.set_ylabel("speedup over fp32 (same workers)")
     ax.set_title("Speedup vs communication/computation ratio", fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=6.5, loc="upper left")
+    _legend_above(fig, axes)
     return _save(fig, out, "fig16_speedup_ratio.png")
 
 
@@ -694,7 +793,7 @@ body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:1.5em
 h1{font-size:1.5em}h2{font-size:1.2em;margin-top:2em;border-bottom:1px solid #ccc}h3{font-size:1.0em}
 table{border-collapse:collapse;margin:.6em 0;font-size:.85em}td,th{border:1px solid #ccc;padding:3px 7px;text-align:right}
 th{background:#f3f3f3}td.l,th.l{text-align:left}.ok{background:#e8f5e9}.bad{background:#ffebee}.base{background:#e0f7fa}
-.note{color:#555;font-size:.9em}img{max-width:100%;border:1px solid #eee;margin:.4em 0}code{background:#f5f5f5;padding:0 3px}
+tr.first td{border-top:2px solid #999}.note{color:#555;font-size:.9em}img{max-width:100%;border:1px solid #eee;margin:.4em 0}code{background:#f5f5f5;padding:0 3px}
 """
 
 
@@ -829,17 +928,19 @@ def _volume_table(runs: list[dict[str, Any]]) -> str:
         base = _mean_std([r["summary"].get("bytes_per_step_per_rank") for r in rs if r["codec"] == "fp32"])[0]
         labels, v = _per_label(rs, ("bytes_per_step_per_rank", "epoch_train_s", "epoch_exposed_comm_s",
                                     "epoch_encode_s", "epoch_comm_s", "epoch_decode_s", "compressed_fraction"))
-        for lab in labels:
+        for i, lab in enumerate(labels):
             x = v[lab]
             ratio = (base / x["bytes_per_step_per_rank"]) if base and x["bytes_per_step_per_rank"] else math.nan
-            rows.append([_title(rs[0]), lab, f"{x['bytes_per_step_per_rank'] / 1e3:,.1f}",
+            # the setting once, on its first row: repeated on every row it wrapped into a column of its own
+            rows.append([_title(rs[0]) if i == 0 else "", lab, f"{x['bytes_per_step_per_rank'] / 1e3:,.1f}",
                          "—" if ratio != ratio else f"{ratio:.1f}x", f"{x['compressed_fraction'] * 100:.1f}%",
                          f"{x['epoch_train_s']:.2f}", f"{x['epoch_exposed_comm_s']:.2f}", f"{x['epoch_encode_s']:.2f}",
                          f"{x['epoch_comm_s']:.2f}", f"{x['epoch_decode_s']:.2f}"])
     if not rows:
         return ""
     return _table(["setting", "precision", "kB sent/step/rank", "less than fp32", "params compressed",
-                   "s/epoch", "exposed comm", "encode", "communicate", "decode"], rows, left=2)
+                   "s/epoch", "exposed comm", "encode", "communicate", "decode"], rows, left=2,
+                  classes=["first" if row[0] else "" for row in rows])
 
 
 def _env_section(runs: list[dict[str, Any]], notes: dict[str, Any]) -> str:
@@ -930,9 +1031,10 @@ def write_report(
           "<p class='note'>Test accuracy after each epoch, mean over seeds (band: ± one standard deviation). "
           "Cyan = 32bit, as in the seed. The accuracy axes are zoomed on the final accuracies: an epoch whose "
           "mean lies below (above) the axis is drawn as ▼ on the bottom (▲ on the top) edge, and a line under "
-          "the panel names that curve, those epochs and its lowest (highest) value there. A run that diverged "
-          "(non-finite loss, or ended at chance: see section 1) is dotted, labelled (diverged) and left out of "
-          "the axis limits.</p>",
+          "the panel names that curve, those epochs and its lowest (highest) value there (one line for the "
+          "curves that left at the same epochs). A run that diverged (non-finite loss, or ended at chance: see "
+          "section 1) is dotted, labelled (diverged) and left out of the axis limits. One legend, above the "
+          "panels, for all of them.</p>",
           _img(figs["acc"], "accuracy per epoch"), _img(figs["loss"], "training loss per epoch"),
           "<h2>3. Where an epoch's time goes (Figures 6-9)</h2>",
           "<p class='note'>Bottom: <b>exposed communication</b> — time the training thread spends after the last "
@@ -956,7 +1058,8 @@ def write_report(
           "<h2>6. Price and the communication/computation ratio (Figure 16)</h2>",
           f"<p class='note'>Left: price of the training time (workers × seconds of training × "
           f"${price_per_gpu_hour:g} per worker-hour; the seed's p2.xlarge K80 is $0.9/GPU-hour) against final "
-          "test accuracy, real data only.</p>",
+          "test accuracy, real data only, mean over seeds. A hollow, crossed point is runs that diverged (see "
+          "section 1), never averaged with seeds that learned.</p>",
           _img(figs["price"], "price vs accuracy"),
           "<p class='note'>Right: speedup of each codec over fp32 at the same number of workers against MB of fp32 "
           "gradients per GFLOP of forward+backward per worker-step (FLOPs counted by torch's FlopCounterMode). "
