@@ -259,13 +259,15 @@ def hook(state: BaselineState, bucket: dist.GradBucket) -> torch.futures.Future[
             result.set_exception(exc)
             return
 
-        def finish(f: torch.futures.Future) -> None:
+        def finish(_: torch.futures.Future) -> None:
             try:
-                result.set_result(f.value())
+                result.set_result(inner.value())
             except BaseException as exc:  # noqa: BLE001
                 result.set_exception(exc)
 
-        inner.then(finish)
+        # on lowbit's completion thread, not gloo's: a Python callback on gloo's C++ thread can abort the
+        # process at exit (lowbit.comm.collectives.on_lowbit_thread, issue 44)
+        C.on_lowbit_thread(inner).then(finish)
 
     if prev is None:
         start()

@@ -59,7 +59,7 @@ def _fail(op: str, group: dist.ProcessGroup | None | tuple[int, int], exc: BaseE
 # program order, like torch's own) and returns a torch future. ``then`` runs a callback once the op has
 # completed: on CUDA right away, on a pool stream that waits for the op (NCCL completes futures at
 # enqueue time), on CPU on lowbit's completion thread when the data has arrived (never on the backend's
-# own thread: :func:`_on_lowbit_thread` says why). Callbacks never issue collectives (that would break
+# own thread: :func:`on_lowbit_thread` says why). Callbacks never issue collectives (that would break
 # the order) and never wait for another op's callback.
 
 
@@ -114,7 +114,7 @@ class Deferred:
 def then(work: object, fn: Callable[[], object], op: str,
          group: dist.ProcessGroup | None) -> torch.futures.Future | Deferred:
     """Future of ``fn()`` run after ``work`` (a torch Work, or a future of lowbit's: already complete, or
-    the emulated link's) completed: on CPU on lowbit's completion thread (:func:`_on_lowbit_thread`).
+    the emulated link's) completed: on CPU on lowbit's completion thread (:func:`on_lowbit_thread`).
     A failed op surfaces as :class:`CollectiveError` naming it. During CUDA graph capture: a
     :class:`Deferred` (``fn()`` runs when waited for)."""
     if capturing():
@@ -125,7 +125,7 @@ def then(work: object, fn: Callable[[], object], op: str,
     # group freed on its own backend thread cannot join that thread): only its rank and size.
     where = world(group)
 
-    after = fut if mine else _on_lowbit_thread(fut)
+    after = fut if mine else on_lowbit_thread(fut)
     read = fut.value if after is fut else fut.wait  # (complete by now; wait(): this stream waits for its events)
 
     def cb(_: torch.futures.Future) -> object:
@@ -151,7 +151,7 @@ def _complete_job(job: tuple) -> None:
 _COMPLETION_WORKER = Worker("lowbit-completion", _complete_job)
 
 
-def _on_lowbit_thread(fut: torch.futures.Future) -> torch.futures.Future:
+def on_lowbit_thread(fut: torch.futures.Future) -> torch.futures.Future:
     """``fut`` (a backend's future), or where it is not complete yet, a future that lowbit's completion
     thread completes once ``fut`` has: whatever is chained on it runs on that thread, in issue order.
 

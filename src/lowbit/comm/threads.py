@@ -3,7 +3,7 @@
 Three parts of lowbit run work on a thread of their own: the DDP hook thread (lowbit.ddp), the
 emulated link (:func:`lowbit.comm.collectives.emulate_link`) and the completion thread, which runs the
 callbacks of the backend's collectives on CPU (gloo) instead of gloo's own threads, which the
-interpreter cannot join (``lowbit.comm.collectives._on_lowbit_thread``). Each is a :class:`Worker`, a
+interpreter cannot join (``lowbit.comm.collectives.on_lowbit_thread``). Each is a :class:`Worker`, a
 daemon thread that runs the jobs put to it in order, started on first use. Their lifecycle:
 
 1. A worker keeps no reference to a job once it has run. The DDP hook thread's frame held the last
