@@ -40,7 +40,8 @@ from lowbit.codecs.base import get_codec
 from lowbit.extras import require
 from lowbit.perfmodel.projection import projection_curve, speedup_bound
 from lowbit.study import seed_data
-from lowbit.study.config import LOCALSGD, codec_label, localsgd_label, policy_label
+from lowbit.study.config import LOCALSGD, policy_label
+from lowbit.study.runs import codec_label, localsgd_label
 from lowbit.study.export import output_folder, write_csv, write_curves_csv
 from lowbit.study.store import read_runs, resolve_results_path
 from lowbit.study.tta import references, setting_title, tta_metric, tta_runs, tta_setting, tta_table

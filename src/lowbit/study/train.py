@@ -31,7 +31,8 @@ from lowbit.models import build_model
 from lowbit.parallel import Hybrid, ParallelComm, hybrid_parts, model_parallel_chain, parallelize
 from lowbit.perfmodel.links import parse_bandwidth
 from lowbit.policy import Policy
-from lowbit.study.config import DEFAULT_AUTO_LEVEL, LOCALSGD, RunConfig, auto_level
+from lowbit.study.config import DEFAULT_AUTO_LEVEL, LOCALSGD, auto_level
+from lowbit.study.runs import RunConfig
 from lowbit.study.metrics import TailClock, environment, fwd_bwd_gflop_per_sample
 from lowbit.study.tta import TARGET_TOLERANCE, tolerant_target
 
