@@ -1,0 +1,252 @@
+"""The speed model's local SGD cross-over against a ``localsgd`` study (issue 45; docs/perfmodel.md,
+section 11): ``lowbit predict --localsgd-check RESULTS``.
+
+For every world size of the study's time-to-accuracy runs and every local SGD configuration, against the
+best per-step configuration (the DDP row with the lowest median time to target at that link):
+
+* **measured**, at each emulated link: median over seeds of the time to target (the rule's: the
+  baseline's final validation loss + 1 %; a seed that never reached it counts as never), of the strict
+  time, steps to target, final validation loss, bytes per step, training seconds per step; the
+  winner; and the measured cross-over: where the ratio (local SGD's time / the per-step one's) crosses
+  1, interpolated on ``log ratio`` against ``log bandwidth`` between two links (extrapolated beyond them,
+  and said so), or none when local SGD reached the target at no link;
+* **predicted** (:mod:`lowbit.perfmodel.localsgd`, the emulated-link rule, latency 0, codecs free): each
+  scheme's step from the model's size and the compute per step measured at that world size (the median
+  of the runs' ``epoch_compute_s / steps``), and the steps ratio ``rho`` (local SGD's steps to target
+  over the per-step configuration's, measured at each link where both reached it). The model's cross-over
+  is :func:`lowbit.perfmodel.localsgd.crossover_bandwidth` at that ``rho``; where ``rho`` is unknown (local
+  SGD never reached the target) the check gives, per link, the break-even steps ratio: the most steps
+  local SGD could take, relative to the per-step scheme, and still be sooner.
+
+The verdict is "within 2x" only when both a measured and a predicted cross-over exist.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from typing import Any
+
+from lowbit.perfmodel.links import Link, parse_bandwidth
+from lowbit.perfmodel.localsgd import crossover_bandwidth, ddp_step, localsgd_step, model_layers
+from lowbit.perfmodel.model import Cluster
+from lowbit.study.report import load_runs
+from lowbit.study.tta import time_to_target, time_to_target_strict, tta_runs
+
+__all__ = ["check", "format_check", "TARGET_FACTOR"]
+
+#: The issue's target: the predicted cross-over within this factor of the measured one.
+TARGET_FACTOR = 2.0
+
+_TORCH_DDP = "torch:ddp"
+
+
+def _median(xs: list[float | None]) -> float | None:
+    """Median with None as +inf (a seed that never got there); None when the median is one of those."""
+    vals = sorted(math.inf if x is None else float(x) for x in xs)
+    if not vals:
+        return None
+    m = statistics.median(vals)
+    return None if math.isinf(m) else m
+
+
+def _config(r: dict[str, Any]) -> tuple:
+    return (r.get("parallelism"), r["codec"], int(r.get("local_steps") or 0), int(r.get("fragments") or 1),
+            bool(r.get("error_feedback")))
+
+
+def _model_codec(r: dict[str, Any]) -> str:
+    return "fp32" if r["codec"] == _TORCH_DDP else r["codec"]
+
+
+def _row(members: list[dict[str, Any]]) -> dict[str, Any]:
+    r0 = members[0]
+    s = [m["summary"] for m in members]
+    steps = [float(x["steps"]) for x in s]
+    h = int(r0.get("local_steps") or 0) if r0.get("parallelism") == "localsgd" else 1
+    bytes_step = [x["bytes_sent_total"] / x["steps"] for x in s if x.get("steps") and x.get("bytes_sent_total")]
+    return {
+        "label": r0.get("label") or r0["codec"], "codec": r0["codec"], "parallelism": r0.get("parallelism"),
+        "local_steps": h, "fragments": int(r0.get("fragments") or 1), "seeds": len(members),
+        "reached": sum(time_to_target(m) is not None for m in members),
+        "time_to_target_s": _median([time_to_target(m) for m in members]),
+        "time_to_target_strict_s": _median([time_to_target_strict(m) for m in members]),
+        "steps_to_target": _median([x.get("steps_to_target") for x in s]),
+        "target_loss": statistics.median(float(x["target_loss"]) for x in s if x.get("target_loss") is not None)
+        if any(x.get("target_loss") is not None for x in s) else None,
+        "final_val_loss": statistics.median(float(x["final_val_loss"]) for x in s),
+        "steps": statistics.median(steps),
+        "bytes_total": statistics.median(float(x.get("bytes_sent_total") or 0) for x in s),
+        "bytes_per_step": statistics.median(bytes_step) if bytes_step else None,
+        "bytes_per_outer_step": statistics.median(bytes_step) * h if bytes_step and h > 1 else None,
+        "train_s_per_step": statistics.median(float(x["train_s"]) / float(x["steps"]) for x in s if x.get("steps")),
+        "compute_s_per_step": statistics.median(float(x["epoch_compute_s"]) / float(x["steps"]) for x in s
+                                                if x.get("steps") and x.get("epoch_compute_s")),
+        "stops": sorted({str(x.get("stop_reason")) for x in s}),
+        "params": int(s[0]["params"]),
+        "model_codec": _model_codec(r0),
+    }
+
+
+def _interp_crossing(points: list[tuple[float, float]]) -> tuple[float | None, str]:
+    """(bandwidth where the ratio crosses 1, how) from (bandwidth, ratio) points: interpolated between the
+    two links that bracket it, else extrapolated from the two nearest ends (said so); None when no two points."""
+    pts = sorted((b, r) for b, r in points if r is not None and math.isfinite(r) and r > 0)
+    if len(pts) < 2:
+        return None, "fewer than two links with a ratio"
+    for (b1, r1), (b2, r2) in zip(pts, pts[1:]):
+        if (r1 - 1) * (r2 - 1) <= 0 and r1 != r2:
+            return _cross(b1, r1, b2, r2), "interpolated between the links"
+    (b1, r1), (b2, r2) = pts[0], pts[-1]
+    if r1 == r2:
+        return None, "the ratio does not change with the link"
+    x = _cross(b1, r1, b2, r2)
+    return x, "extrapolated beyond the links measured"
+
+
+def _cross(b1: float, r1: float, b2: float, r2: float) -> float:
+    lb1, lb2, lr1, lr2 = math.log(b1), math.log(b2), math.log(r1), math.log(r2)
+    return math.exp(lb1 + (0 - lr1) * (lb2 - lb1) / (lr2 - lr1))
+
+
+def check(results: str) -> dict[str, Any]:
+    """The measured and predicted cross-overs of a ``localsgd`` study (module doc).
+
+    Args:
+        results: a results directory (holding ``results.jsonl``) or the ``.jsonl``.
+
+    Returns:
+        ``{"results", "settings": [{"world_size", "compute_s_per_step", "links": {link: [rows]},
+        "comparisons": [...]}], "notes"}``; each comparison names the local SGD row, the per-step row it is
+        compared with at each link, the measured and predicted cross-overs (bytes/s or None) and the verdict.
+
+    Raises:
+        ValueError: the results hold no time-to-accuracy runs of local SGD and DDP over an emulated link.
+    """
+    runs = [r for r in tta_runs(load_runs(results)[0]) if r.get("emulate_link")]
+    if not any(r.get("parallelism") == "localsgd" for r in runs) or not any(
+            r.get("parallelism") == "data" for r in runs):
+        raise ValueError(f"{results}: no time-to-accuracy runs of both local SGD and DDP over an emulated link "
+                         "(run `lowbit study --preset localsgd`)")
+    by: dict[int, dict[str, dict[tuple, list[dict[str, Any]]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    for r in runs:
+        by[int(r["world_size"])][r["emulate_link"]][_config(r)].append(r)
+    settings = []
+    for k in sorted(by):
+        links = {link: [_row(m) for m in cfgs.values()] for link, cfgs in by[k].items()}
+        bw = {link: parse_bandwidth(link) for link in links}
+        comp = [row["compute_s_per_step"] for rows in links.values() for row in rows
+                if row["parallelism"] == "data" and row["codec"] == _TORCH_DDP]
+        compute = statistics.median(comp) if comp else statistics.median(
+            row["compute_s_per_step"] for rows in links.values() for row in rows)
+        params = next(iter(links.values()))[0]["params"]
+        layers = model_layers(params, compute)
+        best = {}
+        for link, rows in links.items():
+            ddp = [row for row in rows if row["parallelism"] == "data"]
+            best[link] = min(ddp, key=lambda row: (row["time_to_target_s"] is None,
+                                                   row["time_to_target_s"] or 0.0))
+        local_labels = sorted({row["label"] for rows in links.values() for row in rows
+                               if row["parallelism"] == "localsgd"})
+        comparisons = []
+        for label in local_labels:
+            per_link, ratios, rhos = {}, [], []
+            for link in sorted(links, key=lambda x: bw[x]):
+                loc = next((row for row in links[link] if row["label"] == label), None)
+                if loc is None:
+                    continue
+                ref = best[link]
+                cl = Cluster(k, k, Link(0.0, bw[link], link))
+                d = ddp_step(layers, cl, ref["model_codec"], link_rule="emulated")
+                lo = localsgd_step(layers, cl, loc["model_codec"], loc["local_steps"], fragments=loc["fragments"],
+                                   link_rule="emulated")
+                ratio = (loc["time_to_target_s"] / ref["time_to_target_s"]
+                         if loc["time_to_target_s"] and ref["time_to_target_s"] else None)
+                rho = (loc["steps_to_target"] / ref["steps_to_target"]
+                       if loc["steps_to_target"] and ref["steps_to_target"] else None)
+                if ratio is not None:
+                    ratios.append((bw[link], ratio))
+                if rho is not None:
+                    rhos.append(rho)
+                per_link[link] = {"versus": ref["label"], "measured_ratio": ratio, "steps_ratio": rho,
+                                  "local_time_s": loc["time_to_target_s"], "per_step_time_s": ref["time_to_target_s"],
+                                  "predicted_ddp_step_s": d.step_s, "predicted_local_step_s": lo.step_s,
+                                  "break_even_steps_ratio": d.step_s / lo.step_s}
+            measured, how = _interp_crossing(ratios)
+            if not ratios:
+                measured, how = None, "local SGD reached the target at no link: no measured cross-over"
+            predicted = None
+            if rhos:
+                rho = math.exp(statistics.fmean(math.log(x) for x in rhos))
+                ref_codec = best[min(links, key=lambda x: bw[x])]["model_codec"]
+                loc_row = next(row for rows in links.values() for row in rows if row["label"] == label)
+
+                def at(b: float, codec: str = ref_codec) -> float:
+                    return ddp_step(layers, Cluster(k, k, Link(0.0, b)), codec, link_rule="emulated").step_s
+
+                def lat(b: float, row: dict[str, Any] = loc_row) -> float:
+                    return localsgd_step(layers, Cluster(k, k, Link(0.0, b)), row["model_codec"], row["local_steps"],
+                                         fragments=row["fragments"], link_rule="emulated").step_s
+                predicted = crossover_bandwidth(at, lat, rho)
+            if measured is None or predicted is None or predicted in (0.0, math.inf):
+                verdict = "no verdict: " + ("no measured cross-over" if measured is None
+                                            else "no predicted cross-over" if predicted is None
+                                            else "the model predicts local SGD pays on every link or none")
+            else:
+                f = max(measured / predicted, predicted / measured)
+                verdict = f"{'within' if f <= TARGET_FACTOR else 'NOT within'} {TARGET_FACTOR:g}x (factor {f:.2f})"
+            comparisons.append({"local": label, "links": per_link, "measured_crossover_Bps": measured,
+                                "measured_how": how, "predicted_crossover_Bps": predicted,
+                                "steps_ratio_used": math.exp(statistics.fmean(math.log(x) for x in rhos))
+                                if rhos else None, "verdict": verdict})
+        settings.append({"world_size": k, "compute_s_per_step": compute, "params": params, "links": links,
+                         "comparisons": comparisons})
+    return {"results": str(results), "settings": settings,
+            "notes": "predicted: the emulated-link rule (the bytes a rank contributes / the link speed, latency 0), "
+                     "codecs free, compute per step the median measured by the DDP fp32 runs at that world size"}
+
+
+def _bw(b: float | None) -> str:
+    if b is None:
+        return "-"
+    if math.isinf(b):
+        return "every link"
+    if b <= 0:
+        return "no link"
+    return f"{b * 8 / 1e6:.3g} Mbit/s"
+
+
+def _s(x: float | None) -> str:
+    return "never" if x is None else f"{x:.2f}"
+
+
+def format_check(rep: dict[str, Any]) -> str:
+    """:func:`check`'s report as text: the measured rows per link, then each comparison."""
+    lines = [f"local SGD vs per-step compression, measured ({rep['results']}) and predicted", rep["notes"]]
+    for st in rep["settings"]:
+        lines += ["", f"K={st['world_size']}: {st['params']:,} params, compute {st['compute_s_per_step'] * 1e3:.1f} "
+                  "ms/step (measured)"]
+        head = (f"  {'link':<8} {'configuration':<40} {'seeds':>5} {'reached':>7} {'tta s':>7} {'strict s':>8} "
+                f"{'steps':>6} {'final loss':>10} {'kB/step':>8} {'ms/step':>8} stops")
+        lines += [head, "  " + "-" * (len(head) - 2)]
+        for link, rows in sorted(st["links"].items(), key=lambda kv: parse_bandwidth(kv[0])):
+            for row in sorted(rows, key=lambda r: (r["time_to_target_s"] is None, r["time_to_target_s"] or 0)):
+                lines.append(
+                    f"  {link:<8} {row['label'][:40]:<40} {row['seeds']:>5} {row['reached']:>7} "
+                    f"{_s(row['time_to_target_s']):>7} {_s(row['time_to_target_strict_s']):>8} {row['steps']:>6.0f} "
+                    f"{row['final_val_loss']:>10.4f} {(row['bytes_per_step'] or 0) / 1e3:>8.1f} "
+                    f"{row['train_s_per_step'] * 1e3:>8.1f} {','.join(row['stops'])}")
+        for c in st["comparisons"]:
+            lines.append(f"  {c['local']}:")
+            for link, v in c["links"].items():
+                lines.append(
+                    f"    {link}: vs {v['versus']}: time ratio {_s(v['measured_ratio'])}, steps ratio "
+                    f"{_s(v['steps_ratio'])}; model's steps {v['predicted_local_step_s'] * 1e3:.1f} vs "
+                    f"{v['predicted_ddp_step_s'] * 1e3:.1f} ms: sooner if it needs < "
+                    f"{v['break_even_steps_ratio']:.2f}x the steps")
+            lines.append(f"    measured cross-over {_bw(c['measured_crossover_Bps'])} ({c['measured_how']}); "
+                         f"predicted {_bw(c['predicted_crossover_Bps'])}"
+                         + (f" at steps ratio {c['steps_ratio_used']:.2f}" if c["steps_ratio_used"] else
+                            " (no steps ratio: local SGD never reached the target)") + f"; {c['verdict']}")
+    return "\n".join(lines)
