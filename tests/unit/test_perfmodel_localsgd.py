@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +14,8 @@ from lowbit.perfmodel.links import Link
 from lowbit.perfmodel.localsgd import (crossover, crossover_bandwidth, ddp_step, emulated_cost, localsgd_step,
                                        model_layers)
 from lowbit.perfmodel.model import Cluster, bits_per_value
-from lowbit.study.crossover import _interp_crossing
+from lowbit.study.crossover import _interp_crossing, check, format_check
+from lowbit.study.tta import time_to_target
 
 Q4 = "qsgd:bits=4,bucket=512"
 Q2 = "qsgd:bits=2,bucket=512"
@@ -148,3 +150,59 @@ def test_predict_localsgd_refuses_half_a_model(capsys: pytest.CaptureFixture[str
     assert "--params and --compute-ms go together" in capsys.readouterr().err
     assert lowbit_main(["predict", "--localsgd", "0", "--params", "1000", "--compute-ms", "1"]) == 2
     assert "--localsgd must be a positive" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ the check against a localsgd study
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+LOCALSGD = FIXTURES / "study_cpu_localsgd"      # seed 0, K=2 of the committed CPU study
+
+
+def _k2(rep: dict) -> dict:
+    return next(s for s in rep["settings"] if s["world_size"] == 2)
+
+
+def test_check_says_plainly_when_local_sgd_never_reached_the_target() -> None:
+    st = _k2(check(str(LOCALSGD)))
+    assert st["params"] == N
+    q4 = next(c for c in st["comparisons"] if c["local"] == "QSGD 4bit/512 +EF [local SGD H=16]")
+    assert q4["measured_crossover_Bps"] is None and q4["predicted_crossover_Bps"] is None
+    assert q4["verdict"] == "no verdict: no measured cross-over"
+    # the model's answer instead: the most steps local SGD may take and still be sooner (> 1: its step is cheaper)
+    assert all(1.0 < v["break_even_steps_ratio"] < 1.5 for v in q4["links"].values())
+    ratios = st["targets"]["bytes_per_outer_step_vs_fp32"]
+    assert ratios["100mbit QSGD 4bit/512 +EF [local SGD H=16]"]["ratio"] == pytest.approx(4.0626 / 32, rel=1e-3)
+    assert ratios["100mbit QSGD 2bit/512 +EF [local SGD H=16]"]["ratio"] == pytest.approx(2.0626 / 32, rel=1e-3)
+    assert all(v["met"] for v in ratios.values())
+    assert "no measured cross-over" in format_check(check(str(LOCALSGD)))
+
+
+def test_check_interpolates_a_crossing_and_predicts_from_the_steps_ratio(tmp_path: Path) -> None:
+    # the same rows, the 4-bit local SGD run's curve shifted to reach the target at 100 Mbit/s sooner than
+    # the per-step runs (0.5x their time) and at 1 Gbit/s later (2x): the ratio crosses 1 between them
+    rows = [json.loads(line) for line in (LOCALSGD / "results.jsonl").read_text().splitlines()]
+    runs = {(r["config"]["emulate_link"], r["config"]["parallelism"], r["config"]["codec"], r["config"]["fragments"]): r
+            for r in rows if r.get("kind") == "run"}
+    for link, factor in (("100mbit", 0.5), ("1gbit", 2.0)):
+        ddp = [r for k, r in runs.items() if k[0] == link and k[1] == "data"]
+        best = min((time_to_target_of(r), r) for r in ddp if time_to_target_of(r) is not None)[0]
+        loc = next(r for k, r in runs.items() if k[0] == link and k[1] == "localsgd"
+                   and k[2].startswith("qsgd:bits=4") and k[3] == 1)
+        target = loc["summary"]["target_loss"]
+        loc["curve"] = [{**p, "val_loss": (target if abs(p["train_s"] - best * factor) == min(
+            abs(q["train_s"] - best * factor) for q in loc["curve"]) else 9.0)} for p in loc["curve"]]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    q4 = next(c for c in _k2(check(str(tmp_path)))["comparisons"] if c["local"] == "QSGD 4bit/512 +EF [local SGD H=16]")
+    assert q4["measured_how"] == "interpolated between the links"
+    assert 12.5e6 < q4["measured_crossover_Bps"] < 125e6
+    assert q4["steps_ratio_used"] is not None and q4["predicted_crossover_Bps"] is not None
+    assert q4["verdict"].startswith(("within", "NOT within", "no verdict: the model"))
+
+
+def time_to_target_of(r: dict) -> float | None:
+    """A stored row's time to target, read as the report reads it (config fields at the top)."""
+    return time_to_target({**r, **r["config"]})
+
+
+def test_check_refuses_results_without_local_sgd() -> None:
+    with pytest.raises(ValueError, match="no time-to-accuracy runs of both local SGD and DDP"):
+        check(str(FIXTURES / "study_cpu_default"))

@@ -14,7 +14,8 @@ best per-step configuration (the DDP row with the lowest median time to target a
   scheme's step from the model's size and the compute per step measured at that world size (the median
   of the runs' ``epoch_compute_s / steps``), and the steps ratio ``rho`` (local SGD's steps to target
   over the per-step configuration's, measured at each link where both reached it). The model's cross-over
-  is :func:`lowbit.perfmodel.localsgd.crossover_bandwidth` at that ``rho``; where ``rho`` is unknown (local
+  is :func:`lowbit.perfmodel.localsgd.crossover_bandwidth` at that ``rho`` (their geometric mean over the
+  links), against the per-step configuration that was best at the slowest link; where ``rho`` is unknown (local
   SGD never reached the target) the check gives, per link, the break-even steps ratio: the most steps
   local SGD could take, relative to the per-step scheme, and still be sooner.
 
@@ -30,7 +31,7 @@ from typing import Any
 
 from lowbit.perfmodel.links import Link, parse_bandwidth
 from lowbit.perfmodel.localsgd import crossover_bandwidth, ddp_step, localsgd_step, model_layers
-from lowbit.perfmodel.model import Cluster
+from lowbit.perfmodel.model import Cluster, bits_per_value
 from lowbit.study.report import load_runs
 from lowbit.study.tta import time_to_target, time_to_target_strict, tta_runs
 
@@ -60,6 +61,13 @@ def _model_codec(r: dict[str, Any]) -> str:
     return "fp32" if r["codec"] == _TORCH_DDP else r["codec"]
 
 
+def _steps_to_target(r: dict[str, Any]) -> float | None:
+    """The step of the validation point at which the run met its target under the rule (from its curve)."""
+    t = time_to_target(r)
+    return next((float(p["step"]) for p in r.get("curve") or [] if p.get("train_s") == t), None) \
+        if t is not None else None
+
+
 def _row(members: list[dict[str, Any]]) -> dict[str, Any]:
     r0 = members[0]
     s = [m["summary"] for m in members]
@@ -72,14 +80,17 @@ def _row(members: list[dict[str, Any]]) -> dict[str, Any]:
         "reached": sum(time_to_target(m) is not None for m in members),
         "time_to_target_s": _median([time_to_target(m) for m in members]),
         "time_to_target_strict_s": _median([time_to_target_strict(m) for m in members]),
-        "steps_to_target": _median([x.get("steps_to_target") for x in s]),
+        "steps_to_target": _median([_steps_to_target(m) for m in members]),
         "target_loss": statistics.median(float(x["target_loss"]) for x in s if x.get("target_loss") is not None)
         if any(x.get("target_loss") is not None for x in s) else None,
         "final_val_loss": statistics.median(float(x["final_val_loss"]) for x in s),
         "steps": statistics.median(steps),
         "bytes_total": statistics.median(float(x.get("bytes_sent_total") or 0) for x in s),
         "bytes_per_step": statistics.median(bytes_step) if bytes_step else None,
-        "bytes_per_outer_step": statistics.median(bytes_step) * h if bytes_step and h > 1 else None,
+        # a period's bytes (one fragment: every period sends the whole change; no sync at the run's end)
+        "bytes_per_outer_step": statistics.median(x["bytes_sent_total"] / (x["steps"] // h) for x in s
+                                                  if x.get("bytes_sent_total") and x["steps"] >= h)
+        if h > 1 and int(r0.get("fragments") or 1) == 1 and any(x["steps"] >= h for x in s) else None,
         "train_s_per_step": statistics.median(float(x["train_s"]) / float(x["steps"]) for x in s if x.get("steps")),
         "compute_s_per_step": statistics.median(float(x["epoch_compute_s"]) / float(x["steps"]) for x in s
                                                 if x.get("steps") and x.get("epoch_compute_s")),
@@ -201,10 +212,70 @@ def check(results: str) -> dict[str, Any]:
                                 "steps_ratio_used": math.exp(statistics.fmean(math.log(x) for x in rhos))
                                 if rhos else None, "verdict": verdict})
         settings.append({"world_size": k, "compute_s_per_step": compute, "params": params, "links": links,
-                         "comparisons": comparisons})
+                         "comparisons": comparisons, "targets": _targets(by[k], links, best, comparisons)})
     return {"results": str(results), "settings": settings,
             "notes": "predicted: the emulated-link rule (the bytes a rank contributes / the link speed, latency 0), "
                      "codecs free, compute per step the median measured by the DDP fp32 runs at that world size"}
+
+
+def _find(cfgs: dict[tuple, list[dict[str, Any]]], prefix: str, fragments: int = 1) -> list[dict[str, Any]]:
+    """The local SGD runs whose codec spec starts with ``prefix`` (one fragment unless said)."""
+    return next((m for (par, codec, _, f, _), m in cfgs.items()
+                 if par == "localsgd" and codec.startswith(prefix) and f == fragments), [])
+
+
+def _paired(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Median over the seeds both ran of a's final validation loss / b's, and whether each pair ran the
+    same steps."""
+    fb = {r["seed"]: r["summary"] for r in b}
+    pairs = [(r["summary"]["final_val_loss"] / fb[r["seed"]]["final_val_loss"],
+              r["summary"]["steps"] == fb[r["seed"]]["steps"]) for r in a if r["seed"] in fb]
+    if not pairs:
+        return None
+    return {"ratio": statistics.median(x for x, _ in pairs), "seeds": len(pairs),
+            "equal_steps": all(e for _, e in pairs), "per_seed": sorted(x for x, _ in pairs)}
+
+
+def _targets(cfgs_by_link: dict[str, dict[tuple, list[dict[str, Any]]]], links: dict[str, list[dict[str, Any]]],
+             best: dict[str, dict[str, Any]], comparisons: list[dict[str, Any]]) -> dict[str, Any]:
+    """Issue 45's targets (item 3) at one world size, from the measured rows (module doc)."""
+    out: dict[str, Any] = {}
+    slow = min(links, key=parse_bandwidth)
+    q4 = next((row for row in links[slow] if row["parallelism"] == "localsgd" and row["fragments"] == 1
+               and row["codec"].startswith("qsgd:bits=4")), None)
+    ref = best[slow]
+    if q4 is not None:
+        t, b = q4["time_to_target_s"], ref["time_to_target_s"]
+        x = b / t if t and b else None
+        out["sooner_at_slowest"] = {
+            "link": slow, "local": q4["label"], "versus": ref["label"], "local_time_s": t, "per_step_time_s": b,
+            "times_sooner": x, "met": x is not None and x >= 3.0,
+            "note": None if x is not None else ("local SGD's median run never reached the target" if t is None
+                                                else "the per-step configuration never reached it")}
+    losses: dict[str, Any] = {}
+    for link, cfgs in cfgs_by_link.items():
+        fp, dt = _find(cfgs, "fp32"), _find(cfgs, "dettmers")
+        for name, prefix in (("4bit", "qsgd:bits=4"), ("2bit", "qsgd:bits=2")):
+            runs = _find(cfgs, prefix)
+            vs_fp = _paired(runs, fp)
+            vs_dt = _paired(runs, dt)
+            losses[f"{link} {name}"] = {"vs_fp32": vs_fp, "vs_8bit_rowscaled": vs_dt,
+                                        "met_within_1pct": vs_fp is not None and vs_fp["ratio"] <= 1.01,  # lower is no miss
+                                        "at_most_8bit": vs_dt is not None and vs_dt["ratio"] <= 1.0}
+    out["final_loss_at_equal_steps"] = losses
+    ratios: dict[str, Any] = {}
+    for link, rows in links.items():
+        fp = next((r for r in rows if r["parallelism"] == "localsgd" and r["codec"] == "fp32"), None)
+        for row in rows:
+            if row["parallelism"] != "localsgd" or row is fp or fp is None or row["bytes_per_outer_step"] is None:
+                continue
+            from_codec = bits_per_value(row["model_codec"], row["params"]) / 32
+            got = row["bytes_per_outer_step"] / fp["bytes_per_outer_step"]
+            ratios[f"{link} {row['label']}"] = {"ratio": got, "codec_framed": from_codec,
+                                                 "met": abs(got / from_codec - 1) < 0.01}
+    out["bytes_per_outer_step_vs_fp32"] = ratios
+    out["crossover"] = {c["local"]: c["verdict"] for c in comparisons}
+    return out
 
 
 def _bw(b: float | None) -> str:
@@ -249,4 +320,27 @@ def format_check(rep: dict[str, Any]) -> str:
                          f"predicted {_bw(c['predicted_crossover_Bps'])}"
                          + (f" at steps ratio {c['steps_ratio_used']:.2f}" if c["steps_ratio_used"] else
                             " (no steps ratio: local SGD never reached the target)") + f"; {c['verdict']}")
+        t = st["targets"]
+        lines.append("  issue 45's targets (item 3):")
+        s3 = t.get("sooner_at_slowest")
+        if s3:
+            lines.append(f"    {s3['local']} vs {s3['versus']} at {s3['link']}: "
+                         + (f"{s3['times_sooner']:.2f}x sooner" if s3["times_sooner"] is not None else s3["note"])
+                         + f" (target >= 3x: {'met' if s3['met'] else 'NOT met'})")
+        for key, v in t["final_loss_at_equal_steps"].items():
+            def pct(p: dict[str, Any] | None) -> str:
+                if p is None:
+                    return "-"
+                return (f"{100 * (p['ratio'] - 1):+.2f} % (median of {p['seeds']} seeds"
+                        + ("" if p["equal_steps"] else ", NOT at equal steps") + ")")
+            if v["vs_fp32"] is None and v["vs_8bit_rowscaled"] is None:
+                lines.append(f"    final loss {key}: no runs to compare")
+                continue
+            lines.append(f"    final loss {key}: vs fp32 deltas {pct(v['vs_fp32'])} (at most +1 %: "
+                         f"{'met' if v['met_within_1pct'] else 'NOT met'}); vs 8-bit row-scaled "
+                         f"{pct(v['vs_8bit_rowscaled'])}, at equal steps, not equal bytes "
+                         f"({'at most' if v['at_most_8bit'] else 'above'})")
+        for key, v in t["bytes_per_outer_step_vs_fp32"].items():
+            lines.append(f"    bytes per outer step {key}: {v['ratio']:.4f} of fp32 deltas' (the codec's framed "
+                         f"size {v['codec_framed']:.4f}: {'met' if v['met'] else 'NOT met'})")
     return "\n".join(lines)
