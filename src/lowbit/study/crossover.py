@@ -29,6 +29,7 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
+from lowbit.perfmodel.collectives import modeled_algorithms
 from lowbit.perfmodel.links import Link, parse_bandwidth
 from lowbit.perfmodel.localsgd import crossover_bandwidth, ddp_step, localsgd_step, model_layers
 from lowbit.perfmodel.model import Cluster, bits_per_value
@@ -95,8 +96,10 @@ def _row(members: list[dict[str, Any]]) -> dict[str, Any]:
         "compute_s_per_step": statistics.median(float(x["epoch_compute_s"]) / float(x["steps"]) for x in s
                                                 if x.get("steps") and x.get("epoch_compute_s")),
         "stops": sorted({str(x.get("stop_reason")) for x in s}),
-        "params": int(s[0]["params"]),
+        "params": int(s[0]["params"]), "world_size": int(r0["world_size"]),
         "model_codec": _model_codec(r0),
+        # the collective the run used, as the model names it (torch's hook: its native allreduce)
+        "model_algorithm": r0.get("algorithm") if r0.get("algorithm") in modeled_algorithms() else "auto",
     }
 
 
@@ -169,9 +172,9 @@ def check(results: str) -> dict[str, Any]:
                     continue
                 ref = best[link]
                 cl = Cluster(k, k, Link(0.0, bw[link], link))
-                d = ddp_step(layers, cl, ref["model_codec"], link_rule="emulated")
+                d = ddp_step(layers, cl, ref["model_codec"], algorithm=ref["model_algorithm"], link_rule="emulated")
                 lo = localsgd_step(layers, cl, loc["model_codec"], loc["local_steps"], fragments=loc["fragments"],
-                                   link_rule="emulated")
+                                   algorithm=loc["model_algorithm"], link_rule="emulated")
                 ratio = (loc["time_to_target_s"] / ref["time_to_target_s"]
                          if loc["time_to_target_s"] and ref["time_to_target_s"] else None)
                 rho = (loc["steps_to_target"] / ref["steps_to_target"]
@@ -190,15 +193,17 @@ def check(results: str) -> dict[str, Any]:
             predicted = None
             if rhos:
                 rho = math.exp(statistics.fmean(math.log(x) for x in rhos))
-                ref_codec = best[min(links, key=lambda x: bw[x])]["model_codec"]
+                ref_row = best[min(links, key=lambda x: bw[x])]
                 loc_row = next(row for rows in links.values() for row in rows if row["label"] == label)
 
-                def at(b: float, codec: str = ref_codec) -> float:
-                    return ddp_step(layers, Cluster(k, k, Link(0.0, b)), codec, link_rule="emulated").step_s
+                def at(b: float, row: dict[str, Any] = ref_row) -> float:
+                    return ddp_step(layers, Cluster(k, k, Link(0.0, b)), row["model_codec"],
+                                    algorithm=row["model_algorithm"], link_rule="emulated").step_s
 
                 def lat(b: float, row: dict[str, Any] = loc_row) -> float:
                     return localsgd_step(layers, Cluster(k, k, Link(0.0, b)), row["model_codec"], row["local_steps"],
-                                         fragments=row["fragments"], link_rule="emulated").step_s
+                                         fragments=row["fragments"], algorithm=row["model_algorithm"],
+                                         link_rule="emulated").step_s
                 predicted = crossover_bandwidth(at, lat, rho)
             if measured is None or predicted is None or predicted in (0.0, math.inf):
                 verdict = "no verdict: " + ("no measured cross-over" if measured is None
@@ -270,9 +275,17 @@ def _targets(cfgs_by_link: dict[str, dict[tuple, list[dict[str, Any]]]], links: 
             if row["parallelism"] != "localsgd" or row is fp or fp is None or row["bytes_per_outer_step"] is None:
                 continue
             from_codec = bits_per_value(row["model_codec"], row["params"]) / 32
+            k = int(row["world_size"])
+            layers, cl = model_layers(row["params"], 1.0), Cluster(k, k, Link(0.0, 1e9))
+            model = (localsgd_step(layers, cl, row["model_codec"], row["local_steps"],
+                                   algorithm=row["model_algorithm"]).bytes_per_exchange
+                     / localsgd_step(layers, cl, "fp32", fp["local_steps"],
+                                     algorithm=fp["model_algorithm"]).bytes_per_exchange)
             got = row["bytes_per_outer_step"] / fp["bytes_per_outer_step"]
-            ratios[f"{link} {row['label']}"] = {"ratio": got, "codec_framed": from_codec,
-                                                 "met": abs(got / from_codec - 1) < 0.01}
+            ratios[f"{link} {row['label']}"] = {"ratio": got, "codec_framed": from_codec, "algorithm":
+                                                 row["model_algorithm"], "with_algorithms": model,
+                                                 "met": abs(got / from_codec - 1) < 0.01,
+                                                 "as_modelled": abs(got / model - 1) < 0.01}
     out["bytes_per_outer_step_vs_fp32"] = ratios
     out["crossover"] = {c["local"]: c["verdict"] for c in comparisons}
     return out
@@ -342,5 +355,7 @@ def format_check(rep: dict[str, Any]) -> str:
                          f"({'at most' if v['at_most_8bit'] else 'above'})")
         for key, v in t["bytes_per_outer_step_vs_fp32"].items():
             lines.append(f"    bytes per outer step {key}: {v['ratio']:.4f} of fp32 deltas' (the codec's framed "
-                         f"size {v['codec_framed']:.4f}: {'met' if v['met'] else 'NOT met'})")
+                         f"size {v['codec_framed']:.4f}: {'met' if v['met'] else 'NOT met'}; with {v['algorithm']} "
+                         f"against fp32's ring allreduce the model counts {v['with_algorithms']:.4f}: "
+                         f"{'as modelled' if v['as_modelled'] else 'NOT as modelled'})")
     return "\n".join(lines)
