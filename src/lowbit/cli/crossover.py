@@ -165,12 +165,13 @@ def format_localsgd(s: dict[str, Any], args: argparse.Namespace) -> str:
     lines.append(f"(per rank on the slow link; comm and codec amortised over H; 'to target': steps ratio x step, "
                  f"relative to {schemes[0].label})")
     lines += ["", "step ms against the slow link's bandwidth:"]
-    head2 = f"{'bandwidth':>12} " + " ".join(f"{st.label[:24]:>24}" for st in schemes)
+    w = max(12, *(len(st.label) for st in schemes))
+    head2 = f"{'bandwidth':>12} " + " ".join(f"{st.label:>{w}}" for st in schemes)
     lines += [head2, "-" * len(head2)]
     for b in SWEEP_BPS:
         c = with_bandwidth(cl, b)
         lines.append(f"{describe_bandwidth(b):>12} " + " ".join(
-            f"{f(c).step_s * 1e3:>24.2f}" for f in [*s["ddp"].values(), *s["local"].values()]))
+            f"{f(c).step_s * 1e3:>{w}.2f}" for f in [*s["ddp"].values(), *s["local"].values()]))
     lines += ["", f"cross-over (local SGD reaches the target sooner below it, at steps ratio {rho:g}):"]
     for x in s["crossovers"]:
         b = x.bandwidth_Bps
