@@ -254,3 +254,12 @@ def test_tick_labels_render_as_numbers_and_words_as_written(tmp_path) -> None:
     assert not any("mathdefault" in t or "\\" in t for t in texts), texts
     assert "10−3" in texts and "102" in texts  # 10 with its exponent, drawn
     assert {"cost$5a$run$", "net$a$/data", "x$y$", "plain"} <= set(texts), texts
+
+
+def test_the_legend_draws_names_with_a_math_delimiter_as_written() -> None:
+    """A network named "mlp$_{$x" in the legend above the panels: measured before _save turns math
+    parsing off everywhere, it raised matplotlib's ParseSyntaxException (the slow fuzz test found it)."""
+    fig, axes = figures._figure(1)
+    axes[0].plot([0, 1], [0, 1], label="mlp$_{$x, fp32")
+    leg = figures._legend_above(fig, axes)
+    assert [t.get_text() for t in leg.get_texts()] == ["mlp$_{$x, fp32"]

@@ -72,6 +72,8 @@ def _legend_above(fig: Any, axes: Sequence[Any], fontsize: float = 7.0, extra: S
     for ncols in range(len(handles), 0, -1):
         leg = fig.legend(list(handles.values()), list(handles), loc="upper center", bbox_to_anchor=(0.5, 1.0),
                          ncols=ncols, fontsize=fontsize, frameon=False, columnspacing=1.5)
+        for text in leg.get_texts():  # labels are names, drawn as written (measured now, before _save)
+            text.set_parse_math(False)
         if ncols == 1 or leg.get_window_extent(renderer).width <= 0.97 * fig.bbox.width:
             break
         leg.remove()
