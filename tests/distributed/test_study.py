@@ -180,7 +180,7 @@ def test_study_with_emulated_nodes(tmp_path: Path, capsys) -> None:
     by = {(r["config"]["nodes"], r["config"]["algorithm"]): r["summary"]["bytes_per_step_per_rank"] for r in runs}
     assert by[(1, "hierarchical")] > by[(1, "scatter_gather")]
     # a run as one node keeps the key it had before nodes existed
-    from lowbit.study.config import RunConfig
+    from lowbit.study.runs import RunConfig
 
     one = next(r for r in runs if r["config"]["nodes"] == 1)
     cfg = dict(one["config"])
@@ -496,7 +496,7 @@ def test_study_with_model_and_hybrid_parallelism(tmp_path: Path, capsys) -> None
     html = (out / "report" / "index.html").read_text()
     assert "[model]" in html and "[hybrid, 2 sub-batches]" in html
     # a data-parallel run keeps the key it had before parallelism existed
-    from lowbit.study.config import RunConfig
+    from lowbit.study.runs import RunConfig
 
     one = runs[("mlp", "fp32", "data")]
     cfg = dict(one["config"])

@@ -19,7 +19,8 @@ import torch
 from lowbit.cli import main
 from lowbit.launch import spawn
 from lowbit.models import build_model
-from lowbit.study.config import RunConfig, StudyConfig, expand_runs
+from lowbit.study.config import StudyConfig
+from lowbit.study.runs import RunConfig, expand_runs
 from lowbit.study.export import write_csv, write_curves_csv
 from lowbit.study.metrics import TailClock
 from lowbit.study.report import load_runs, write_report

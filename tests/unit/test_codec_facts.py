@@ -24,6 +24,7 @@ from lowbit.codecs.base import Codec, get_codec, register_codec
 from lowbit.perfmodel import advise as adv
 from lowbit.perfmodel.model import codec_fact, short_codec
 from lowbit.study import config as study_config
+from lowbit.study import runs as study_runs
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "lowbit"
 BASE = SRC / "codecs" / "base.py"
@@ -162,8 +163,8 @@ def test_the_ladder_is_what_advice_orders_by() -> None:
 ])
 def test_study_error_feedback_follows_the_codec(spec: str, auto: bool, biased: bool) -> None:
     codec = get_codec(spec)
-    assert study_config._feedback("auto", codec) is auto
-    assert study_config._feedback("biased", codec) is biased
+    assert study_runs._feedback("auto", codec) is auto
+    assert study_runs._feedback("biased", codec) is biased
 
 
 # ------------------------------------------------------------------------------ a codec in one file
@@ -175,11 +176,11 @@ def test_the_toy_plugin_gets_every_fact_from_the_defaults(registry_restored) -> 
     assert (toy.label, toy.short_label) == ("toy8", "toy8")
     assert not toy.sums_on_wire and toy.biased and toy.seeds_feedback
     assert abs(toy.code_bits - 8.0) < 1e-3 and toy.rung == 4  # 8 bits a value (and one scale): qsgd8's rung
-    assert study_config.codec_label("toy8", True) == "toy8 +EF"
+    assert study_runs.codec_label("toy8", True) == "toy8 +EF"
     assert short_codec("toy8") == "toy8" and codec_fact("toy8", "rung", 0) == 4
     cand = adv.Candidate("toy8", "toy8")
     assert (cand.rung, cand.error_feedback, cand.label, cand.canonical) == (4, True, "toy8 +EF", "toy8")
-    assert study_config._feedback("auto", toy) and not study_config._feedback("auto", get_codec("qsgd"))
+    assert study_runs._feedback("auto", toy) and not study_runs._feedback("auto", get_codec("qsgd"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,8 +220,8 @@ def test_a_codec_defined_in_one_file_is_asked_for_its_facts(registry_restored) -
     spec = "test_sign2:bucket=64"
     codec = get_codec(spec)
     assert codec.rung == codec_fact(spec, "rung", 0) == 2 and codec.bits_per_value(1 << 16) == 2.5
-    assert short_codec(spec) == "sign2/64" and study_config.codec_label(spec) == "Sign 2bit/64"
-    assert study_config._feedback("auto", codec) is False and study_config._feedback("biased", codec) is True
+    assert short_codec(spec) == "sign2/64" and study_runs.codec_label(spec) == "Sign 2bit/64"
+    assert study_runs._feedback("auto", codec) is False and study_runs._feedback("biased", codec) is True
     cand = adv.Candidate("sign2", spec)
     assert (cand.rung, cand.error_feedback, cand.label) == (2, True, "sign2/64 +EF")
     # a policy of it and qsgd4: qsgd4 is higher on the ladder, so the policy's default

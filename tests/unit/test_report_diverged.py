@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import lowbit.study.figures as figures
 import lowbit.study.report as report
 
 pytest.importorskip("matplotlib")
@@ -22,7 +23,7 @@ LEARNED = FIXTURES / "study_cpu_default" / "results.jsonl"
 
 def _figures(monkeypatch, tmp_path, plot, *args) -> list:
     figs: list = []
-    monkeypatch.setattr(report, "_save", lambda fig, out, name: figs.append(fig) or name)
+    monkeypatch.setattr(figures, "_save", lambda fig, out, name: figs.append(fig) or name)
     assert plot(*args[:1], tmp_path, *args[1:]) is not None
     return figs
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import lowbit.study.figures as figures
 import lowbit.study.report as report
 
 pytest.importorskip("matplotlib")
@@ -26,7 +27,7 @@ def _notes_naming(ax, label: str) -> list:
 
 def _figure5(runs, monkeypatch, tmp_path):
     figs = []
-    monkeypatch.setattr(report, "_save", lambda fig, out, name: figs.append(fig) or name)
+    monkeypatch.setattr(figures, "_save", lambda fig, out, name: figs.append(fig) or name)
     assert report._plot_accuracy(runs, tmp_path, "test_acc", "test accuracy (%)", "fig5.png") == "fig5.png"
     return figs[0]
 
@@ -101,7 +102,7 @@ def test_a_diverged_run_is_labelled_and_kept_out_of_the_others_axis(monkeypatch,
     assert "✗ diverged" in report._match_section([r for r in bad if r["seed"] == 0])  # one seed is enough to say so
     for field in ("test_acc", "train_loss"):
         figs: list = []
-        monkeypatch.setattr(report, "_save", lambda fig, out, name: figs.append(fig) or name)
+        monkeypatch.setattr(figures, "_save", lambda fig, out, name: figs.append(fig) or name)
         report._plot_accuracy(bad, tmp_path, field, field, "f.png")
         ax = figs[0].axes[0]
         lo, hi = ax.get_ylim()
@@ -194,7 +195,7 @@ def test_no_text_overlaps_another_or_a_legend_or_a_panel(tmp_path) -> None:
         return save(fig, out, name)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(report, "_save", keep)
+        mp.setattr(figures, "_save", keep)
         report._plot_accuracy(runs, tmp_path, "test_acc", "test accuracy (%)", "fig5.png")
         report._plot_accuracy(runs, tmp_path, "train_loss", "training loss", "fig5_loss.png")
         two = bad + cnn  # (two panels are enough for the others' legends)

@@ -8,15 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lowbit.study.config import (
-    RunConfig,
-    StudyConfig,
-    check_runs,
-    codec_label,
-    expand_runs,
-    load_config,
-    resolve_batch,
-)
+from lowbit.study.config import StudyConfig, load_config, resolve_batch
+
+from lowbit.study.runs import RunConfig, check_runs, codec_label, expand_runs
 from lowbit.study.runner import resolve_targets
 from lowbit.study.store import ResultStore
 from lowbit.study.train import lr_factor, time_to_target, validation_subset

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from lowbit.study.config import StudyConfig, expand_runs, load_config
+from lowbit.study.config import StudyConfig, load_config
+
+from lowbit.study.runs import expand_runs
 
 
 def _cfg(**kw: object) -> StudyConfig:

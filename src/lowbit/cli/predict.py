@@ -8,6 +8,8 @@
     lowbit predict --calibrate BENCH.json [RESULTS] --save-calibration cal.json
     lowbit predict --validate RESULTS [--calibration cal.json | --bench BENCH.json] [--json]
     lowbit predict --network vgg19 --gpus 2 --calibration cal.json  # measured links and codec costs
+    lowbit predict --localsgd 16 --params 136960 --compute-ms 40 --gpus 2 --intra bw=100Mbit/s  # local SGD
+    lowbit predict --localsgd-check RESULTS                       # its cross-over vs a localsgd study's
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from lowbit.cli.advise import _one_of, add_cluster_arguments, add_codec_rate_arguments, describe_link, speed_setup
+from lowbit.cli import crossover as crossover_cli
 from lowbit.cli.bench import load_bench
 from lowbit.extras import require
 from lowbit.perfmodel import advise as advise_mod
@@ -92,6 +95,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--dettmers", action="store_true",
                    help="print Dettmers' 4-GPU and 96-GPU tables vs the paper")
+    crossover_cli.add_arguments(p)
     p.set_defaults(func=run_predict)
 
 
@@ -371,6 +375,10 @@ def run_predict(args: argparse.Namespace) -> int:
         raise ValueError("--save-calibration needs --calibrate BENCH.json [RESULTS]")
     if args.overhead:
         return run_overhead(args)
+    if args.localsgd_check:
+        return crossover_cli.run_check(args)
+    if args.localsgd is not None:
+        return crossover_cli.run_localsgd(args)
     if args.calibrate:
         return run_calibrate(args)
     if args.validate:

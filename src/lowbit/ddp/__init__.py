@@ -4,76 +4,19 @@
     state = lowbit.ddp.register(model, codec="qsgd:bits=4")        # the one-line change
 
 or, with the raw pieces, ``model.register_comm_hook(lowbit.ddp.make_state(model.module, ...), lowbit.ddp.hook)``.
-The options live in one frozen :class:`DDPConfig` (validated once; ``register(model, *, config=None,
-**options)`` and ``make_state`` build it from their keywords or take ``config=``), kept on ``state.options``.
+How to use it, what each option does and when it pays: docs/ddp.md (the tuning guide).
 
-How a step goes (per DDP bucket, as the backward pass makes it ready):
+How the package is organised:
 
-1. Once, lowbit splits the model's quantised parameters into *message groups* (consecutive tensors in
-   reverse model order, one codec, up to ``message_mb`` of fp32; the fp32 tensors ride along with the
-   ``allgather`` algorithm), each with a persistent staging buffer and one flat error-feedback residual.
-   Groups depend on the model only, not on DDP's buckets. Per (rebuilt) DDP bucket it notes, once,
-   which of the bucket's gradients go to which group; natively summed tensors (fp32 that does not
-   ride, fp16, bf16) are reduced per bucket, in place where the bucket holds them together.
-2. ``hook`` copies the bucket's gradients into their groups' staging buffers (one fused copy); a group
-   whose last gradient has arrived adds its residual, encodes in one call and issues its collective:
-   without waiting, in DDP's program order (``find_unused_parameters`` and the user's own collectives
-   mix freely), and on CUDA the host never waits for the device. On CUDA this work runs on one
-   *hook thread* per process (``hook_thread``): DDP calls the hook on the autograd thread, which also
-   launches the backward pass's kernels, so every microsecond of Python there delays the backward
-   pass; the hook only records an event and queues the bucket, and the hook thread, on a side stream
-   that waits for that event, copies, encodes and issues the collectives in the order DDP called
-   (FIFO: the same order on every rank), on a process group of its own (the same ranks, made by
-   ``make_state``): collectives that the backward pass itself issues on the user's group
-   (SyncBatchNorm, ``torch.distributed.nn``, a custom autograd function) cannot meet lowbit's in a
-   different order on different ranks.
-3. Decoding, the mean and the copy back into the bucket(s) run when the data has arrived: on CUDA on a
-   pool stream that waits for the collective (the backward pass goes on), on CPU on lowbit's completion
-   thread (not gloo's own, which the interpreter cannot join at exit: :mod:`lowbit.comm.threads`).
-   DDP waits for each bucket's future (its groups' messages) before the optimizer step.
-
-Tuning guide (:class:`DDPConfig`'s options):
-
-* ``codec`` / ``policy`` — 8-bit QSGD (bucket 512) recovered full accuracy in every experiment of the
-  seed; 4-bit usually does; 2-bit loses about a point on conv nets. onebit needs error feedback.
-  ``codec="auto"`` measures and chooses per tensor (:mod:`lowbit.auto`): ``auto_level`` says how far
-  it may go (``"conservative"``: within 8-bit QSGD's error; ``"bold"``: 4-bit QSGD and 1bitSGD* too, up to
-  the gradients' sampling noise), ``guard_every`` how often its guard checks the choice while training.
-* ``algorithm`` — ``auto`` (default): ``allgather`` for two ranks, ``scatter_gather`` above (it sends
-  about 2(K-1)/K payloads per rank and scales; allgather sends (K-1)). ``hierarchical``: several
-  machines — native fp32 inside each node, compressed only between nodes (``node_size`` ranks per
-  node, default ``$LOWBIT_NODE_SIZE`` or torchrun's ``LOCAL_WORLD_SIZE``; :mod:`lowbit.comm.hierarchical`).
-* ``error_feedback`` — ``"auto"`` (default) turns it on for biased codecs (``codec.biased``: onebit,
-  topk, dettmers) and off for unbiased QSGD, whose large variance at few bits can feed on itself
-  through the residual.
-* ``message_mb`` — quantised gradients go out in *message groups*: consecutive parameters (in reverse
-  model order, the order their gradients become ready) of one codec, up to this many MiB of fp32
-  (0: one message per parameter tensor), plus the fp32 tensors that ride along. The default,
-  ``"auto"``, closes a group where one of DDP's buckets ends (as DDP cuts the model: 1 MiB first, then
-  its ``bucket_cap_mb``) once it holds the larger of 16 MiB and an eighth of the model's quantised
-  gradients, and sends DDP's last bucket of the step alone: at most about eight messages a step, and
-  what is left to send after the backward pass is only the last bucket (a group that reached into it
-  would wait for it). A group is sent as soon as its last gradient has arrived. Each collective costs
-  a fixed time, which a fast link or a small model cannot hide, and a compressed bucket is 4-32x
-  smaller than DDP sized it for: fewer, larger messages pay, while the first messages still overlap
-  the rest of the backward pass. Groups depend on the model and DDP's bucket cap only, not on DDP's
-  actual (rebuilt) buckets, so results are the same before and after DDP's bucket rebuild, and a
-  resumed run is bit-identical.
-* ``start_iter`` — DDP rebuilds its buckets after the first iteration, so compression (and error
-  feedback) starts at iteration 2 by default; before, the plain fp32 allreduce runs.
-* ``hook_thread`` — ``"auto"`` (default): on for CUDA buckets, off on CPU (there the thread would
-  compete with the backward pass for the same cores); ``True``/``False`` force it. Results are
-  bit-identical either way; only where the host time is spent changes.
-* ``state.stats`` counts calls and bytes sent; ``state.stats.timing = True`` adds the time per phase
-  (on CUDA it synchronises the device around each phase: for profiling, not for speed).
-
-Residuals live in one flat buffer per message group; ``state.residuals`` holds per-parameter views of
-them, so they survive bucket rebuilds and checkpoints: ``state.state_dict()`` / ``load_state_dict()``
-resume a run bit-identically. Residuals differ between ranks: save and load each rank's own. The update,
-the rule for non-finite values and the residuals' checkpoint format are :mod:`lowbit.feedback`'s (the
-collectives apply the first two; a step whose reduced result is not finite leaves every residual as it was).
-
-No ``from __future__ import annotations`` here: DDP inspects the hook's annotations at registration.
+* this module: :func:`register` and :func:`make_state`, which build the options, check that the ranks
+  agree on them (:mod:`lowbit.comm.agreement`) before anything is created, and make the state;
+* :mod:`lowbit.ddp.config`: :class:`DDPConfig`, every option, frozen and validated once;
+* :mod:`lowbit.ddp.state`: :class:`LowbitState`, the hook's state (``codec="auto"``'s tuner from
+  :mod:`lowbit.auto`, the statistics, the residuals and their checkpoint, :mod:`lowbit.feedback`'s);
+* :mod:`lowbit.ddp.messages`: the message groups (consecutive tensors of one codec, a staging buffer and
+  a flat residual each, planned from :func:`lowbit.timeline.plan_step`) and how a DDP bucket maps onto them;
+* :mod:`lowbit.ddp.hooking`: :func:`hook`, DDP's comm hook, and the hook thread that issues the groups'
+  collectives (:mod:`lowbit.comm`) in DDP's call order on a process group of its own.
 """
 
 import logging

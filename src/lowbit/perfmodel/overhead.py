@@ -20,7 +20,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Breakeven", "breakeven", "format_breakeven"]
+__all__ = ["Breakeven", "breakeven", "codec_floor_bytes", "codec_floor_ms", "format_breakeven", "H200_HBM_GBPS"]
+
+#: NVIDIA H200's HBM3e bandwidth as specified (4.8 TB/s); a kernel reaches perhaps 80-90 % of it.
+H200_HBM_GBPS = 4800.0
 
 
 @dataclass(frozen=True)
@@ -69,3 +72,40 @@ def format_breakeven(doc: dict[str, Any]) -> str:
         lines.append(f"  {b.config[:34]:34} {b.ratio:6.3f} {b.added_ms:9.2f} {b.bytes_per_step / 1e6:8.1f} {where:>14}")
     lines.append("  (per GPU, where the link's time is not hidden behind compute: an upper bound)")
     return "\n".join(lines)
+
+
+def codec_floor_bytes(mode: str, numel: int, world: int, grad_bits: float | None, param_bits: float | None = None,
+                      grad_bytes: int = 4, param_bytes: int = 2) -> float:
+    """The memory traffic (bytes a rank a step) of the codecs' own work, what no implementation can avoid:
+    each value read once and each code written once, each code read once and each result written once.
+
+    ``fsdp`` (``numel`` parameters over ``world`` ranks, S = numel / world a shard): the gradients'
+    reduce-scatter encodes the K-1 rows for the others (read in ``grad_bytes``, write ``grad_bits``) and
+    decodes the K-1 rows it receives, adding its own row (read codes and own row, write the fp32 shard);
+    the parameters' all-gather, twice a step (forward and the backward's re-gather), encodes its shard
+    and decodes every rank's (written in ``param_bytes``). ``ddp`` (the allgather algorithm, as at two
+    ranks): encode the whole gradient once, decode and sum every rank's payload. ``grad_bits`` /
+    ``param_bits``: bits a value on the wire, scales included (None: that direction is not compressed)."""
+    k, n = world, float(numel)
+    s = n / k
+    total = 0.0
+    if mode == "fsdp":
+        if grad_bits is not None:
+            g = grad_bits / 8
+            total += (k - 1) * s * (grad_bytes + g) + (k - 1) * s * g + s * grad_bytes + s * 4
+        if param_bits is not None:
+            p = param_bits / 8
+            total += 2 * (s * (param_bytes + p) + k * s * (p + param_bytes))
+    elif mode == "ddp":
+        if grad_bits is not None:
+            g = grad_bits / 8
+            total += n * (4 + g) + k * n * g + n * 4
+    else:
+        raise ValueError(f"mode must be 'fsdp' or 'ddp', got {mode!r}")
+    return total
+
+
+def codec_floor_ms(mode: str, numel: int, world: int, grad_bits: float | None, param_bits: float | None = None,
+                   hbm_gbps: float = H200_HBM_GBPS, **kw: int) -> float:
+    """:func:`codec_floor_bytes` at ``hbm_gbps`` GB/s, in ms a step."""
+    return codec_floor_bytes(mode, numel, world, grad_bits, param_bits, **kw) / (hbm_gbps * 1e9) * 1e3

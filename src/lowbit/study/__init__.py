@@ -13,7 +13,9 @@ worker groups: local spawn or torchrun), ``train`` (one run on a rank: DDP + low
 
 from __future__ import annotations
 
-from lowbit.study.config import RunConfig, StudyConfig, expand_runs, load_config
+from lowbit.study.config import StudyConfig, load_config
+
+from lowbit.study.runs import RunConfig, expand_runs
 from lowbit.study.report import write_report
 from lowbit.study.runner import run_study
 from lowbit.study.store import ResultStore

@@ -2,7 +2,7 @@
 
 Plan:
 
-1. Expand the config into runs (:func:`~lowbit.study.config.expand_runs`), check every network/data
+1. Expand the config into runs (:func:`~lowbit.study.runs.expand_runs`), check every network/data
    pair on the meta device, and drop the runs whose key already has a finished row in
    ``results.jsonl`` — an interrupted study resumes where it stopped.
 2. Local launch (the default): runs of one (backend, world size) share one set of worker processes
@@ -45,7 +45,8 @@ from lowbit.comm.hierarchical import topology
 from lowbit.env import launched_rank_and_size, under_torchrun
 from lowbit.extras import require
 from lowbit.launch import WorkerError, emulate_node, init_from_env, spawn
-from lowbit.study.config import RunConfig, StudyConfig, check_runs, expand_runs, is_auto
+from lowbit.study.config import StudyConfig, is_auto
+from lowbit.study.runs import RunConfig, check_runs, expand_runs
 from lowbit.study.export import TensorBoardLog
 from lowbit.study.store import ResultStore
 from lowbit.study.train import train_run

@@ -35,7 +35,7 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
-from lowbit.study.config import RunConfig
+from lowbit.study.runs import RunConfig
 
 __all__ = ["tta_runs", "tta_metric", "tta_setting", "setting_title", "link_label", "references", "tta_table",
            "run_ratios", "ratio_column", "REFERENCE_FP16", "TARGET_TOLERANCE", "tolerant_target", "time_to_target",
