@@ -305,7 +305,7 @@ def _body_torchtitan(rank: int, world: int) -> dict:
 def test_torchtitan_spec_registers_after_the_optimizers_are_built(reference_kernels) -> None:
     """with_lowbit's post_optimizer_build_fn, called as torchtitan's trainer calls it, runs the spec's own
     hook, then registers lowbit.fsdp on the sharded part (its reduce-scatters run) and says that a part
-    not sharded is left alone. Not run against torchtitan (not installed here)."""
+    not sharded is left alone. torchtitan itself: test_torchtitan_real.py (skipped where it is absent)."""
     from lowbit.integrations.torchtitan import with_lowbit
 
     r0, r1 = spawn(_body_torchtitan, 2, backend="gloo", timeout_s=120)

@@ -19,8 +19,10 @@ nothing, and that is said once. HSDP (``dp_replicate`` and ``dp_shard`` both abo
 which :func:`lowbit.fsdp.register` refuses with its reason.
 
 This adapter does not import torchtitan: it relies only on the spec being a dataclass with a
-``post_optimizer_build_fn`` field and on that call's arguments, as in torchtitan 0.3. It is tested with a
-stand-in spec on FSDP2 models (tests/distributed/test_integrations.py), not against torchtitan itself.
+``post_optimizer_build_fn`` field and on that call's arguments, as in torchtitan 0.3 (0.2's ``TrainSpec``
+has no such field, and is refused). Tested with a stand-in spec (tests/distributed/test_integrations.py)
+and against torchtitan 0.3.0 itself on torch 2.13 (tests/distributed/test_torchtitan_real.py: its llama3
+debug model through its own ``parallelize_fn``, ``spmd_backend`` "partial_dtensor" and "full_dtensor").
 """
 
 from __future__ import annotations
