@@ -26,8 +26,12 @@ rank 0 at construction), so every rank ends each outer step with bit-identical w
 Streaming (``fragments=F``, Douillard et al. 2025): the parameters, in model order, are cut into ``F``
 fragments of about equal size (whole tensors); fragment ``f`` is synchronised after inner step
 ``(f + 1) * H // F`` of each period (the last fragment at the period's end), so the peak traffic is
-``1/F`` of the model. This version exchanges a fragment synchronously (no overlap with the next inner
-steps, no delayed application).
+``1/F`` of the model. With ``overlap=τ`` (Streaming DiLoCo's overlapping communication) the fragment's
+exchange is only issued there: the next ``τ`` inner steps run while it crosses, and at the ``τ``-th the
+outer step is applied to the pseudo-gradient formed ``τ`` steps earlier and the fragment's parameters
+become ``mix * local + (1 - mix) * anchor`` (the paper's mixing; ``mix=0``: the anchor, as without
+overlap). The anchors stay bit-identical on every rank; with ``mix > 0`` each rank keeps its mixed share
+of the ``τ`` local steps.
 
 Memory beyond the model: the anchor (one float32 copy of the parameters), a float32 scratch buffer
 of the largest fragment, the outer optimizer's state (SGD with momentum: one more copy) and, with error
@@ -141,6 +145,8 @@ class LocalSGDConfig:
     error_feedback: bool = False
     algorithm: str = "auto"
     node_size: int | None = None
+    overlap: int = 0
+    mix: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("local_steps", "fragments"):
@@ -150,6 +156,16 @@ class LocalSGDConfig:
         if self.fragments > self.local_steps:
             raise ValueError(f"fragments ({self.fragments}) must be at most local_steps ({self.local_steps}): each "
                              "fragment is synchronised at its own inner step of the period")
+        gap = self.local_steps // self.fragments
+        if isinstance(self.overlap, bool) or not isinstance(self.overlap, int) or not 0 <= self.overlap < gap:
+            raise ValueError(f"overlap must be an int in [0, {gap}) (inner steps a fragment's exchange may take, less "
+                             f"than local_steps // fragments, so one fragment's lands before the next one's starts), "
+                             f"got {self.overlap!r}")
+        if isinstance(self.mix, bool) or not isinstance(self.mix, (int, float)) or not 0.0 <= self.mix < 1.0:
+            raise ValueError(f"mix must be a number in [0, 1) (the local parameters' share at the merge), got "
+                             f"{self.mix!r}")
+        if self.mix and not self.overlap:
+            raise ValueError("mix goes with overlap > 0 (without overlap the parameters are the anchor at once)")
         codec = get_codec(self.codec)
         if self.algorithm != AUTO:
             plugin = get_algorithm(self.algorithm)  # (a ValueError naming the algorithms for an unknown one)
@@ -253,6 +269,8 @@ class LocalSGD:
         group: dist.ProcessGroup | None = None,
         node_size: int | None = None,
         replicate_group: dist.ProcessGroup | None = None,
+        overlap: int = 0,
+        mix: float | None = None,
     ) -> None:
         """Args:
             model: the module whose trainable parameters are synchronised (a DDP module is fine).
@@ -270,6 +288,10 @@ class LocalSGD:
                 (:func:`node_groups` gives the inner group); only the outer exchange crosses groups.
             replicate_group: the group the outer exchange runs over (every rank sends its whole weight
                 change), when the groups come from elsewhere (a device mesh's replicate dimension).
+            overlap: τ, inner steps a fragment's exchange runs behind (0: synchronous; less than
+                ``local_steps // fragments``).
+            mix: with ``overlap``, the local parameters' share when a fragment lands (default 0.5, Streaming
+                DiLoCo's mixing; 0: replaced by the anchor).
 
         Raises:
             ValueError: an option out of range (named), an unknown codec, ``node_size`` and
@@ -282,7 +304,8 @@ class LocalSGD:
         self.optimizer = optimizer
         try:
             settings = self._configure(model, optimizer, local_steps, codec, fragments, outer_optimizer, outer_lr,
-                                       outer_momentum, error_feedback, algorithm, group, node_size, replicate_group)
+                                       outer_momentum, error_feedback, algorithm, group, node_size, replicate_group,
+                                       overlap, (0.5 if overlap else 0.0) if mix is None else mix)
         except ValueError as exc:
             settings = exc
         agree(settings, group, "lowbit.localsgd: the ranks disagree on their local SGD settings",
@@ -294,7 +317,7 @@ class LocalSGD:
                    codec: str | Codec, fragments: int, outer_optimizer: OuterFactory | None,
                    outer_lr: float | None, outer_momentum: float | None, error_feedback: bool | str,
                    algorithm: str, group: dist.ProcessGroup | None, node_size: int | None,
-                   replicate_group: dist.ProcessGroup | None) -> dict[str, Any]:
+                   replicate_group: dist.ProcessGroup | None, overlap: int = 0, mix: float = 0.0) -> dict[str, Any]:
         """Validate the options and build the state; returns the settings the ranks compare."""
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -312,7 +335,7 @@ class LocalSGD:
             _check_node_size(node_size, k)
         config = LocalSGDConfig(local_steps=local_steps, fragments=fragments, codec=codec.spec,
                                 error_feedback=_resolve_feedback(error_feedback, codec), algorithm=algorithm,
-                                node_size=node_size)
+                                node_size=node_size, overlap=overlap, mix=float(mix))
         if outer_optimizer is not None and (outer_lr is not None or outer_momentum is not None):
             raise ValueError("outer_lr / outer_momentum set the default outer optimizer; with outer_optimizer= set "
                              "the lr and momentum in the factory")
@@ -358,6 +381,8 @@ class LocalSGD:
                 self._frags.append(_Fragment(members, anchor, ((f + 1) * self._H // self._F) % self._H,
                                              -(-n // self._chunks) * self._chunks))
         self._scratch = torch.zeros(max(fr.padded for fr in self._frags), dtype=torch.float32, device=device)
+        # with overlap: per fragment, its exchange in flight (handle or None once landed, its delta, the step due)
+        self._pending: dict[int, list[Any]] = {}
         self.outer = outer_optimizer([fr.anchor for fr in self._frags])
         if not isinstance(self.outer, torch.optim.Optimizer):
             raise ValueError(f"outer_optimizer must return a torch.optim.Optimizer, got {type(self.outer).__name__}")
@@ -433,16 +458,94 @@ class LocalSGD:
         """
         self._step += 1
         phase = self._step % self._H
+        for f in [f for f, (_, _, due) in sorted(self._pending.items()) if due == self._step]:
+            self._land(f)  # exchanges issued overlap steps ago (before any new one: one order on every rank)
         self.synced = [f for f, fr in enumerate(self._frags) if fr.offset == phase]
         for f in self.synced:
-            self._sync(f)
+            if self.config.overlap:
+                self._issue(f)
+            else:
+                self._sync(f)
         return self.synced
 
     def sync(self) -> None:
         """Synchronise every fragment now (e.g. before evaluating or saving a final model); every rank must
-        call it at the same step. Does not change the period's schedule."""
+        call it at the same step. Exchanges in flight land first. Does not change the period's schedule."""
+        for f in sorted(self._pending):
+            self._land(f)
         for f in range(self._F):
             self._sync(f)
+
+    def _issue(self, f: int) -> None:
+        """Overlap: form fragment ``f``'s pseudo-gradient now and issue its exchange; it lands
+        ``overlap`` inner steps later (:meth:`_land`)."""
+        fr = self._frags[f]
+        delta = torch.empty(fr.padded, dtype=torch.float32, device=fr.anchor.device)
+        with torch.no_grad():
+            self._pseudo_gradient(fr, delta)
+            handle = None
+            if not self._solo:
+                c = fr.padded // self._chunks
+                before = self.stats.bytes_sent
+                handle = all_reduce(delta[self._local * c : (self._local + 1) * c], self.codec, group=self._cross,
+                                    algorithm=self.config.algorithm, op="mean", feedback=self.feedback, key=f,
+                                    seed=self._step, stats=self.stats, async_op=True)
+                self.stats.bytes_inter += self.stats.bytes_sent - before
+        self._pending[f] = [handle, delta, self._step + self.config.overlap]
+
+    def _land(self, f: int) -> None:
+        """Overlap: fragment ``f``'s exchange has had its ``overlap`` steps: wait for it, gather the chunks
+        inside the group, step the anchor and mix the parameters with it."""
+        handle, delta, _ = self._pending.pop(f)
+        if handle is not None:
+            handle.wait()
+        fr = self._frags[f]
+        with torch.no_grad():
+            self._gather_chunks(fr, delta)
+            self._outer_step(fr, delta)
+            self._merge(fr, self.config.mix)
+
+    def _pseudo_gradient(self, fr: _Fragment, delta: torch.Tensor) -> None:
+        """``delta[:n] = anchor - current`` (the padding zero)."""
+        n = fr.numel
+        torch.cat([p.detach().reshape(-1).to(torch.float32) for p in fr.params], out=delta[:n])
+        torch.sub(fr.anchor, delta[:n], out=delta[:n])
+        delta[n:].zero_()
+
+    def _gather_chunks(self, fr: _Fragment, delta: torch.Tensor) -> None:
+        """The chunks of the mean that the ranks of a group reduced across groups, put together."""
+        if not self._solo and self._chunks > 1:
+            c = fr.padded // self._chunks
+            send = delta[self._local * c : (self._local + 1) * c].clone()
+            C.all_gather(delta[: fr.padded], send, self._intra, link=False)
+            self.stats.bytes_sent += (self._chunks - 1) * send.numel() * send.element_size()
+
+    def _outer_step(self, fr: _Fragment, delta: torch.Tensor) -> None:
+        """The outer optimizer's step on the fragment's anchor; a mean with an Inf or NaN (the same on every
+        rank) is skipped."""
+        n = fr.numel
+        if not bool(torch.isfinite(delta[:n]).all()):
+            self.skipped += 1
+            return
+        fr.anchor.grad = delta[:n]
+        for other in self._frags:
+            if other is not fr:
+                other.anchor.grad = None
+        self.outer.step()
+        fr.anchor.grad = None
+
+    @staticmethod
+    def _merge(fr: _Fragment, mix: float) -> None:
+        """The fragment's parameters become ``mix * local + (1 - mix) * anchor`` (``mix=0``: the anchor)."""
+        if not mix:
+            LocalSGD._reset(fr)
+            return
+        with torch.no_grad():
+            pos = 0
+            for p in fr.params:
+                a = fr.anchor[pos : pos + p.numel()].view_as(p)
+                p.copy_(torch.lerp(a, p.detach().to(torch.float32), mix))
+                pos += p.numel()
 
     def _sync(self, f: int) -> None:
         fr = self._frags[f]
@@ -533,10 +636,21 @@ class LocalSGD:
             "step": self._step,
             "skipped": self.skipped,
             "anchors": [fr.anchor.detach().to("cpu").clone() for fr in self._frags],
+            # overlap: the exchanges in flight, landed locally (each its reduced chunk and the step it is due)
+            "pending": {f: (self._landed(f).to("cpu").clone(), due)
+                        for f, (_, _, due) in sorted(self._pending.items())},
             "outer": self.outer.state_dict(),
             "feedback": self.feedback.state_dict() if self.feedback is not None else None,
             "stats": self.stats.as_dict(),
         }
+
+    def _landed(self, f: int) -> torch.Tensor:
+        """Fragment ``f``'s delta in flight, its exchange waited for (it lands at its step as planned)."""
+        entry = self._pending[f]
+        if entry[0] is not None:
+            entry[0].wait()
+            entry[0] = None
+        return entry[1]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load :meth:`state_dict` (all checked before anything changes). With the model's and the inner
@@ -567,6 +681,17 @@ class LocalSGD:
         step = state.get("step")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"lowbit.localsgd checkpoint: 'step' must be an int >= 0, got {step!r}")
+        pending = state.get("pending", {})
+
+        def bad(f: Any, v: Any) -> bool:
+            return (not (isinstance(f, int) and 0 <= f < len(self._frags)) or not isinstance(v, (tuple, list))
+                    or len(v) != 2 or not isinstance(v[0], torch.Tensor) or v[0].dtype != torch.float32
+                    or v[0].numel() != self._frags[f].padded or not isinstance(v[1], int)
+                    or not step < v[1] <= step + self.config.overlap)
+
+        if not isinstance(pending, dict) or any(bad(f, v) for f, v in pending.items()):
+            raise ValueError("lowbit.localsgd checkpoint: 'pending' must map fragments to (their padded float32 delta, "
+                             "a due step within overlap of 'step')")
         fb = state.get("feedback")
         if (fb is None) != (self.feedback is None):
             raise ValueError("lowbit.localsgd checkpoint: error feedback was "
@@ -583,6 +708,7 @@ class LocalSGD:
         if self.feedback is not None:
             self.feedback.residuals = trial.residuals
         self._step = step
+        self._pending = {f: [None, v[0].to(self._scratch.device).clone(), v[1]] for f, v in pending.items()}
         self.skipped = int(state.get("skipped", 0))
         stats = state.get("stats")
         if isinstance(stats, dict):
