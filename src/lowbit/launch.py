@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import os
 import pickle
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable, Iterator
@@ -118,8 +119,14 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, errdir: st
             torch.cuda.set_device(rank % torch.cuda.device_count())
         else:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        fault = os.environ.get(_FAULT_INIT_ENV)
+        if fault and rank == 0 and not os.path.exists(fault):  # (tests: the rendezvous fails once)
+            Path(fault).write_text("failed once")
+            raise RuntimeError("Gloo connectFullMesh failed: Connection closed by peer (injected by "
+                               f"${_FAULT_INIT_ENV})")
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
+        Path(errdir, f"started.{rank}").touch()  # past the rendezvous: from here on, a failure is the run's
         ok = False
         try:
             result = fn(rank, world_size, *args)
@@ -171,6 +178,14 @@ class WorkerError(RuntimeError):
     pass
 
 
+#: Test hook: a path; while it does not exist, rank 0's rendezvous fails once (and creates it).
+_FAULT_INIT_ENV = "LOWBIT_FAULT_INIT_ONCE"
+#: Launches :func:`spawn` retries when the processes fail before any of them is past the rendezvous
+#: (nothing of ``fn`` has run): on a loaded machine gloo's full-mesh connect between local processes
+#: now and then fails with "Connection closed by peer".
+INIT_RETRIES = 1
+
+
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | None = None,
           timeout_s: float = 120.0, node_size: int | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes; returns every rank's result.
@@ -182,23 +197,35 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | No
     backend = backend or default_backend()
     if backend == "nccl" and torch.cuda.device_count() < world_size:
         raise ValueError(f"backend nccl needs one GPU per rank: {world_size} ranks, {torch.cuda.device_count()} GPUs")
-    with tempfile.TemporaryDirectory(prefix="lowbit-") as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        try:
-            method = start_method()
-            mp.start_processes(_worker, args=(world_size, backend, init_file, tmp, timeout_s, fn, args, node_size,
-                                              dict(os.environ) if method == "forkserver" else None),
-                               nprocs=world_size, join=True, start_method=method)
-        except Exception as exc:
-            errors = sorted(Path(tmp).glob("error.*"))
-            detail = "\n".join(f"--- rank {p.name.split('.')[1]} ---\n{p.read_text()}" for p in errors)
-            raise WorkerError(f"a worker failed:\n{detail or exc}") from None
-        results: list[Any] = []
-        for r in range(world_size):
-            path = os.path.join(tmp, f"result.{r}")
-            if not os.path.exists(path):  # the rank exited without returning (os._exit in a fault test)
-                results.append(None)
-                continue
-            with open(path, "rb") as f:
-                results.append(pickle.load(f))
-        return results
+    for attempt in range(INIT_RETRIES + 1):
+        with tempfile.TemporaryDirectory(prefix="lowbit-") as tmp:
+            init_file = os.path.join(tmp, "rendezvous")
+            try:
+                method = start_method()
+                mp.start_processes(_worker, args=(world_size, backend, init_file, tmp, timeout_s, fn, args, node_size,
+                                                  dict(os.environ) if method == "forkserver" else None),
+                                   nprocs=world_size, join=True, start_method=method)
+            except Exception as exc:
+                errors = sorted(Path(tmp).glob("error.*"))
+                detail = "\n".join(f"--- rank {p.name.split('.')[1]} ---\n{p.read_text()}" for p in errors)
+                if attempt < INIT_RETRIES and not any(Path(tmp).glob("started.*")):
+                    print(f"lowbit.launch: the {world_size} processes failed before the rendezvous completed; "
+                          f"starting them again ({detail.strip().splitlines()[-1] if detail else exc})",
+                          file=sys.stderr, flush=True)
+                    continue
+                raise WorkerError(f"a worker failed:\n{detail or exc}") from None
+            return _results(tmp, world_size)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _results(tmp: str, world_size: int) -> list[Any]:
+    """Every rank's pickled return value (None for a rank that exited without returning)."""
+    results: list[Any] = []
+    for r in range(world_size):
+        path = os.path.join(tmp, f"result.{r}")
+        if not os.path.exists(path):  # the rank exited without returning (os._exit in a fault test)
+            results.append(None)
+            continue
+        with open(path, "rb") as f:
+            results.append(pickle.load(f))
+    return results
