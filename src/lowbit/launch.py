@@ -4,7 +4,8 @@
 with an initialised process group (gloo on CPU, NCCL on GPU) and returns the list of every rank's
 return value (None for a rank that exited without returning). Each rank
 writes its traceback to a file, so the real cause of a failure is shown instead of "connection closed by
-peer". Under torchrun (RANK / WORLD_SIZE / MASTER_ADDR set) use ``with process_group_from_env() as
+peer". A launch whose processes fail before any of them is past the rendezvous (gloo's local full-mesh
+connect, now and then, on a loaded machine) is started once more (:data:`INIT_RETRIES`). Under torchrun (RANK / WORLD_SIZE / MASTER_ADDR set) use ``with process_group_from_env() as
 (rank, world):`` (or :func:`init_from_env` and :func:`shutdown`) instead: the worker code is the same.
 
 Teardown: every process ends with :func:`shutdown`, which stops lowbit's background threads
