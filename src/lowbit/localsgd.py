@@ -57,6 +57,7 @@ from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
 from lowbit.comm.agreement import ConfigMismatchError, agree
 from lowbit.comm.allreduce import all_reduce
+from lowbit.comm.groups import new_subgroup
 from lowbit.comm.hierarchical import topology
 from lowbit.comm.registry import AUTO, SIMULATED, get_algorithm
 from lowbit.comm.stats import CommStats
@@ -310,6 +311,12 @@ class LocalSGD:
             settings = exc
         agree(settings, group, "lowbit.localsgd: the ranks disagree on their local SGD settings",
               lambda s: ", ".join(f"{k}={v}" for k, v in s.items()))
+        if self.config.overlap and not self._solo and dist.is_available() and dist.is_initialized():
+            # an exchange in flight must not meet the job's other collectives on one communicator (an
+            # emulated link's thread, or gloo's, issues it later than the caller's next ones, in another
+            # order on another rank): its own group, with the same ranks (made once the ranks agree)
+            self._cross = new_subgroup(self._cross, dist.get_process_group_ranks(
+                self._cross if self._cross is not None else dist.group.WORLD))
         self._broadcast_anchor()
 
     # ----------------------------------------------------------------------------- construction

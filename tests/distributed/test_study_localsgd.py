@@ -1,5 +1,5 @@
 """The localsgd preset cut down, on two gloo workers over one emulated link (issue 45): DDP fp32 sets the
-target, local SGD runs (4-bit QSGD with error feedback, streaming) take it, sync every few steps and send
+target, local SGD runs (4-bit QSGD with error feedback, streaming with overlapping communication) take it, sync every few steps and send
 about 1/8 of fp32 local SGD's bytes per outer step; the report's table carries the strict time. ~10 s."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ eval_samples = 32
 batch_sizes = [8]
 local_steps = 4
 also = [{parallelism = ["localsgd"], codecs = ["fp32", "qsgd:bits=4,bucket=512"]},
-        {parallelism = ["localsgd"], codecs = ["qsgd:bits=4,bucket=512"], fragments = 2}]
+        {parallelism = ["localsgd"], codecs = ["qsgd:bits=4,bucket=512"], fragments = 2, overlap = 1}]
 [model_args.gpt2_small]
 n_layers = 1
 n_heads = 2
@@ -54,10 +54,11 @@ def test_cut_down_localsgd_study(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         assert s["target_loss_rule"] == pytest.approx(s["target_loss"] * 1.01)
         assert s["steps"] >= 4 and s["bytes_sent_total"] > 0
     assert q4["config"]["error_feedback"] is True and fp32["config"]["error_feedback"] is False
+    assert rows[("localsgd", "qsgd:bits=4,bucket=512,norm=max,rounding=stochastic", 2)]["config"]["overlap"] == 1
     # bytes per outer step: 4-bit deltas about 1/8 of fp32's (scales and slots on top)
     per = {k: r["summary"]["bytes_sent_total"] / (r["summary"]["steps"] // 4) for k, r in (("fp32", fp32), ("q4", q4))}
     assert 1 / 8 <= per["q4"] / per["fp32"] <= 1 / 8 * 1.05, per
     runs, _ = load_runs(out)
     table = tta_table(runs)
-    assert {r["label"] for r in table} >= {"QSGD 4bit/512 +EF [local SGD H=4]", "QSGD 4bit/512 +EF [local SGD H=4, F=2]"}
+    assert {r["label"] for r in table} >= {"QSGD 4bit/512 +EF [local SGD H=4]", "QSGD 4bit/512 +EF [local SGD H=4, F=2, overlap 1]"}
     assert all("time_to_target_strict_s" in r for r in table)

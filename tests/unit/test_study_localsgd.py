@@ -78,3 +78,26 @@ def test_localsgd_preset_rows() -> None:
                              "8bit dynamic (Dettmers) [local SGD H=16]", "QSGD 4bit/512 +EF [local SGD H=16]",
                              "QSGD 2bit/512 +EF [local SGD H=16]", "QSGD 4bit/512 +EF [local SGD H=16, F=4]"]), labels
     assert len(runs) == 7 * 2 * 2 * 3
+
+
+def test_overlap_is_a_study_key_and_leaves_older_keys_alone() -> None:
+    """``overlap`` (Streaming DiLoCo's overlapping communication, lowbit.localsgd's ``overlap=``): checked
+    against local_steps // fragments, carried into the runs and their labels, and in a run's key only
+    when set: the committed local SGD rows (a fixture copy) keep the keys they were written with."""
+    import json
+    from pathlib import Path
+
+    from lowbit.study.runs import RunConfig
+
+    with pytest.raises(ValueError, match=r"'overlap' \(4\) must be less than local_steps // fragments \(4\)"):
+        _cfg(parallelism=["localsgd"], local_steps=8, fragments=2, overlap=4)
+    with pytest.raises(ValueError, match="'overlap' must be an integer >= 0"):
+        _cfg(overlap=-1)
+    sync, over = (expand_runs(_cfg(parallelism=["localsgd"], local_steps=8, fragments=2, overlap=o,
+                                   codecs=["qsgd:bits=4,bucket=512"]))[0] for o in (0, 2))
+    assert (sync.overlap, over.overlap) == (0, 2)
+    assert "overlap 2" in over.codec_label and "overlap" not in sync.codec_label
+    assert sync.key() != over.key()
+    rows = Path(__file__).parents[1] / "fixtures" / "study_cpu_localsgd" / "results.jsonl"
+    runs = [r for r in map(json.loads, rows.read_text().splitlines()) if r.get("kind") == "run"]
+    assert runs and all(RunConfig.from_dict(r["config"]).key() == r["key"] for r in runs)

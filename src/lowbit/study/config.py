@@ -122,10 +122,12 @@ class StudyConfig:
     # codec; hybrid: features data-parallel, classifier model-parallel (docs/parallel.md)
     parallelism: tuple[str, ...] = ("data",)
     sub_batches: int = 1           # hybrid runs: sub-batches whose transfers overlap compute
-    # localsgd runs (lowbit.localsgd): H inner steps a period, F streaming fragments, the outer SGD's
-    # learning rate and Nesterov momentum (DiLoCo's 0.7 / 0.9)
+    # localsgd runs (lowbit.localsgd): H inner steps a period, F streaming fragments, the inner steps a
+    # fragment's exchange overlaps (Streaming DiLoCo; 0: synchronous), the outer SGD's learning rate
+    # and Nesterov momentum (DiLoCo's 0.7 / 0.9)
     local_steps: int = 0
     fragments: int = 1
+    overlap: int = 0
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     # per-layer overrides of the run's codec ({} = none): {by_type = {Conv2d = "fp32"}}, {by_name = {...}}
@@ -309,6 +311,7 @@ class StudyConfig:
     def _check_localsgd(self) -> None:
         _check_int("local_steps", self.local_steps, 0)
         _check_int("fragments", self.fragments, 1)
+        _check_int("overlap", self.overlap, 0)
         if LOCALSGD in self.parallelism:
             if self.local_steps < 1:
                 raise ValueError("study config: parallelism \"localsgd\" needs 'local_steps' (inner steps between "
@@ -316,6 +319,10 @@ class StudyConfig:
             if self.fragments > self.local_steps:
                 raise ValueError(f"study config: 'fragments' ({self.fragments}) must be at most 'local_steps' "
                                  f"({self.local_steps})")
+            if self.overlap >= self.local_steps // self.fragments:
+                raise ValueError(f"study config: 'overlap' ({self.overlap}) must be less than local_steps // "
+                                 f"fragments ({self.local_steps // self.fragments}): one fragment's exchange lands "
+                                 "before the next one's starts")
         for key, lo, hi in (("outer_lr", 0.0, math.inf), ("outer_momentum", 0.0, 1.0)):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v < hi or (key == "outer_lr" and v == 0):

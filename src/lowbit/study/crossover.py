@@ -55,7 +55,7 @@ def _median(xs: list[float | None]) -> float | None:
 
 def _config(r: dict[str, Any]) -> tuple:
     return (r.get("parallelism"), r["codec"], int(r.get("local_steps") or 0), int(r.get("fragments") or 1),
-            bool(r.get("error_feedback")))
+            bool(r.get("error_feedback")), int(r.get("overlap") or 0))
 
 
 def _model_codec(r: dict[str, Any]) -> str:
@@ -225,8 +225,8 @@ def check(results: str) -> dict[str, Any]:
 
 def _find(cfgs: dict[tuple, list[dict[str, Any]]], prefix: str, fragments: int = 1) -> list[dict[str, Any]]:
     """The local SGD runs whose codec spec starts with ``prefix`` (one fragment unless said)."""
-    return next((m for (par, codec, _, f, _), m in cfgs.items()
-                 if par == "localsgd" and codec.startswith(prefix) and f == fragments), [])
+    return next((m for (par, codec, _, f, _, overlap), m in cfgs.items()
+                 if par == "localsgd" and codec.startswith(prefix) and f == fragments and not overlap), [])
 
 
 def _paired(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, Any] | None:

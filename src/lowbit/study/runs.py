@@ -61,6 +61,7 @@ class RunConfig:
     # localsgd runs only (in the key only then): H, F, the outer SGD's lr and momentum
     local_steps: int = 0
     fragments: int = 1
+    overlap: int = 0           # in the key only when > 0 (runs made before it keep theirs)
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     policy: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # per-layer overrides; in the key if any
@@ -105,9 +106,11 @@ class RunConfig:
             d.pop("sub_batches")
         if d["emulate_link"] is None:
             d.pop("emulate_link")
+        if not d["overlap"]:
+            d.pop("overlap")  # synchronous streaming: the keys of runs made before overlap existed
         if d.get("parallelism") != LOCALSGD:  # (popped above for data parallelism)
             for field in _LOCALSGD_FIELDS:
-                d.pop(field)
+                d.pop(field, None)
         if not d["policy"]:
             d.pop("policy")  # likewise for runs without per-layer overrides
         d.pop("target_from")  # a label: the target's value (resolved) is in target_loss
@@ -209,15 +212,16 @@ def codec_label(spec: str, error_feedback: bool = False) -> str:
 
 #: the study's name for lowbit.ddp.register(codec="auto") (a choice made while training, not a codec);
 #: ``"auto:LEVEL"`` names its ``auto_level`` (``"auto:bold"``), and plain ``"auto"`` the default level
-_LOCALSGD_FIELDS = ("local_steps", "fragments", "outer_lr", "outer_momentum")
+_LOCALSGD_FIELDS = ("local_steps", "fragments", "overlap", "outer_lr", "outer_momentum")
 
 
 def localsgd_label(cfg: Mapping[str, Any]) -> str:
     """What a run's label adds for local SGD (a config dict: a RunConfig's or a result row's), else ''."""
     if cfg.get("parallelism") != LOCALSGD:
         return ""
-    f = int(cfg.get("fragments") or 1)
-    return f" [local SGD H={cfg.get('local_steps')}" + (f", F={f}" if f > 1 else "") + "]"
+    f, o = int(cfg.get("fragments") or 1), int(cfg.get("overlap") or 0)
+    return (f" [local SGD H={cfg.get('local_steps')}" + (f", F={f}" if f > 1 else "") + (f", overlap {o}" if o else "")
+            + "]")
 
 
 #: RunConfig's time-to-accuracy fields and their values when unset (then left out of the run's key)
@@ -354,6 +358,7 @@ def expand_runs(cfg: StudyConfig) -> list[RunConfig]:
             parallelism=par,
             sub_batches=cfg.sub_batches if par == "hybrid" else 1, emulate_link=link,
             local_steps=cfg.local_steps if local else 0, fragments=cfg.fragments if local else 1,
+            overlap=cfg.overlap if local else 0,
             outer_lr=cfg.outer_lr if local else 0.7, outer_momentum=cfg.outer_momentum if local else 0.9,
             time_budget_s=(cfg.time_budget_s * cfg.target_budget_factor
                            if cfg.time_budget_s is not None and cfg.target_from not in (None, run_codec)

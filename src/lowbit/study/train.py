@@ -62,7 +62,8 @@ class _Trainer:
             # every rank its own group: inner steps alone, the weight change exchanged every local_steps
             # steps in the run's codec (the inner optimizer is stepped by the loop: after_step counts it)
             self.lsgd = self.state = lowbit.localsgd.LocalSGD(
-                model, None, local_steps=run.local_steps, fragments=run.fragments, codec=run.codec,
+                model, None, local_steps=run.local_steps, fragments=run.fragments, overlap=run.overlap,
+                codec=run.codec,
                 error_feedback=run.error_feedback, algorithm="auto" if run.algorithm == "none" else run.algorithm,
                 outer_lr=run.outer_lr, outer_momentum=run.outer_momentum)
             self.lsgd.stats.timing = not (run.time_to_accuracy and cuda)
