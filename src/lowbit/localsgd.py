@@ -490,15 +490,21 @@ class LocalSGD:
         delta = torch.empty(fr.padded, dtype=torch.float32, device=fr.anchor.device)
         with torch.no_grad():
             self._pseudo_gradient(fr, delta)
-            handle = None
-            if not self._solo:
-                c = fr.padded // self._chunks
-                before = self.stats.bytes_sent
-                handle = all_reduce(delta[self._local * c : (self._local + 1) * c], self.codec, group=self._cross,
-                                    algorithm=self.config.algorithm, op="mean", feedback=self.feedback, key=f,
-                                    seed=self._step, stats=self.stats, async_op=True)
-                self.stats.bytes_inter += self.stats.bytes_sent - before
+            handle = self._exchange(f, delta, async_op=True)
         self._pending[f] = [handle, delta, self._step + self.config.overlap]
+
+    def _exchange(self, f: int, delta: torch.Tensor, async_op: bool = False) -> Any:
+        """This rank's chunk of ``delta`` averaged across groups, in place (its bytes in the stats, those
+        between groups in ``bytes_inter``); the handle with ``async_op``, else None (also with one group)."""
+        if self._solo:
+            return None
+        c = self._frags[f].padded // self._chunks
+        before = self.stats.bytes_sent
+        handle = all_reduce(delta[self._local * c : (self._local + 1) * c], self.codec, group=self._cross,
+                            algorithm=self.config.algorithm, op="mean", feedback=self.feedback, key=f,
+                            seed=self._step, stats=self.stats, async_op=async_op)
+        self.stats.bytes_inter += self.stats.bytes_sent - before
+        return handle
 
     def _land(self, f: int) -> None:
         """Overlap: fragment ``f``'s exchange has had its ``overlap`` steps: wait for it, gather the chunks
@@ -556,37 +562,13 @@ class LocalSGD:
 
     def _sync(self, f: int) -> None:
         fr = self._frags[f]
-        n = fr.numel
         delta = self._scratch[: fr.padded]  # (padded,) float32
         with torch.no_grad():
-            # 1. the pseudo-gradient: anchor - current (the padding stays zero)
-            torch.cat([p.detach().reshape(-1).to(torch.float32) for p in fr.params], out=delta[:n])
-            torch.sub(fr.anchor, delta[:n], out=delta[:n])
-            delta[n:].zero_()
-            # 2. the mean across groups: this rank's chunk across, then the chunks gathered inside
-            if not self._solo:
-                c = fr.padded // self._chunks
-                mine = delta[self._local * c : (self._local + 1) * c]
-                before = self.stats.bytes_sent
-                all_reduce(mine, self.codec, group=self._cross, algorithm=self.config.algorithm, op="mean",
-                           feedback=self.feedback, key=f, seed=self._step, stats=self.stats)
-                self.stats.bytes_inter += self.stats.bytes_sent - before
-                if self._chunks > 1:
-                    send = mine.clone()
-                    C.all_gather(delta, send, self._intra, link=False)
-                    self.stats.bytes_sent += (self._chunks - 1) * send.numel() * send.element_size()
-            # 3. the outer step; a mean with an Inf or NaN (the same on every rank) is skipped
-            if not bool(torch.isfinite(delta[:n]).all()):
-                self.skipped += 1
-            else:
-                fr.anchor.grad = delta[:n]
-                for other in self._frags:
-                    if other is not fr:
-                        other.anchor.grad = None
-                self.outer.step()
-                fr.anchor.grad = None
-            # 4. the parameters become the new anchor
-            self._reset(fr)
+            self._pseudo_gradient(fr, delta)  # 1. anchor - current
+            self._exchange(f, delta)  # 2. the mean across groups, this rank's chunk
+            self._gather_chunks(fr, delta)  # ... and the chunks put together inside the group
+            self._outer_step(fr, delta)  # 3. the outer step (skipped for a non-finite mean)
+            self._reset(fr)  # 4. the parameters become the new anchor
 
     @staticmethod
     def _reset(fr: _Fragment) -> None:
