@@ -118,6 +118,7 @@ class _Group:
         self.src: List[torch.Tensor] = []
         self.dst: List[torch.Tensor] = []
         self.fut: Optional[torch.futures.Future] = None
+        self._algo: Optional[str] = None  # the algorithm its exchange runs, resolved on first use
 
     def arrive(self, name: str, view: torch.Tensor) -> None:
         if self.arrived == 0:
@@ -176,16 +177,14 @@ class _Group:
         algo = self._algorithm(state)
         if algo not in ("scatter_gather", "allgather") or (algo == "scatter_gather" and (self.exact or self.shape)):
             return False
-        ok = state._graph_ok.get(id(group)) if hasattr(state, "_graph_ok") else None
+        ok = state._graph_ok.get(id(group))
         if ok is None:
-            if not hasattr(state, "_graph_ok"):
-                state._graph_ok = {}
             ok = state._graph_ok[id(group)] = graphs.capturable(self.device, [group])
         return ok
 
     def _algorithm(self, state: "LowbitState") -> str:
         """The algorithm this message's exchange runs (the registry's rule, as ``start`` resolves it)."""
-        if getattr(self, "_algo", None) is None:
+        if self._algo is None:
             self._algo = resolve_entry(self.algorithm, self.codec, state._world[1],  # type: ignore[index]
                                        None if self.exact else self.stage.numel(), self.device)[0]
         return self._algo
@@ -202,7 +201,7 @@ class _Group:
             flat.exchange_now(ins[0], codec, group, algo, "mean", residual, keys, world,  # type: ignore[arg-type]
                               exact=self.exact, shape=self.shape)
 
-        if getattr(state, "_graphs", None) is None:
+        if state._graphs is None:
             state._graphs = graphs.Graphs("lowbit.ddp")
         key = (self.index, algo, codec.spec, id(group), self.stage.data_ptr(),
                0 if residual is None else residual.data_ptr())

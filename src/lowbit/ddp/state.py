@@ -99,6 +99,8 @@ class LowbitState:
         # differently on different ranks. Not pickled (a restored state falls back to process_group).
         self._thread_group: Optional[dist.ProcessGroup] = None
         self.error: Optional[BaseException] = None  # the first failed collective's error (check())
+        self._graphs: Any = None  # the messages' CUDA graphs (lowbit.comm.graphs.Graphs), made on first use
+        self._graph_ok: Dict[int, bool] = {}  # id(group) -> whether its calls may be captured
 
     # ------------------------------------------------------------------------------ changes
     def reconfigure(self, **changes: Any) -> None:
@@ -164,7 +166,7 @@ class LowbitState:
     def _forget_messages(self) -> None:
         self._group_of = None
         self._layouts.clear()
-        if getattr(self, "_graphs", None) is not None:
+        if self._graphs is not None:
             self._graphs.clear()  # (they read the old groups' buffers)
 
     # ------------------------------------------------------------------------------ helpers
@@ -302,6 +304,6 @@ class LowbitState:
         d["_native"] = False
         d["_thread_group"] = None
         d["error"] = None
-        d.pop("_graphs", None)  # (CUDA graphs and their memory: captured again after a restore)
-        d.pop("_graph_ok", None)
+        d["_graphs"] = None  # (CUDA graphs and their memory: captured again after a restore)
+        d["_graph_ok"] = {}
         return d
