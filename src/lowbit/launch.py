@@ -127,6 +127,15 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, errdir: st
                                f"${_FAULT_INIT_ENV})")
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
+        late = os.environ.get(_FAULT_LATE_INIT_ENV)
+        if late and rank == world_size - 1 and not os.path.exists(late):  # (tests: a peer's connect fails
+            Path(late).write_text("failed once")                       # after another rank's init returned)
+            raise RuntimeError(f"Gloo connectFullMesh failed: Connection closed by peer (injected by "
+                               f"${_FAULT_LATE_INIT_ENV})")
+        # every rank past the rendezvous before any counts as started: a rank whose init returned first
+        # could otherwise run fn (and tear its sockets down) while a peer is still mid-connect, which then
+        # fails with "Connection closed by peer" after this rank's started file has ruled a retry out
+        dist.barrier(device_ids=[torch.cuda.current_device()]) if backend == "nccl" else dist.barrier()
         Path(errdir, f"started.{rank}").touch()  # past the rendezvous: from here on, a failure is the run's
         ok = False
         try:
@@ -181,6 +190,10 @@ class WorkerError(RuntimeError):
 
 #: Test hook: a path; while it does not exist, rank 0's rendezvous fails once (and creates it).
 _FAULT_INIT_ENV = "LOWBIT_FAULT_INIT_ONCE"
+#: Test hook: a path; while it does not exist, the last rank fails once just after its own init returned
+#: (as a peer whose connect fails after rank 0's init is through: the race behind "started" counting only
+#: once every rank has passed the barrier after the rendezvous).
+_FAULT_LATE_INIT_ENV = "LOWBIT_FAULT_LATE_INIT_ONCE"
 #: Launches :func:`spawn` retries when the processes fail before any of them is past the rendezvous
 #: (nothing of ``fn`` has run): on a loaded machine gloo's full-mesh connect between local processes
 #: now and then fails with "Connection closed by peer".
@@ -214,7 +227,8 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | No
                           f"starting them again ({detail.strip().splitlines()[-1] if detail else exc})",
                           file=sys.stderr, flush=True)
                     continue
-                raise WorkerError(f"a worker failed:\n{detail or exc}") from None
+                raise WorkerError(f"a worker failed:\n{detail}" if detail else
+                                  f"a worker failed without writing an error (killed, or os._exit): {exc}") from None
             return _results(tmp, world_size)
     raise AssertionError("unreachable")  # pragma: no cover
 

@@ -31,6 +31,23 @@ def test_a_failed_rendezvous_is_retried_once(tmp_path: Path, monkeypatch: pytest
     assert "starting them again" in capfd.readouterr().err
 
 
+def _destroy_at_once(rank: int, world: int) -> int:
+    import torch.distributed as dist
+
+    dist.destroy_process_group()  # what a fast rank 0 did in CI while its peer was still connecting
+    return rank
+
+
+def test_a_peer_failing_after_rank_0_is_through_its_init_is_still_retried(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    # no rank counts as started (and so rules a retry out) before every rank is past the rendezvous
+    flag = tmp_path / "late-failed-once"
+    monkeypatch.setenv("LOWBIT_FAULT_LATE_INIT_ONCE", str(flag))
+    assert spawn(_destroy_at_once, 2, backend="gloo", timeout_s=60) == [0, 1]
+    assert flag.exists()
+    assert "starting them again" in capfd.readouterr().err
+
+
 def test_a_failure_past_the_rendezvous_is_not_retried(tmp_path: Path) -> None:
     log = tmp_path / "calls"
     with pytest.raises(WorkerError, match="the function itself failed"):
