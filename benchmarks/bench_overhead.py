@@ -446,6 +446,44 @@ def finite(run: Run) -> bool:
                    for p in run.model.parameters())
 
 
+def syncs(run: Run, device: torch.device, steps: int = 2) -> list[dict[str, Any]]:
+    """The calls that make the host wait for the GPU during ``steps`` steps (CUDA): torch's sync debug mode
+    warns at each; every warning's thread and the innermost frames of its Python stack, counted, most
+    frequent first. A wait on the hook thread or in the autograd thread stalls the host's run-ahead."""
+    if device.type != "cuda":
+        return []
+    import threading
+    import traceback
+    import warnings
+
+    seen: dict[tuple[str, str], int] = {}
+    old = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001
+        stack = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_stack()[:-1]
+                 if "warnings.py" not in f.filename][-8:]
+        key = (threading.current_thread().name, " <- ".join(reversed(stack)))
+        seen[key] = seen.get(key, 0) + 1
+
+    sync(device)
+    warnings.showwarning = show
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = show
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for _ in range(steps):
+                    run.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        sync(device)
+    finally:
+        warnings.showwarning = old
+    return [{"thread": t, "stack": st, "per_step": n / steps}
+            for (t, st), n in sorted(seen.items(), key=lambda kv: -kv[1])][:20]
+
+
 def cprofile(run: Run, device: torch.device, path: str, steps: int = 3) -> None:
     """Write cProfile's top functions (by internal time, then cumulative) over ``steps`` steps to ``path``."""
     import cProfile
@@ -488,6 +526,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     "also profiled with cProfile over 3 steps in the last round: OUT.cprofile.CONFIG.txt")
     ap.add_argument("--trace", default="", help="configs (same separator as --configs) whose profiled steps are "
                     "also written as a Chrome trace: OUT.trace.CONFIG.json.gz")
+    ap.add_argument("--syncs", default="", help="configs (same separator as --configs) whose steps run once more "
+                    "under torch.cuda.set_sync_debug_mode('warn') in the last round: every call that makes the host "
+                    "wait for the GPU, with its thread and Python stack, counted (the row's 'syncs')")
+    ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (seconds) for the "
+                    "whole run: how long a thread that wants the GIL waits for its holder (Python's default 0.005)")
     ap.add_argument("--out", required=True, help="JSON file to write")
     args = ap.parse_args(argv)
     if args.world < 2:
@@ -505,6 +548,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         names = (base, *names)
     args.names = names
     args.trace_names = set(c.strip() for c in args.trace.split("," if args.mode == "fsdp" else ";") if c.strip())
+    args.sync_names = set(c.strip() for c in args.syncs.split("," if args.mode == "fsdp" else ";") if c.strip())
     args.cprofile_names = set(c.strip() for c in args.cprofile.split("," if args.mode == "fsdp" else ";") if c.strip())
     for r in ("rounds", "steps"):
         if getattr(args, r) < 1:
@@ -521,11 +565,12 @@ def meta(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
                                     capture_output=True, text=True, timeout=10).stdout.strip())
     except (OSError, subprocess.SubprocessError):
         commit, dirty = None, None
+    commit = os.environ.get("LOWBIT_GIT_COMMIT") or commit  # (the device's copy of the history may be stale)
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
     return {"card": card, "commit": commit, "dirty": dirty, "torch": torch.__version__, "mode": args.mode,
             "model": args.model, "world": args.world, "batch": args.batch, "seq": args.seq, "rounds": args.rounds,
             "steps": args.steps, "warmup": args.warmup, "baseline": BASELINE[args.mode],
-            "threads": torch.get_num_threads(),
+            "threads": torch.get_num_threads(), "switch_interval_s": sys.getswitchinterval(),
             "wire": "mirror (collectives hand back this rank's bytes)" if args.wire == "mirror"
             else "free (fake process group)" if args.mode == "fsdp" else "free (FreeWire: works complete at once)"}
 
@@ -551,6 +596,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     init_group(args.mode, args.world, args.wire)
     build = build_fsdp if args.mode == "fsdp" else build_ddp
     names, base = args.names, BASELINE[args.mode]
@@ -578,6 +625,8 @@ def main(argv: list[str] | None = None) -> int:
                                    "wire_bytes_per_step": wire,
                                    "residual_mb": run.residual_mb(),
                                    "auto": _auto(run.state)}
+                    if name in args.sync_names:
+                        extra[name]["syncs"] = syncs(run, device)
                     if name in args.cprofile_names:
                         cprofile(run, device, f"{args.out}.cprofile.{tag}.txt")
                 print(f"round {r + 1}/{args.rounds} {name}: {ms[name][-1]:.2f} ms/step", file=sys.stderr, flush=True)
