@@ -88,3 +88,19 @@ def test_ddp_graph_replays_match_the_eager_hook(mirror_group, case):
     r0 = {k: v.cpu() for k, v in st0.residuals.items()}
     r1 = {k: v.cpu() for k, v in st1.residuals.items()}
     assert r0.keys() == r1.keys() and all(torch.equal(r0[k], r1[k]) for k in r0)
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", ["q8_allgather", "onebit_ef_scatter"])
+def test_ddp_inline_side_stream_replays_match_the_hook_thread(mirror_group, case):
+    """hook_thread=False on CUDA: the bucket's work runs in the hook, on lowbit's side stream, and its
+    messages replay their graphs there too; the bits are the hook thread's (and so the eager hook's)."""
+    threaded, st0 = _train(CASES[case], graphs_on=True)
+    inline, st1 = _train({**CASES[case], "hook_thread": False}, graphs_on=True)
+    assert st1._graphs.replays > 0, "no message was replayed from a graph inline"
+    assert st0.stats.bytes_sent == st1.stats.bytes_sent and st0.stats.calls == st1.stats.calls
+    for i, (a, b) in enumerate(zip(threaded, inline)):
+        assert torch.equal(a, b), f"{case}: step {i}: the inline replay differs from the hook thread's"
+    r0 = {k: v.cpu() for k, v in st0.residuals.items()}
+    r1 = {k: v.cpu() for k, v in st1.residuals.items()}
+    assert r0.keys() == r1.keys() and all(torch.equal(r0[k], r1[k]) for k in r0)

@@ -36,7 +36,7 @@ from lowbit.kernels.dispatch import warm_up_for
 
 from lowbit.ddp.config import DDPConfig, _FP32, _is_flag, _is_int  # noqa: F401
 from lowbit.ddp.messages import (_Group, _Layout, _Unit, _copy_all, _plan_groups,  # noqa: F401
-                                 _remember, _ON_HOOK_THREAD)
+                                 _remember, _ON_SIDE_STREAM)
 from lowbit.ddp.state import LowbitState, _Option  # noqa: F401
 from lowbit.ddp.hooking import _HOOK_THREAD, _HookThread, _bucket_capturing, _issue, _issue_bucket, hook  # noqa: F401
 

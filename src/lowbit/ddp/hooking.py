@@ -14,7 +14,7 @@ from lowbit.comm import collectives as C
 from lowbit.comm.allreduce import start
 from lowbit.comm.threads import Worker
 from lowbit.ddp.config import _FP32
-from lowbit.ddp.messages import _ON_HOOK_THREAD, _Layout, _copy_all, _plan_groups, _remember
+from lowbit.ddp.messages import _ON_SIDE_STREAM, _Layout, _copy_all, _plan_groups, _remember
 from lowbit.ddp.state import LowbitState
 
 log = logging.getLogger("lowbit.ddp")
@@ -60,7 +60,37 @@ def hook(state: LowbitState, bucket: dist.GradBucket) -> torch.futures.Future[to
     if mode is True or (mode == "auto" and flat.is_cuda):
         own = getattr(state, "_thread_group", None)
         return _HOOK_THREAD.submit(state, lay, buf, own if own is not None else group, step_seed, last)
+    if flat.is_cuda:
+        return _issue_on_side_stream(state, lay, buf, group, step_seed, last)
     return _issue(state, lay, buf, group, step_seed, last)
+
+
+_SIDE_STREAMS: Dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """lowbit's side stream of ``device`` for the bucket work issued in the hook (not the hook thread's)."""
+    s = _SIDE_STREAMS.get(device)
+    if s is None:
+        s = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return s
+
+
+def _issue_on_side_stream(state: LowbitState, lay: _Layout, buf: torch.Tensor, group: Optional[dist.ProcessGroup],
+                          step_seed: int, last: bool) -> torch.futures.Future:
+    """:func:`_issue` inline, on lowbit's side stream of the bucket's device after the backward's work so
+    far (the gradients are in the bucket): the backward's stream goes on with its kernels while the
+    exchange runs, and its messages may replay their CUDA graphs, as on the hook thread, without a
+    thread's hand-off. The future records its events on the side stream, so DDP's wait on it orders the
+    gradients' use after the exchange."""
+    stream = _side_stream(buf.device)
+    stream.wait_stream(torch.cuda.current_stream(buf.device))
+    with torch.cuda.stream(stream):
+        _ON_SIDE_STREAM.on = True
+        try:
+            return _issue(state, lay, buf, group, step_seed, last)
+        finally:
+            _ON_SIDE_STREAM.on = False
 
 
 def _issue(state: LowbitState, lay: _Layout, buf: torch.Tensor, group: Optional[dist.ProcessGroup], step_seed: int,
@@ -159,11 +189,11 @@ class _HookThread:
                 stream = self._stream(buf.device)
                 with torch.cuda.device(buf.device), torch.cuda.stream(stream):
                     stream.wait_event(ready)
-                    _ON_HOOK_THREAD.on = True
+                    _ON_SIDE_STREAM.on = True
                     try:
                         inner = _issue(state, lay, buf, group, step_seed, last)
                     finally:
-                        _ON_HOOK_THREAD.on = False
+                        _ON_SIDE_STREAM.on = False
             else:
                 inner = _issue(state, lay, buf, group, step_seed, last)
         except BaseException as exc:  # noqa: BLE001 — DDP's wait on the bucket raises it

@@ -166,11 +166,11 @@ class _Group:
 
 
     def _graphed(self, state: "LowbitState", group: Optional[dist.ProcessGroup]) -> bool:
-        """Whether this message's exchange replays a CUDA graph (:mod:`lowbit.comm.graphs`): on the hook
-        thread (its side stream: the backward's stream never waits for the exchange), CUDA, a group that
+        """Whether this message's exchange replays a CUDA graph (:mod:`lowbit.comm.graphs`): on lowbit's
+        side stream (the backward's stream never waits for the exchange), CUDA, a group that
         can be captured (checked once per group), scatter_gather or allgather, rounding seeds read from
         device memory where the codec rounds stochastically, no timing (its syncs), no emulated link."""
-        if not self.stage.is_cuda or not getattr(_ON_HOOK_THREAD, "on", False) or C.link_emulated():
+        if not self.stage.is_cuda or not getattr(_ON_SIDE_STREAM, "on", False) or C.link_emulated():
             return False
         if state.stats.timing or (self.codec.stochastic and not self.codec.device_seed) or not self.n:
             return False
@@ -210,9 +210,10 @@ class _Group:
         state.stats.bytes_sent += flat.bytes_now(codec, algo, self.n, k, rank, self.exact, self.shape)
 
 
-#: Set on the hook thread while it runs a job (:class:`_HookThread`): only there may a message replay a
-#: CUDA graph (on the thread's side stream; inline, it would run on the backward's own stream).
-_ON_HOOK_THREAD = threading.local()
+#: Set while a bucket's work runs on lowbit's side stream of its device (on the hook thread,
+#: :class:`_HookThread`, or inline in the hook): only there may a message replay a CUDA graph (on the
+#: backward's own stream it would hold the backward's kernels behind the exchange).
+_ON_SIDE_STREAM = threading.local()
 
 
 def _plan_groups(state: "LowbitState", k: int, device: torch.device) -> Dict[str, _Group]:
