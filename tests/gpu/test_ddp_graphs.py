@@ -95,9 +95,11 @@ def test_ddp_graph_replays_match_the_eager_hook(mirror_group, case):
 def test_ddp_inline_side_stream_replays_match_the_hook_thread(mirror_group, case):
     """hook_thread=False on CUDA: the bucket's work runs in the hook, on lowbit's side stream, and its
     messages replay their graphs there too; the bits are the hook thread's (and so the eager hook's)."""
-    threaded, st0 = _train(CASES[case], graphs_on=True)
+    threaded, st0 = _train({**CASES[case], "hook_thread": True}, graphs_on=True)
     inline, st1 = _train({**CASES[case], "hook_thread": False}, graphs_on=True)
     assert st1._graphs.replays > 0, "no message was replayed from a graph inline"
+    _, st2 = _train(CASES[case], graphs_on=True)  # hook_thread="auto": every message replays, so inline
+    assert st2._inline, "hook_thread='auto' kept the thread though every message replays a graph"
     assert st0.stats.bytes_sent == st1.stats.bytes_sent and st0.stats.calls == st1.stats.calls
     for i, (a, b) in enumerate(zip(threaded, inline)):
         assert torch.equal(a, b), f"{case}: step {i}: the inline replay differs from the hook thread's"

@@ -29,7 +29,7 @@ class DDPConfig(AutoOptions):
     the study and the Lightning / Accelerate integrations build one too. Five options take ``"auto"``: ``codec`` (measure, then choose per tensor among ``allow``),
     ``algorithm`` (per codec and world size: :func:`lowbit.comm.allreduce.resolve_algorithm`),
     ``error_feedback`` (on for biased codecs), ``message_mb`` (groups end where DDP's buckets end) and
-    ``hook_thread`` (on for CUDA). The module docstring is the tuning guide.
+    ``hook_thread`` (on for CUDA, unless every message replays a CUDA graph: then inline on a side stream). The module docstring is the tuning guide.
 
     ``codec="auto"``'s options (:mod:`lowbit.auto`): ``allow``, ``error_budget``, ``auto_level`` and
     ``guard_every``, shared with FSDP (:class:`lowbit.auto.options.AutoOptions`), and DDP's own

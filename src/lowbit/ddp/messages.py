@@ -170,17 +170,22 @@ class _Group:
         side stream (the backward's stream never waits for the exchange), CUDA, a group that
         can be captured (checked once per group), scatter_gather or allgather, rounding seeds read from
         device memory where the codec rounds stochastically, no timing (its syncs), no emulated link."""
-        if not self.stage.is_cuda or not getattr(_ON_SIDE_STREAM, "on", False) or C.link_emulated():
-            return False
-        if state.stats.timing or (self.codec.stochastic and not self.codec.device_seed) or not self.n:
-            return False
-        algo = self._algorithm(state)
-        if algo not in ("scatter_gather", "allgather") or (algo == "scatter_gather" and (self.exact or self.shape)):
+        if not getattr(_ON_SIDE_STREAM, "on", False) or not self.graphable(state):
             return False
         ok = state._graph_ok.get(id(group))
         if ok is None:
             ok = state._graph_ok[id(group)] = graphs.capturable(self.device, [group])
         return ok
+
+    def graphable(self, state: "LowbitState") -> bool:
+        """Whether this message may replay a CUDA graph once on lowbit's side stream (:meth:`_graphed`'s
+        conditions that do not depend on the stream or on the group's capture check)."""
+        if not self.stage.is_cuda or C.link_emulated() or not graphs.enabled():
+            return False
+        if state.stats.timing or (self.codec.stochastic and not self.codec.device_seed) or not self.n:
+            return False
+        algo = self._algorithm(state)
+        return algo in ("scatter_gather", "allgather") and not (algo == "scatter_gather" and (self.exact or self.shape))
 
     def _algorithm(self, state: "LowbitState") -> str:
         """The algorithm this message's exchange runs (the registry's rule, as ``start`` resolves it)."""

@@ -101,6 +101,8 @@ class LowbitState:
         self.error: Optional[BaseException] = None  # the first failed collective's error (check())
         self._graphs: Any = None  # the messages' CUDA graphs (lowbit.comm.graphs.Graphs), made on first use
         self._graph_ok: Dict[int, bool] = {}  # id(group) -> whether its calls may be captured
+        self._inline_for: Any = None  # (the plan and timing flag _inline was decided for: hooking._inline_pays)
+        self._inline = False
 
     # ------------------------------------------------------------------------------ changes
     def reconfigure(self, **changes: Any) -> None:
@@ -306,4 +308,5 @@ class LowbitState:
         d["error"] = None
         d["_graphs"] = None  # (CUDA graphs and their memory: captured again after a restore)
         d["_graph_ok"] = {}
+        d["_inline_for"], d["_inline"] = None, False
         return d
