@@ -1,5 +1,5 @@
 """Timing of compressed allreduces against the native fp32 allreduce: the measuring half of ``lowbit
-bench allreduce`` (:mod:`lowbit.cli.bench` parses the arguments, launches, prints and writes; the
+bench allreduce`` (:mod:`lowbit.lab.cli.bench` parses the arguments, launches, prints and writes; the
 measurement plan is in its doc). Every rank runs :func:`worker` with the same :class:`BenchConfig`."""
 
 from __future__ import annotations
