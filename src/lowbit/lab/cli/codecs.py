@@ -1,5 +1,5 @@
 """``lowbit codecs``: the table of every codec (arguments and output; the measuring is
-:mod:`lowbit.codecs.report`)."""
+:mod:`lowbit.lab.codec_report`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from lowbit.codecs.base import parse_codec_list
-from lowbit.codecs.report import DEFAULT_SPECS, format_table, measure
+from lowbit.lab.codec_report import DEFAULT_SPECS, format_table, measure
 
 
 #: Samples per distribution: the quick default, and what Dettmers' Table 2 comparison needs (``--paper``).
