@@ -21,7 +21,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 #: DESIGN.md's drawing, top (imports everything below) to bottom.
-LAYER = {"__init__": 10, "__main__": 10, "lab": 10, "cli": 9, "study": 8, "codec_report": 8, "perfmodel": 7, "ddp": 6, "baselines": 6, "fsdp": 6, "parallel": 6, "localsgd": 6, "auto": 5.5, "integrations": 5, "policy": 4, "choose": 4, "timeline": 3.5, "comm": 3,
+LAYER = {"__init__": 10, "__main__": 10, "lab": 10, "cli": 9, "study": 8, "codec_report": 8, "bench": 8, "perfmodel": 7, "ddp": 6, "baselines": 6, "fsdp": 6, "parallel": 6, "localsgd": 6, "auto": 5.5, "integrations": 5, "policy": 4, "choose": 4, "timeline": 3.5, "comm": 3,
          "feedback": 2, "codecs": 1, "kernels": 0, "models": 0, "data": 0, "env": -1, "launch": -1, "extras": -1, "_version": -2}
 UPWARD_ALLOWED = {("lowbit.integrations.accelerate", "lowbit.ddp"), ("lowbit.integrations.lightning", "lowbit.ddp"),
                   ("lowbit.integrations._register", "lowbit.ddp"), ("lowbit.integrations._register", "lowbit.fsdp"),
@@ -140,7 +140,7 @@ def test_the_integrations_do_not_import_each_other() -> None:
 
 
 #: the lab (issue 42 item 3): what a training script never needs, the packages under lowbit.lab
-LAB = ("study", "perfmodel", "cli", "data", "models", "baselines", "codec_report")
+LAB = ("study", "perfmodel", "cli", "data", "models", "baselines", "codec_report", "bench")
 #: the library a training script imports (CONTRIBUTING.md, "Layers"): every top-level module but lowbit.lab
 CORE = ("codecs", "kernels", "comm", "feedback", "policy", "timeline", "choose", "auto", "ddp", "fsdp",
         "parallel", "localsgd", "integrations", "env", "launch", "extras", "_version", "_forkserver_freeze")

@@ -10,6 +10,7 @@ A training script imports the library (``lowbit.codecs``, ``lowbit.comm``, ``low
 * :mod:`lowbit.lab.models`: the model zoo (the seeds' networks and small ones);
 * :mod:`lowbit.lab.baselines`: the baselines a study sets beside lowbit's codecs (torch's own hooks).
 * :mod:`lowbit.lab.codec_report`: the ``lowbit codecs`` table (bits, error, throughput of each codec).
+* :mod:`lowbit.lab.bench`: the measuring half of ``lowbit bench allreduce``.
 
 The lab imports the library; the library never imports the lab, at module level or inside a function
 (``tests/unit/test_import_layers.py`` checks it). The one exception is ``python -m lowbit``

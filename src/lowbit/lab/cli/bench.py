@@ -49,7 +49,7 @@ from lowbit.codecs.base import parse_codec_list
 from lowbit.comm.allreduce import SIMULATED, algorithm_choices
 from lowbit.env import NCCL_ENV, git_commit, loadavg, under_torchrun
 from lowbit.launch import process_group_from_env, spawn
-from lowbit.comm.measure import _SUFFIX, BenchConfig, size_label, worker
+from lowbit.lab.bench import SIZE_SUFFIX, BenchConfig, size_label, worker
 
 __all__ = ["BenchConfig", "parse_sizes", "parse_codecs", "parse_algorithms", "register", "run", "format_table",
            "load_bench", "transport_key"]
@@ -75,7 +75,7 @@ def parse_sizes(text: str) -> list[int]:
         if not m:
             raise ValueError(f"bad size {item!r} in --sizes {text!r}: expected an element count with an optional "
                              "suffix K, M or G (binary: 1M = 1048576 elements), e.g. 1M,4M,16M")
-        n = int(m.group(1)) * _SUFFIX[m.group(2).upper()]
+        n = int(m.group(1)) * SIZE_SUFFIX[m.group(2).upper()]
         if n < 1:
             raise ValueError(f"bad size {item!r} in --sizes: must be at least 1 element")
         sizes.append(n)

@@ -27,13 +27,13 @@ LOWBIT_FP32 = ("fp32", "allreduce")
 BASELINE = LOWBIT_FP32
 #: The ``algorithm`` of the row of ``torch.distributed.all_reduce`` itself, the baseline of the ratios.
 TORCH_ALGORITHM = "torch.distributed.all_reduce"
-_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+SIZE_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
 def size_label(n: int) -> str:
     for suffix in ("G", "M", "K"):
-        if n % _SUFFIX[suffix] == 0:
-            return f"{n // _SUFFIX[suffix]}{suffix}"
+        if n % SIZE_SUFFIX[suffix] == 0:
+            return f"{n // SIZE_SUFFIX[suffix]}{suffix}"
     return str(n)
 
 
