@@ -17,8 +17,8 @@ import json
 import sys
 from pathlib import Path
 
-from lowbit.cli import main
-from lowbit.cli.bench import DEFAULT_CODECS
+from lowbit.lab.cli import main
+from lowbit.lab.cli.bench import DEFAULT_CODECS
 
 RESULT = Path(__file__).resolve().parent / "results" / "allreduce_gloo_cpu2.json"
 CODECS = DEFAULT_CODECS  # the list is the bench's default list

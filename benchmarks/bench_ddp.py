@@ -16,7 +16,7 @@ Hook configs (``--hooks``, separated by ``;`` since codec specs contain commas):
   hook (what any Python comm hook costs the host, before it does any work);
 * ``fp16`` / ``bf16`` — ``default_hooks.fp16_compress_hook`` / ``bf16_compress_hook``;
 * ``powersgd`` — ``powerSGD_hook`` with rank 4, ``start_powerSGD_iter=2``, error feedback, warm start
-  (these three registered by ``lowbit.baselines``, as the study's ``torch:fp16`` / ``torch:bf16`` /
+  (these three registered by ``lowbit.lab.baselines``, as the study's ``torch:fp16`` / ``torch:bf16`` /
   ``torch:powersgd:rank=4``: torch's hooks as they are, PowerSGD's buckets chained on gloo);
 * ``lowbit:SPEC`` — ``lowbit.ddp.register(ddp_model, codec=SPEC)`` (``--lowbit-algorithm`` passed as
   ``algorithm=`` only when given; everything else is the library's default, so onebit gets error feedback);
@@ -84,7 +84,7 @@ BASELINES = ("ddp", "fp16", "powersgd")
 AUTO_STEADY = 4  # codec="auto": untimed steps after its latest possible decision (AutoTuner.last_decision_step)
 POWERSGD_GLOO = ("PowerSGD's hook issues its allreduces from future callbacks, whose order differs across "
                  "ranks on gloo: with several buckets a collective mismatch aborts the run (pytorch/pytorch#58467); "
-                 "--powersgd-gloo runs it with its buckets chained (lowbit.baselines), which keeps the order")
+                 "--powersgd-gloo runs it with its buckets chained (lowbit.lab.baselines), which keeps the order")
 NCCL_ENV = ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_IB_DISABLE", "NCCL_HOSTID",
             "NCCL_SOCKET_IFNAME", "NCCL_ALGO", "NCCL_PROTO", "LOWBIT_NODE_SIZE", "LOCAL_WORLD_SIZE")
 
@@ -106,7 +106,7 @@ def build(name: str, args: argparse.Namespace) -> tuple[nn.Module, dict[str, Any
     if name == "mlp10m":
         return mlp10m(), {"in_shape": (1024,), "classes": 10, "tokens": False, "seq_targets": False,
                           "batch": args.batch, "bf16": False}
-    from lowbit.models import build_model, model_info
+    from lowbit.lab.models import build_model, model_info
 
     info = model_info(name)
     shape = info.in_shape
@@ -176,7 +176,7 @@ def parse_hooks(text: str) -> list[str]:
     return hooks
 
 
-#: The bench's names of PyTorch's hooks -> lowbit.baselines' specs (the study runs the same baselines)
+#: The bench's names of PyTorch's hooks -> lowbit.lab.baselines' specs (the study runs the same baselines)
 TORCH_BASELINES = {"fp16": "torch:fp16", "bf16": "torch:bf16", "powersgd": "torch:powersgd:rank=4,start_iter=2"}
 
 
@@ -184,15 +184,15 @@ def register_hook(model: DDP, hook: str, args: argparse.Namespace) -> Any:
     """Install ``hook`` on ``model``; returns its state (None for plain DDP)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    import lowbit.baselines
+    import lowbit.lab.baselines
 
     if hook == "ddp":
         return None
     if hook == "allreduce":  # torch's fp32 allreduce as a Python hook: the floor of any Python comm hook
         model.register_comm_hook(None, default_hooks.allreduce_hook)
         return None
-    if hook in TORCH_BASELINES:  # torch's own hook, registered as lowbit.baselines registers it
-        return lowbit.baselines.register(model, TORCH_BASELINES[hook])
+    if hook in TORCH_BASELINES:  # torch's own hook, registered as lowbit.lab.baselines registers it
+        return lowbit.lab.baselines.register(model, TORCH_BASELINES[hook])
     import lowbit.ddp
 
     parsed = lowbit_hook(hook)
@@ -532,7 +532,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     p.add_argument("--models", default=None,
-                   help=f"comma-separated lowbit.models names or mlp10m (default {GPU_MODELS}; CPU: {CPU_MODELS})")
+                   help=f"comma-separated lowbit.lab.models names or mlp10m (default {GPU_MODELS}; CPU: {CPU_MODELS})")
     p.add_argument("--hooks", default=None,
                    help=f"hook configs separated by ';' (default {GPU_HOOKS!r}; CPU: {CPU_HOOKS!r})")
     p.add_argument("--lowbit-message-mb", type=float, default=None,

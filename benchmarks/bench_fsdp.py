@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --model gpt_350m --link nvlink --out results.json
     torchrun --nproc-per-node 2 benchmarks/bench_fsdp.py --train 1500 --model gpt_350m --configs fsdp,q8_p8 ...
 
-A decoder-only transformer (``lowbit.models``: gpt_350m, gpt_760m, gpt_1_3b) with ``fully_shard`` on
+A decoder-only transformer (``lowbit.lab.models``: gpt_350m, gpt_760m, gpt_1_3b) with ``fully_shard`` on
 every block and on the root, bf16 parameters (``MixedPrecisionPolicy(param_dtype=bfloat16)``), AdamW.
 
 Throughput (default): synthetic token ids (labelled so; speed only), sequence ``--seq``; for every
@@ -48,7 +48,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn import functional as F
 
 import lowbit.fsdp
-from lowbit.models import build_model
+from lowbit.lab.models import build_model
 
 Q8 = "qsgd:bits=8,bucket=512"
 Q4 = "qsgd:bits=4,bucket=512"
@@ -309,7 +309,7 @@ def evaluate(model, xs, ys) -> float:
 
 
 def train(args, rank, world, device, write) -> None:
-    from lowbit.data import load_dataset
+    from lowbit.lab.data import load_dataset
 
     data = load_dataset("pysource", seq_len=args.seq)
     n_val = args.eval_batches * args.batch

@@ -13,7 +13,7 @@ Configurations (``--configs``, ';'-separated):
 Prints a table last and writes JSON (card, commit, every number); samples/s is the global batch per second.
 
 ``--phases`` (default on) also measures, per model and activation codec of the ``s=1`` hybrids, the inputs
-of Dettmers' single-node model (ICLR 2016, Appendix 5; :mod:`lowbit.perfmodel.dettmers`) on this machine,
+of Dettmers' single-node model (ICLR 2016, Appendix 5; :mod:`lowbit.lab.perfmodel.dettmers`) on this machine,
 and sets its prediction beside the measured run::
 
     step = (T_total - T_fc) + P_conv + K T_fc,par + P_fc            samples/s = K B / step
@@ -49,7 +49,7 @@ import bench_ddp as B  # noqa: E402  (the DDP bench's model feeds, hooks, contex
 from lowbit.comm.allreduce import all_reduce  # noqa: E402
 from lowbit.comm.gather import all_gather, part_sizes, reduce_scatter  # noqa: E402
 from lowbit.parallel import Hybrid, ParallelComm, hybrid_parts  # noqa: E402
-from lowbit.perfmodel.dettmers import single_node_step_ms  # noqa: E402
+from lowbit.lab.perfmodel.dettmers import single_node_step_ms  # noqa: E402
 
 DEFAULT_CONFIGS = ("dp:ddp;dp:lowbit:qsgd:bits=8,bucket=512;dp:lowbit:onebit:bucket=64;"
                    "hybrid[s=1]:fp32;hybrid[s=4]:fp32;"

@@ -508,7 +508,7 @@ def cprofile(run: Run, device: torch.device, path: str, steps: int = 3) -> None:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", choices=("fsdp", "ddp"), required=True)
-    ap.add_argument("--model", default="tiny", help="tiny (smoke test), or a lowbit.models name (gpt_350m; "
+    ap.add_argument("--model", default="tiny", help="tiny (smoke test), or a lowbit.lab.models name (gpt_350m; "
                     "gpt2_small, resnet50, alexnet for DDP)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--wire", choices=("fake", "mirror"), default="fake", help="fake: torch's fake group (FSDP) "

@@ -2,7 +2,7 @@
 what the speed model and advise read (config, labels, env device/links, summary, per-epoch timings).
 
     python benchmarks/make_advise_evidence.py benchmarks/results/study_cpu_default \
-        src/lowbit/perfmodel/data/evidence_cpu_default.jsonl
+        src/lowbit/lab/perfmodel/data/evidence_cpu_default.jsonl
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from lowbit.study.store import read_runs
+from lowbit.lab.study.store import read_runs
 
 SUMMARY = ("params", "compressed_params", "samples_per_s", "final_test_acc", "timed_epochs", "gflop_per_sample")
 EPOCH = ("epoch", "steps", "train_s", "compute_s", "exposed_comm_s", "encode_s", "comm_s", "decode_s",

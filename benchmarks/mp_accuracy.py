@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lowbit.data import load_dataset
+from lowbit.lab.data import load_dataset
 from lowbit.launch import spawn
 from lowbit.parallel import ParallelComm, parallelize
 

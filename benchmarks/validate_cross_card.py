@@ -9,7 +9,7 @@ What each prediction uses:
 * **from the predicted card, only the cheap measurement a user would make**: the network's plain-DDP step
   over NVLink (``ddp`` row of the NVLink file), taken as the step's compute (the NVLink all-reduce it
   contains is not subtracted: a few ms of link time, nearly all hidden behind the backward pass);
-* **the network's structure**, computed, not fitted: its parameter tensors (``lowbit.models`` built on
+* **the network's structure**, computed, not fitted: its parameter tensors (``lowbit.lab.models`` built on
   the meta device, no memory), the order their gradients become ready in the backward pass and the
   backward FLOPs done before each is ready (``torch.utils.flop_counter`` over one forward + backward on
   the meta device, the bench's batch), DDP's buckets (1 MiB first, then 25 MiB). Only the *shape* of the
@@ -25,7 +25,7 @@ What each prediction uses:
 The simulator is :func:`lowbit.choose.simulate`, the replay behind ``codec="auto"`` (and ``lowbit
 advise``'s decision rule): it replays a step as the DDP hook sends it (message groups of consecutive
 tensors, native all-reduces per DDP bucket, one link serving messages in issue order, encoding on the
-compute timeline), which is what ``bench_ddp`` timed. ``lowbit.perfmodel.model.simulate_step`` models one
+compute timeline), which is what ``bench_ddp`` timed. ``lowbit.lab.perfmodel.model.simulate_step`` models one
 collective per DDP bucket instead, which is not how lowbit's hook has sent messages since bucket
 coalescing. The hook's message structure is the *code* each file ran (``benchmarks/results/ddp_runs.md``):
 the 2x H100 files say ``git_commit 6ffbde3`` but ran 0109990 (NVLink) and 727860e (sockets), where

@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lowbit
-from lowbit.data import load_dataset
+from lowbit.lab.data import load_dataset
 from lowbit.launch import process_group_from_env, spawn
 
 

@@ -1,5 +1,5 @@
 import sys
 
-from lowbit.cli import main
+from lowbit.lab.cli import main
 
 sys.exit(main())

@@ -8,7 +8,7 @@ fp32 everywhere and its parameter-weighted bits per value, and :func:`pick` choo
 * else, among the assignments within ``within_best`` of the fastest, the one with the most bits (accuracy
   first when speed is a wash).
 
-``lowbit advise`` predicts its assignments from a network profile and link specs (:mod:`lowbit.perfmodel`);
+``lowbit advise`` predicts its assignments from a network profile and link specs (:mod:`lowbit.lab.perfmodel`);
 ``codec="auto"`` (:mod:`lowbit.auto`) from what it measured on the running job: when each DDP
 bucket's gradients became ready during the first fp32 steps (a :class:`Timeline`), what each codec's
 exchange costs on this link at two message sizes and what its encoding costs on this device

@@ -154,6 +154,16 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, errdir: st
 START_METHOD_ENV = "LOWBIT_START_METHOD"
 FORKSERVER_PRELOAD_ENV = "LOWBIT_FORKSERVER_PRELOAD"
 _PRELOADED: list[bool] = []
+#: What :func:`forkserver_preload` named, for the server to import when it starts.
+_PRELOAD_MODULES: list[str] = []
+
+
+def forkserver_preload(*modules: str) -> None:
+    """Name modules for the forkserver to import when it starts, beside lowbit's own: what the functions
+    given to :func:`spawn` import (the lab's study worker names itself this way; a script may too, or set
+    ``$LOWBIT_FORKSERVER_PRELOAD``). A module that fails to import there is skipped. No effect once the
+    server has started (at the first :func:`spawn` under forkserver), nor under spawn."""
+    _PRELOAD_MODULES.extend(m for m in modules if m not in _PRELOAD_MODULES)
 
 
 def start_method() -> str:
@@ -172,13 +182,14 @@ def start_method() -> str:
         # ~900 modules: ~7 s on a 2-core machine). A module that fails to import is skipped.
         # numba's kernels and scikit-learn's data sets too (~2 s of CPU a rank each, in the study's workers).
         # Last, gc.freeze() of all that (lowbit._forkserver_freeze): the children's collections skip it.
-        # lowbit's DDP, FSDP, model-parallel and study-worker modules (compiled from source in each child when
-        # no .pyc is written: ~0.1-0.3 s of CPU a rank), and the modules $LOWBIT_FORKSERVER_PRELOAD names
-        # (comma-separated: what the functions given to spawn import, such as a test framework).
+        # lowbit's DDP, FSDP and model-parallel modules (compiled from source in each child when no .pyc is
+        # written: ~0.1-0.3 s of CPU a rank), the modules forkserver_preload named (the lab's study worker)
+        # and those $LOWBIT_FORKSERVER_PRELOAD names (comma-separated: what the functions given to spawn
+        # import, such as a test framework).
         extra = [m.strip() for m in os.environ.get(FORKSERVER_PRELOAD_ENV, "").split(",") if m.strip()]
         multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "torch.nn.parallel",
                                                 "torch.distributed.fsdp", "lowbit", "lowbit.kernels.numba",
-                                                "lowbit.ddp", "lowbit.fsdp", "lowbit.parallel", "lowbit.study.train",
+                                                "lowbit.ddp", "lowbit.fsdp", "lowbit.parallel", *_PRELOAD_MODULES,
                                                 "sklearn.datasets", *extra, "lowbit._forkserver_freeze"])
         _PRELOADED.append(True)
     return method

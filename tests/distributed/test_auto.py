@@ -191,7 +191,7 @@ def _body_guard(rank: int, world: int, steps: int, lr: float, guard_every: int |
     codec too aggressive for this learning rate, 1-bit QSGD without an error budget (it diverges), the
     loss reported each step and the guard checking every ``guard_every`` steps (0: no guard). Without:
     plain DDP in fp32, the reference."""
-    from lowbit.data import load_dataset
+    from lowbit.lab.data import load_dataset
 
     _slow_link(link)
     ds = load_dataset("digits", seed=0)
@@ -278,7 +278,7 @@ def test_guard_recovers_from_a_diverging_codec_within_a_point_of_fp32() -> None:
 def _body_bold(rank: int, world: int, steps: int, link: float) -> dict:
     """auto_level="bold" on a two-layer MLP and the digits data set, each rank its own batches (their
     gradients differ: sampling noise), every lowbit collective over an emulated link (rank 1's half as fast)."""
-    from lowbit.data import load_dataset
+    from lowbit.lab.data import load_dataset
 
     _slow_link(link / (1 + rank))
     ds = load_dataset("digits", seed=0)

@@ -1,4 +1,4 @@
-"""lowbit.baselines on two gloo ranks: PowerSGD with several buckets runs (torch's hook alone aborts there,
+"""lowbit.lab.baselines on two gloo ranks: PowerSGD with several buckets runs (torch's hook alone aborts there,
 pytorch/pytorch#58467), every baseline leaves the ranks with the same weights, the bytes counted are the
 bytes torch's hooks send (checked against the shapes and PowerSGD's own buffers, not the counting code),
 and the hooks cross an emulated link."""
@@ -12,10 +12,10 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lowbit import baselines as B
+from lowbit.lab import baselines as B
 from lowbit.comm import collectives as C
 from lowbit.launch import spawn
-from lowbit.models import build_model
+from lowbit.lab.models import build_model
 from tests.distributed.shared_spawn import part, run_parts
 
 STEPS = 5

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from lowbit.cli import main
+from lowbit.lab.cli import main
 from lowbit.codecs.base import get_codec
 from lowbit.comm.allreduce import bytes_sent_per_rank
-from lowbit.cli.bench import parse_codecs, parse_sizes
+from lowbit.lab.cli.bench import parse_codecs, parse_sizes
 
 
 def test_bench_allreduce_smoke(tmp_path, capsys):

@@ -17,7 +17,7 @@ from tests.distributed.shared_spawn import part, run_parts
 
 @functools.lru_cache(maxsize=None)
 def _digits():
-    from lowbit.data import load_dataset
+    from lowbit.lab.data import load_dataset
 
     return load_dataset("digits", seed=0)
 

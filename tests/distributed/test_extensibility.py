@@ -14,9 +14,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lowbit
-from lowbit.cli import main
+from lowbit.lab.cli import main
 from lowbit.launch import spawn
-from lowbit.study.store import ResultStore
+from lowbit.lab.study.store import ResultStore
 
 PLUGIN = "tests.plugins.toy_codec"
 
@@ -71,7 +71,7 @@ def test_a_codec_from_its_own_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
     runs = {r["config"]["codec"]: r for r in ResultStore(out).rows() if r["kind"] == "run"}
     assert runs["toy8"]["summary"]["bytes_per_step_per_rank"] > 0 and 0 <= runs["toy8"]["summary"]["final_test_acc"]
     # the speed model asks the codec for its bits per value
-    from lowbit.perfmodel.model import bits_per_value
+    from lowbit.lab.perfmodel.model import bits_per_value
 
     assert abs(bits_per_value("toy8") - 8.0) < 1e-3
     # a plugin that does not import is a clear error
@@ -122,9 +122,9 @@ def test_an_algorithm_from_its_own_file(monkeypatch: pytest.MonkeyPatch, tmp_pat
     lowbit.all_reduce, the DDP hook, the study (spawned workers) and the speed model run it, and every
     layer lists it (issue 13 item 6, the algorithm half)."""
     from lowbit.comm.allreduce import algorithm_choices, get_algorithm
-    from lowbit.perfmodel import Cluster, predict_network
-    from lowbit.perfmodel.collectives import modeled_algorithms
-    from lowbit.study.config import StudyConfig
+    from lowbit.lab.perfmodel import Cluster, predict_network
+    from lowbit.lab.perfmodel.collectives import modeled_algorithms
+    from lowbit.lab.study.config import StudyConfig
 
     monkeypatch.setenv("LOWBIT_PLUGINS", ALGORITHM_PLUGINS)
     assert "toy_ring" in algorithm_choices() and "toy_ring" in modeled_algorithms(quantised=True)

@@ -12,11 +12,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lowbit
-from lowbit.cli import main
+from lowbit.lab.cli import main
 from lowbit.codecs.base import get_codec
 from lowbit.comm.allreduce import CommStats, bytes_sent_per_rank, simulated_numel
 from lowbit.launch import spawn
-from lowbit.study.store import ResultStore
+from lowbit.lab.study.store import ResultStore
 
 
 def _body(rank: int, world: int) -> dict:
@@ -74,7 +74,7 @@ def test_simulated_in_bench_and_study(tmp_path: Path, capsys) -> None:
     assert sorted(r["config"]["algorithm"] for r in runs) == ["allreduce", "scatter_gather", "simulated"]
     html = (res / "report" / "index.html").read_text()
     assert "NCCL simulated" in html and "leave the gradients unreduced" in html
-    from lowbit.study.report import accuracy_matches, load_runs
+    from lowbit.lab.study.report import accuracy_matches, load_runs
 
     matched = accuracy_matches(load_runs(res)[0])
     assert matched and not any("simulated" in m["label"] for m in matched)

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from lowbit.cli import main
-from lowbit.study.report import accuracy_matches, load_runs
-from lowbit.study.runner import CRASH_ENV
-from lowbit.study.store import ResultStore
+from lowbit.lab.cli import main
+from lowbit.lab.study.report import accuracy_matches, load_runs
+from lowbit.lab.study.runner import CRASH_ENV
+from lowbit.lab.study.store import ResultStore
 
 SMOKE = ["study", "--preset", "smoke", "--no-progress"]
 # fast equivalents: synthetic inputs shaped for the network (no scikit-learn in the workers): 64 samples,
@@ -180,7 +180,7 @@ def test_study_with_emulated_nodes(tmp_path: Path, capsys) -> None:
     by = {(r["config"]["nodes"], r["config"]["algorithm"]): r["summary"]["bytes_per_step_per_rank"] for r in runs}
     assert by[(1, "hierarchical")] > by[(1, "scatter_gather")]
     # a run as one node keeps the key it had before nodes existed
-    from lowbit.study.runs import RunConfig
+    from lowbit.lab.study.runs import RunConfig
 
     one = next(r for r in runs if r["config"]["nodes"] == 1)
     cfg = dict(one["config"])
@@ -289,7 +289,7 @@ max_test_samples = 100
     assert mixed["config"]["policy"] == {"by_type": {"Conv2d": "fp32"}}
     assert mixed["summary"]["compressed_fraction"] < plain["summary"]["compressed_fraction"]
     assert mixed["summary"]["bytes_per_step_per_rank"] > plain["summary"]["bytes_per_step_per_rank"]
-    from lowbit.study.report import load_runs
+    from lowbit.lab.study.report import load_runs
 
     labels = sorted(r["label"] for r in load_runs(out)[0])
     assert labels == ["QSGD 2bit/128", "QSGD 2bit/128 [Conv2d 32bit]"]
@@ -496,7 +496,7 @@ def test_study_with_model_and_hybrid_parallelism(tmp_path: Path, capsys) -> None
     html = (out / "report" / "index.html").read_text()
     assert "[model]" in html and "[hybrid, 2 sub-batches]" in html
     # a data-parallel run keeps the key it had before parallelism existed
-    from lowbit.study.runs import RunConfig
+    from lowbit.lab.study.runs import RunConfig
 
     one = runs[("mlp", "fp32", "data")]
     cfg = dict(one["config"])

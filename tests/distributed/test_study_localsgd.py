@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from lowbit.cli import main
-from lowbit.study.report import load_runs
-from lowbit.study.store import ResultStore
-from lowbit.study.tta import tta_table
+from lowbit.lab.cli import main
+from lowbit.lab.study.report import load_runs
+from lowbit.lab.study.store import ResultStore
+from lowbit.lab.study.tta import tta_table
 
 _CUT_DOWN = """extends = "localsgd"
 codecs = ["torch:ddp"]

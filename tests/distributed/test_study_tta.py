@@ -16,18 +16,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from lowbit.cli import main
+from lowbit.lab.cli import main
 from lowbit.launch import spawn
-from lowbit.models import build_model
-from lowbit.study.config import StudyConfig
-from lowbit.study.runs import RunConfig, expand_runs
-from lowbit.study.export import write_csv, write_curves_csv
-from lowbit.study.metrics import TailClock
-from lowbit.study.report import load_runs, write_report
-from lowbit.study.runner import CRASH_ENV
-from lowbit.study.store import ResultStore
-from lowbit.study.train import _ToTarget, _Trainer, make_optimizer
-from lowbit.study.tta import tta_table
+from lowbit.lab.models import build_model
+from lowbit.lab.study.config import StudyConfig
+from lowbit.lab.study.runs import RunConfig, expand_runs
+from lowbit.lab.study.export import write_csv, write_curves_csv
+from lowbit.lab.study.metrics import TailClock
+from lowbit.lab.study.report import load_runs, write_report
+from lowbit.lab.study.runner import CRASH_ENV
+from lowbit.lab.study.store import ResultStore
+from lowbit.lab.study.train import _ToTarget, _Trainer, make_optimizer
+from lowbit.lab.study.tta import tta_table
 from tests.distributed.shared_spawn import part, run_parts
 
 

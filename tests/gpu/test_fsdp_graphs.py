@@ -86,7 +86,7 @@ def _train(codec, param_codec, ef, reduce_dtype, graphs_on, steps=4):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import lowbit.fsdp as lf
-    from lowbit.models import build_model
+    from lowbit.lab.models import build_model
 
     os.environ["LOWBIT_CUDA_GRAPHS"] = "1" if graphs_on else "0"
     torch.manual_seed(0)

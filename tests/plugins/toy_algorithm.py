@@ -14,7 +14,7 @@ import torch
 
 from lowbit.comm import collectives as C
 from lowbit.comm.allreduce import AlgorithmPlugin, Call, register_algorithm
-from lowbit.perfmodel.collectives import CommCost, Topology, ring_allgather
+from lowbit.lab.perfmodel.collectives import CommCost, Topology, ring_allgather
 
 NAME = "toy_ring"
 CALLS = 0  # reductions this process ran with it (the test reads it in its workers)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lowbit.cli import main
+from lowbit.lab.cli import main
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lowbit.perfmodel.advise import default_evidence_path
-from lowbit.study.store import load_run_records as load_runs
+from lowbit.lab.perfmodel.advise import default_evidence_path
+from lowbit.lab.study.store import load_run_records as load_runs
 
 STUDY = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "study_cpu_default"
 

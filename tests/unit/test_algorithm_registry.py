@@ -50,7 +50,7 @@ def test_a_built_in_runs_through_its_registry_entry(name: str, spec: str) -> Non
 
 def test_importing_the_speed_model_leaves_the_registry_alone() -> None:
     code = ("import lowbit.comm.allreduce as A; before = {n: A.get_algorithm(n) for n in A.algorithms()}; "
-            "import lowbit.perfmodel; from lowbit.perfmodel.collectives import model_of, modeled_algorithms; "
+            "import lowbit.lab.perfmodel; from lowbit.lab.perfmodel.collectives import model_of, modeled_algorithms; "
             "assert {n: A.get_algorithm(n) for n in A.algorithms()} == before; "
             "assert all(A.get_algorithm(n).cost is None for n in A.algorithms()); "
             "assert modeled_algorithms() == ('scatter_gather', 'allgather', 'allreduce', 'hierarchical'); "

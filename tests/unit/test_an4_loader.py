@@ -1,4 +1,4 @@
-"""lowbit.data.speech on small files generated in AN4's on-disk layout (WAVs + fileids + transcriptions)."""
+"""lowbit.lab.data.speech on small files generated in AN4's on-disk layout (WAVs + fileids + transcriptions)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from lowbit.data import load_dataset
-from lowbit.data.speech import CONTEXT, MEL_BANDS, SAMPLE_RATE, log_mel
+from lowbit.lab.data import load_dataset
+from lowbit.lab.data.speech import CONTEXT, MEL_BANDS, SAMPLE_RATE, log_mel
 
 UTTS = {"train": [("an4_clstk/fash/an251-fash-b", "YES"), ("an4_clstk/fash/an253-fash-b", "GO"),
                   ("an4_clstk/mgah/cen2-mgah-b", "RUBOUT G M")],
@@ -57,7 +57,7 @@ def test_reads_the_layout_into_lstm_frames(tmp_path: Path) -> None:
     # a 300 Hz tone puts its energy in a low mel band
     assert int(np.argmax(log_mel(_tone(0.5, 300).astype(np.float32)).mean(0))) < 8
     # the LSTM takes it
-    from lowbit.models import build_model
+    from lowbit.lab.models import build_model
 
     model = build_model("lstm", num_classes=ds.num_classes, in_shape=ds.in_shape)
     assert model(ds.x_train[:2]).shape == (2, 16, ds.num_classes)

@@ -1,4 +1,4 @@
-"""lowbit.baselines: PyTorch's DDP hooks named as specs (parsing, labels, errors), and registration on a
+"""lowbit.lab.baselines: PyTorch's DDP hooks named as specs (parsing, labels, errors), and registration on a
 one-rank group (the two-rank behaviour: tests/distributed/test_baselines.py)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lowbit import baselines as B
+from lowbit.lab import baselines as B
 
 
 def test_specs_canonical_labels_and_bits() -> None:

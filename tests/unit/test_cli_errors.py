@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lowbit.cli import build_parser, main
+from lowbit.lab.cli import build_parser, main
 from lowbit.extras import MissingExtra, require
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,7 +68,7 @@ def test_triton_kernels_forced_without_a_gpu_is_one_line() -> None:
     env["LOWBIT_KERNELS"] = "triton"
     code = ("import sys, torch\n"
             "torch.cuda.is_available = lambda: False\n"
-            "from lowbit.cli import main\n"
+            "from lowbit.lab.cli import main\n"
             f"raise SystemExit(main(['codecs', '--codec', 'qsgd:bits=4', *{TINY!r}]))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 2, out.stderr[-3000:]
@@ -88,7 +88,7 @@ def test_report_out_an_existing_file_is_one_line(tmp_path: Path, capsys: pytest.
 def test_study_folders_that_are_files_stop_before_any_worker(tmp_path: Path, flag: str,
                                                              monkeypatch: pytest.MonkeyPatch,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
-    import lowbit.cli.study as study_cli
+    import lowbit.lab.cli.study as study_cli
 
     def no_workers(*args: object, **kwargs: object) -> None:
         raise AssertionError("workers started")
@@ -163,7 +163,7 @@ def _options_with_list_syntax() -> dict[tuple[str, ...], str]:
 
 
 def test_every_option_that_promises_the_codec_list_syntax_takes_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lowbit.cli import codecs as codecs_cli
+    from lowbit.lab.cli import codecs as codecs_cli
     from lowbit.codecs.base import parse_codec_list
 
     found = _options_with_list_syntax()
@@ -212,7 +212,7 @@ def test_a_deeply_nested_study_config_is_not_valid_toml_in_one_line(tmp_path: Pa
 def test_lowbit_codecs_is_quick_by_default_and_paper_sized_on_request(monkeypatch: pytest.MonkeyPatch) -> None:
     """The default table takes seconds (issue 43: 25M samples a distribution took 5 minutes); --paper
     asks for Table 2's 25M; both at once is one clear error."""
-    from lowbit.cli import codecs as codecs_cli
+    from lowbit.lab.cli import codecs as codecs_cli
 
     seen = []
     monkeypatch.setattr(codecs_cli, "measure", lambda specs, samples, *a, **k: seen.append(samples) or [])

@@ -21,10 +21,10 @@ import torch
 import lowbit.codecs
 from lowbit.codecs import base as codec_base
 from lowbit.codecs.base import Codec, get_codec, register_codec
-from lowbit.perfmodel import advise as adv
-from lowbit.perfmodel.model import codec_fact, short_codec
-from lowbit.study import config as study_config
-from lowbit.study import runs as study_runs
+from lowbit.lab.perfmodel import advise as adv
+from lowbit.lab.perfmodel.model import codec_fact, short_codec
+from lowbit.lab.study import config as study_config
+from lowbit.lab.study import runs as study_runs
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "lowbit"
 BASE = SRC / "codecs" / "base.py"

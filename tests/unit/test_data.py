@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from lowbit.data import (
+from lowbit.lab.data import (
     ShardedLoader,
     ShardedSampler,
     available_datasets,
@@ -59,7 +59,7 @@ def test_mnist1d_small_generates_offline_and_keeps_global_rng(no_network, monkey
     samples instead of 5,000; the cache is cleared after, so the canonical set is generated again."""
     import mnist1d.data
 
-    from lowbit.data import mnist1d as m
+    from lowbit.lab.data import mnist1d as m
 
     def small_args():
         args = real_args()
@@ -88,7 +88,7 @@ def test_mnist1d_small_generates_offline_and_keeps_global_rng(no_network, monkey
 @pytest.mark.slow
 def test_mnist1d_generates_offline_and_keeps_global_rng(no_network, monkeypatch):
     """The canonical 5,000 samples. Fast equivalent: test_mnist1d_small_generates_offline_and_keeps_global_rng."""
-    from lowbit.data import mnist1d as m
+    from lowbit.lab.data import mnist1d as m
 
     monkeypatch.setenv(m.CACHE_DIR_ENV, "none")
     m._generate.cache_clear()  # really generate inside this test, with the network blocked
@@ -120,7 +120,7 @@ def _stand_in_mnist1d(monkeypatch, tmp_path, rng):
     in-process cache cleared)."""
     import mnist1d.data
 
-    from lowbit.data import mnist1d as m
+    from lowbit.lab.data import mnist1d as m
 
     calls = []
 
@@ -142,11 +142,11 @@ def _stand_in_mnist1d(monkeypatch, tmp_path, rng):
 
 
 def test_mnist1d_is_cached_on_disk_and_a_damaged_file_is_generated_again(tmp_path, monkeypatch):
-    """The on-disk cache (lowbit.data.mnist1d's doc) with a stand-in generator that counts its calls: the
+    """The on-disk cache (lowbit.lab.data.mnist1d's doc) with a stand-in generator that counts its calls: the
     second process (the in-process cache cleared) reads the file; a truncated file, or arrays that no
     longer match their hash, are generated again and replaced; ``none`` turns the cache off; a cache
     that cannot be written is skipped."""
-    from lowbit.data import mnist1d as m
+    from lowbit.lab.data import mnist1d as m
 
     # each generation differs: a read shows as the first's arrays
     calls, load = _stand_in_mnist1d(monkeypatch, tmp_path, np.random.default_rng)
@@ -185,7 +185,7 @@ def test_mnist1d_cache_of_another_shape_or_labels_is_generated_again(tmp_path, m
     """A whole cache file (its hash matches) that is not the data set the generator's arguments give:
     other sample counts, labels outside 0-9, signals that are not floats or labels that are not ints.
     Each is generated again and replaced, never used (issue 44)."""
-    from lowbit.data import mnist1d as m
+    from lowbit.lab.data import mnist1d as m
 
     calls, load = _stand_in_mnist1d(monkeypatch, tmp_path, lambda _: np.random.default_rng(0))
 

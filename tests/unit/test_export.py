@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from lowbit.cli import main
+from lowbit.lab.cli import main
 from lowbit.extras import MissingExtra
-from lowbit.study.export import TensorBoardLog, export_tensorboard, write_csv
-from lowbit.study.report import load_runs
+from lowbit.lab.study.export import TensorBoardLog, export_tensorboard, write_csv
+from lowbit.lab.study.report import load_runs
 
 REAL = Path(__file__).resolve().parents[1] / "fixtures" / "study_cpu_default" / "results.jsonl"
 

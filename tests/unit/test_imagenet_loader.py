@@ -1,4 +1,4 @@
-"""lowbit.data.imagenet on small files generated in ImageNet's on-disk layout (class-per-folder JPEGs)."""
+"""lowbit.lab.data.imagenet on small files generated in ImageNet's on-disk layout (class-per-folder JPEGs)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from lowbit.data import ShardedLoader, load_dataset
-from lowbit.data.imagenet import IMAGENET_MEAN, IMAGENET_STD
+from lowbit.lab.data import ShardedLoader, load_dataset
+from lowbit.lab.data.imagenet import IMAGENET_MEAN, IMAGENET_STD
 
 Image = pytest.importorskip("PIL.Image")
 

@@ -4,20 +4,24 @@
 * no module-level import of a higher layer, except the ones listed (integrations adapt the DDP hook);
 * lowbit imports inside function bodies only in the modules listed, and no more of them than counted
   here: a ratchet, to be lowered to zero as study and perfmodel are untangled (optional dependencies
-  are imported through lowbit.extras, at module level).
+  are imported through lowbit.extras, at module level);
+* the library and the lab (issue 42 item 3): the lab's packages live under lowbit.lab (a module's layer
+  there is the package below lowbit.lab: lowbit.lab.study.train is "study"), and nothing outside
+  lowbit.lab imports it or names one of its modules in a string, but ``python -m lowbit``'s entry.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
+import re
 from collections import defaultdict
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 #: DESIGN.md's drawing, top (imports everything below) to bottom.
-LAYER = {"__init__": 10, "__main__": 10, "cli": 9, "study": 8, "perfmodel": 7, "ddp": 6, "baselines": 6, "fsdp": 6, "parallel": 6, "localsgd": 6, "auto": 5.5, "integrations": 5, "policy": 4, "choose": 4, "timeline": 3.5, "comm": 3,
+LAYER = {"__init__": 10, "__main__": 10, "lab": 10, "cli": 9, "study": 8, "codec_report": 8, "bench": 8, "perfmodel": 7, "ddp": 6, "baselines": 6, "fsdp": 6, "parallel": 6, "localsgd": 6, "auto": 5.5, "integrations": 5, "policy": 4, "choose": 4, "timeline": 3.5, "comm": 3,
          "feedback": 2, "codecs": 1, "kernels": 0, "models": 0, "data": 0, "env": -1, "launch": -1, "extras": -1, "_version": -2}
 UPWARD_ALLOWED = {("lowbit.integrations.accelerate", "lowbit.ddp"), ("lowbit.integrations.lightning", "lowbit.ddp"),
                   ("lowbit.integrations._register", "lowbit.ddp"), ("lowbit.integrations._register", "lowbit.fsdp"),
@@ -41,8 +45,12 @@ def _modules() -> dict[str, tuple[ast.Module, Path]]:
 
 
 def _layer(mod: str) -> str:
+    """The layer of a module: the top-level package or module it lives in (``lowbit.ddp.state``: ddp), and
+    for the lab the package under ``lowbit.lab`` (``lowbit.lab.study.train``: study)."""
     parts = mod.split(".")
-    return "__init__" if len(parts) == 1 else parts[1]
+    if len(parts) == 1:
+        return "__init__"
+    return parts[2] if parts[1] == "lab" and len(parts) > 2 else parts[1]
 
 
 def _top_level_imports(tree: ast.Module) -> list[str]:
@@ -131,8 +139,34 @@ def test_the_integrations_do_not_import_each_other() -> None:
         assert not any(n == other or n.startswith(other + ".") for n in _top_level_imports(tree)), (mod, other)
 
 
-#: the lab: what a training script never needs (DESIGN.md, "Library and lab")
-LAB = ("study", "report", "perfmodel", "cli", "data", "models", "baselines")
+#: the lab (issue 42 item 3): what a training script never needs, the packages under lowbit.lab
+LAB = ("study", "perfmodel", "cli", "data", "models", "baselines", "codec_report", "bench")
+#: the library a training script imports (CONTRIBUTING.md, "Layers"): every top-level module but lowbit.lab
+CORE = ("codecs", "kernels", "comm", "feedback", "policy", "timeline", "choose", "auto", "ddp", "fsdp",
+        "parallel", "localsgd", "integrations", "env", "launch", "extras", "_version", "_forkserver_freeze")
+#: the only imports of the lab from outside it: ``python -m lowbit`` runs the command
+LAB_IMPORTS_ALLOWED = {("lowbit.__main__", "lowbit.lab.cli")}
+#: a string that names a module of the lab (an importlib or preload name): ``lowbit.lab``, ``lowbit.lab.x.y``
+_LAB_NAME = re.compile(r"lowbit\.lab(\.\w*)*")
+
+
+def _in_lab(mod: str) -> bool:
+    return mod == "lowbit.lab" or mod.startswith("lowbit.lab.")
+
+
+def _imported(name: str, node: ast.AST, is_package: bool) -> list[str]:
+    """The modules an import statement of module ``name`` names (relative imports resolved; for
+    ``from a import b`` both ``a`` and ``a.b``, since ``b`` may be a submodule)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    base = node.module or ""
+    if node.level:
+        package = name.split(".") if is_package else name.split(".")[:-1]
+        package = package[:len(package) - (node.level - 1)]
+        base = ".".join(package + ([base] if base else []))
+    return [base] + [f"{base}.{a.name}" for a in node.names]
 
 
 def test_auto_imports_no_lab_and_no_private_names() -> None:
@@ -145,39 +179,55 @@ def test_auto_imports_no_lab_and_no_private_names() -> None:
             if not (isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lowbit")):
                 continue
             if auto:
-                assert _layer(node.module) not in LAB, (name, node.module)
+                assert not _in_lab(node.module), (name, node.module)
             if auto or _layer(node.module) == "auto":
                 private = [a.name for a in node.names if a.name.startswith("_")]
                 assert not private, (name, node.module, private)
 
 
-#: the library a training script imports (CONTRIBUTING.md, "Layers"): everything that is not the lab
-CORE = ("codecs", "kernels", "comm", "feedback", "policy", "timeline", "choose", "auto", "ddp", "fsdp",
-        "parallel", "localsgd", "integrations", "env", "launch", "extras", "_version", "_forkserver_freeze")
+def _lab_references(name: str, tree: ast.Module, is_package: bool) -> list[tuple[str, str]]:
+    """Every place module ``name`` names the lab: an import of it (at the top or inside a function,
+    absolute or relative), or a string that is a lab module's name (importlib, a preload list)."""
+    out = []
+    for node in ast.walk(tree):
+        out += [(name, m) for m in _imported(name, node, is_package) if _in_lab(m)]
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and _LAB_NAME.fullmatch(node.value):
+            out.append((name, repr(node.value)))
+    return out
 
 
-def test_the_core_never_imports_the_lab() -> None:
-    """The boundary between the library and the lab (issue 42 item 3): no module of the core imports
-    study, report, perfmodel, cli, data, models or baselines, at its top or inside a function, so a
-    training script that imports lowbit.ddp / lowbit.fsdp / lowbit.comm never loads the lab."""
+def test_nothing_outside_the_lab_imports_it() -> None:
+    """The boundary between the library and the lab (issue 42 item 3): no module outside lowbit.lab
+    imports it, at its top or inside a function, or names one of its modules in a string, so a training
+    script that imports lowbit.ddp / lowbit.fsdp / lowbit.comm never loads the lab. The one exception is
+    ``python -m lowbit`` (lowbit/__main__.py), the command's entry point."""
     bad = []
-    for name, (tree, _) in _modules().items():
-        if _layer(name) not in CORE:
-            continue
-        for node in ast.walk(tree):
-            mods = []
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lowbit"):
-                mods = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            elif isinstance(node, ast.Import):
-                mods = [a.name for a in node.names if a.name.startswith("lowbit")]
-            for m in mods:
-                if m.startswith("lowbit.") and _layer(m) in LAB and m.split(".")[1] in LAB:
-                    bad.append((name, m))
+    for name, (tree, path) in _modules().items():
+        if not _in_lab(name):
+            bad += [(n, m) for n, m in _lab_references(name, tree, path.name == "__init__.py")
+                    if not any(n == a and (m == b or m.startswith(b + ".")) for a, b in LAB_IMPORTS_ALLOWED)]
     assert not bad, bad
 
 
+def test_the_boundary_check_sees_every_way_of_naming_the_lab() -> None:
+    """The check above fails on each form a module could reach the lab with."""
+    cases = {"from lowbit.lab.study import runner": "lowbit.lab.study", "import lowbit.lab.perfmodel": "lowbit.lab.perfmodel",
+             "from lowbit import lab": "lowbit.lab", "from lowbit.lab import baselines": "lowbit.lab.baselines",
+             "def f():\n    from ..lab.models import get_model": "lowbit.lab.models",
+             "import importlib\nimportlib.import_module('lowbit.lab.cli')": "'lowbit.lab.cli'",
+             "PRELOAD = ['torch', 'lowbit.lab.study.train']": "'lowbit.lab.study.train'"}
+    for code, named in cases.items():
+        found = [m for _, m in _lab_references("lowbit.comm.x", ast.parse(code), False)]
+        assert named in found, (code, found)
+    assert not _lab_references("lowbit.comm.x", ast.parse('"""Priced by lowbit.lab.perfmodel."""\nfrom ..ddp import x'), False)
+
+
 def test_every_top_level_module_is_core_or_lab() -> None:
-    """Each top-level module or package of lowbit is named on one side of the boundary."""
+    """Each top-level module or package of lowbit is named on one side of the boundary, and the lab
+    holds only the packages named in LAB."""
     tops = {name.split(".")[1] for name in _modules() if name.count(".") >= 1}
-    unnamed = sorted(t for t in tops if t not in CORE and t not in LAB and t not in ("__init__", "__main__"))
-    assert not unnamed, f"name these in CORE or LAB: {unnamed}"
+    unnamed = sorted(t for t in tops if t not in CORE and t not in ("lab", "__init__", "__main__"))
+    assert not unnamed, f"name these in CORE, or move them under lowbit.lab: {unnamed}"
+    lab = {name.split(".")[2] for name in _modules() if _in_lab(name) and name.count(".") >= 2}
+    assert lab == set(LAB), sorted(lab ^ set(LAB))
+    assert not set(CORE) & set(LAB)

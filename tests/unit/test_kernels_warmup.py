@@ -46,8 +46,8 @@ def test_warm_up_leaves_nothing_to_compile_for_the_first_exchange() -> None:
 
 
 def test_the_study_warms_its_codecs_up_before_any_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import lowbit.cli.study as study_cli
-    from lowbit.cli import main
+    import lowbit.lab.cli.study as study_cli
+    from lowbit.lab.cli import main
 
     calls: list[str] = []
     monkeypatch.setattr(study_cli, "warm_up", lambda codec, device="cpu": calls.append(f"warm {codec.spec} {device}"))

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lowbit.models import available_models, build_model, model_info, num_parameters
+from lowbit.lab.models import available_models, build_model, model_info, num_parameters
 
 # Grubic et al. 2018, Figure 3 ("Params.", in millions as printed).
 SEED_TABLE_M = {

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lowbit.data import available_datasets, load_dataset
-from lowbit.data.ondisk import read_idx
+from lowbit.lab.data import available_datasets, load_dataset
+from lowbit.lab.data.ondisk import read_idx
 
 
 def _idx(path: Path, a: np.ndarray, gz: bool) -> None:
@@ -200,7 +200,7 @@ def test_idx_is_refused_without_reading_past_its_declared_size(tmp_path: Path,
     """A gzip of a few kB can hold gigabytes: the header's declared size bounds what is read (issue 44)."""
     import tracemalloc
 
-    from lowbit.data import ondisk
+    from lowbit.lab.data import ondisk
 
     path = tmp_path / "labels.gz"
     with gzip.open(path, "wb") as f:  # 16 labels declared, then 64 MB of zeros (a 60 kB file)

@@ -1,10 +1,10 @@
-"""The codecs' memory-traffic floor (lowbit.perfmodel.overhead.codec_floor_bytes): the formula's parts."""
+"""The codecs' memory-traffic floor (lowbit.lab.perfmodel.overhead.codec_floor_bytes): the formula's parts."""
 
 from __future__ import annotations
 
 import pytest
 
-from lowbit.perfmodel.overhead import codec_floor_bytes, codec_floor_ms
+from lowbit.lab.perfmodel.overhead import codec_floor_bytes, codec_floor_ms
 
 
 def test_fsdp_floor_counts_each_read_and_write_once() -> None:

@@ -1,4 +1,4 @@
-"""Unit tests of lowbit.perfmodel: Dettmers' tables, the seed's projection, links, collectives, the
+"""Unit tests of lowbit.lab.perfmodel: Dettmers' tables, the seed's projection, links, collectives, the
 step-time model, calibration and the ``lowbit predict`` command."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import math
 import numpy as np
 import pytest
 
-from lowbit.perfmodel import dettmers, projection
-from lowbit.perfmodel.calibrate import fit_link
-from lowbit.perfmodel.model import bits_per_value
-from lowbit.perfmodel.collectives import (
+from lowbit.lab.perfmodel import dettmers, projection
+from lowbit.lab.perfmodel.calibrate import fit_link
+from lowbit.lab.perfmodel.model import bits_per_value
+from lowbit.lab.perfmodel.collectives import (
     Topology,
     allgather,
     collective,
@@ -20,10 +20,10 @@ from lowbit.perfmodel.collectives import (
     ring_allreduce,
     scatter_gather,
 )
-from lowbit.perfmodel.links import PRESETS, Link, parse_bandwidth, parse_latency, parse_link
-from lowbit.perfmodel.model import Cluster, Layer, predict, predict_network, step_collectives
+from lowbit.lab.perfmodel.links import PRESETS, Link, parse_bandwidth, parse_latency, parse_link
+from lowbit.lab.perfmodel.model import Cluster, Layer, predict, predict_network, step_collectives
 from lowbit.timeline import ddp_buckets
-from lowbit.perfmodel.networks import NETWORKS, get_network
+from lowbit.lab.perfmodel.networks import NETWORKS, get_network
 
 
 def _printed(value: float, decimals: int) -> str:
@@ -312,7 +312,7 @@ def test_predict_network_uses_flops_over_rate():
 @pytest.mark.parametrize("name, params, gmacs", [
     ("vgg19", 143.7e6, 19.6), ("resnet50", 25.6e6, 3.8), ("resnet152", 60.2e6, 11.3),
     ("resnet110", 1.7e6, 0.253),
-    ("alexnet", 62.0e6, 0.99),  # CNTK's single tower at 227x227 (lowbit.models'); 0.72 G published rescales it
+    ("alexnet", 62.0e6, 0.99),  # CNTK's single tower at 227x227 (lowbit.lab.models'); 0.72 G published rescales it
 ])
 def test_network_profiles_match_published_totals(name, params, gmacs):
     net = get_network(name)
@@ -330,9 +330,9 @@ def test_small_networks_are_exact():
 
 
 def test_network_names_are_the_studys():
-    """One set of names (issue 14 item 5): the speed model's names are lowbit.models' wherever the
-    network is the same (and every profile is lowbit.models' module); the spellings of 0.1.0 are gone."""
-    from lowbit.models import available_models
+    """One set of names (issue 14 item 5): the speed model's names are lowbit.lab.models' wherever the
+    network is the same (and every profile is lowbit.lab.models' module); the spellings of 0.1.0 are gone."""
+    from lowbit.lab.models import available_models
 
     assert set(NETWORKS) <= set(available_models())
     for name in NETWORKS:
@@ -393,7 +393,7 @@ def test_bits_per_value_sources():
 
 # ------------------------------------------------------------------------------------------- CLI
 def test_cli_predict(capsys):
-    from lowbit.cli import main
+    from lowbit.lab.cli import main
 
     rc = main(["predict", "--network", "vgg19", "--gpus", "64", "--gpus-per-node", "8", "--intra", "nvlink",
                "--inter", "100gbit", "--codec", "qsgd:bits=4", "--algorithm", "scatter_gather",
@@ -409,7 +409,7 @@ def test_cli_predict(capsys):
 
 
 def test_cli_predict_sweep_writes_png(tmp_path, capsys):
-    from lowbit.cli import main
+    from lowbit.lab.cli import main
 
     out_png = tmp_path / "sweep.png"
     rc = main(["predict", "--network", "resnet50", "--sweep", "--max-gpus", "1024", "--out", str(out_png),
@@ -421,7 +421,7 @@ def test_cli_predict_sweep_writes_png(tmp_path, capsys):
 
 
 def test_cli_dettmers(capsys):
-    from lowbit.cli import main
+    from lowbit.lab.cli import main
 
     assert main(["predict", "--dettmers"]) == 0
     out = capsys.readouterr().out
@@ -437,7 +437,7 @@ def test_cli_dettmers(capsys):
     ([], "--network is required"),
 ])
 def test_cli_errors(argv, message, capsys):
-    from lowbit.cli import main
+    from lowbit.lab.cli import main
 
     assert main(["predict", *argv]) == 2
     assert message in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""The speed model of local SGD against per-step compression (lowbit.perfmodel.localsgd, issue 45):
+"""The speed model of local SGD against per-step compression (lowbit.lab.perfmodel.localsgd, issue 45):
 amortisation over H, streaming, groups, the cross-over bandwidth and ``lowbit predict --localsgd``."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from lowbit.cli import main as lowbit_main
-from lowbit.perfmodel.links import Link
-from lowbit.perfmodel.localsgd import (crossover, crossover_bandwidth, ddp_step, emulated_cost, localsgd_step,
+from lowbit.lab.cli import main as lowbit_main
+from lowbit.lab.perfmodel.links import Link
+from lowbit.lab.perfmodel.localsgd import (crossover, crossover_bandwidth, ddp_step, emulated_cost, localsgd_step,
                                        model_layers)
-from lowbit.perfmodel.model import Cluster, bits_per_value
-from lowbit.study.crossover import _interp_crossing, check, format_check
-from lowbit.study.tta import time_to_target
+from lowbit.lab.perfmodel.model import Cluster, bits_per_value
+from lowbit.lab.study.crossover import _interp_crossing, check, format_check
+from lowbit.lab.study.tta import time_to_target
 
 Q4 = "qsgd:bits=4,bucket=512"
 Q2 = "qsgd:bits=2,bucket=512"

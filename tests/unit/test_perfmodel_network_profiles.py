@@ -1,8 +1,8 @@
 """The per-layer profiles the speed model rescales, walked from torch modules on the meta device
-(lowbit.models.profile).
+(lowbit.lab.models.profile).
 
 * every profile's parameters, per layer, are the module's own parameter counts, and its total is the
-  exact count lowbit.models records for that network (model_info);
+  exact count lowbit.lab.models records for that network (model_info);
 * building a profile allocates no real parameter, buffer or activation (everything on meta);
 * the MACs follow the counting rules (spot checks computed by hand below, not by the walk);
 * profiles are cached, so each network is walked once per process.
@@ -16,9 +16,9 @@ import time
 import pytest
 import torch
 
-from lowbit.models import available_models, build_model, model_info
-from lowbit.models import profile as profile_mod
-from lowbit.models.profile import PROFILE_NAMES, LayerProfile, layer_profile, module_profile
+from lowbit.lab.models import available_models, build_model, model_info
+from lowbit.lab.models import profile as profile_mod
+from lowbit.lab.models.profile import PROFILE_NAMES, LayerProfile, layer_profile, module_profile
 
 def _expected_per_layer(name: str) -> dict[str, int]:
     """Parameter counts per profile entry straight from the module's named parameters (meta shapes)."""
@@ -73,7 +73,7 @@ def test_small_modules_real_build_matches_meta_walk() -> None:
         assert sum(real.values()) == sum(p.numel() for p in model.parameters())
 
 
-#: One network of each layer kind (convolutional ones of lowbit.models, the LSTM, an MLP): the default
+#: One network of each layer kind (convolutional ones of lowbit.lab.models, the LSTM, an MLP): the default
 #: run's networks for test_profiles_are_built_on_meta.
 _META_FAST = ("resnet110", "mlp", "resnet50", "lstm")
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from lowbit.perfmodel.calibrate import Calibration
-from lowbit.perfmodel.fit import model_step
-from lowbit.study.records import RunRecord
+from lowbit.lab.perfmodel.calibrate import Calibration
+from lowbit.lab.perfmodel.fit import model_step
+from lowbit.lab.study.records import RunRecord
 
 BASE = RunRecord(
     key="k", network="vgg19", dataset="synthetic", batch=64, world=4, backend="nccl", device="cuda",

@@ -1,4 +1,4 @@
-"""lowbit.perfmodel.overhead: the bandwidth below which a configuration pays, from bench_overhead.py rows."""
+"""lowbit.lab.perfmodel.overhead: the bandwidth below which a configuration pays, from bench_overhead.py rows."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from lowbit.cli import main
-from lowbit.perfmodel.overhead import breakeven, format_breakeven
+from lowbit.lab.cli import main
+from lowbit.lab.perfmodel.overhead import breakeven, format_breakeven
 
 
 def _doc(rows):

@@ -1,4 +1,4 @@
-"""Calibration, validation and advice of the speed model (lowbit.perfmodel.calibrate / validate / advise).
+"""Calibration, validation and advice of the speed model (lowbit.lab.perfmodel.calibrate / validate / advise).
 
 Synthetic inputs throughout: bench rows generated from a known link and known codec costs; study
 results generated from a known calibration, so the model must recover them exactly, and a deliberately
@@ -14,26 +14,26 @@ from pathlib import Path
 
 import pytest
 
-from lowbit.cli import main as lowbit_main
-from lowbit.perfmodel import advise as adv
-from lowbit.perfmodel.calibrate import (
+from lowbit.lab.cli import main as lowbit_main
+from lowbit.lab.perfmodel import advise as adv
+from lowbit.lab.perfmodel.calibrate import (
     Calibration,
     CodecFit,
     LinkFit,
     fit_bench,
     fit_comm_in_situ,
 )
-from lowbit.perfmodel.model import bits_per_value
-from lowbit.perfmodel.collectives import Topology, collective
-from lowbit.perfmodel.links import Link
-from lowbit.perfmodel.model import Cluster, codec_fact, codec_work
-from lowbit.cli.advise import advice_json, format_advice
-from lowbit.cli.bench import load_bench
-from lowbit.cli.predict import format_validation, validate_path, validation_method
-from lowbit.perfmodel.fit import calibrate, model_step
-from lowbit.perfmodel.validate import validate
-from lowbit.study.records import RunRecord
-from lowbit.study.store import load_run_records as load_runs
+from lowbit.lab.perfmodel.model import bits_per_value
+from lowbit.lab.perfmodel.collectives import Topology, collective
+from lowbit.lab.perfmodel.links import Link
+from lowbit.lab.perfmodel.model import Cluster, codec_fact, codec_work
+from lowbit.lab.cli.advise import advice_json, format_advice
+from lowbit.lab.cli.bench import load_bench
+from lowbit.lab.cli.predict import format_validation, validate_path, validation_method
+from lowbit.lab.perfmodel.fit import calibrate, model_step
+from lowbit.lab.perfmodel.validate import validate
+from lowbit.lab.study.records import RunRecord
+from lowbit.lab.study.store import load_run_records as load_runs
 from lowbit.policy import Policy
 
 Q8 = "qsgd:bits=8,bucket=512"
@@ -83,7 +83,7 @@ def test_calibration_recovers_links_and_codec_costs_from_bench_rows(tmp_path):
 
 
 def test_nccl_socket_transport_and_bad_bench_files(tmp_path):
-    from lowbit.cli.bench import transport_key
+    from lowbit.lab.cli.bench import transport_key
 
     assert transport_key("nccl", {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1"}) \
         == "nccl/socket"
@@ -274,8 +274,8 @@ def test_advice_default_codec_does_not_depend_on_the_hash_seed():
     import sys
 
     code = ("import dataclasses\n"
-            "from lowbit.perfmodel import advise as adv\n"
-            "from lowbit.perfmodel.model import Cluster\n"
+            "from lowbit.lab.perfmodel import advise as adv\n"
+            "from lowbit.lab.perfmodel.model import Cluster\n"
             "a = adv.advise('resnet50', adv.SpeedSetup(Cluster(8, 8, 'nvlink'), 64, 100.0, 'auto', 200e9, 200e9),"
             " evidence=[])\n"
             "a = dataclasses.replace(a, assignment={'Conv2d': adv.CANDIDATES[2].canonical,"
@@ -364,7 +364,7 @@ def test_bad_inputs_raise_value_errors(tmp_path):
 
 
 def test_calibration_keys_are_typed_and_round_trip() -> None:
-    from lowbit.study.records import OverheadKey, ScaleKey
+    from lowbit.lab.study.records import OverheadKey, ScaleKey
 
     for sk in (ScaleKey("gloo", "cpu", 2), ScaleKey("nccl", "cuda", 4, nodes=2)):
         assert ScaleKey.parse(str(sk)) == sk

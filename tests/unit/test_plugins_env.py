@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lowbit.cli import build_parser, main
+from lowbit.lab.cli import build_parser, main
 from lowbit.codecs.base import get_codec
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lowbit.data import load_dataset
-from lowbit.data.pysource import stdlib_files
+from lowbit.lab.data import load_dataset
+from lowbit.lab.data.pysource import stdlib_files
 
 
 def test_split_by_file_and_shifted_targets(tmp_path: Path) -> None:

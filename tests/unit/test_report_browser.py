@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lowbit.cli import main
+from lowbit.lab.cli import main
 
 pytest.importorskip("matplotlib")
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-import lowbit.study.figures as figures
-import lowbit.study.report as report
+import lowbit.lab.study.figures as figures
+import lowbit.lab.study.report as report
 
 pytest.importorskip("matplotlib")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lowbit.study.report import load_runs, write_report
+from lowbit.lab.study.report import load_runs, write_report
 
 REAL = Path(__file__).resolve().parents[1] / "fixtures" / "study_cpu_default" / "results.jsonl"
 
@@ -65,7 +65,7 @@ def _malformed(tmp_path: Path, render: bool) -> None:
 
 
 def test_no_verdict_when_fp32_did_not_learn() -> None:
-    from lowbit.study.report import accuracy_matches
+    from lowbit.lab.study.report import accuracy_matches
 
     def run(codec: str, acc: float, seed: int) -> dict:
         return {"network": "mlp", "dataset": "digits", "world_size": 2, "backend": "gloo", "batch_size": 32,
@@ -87,7 +87,7 @@ def test_scalability_series_per_node_layout_and_algorithm(tmp_path) -> None:
     fp32 run its baseline."""
     import json
 
-    from lowbit.study.report import _sps_tables, load_runs
+    from lowbit.lab.study.report import _sps_tables, load_runs
 
     rows = []
     for k, nodes, codec, algo, sps in [(1, 1, "fp32", "none", 100.0), (2, 1, "fp32", "allreduce", 190.0),
@@ -115,7 +115,7 @@ def test_one_reader_for_the_report_and_the_speed_model(tmp_path: Path) -> None:
     a damaged, partial results file, warn the same, and fail the same on a missing one."""
     import pytest
 
-    from lowbit.study.store import load_run_records, read_runs
+    from lowbit.lab.study.store import load_run_records, read_runs
 
     path = tmp_path / "results.jsonl"
     text = REAL.read_text()

@@ -8,8 +8,8 @@ import pytest
 
 import lowbit
 from lowbit.comm.allreduce import AUTO_TWO_RANKS_SCATTER_FROM, auto_algorithm, resolve_algorithm
-from lowbit.perfmodel.model import Cluster, predict
-from lowbit.perfmodel.model import resolve_algorithm as model_resolve_algorithm
+from lowbit.lab.perfmodel.model import Cluster, predict
+from lowbit.lab.perfmodel.model import resolve_algorithm as model_resolve_algorithm
 
 SPECS = ["fp32", "fp16", "bf16", "qsgd:bits=8,bucket=512", "qsgd:bits=4,bucket=512", "qsgd:bits=16",
          "onebit:bucket=64", "onebit:bucket=0", "dettmers:type=dynamic", "topk:ratio=0.1"]

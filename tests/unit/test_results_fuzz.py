@@ -1,5 +1,5 @@
 """Malformed results.jsonl lines against every reader of result rows (lowbit report, export, predict
---validate; all through lowbit.study.store): each is skipped with one warning naming the file, the line
+--validate; all through lowbit.lab.study.store): each is skipped with one warning naming the file, the line
 and the field, or, with --strict, refused in one line. Never a traceback."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any, Callable
 
 import pytest
 
-from lowbit.cli import main
-from lowbit.study.store import read_runs
+from lowbit.lab.cli import main
+from lowbit.lab.study.store import read_runs
 
 REAL = Path(__file__).resolve().parents[1] / "fixtures" / "study_cpu_default" / "results.jsonl"
 

@@ -128,9 +128,9 @@ def test_messages_whose_algorithm_takes_no_riders_carry_none() -> None:
                                                                 ("auto", "allgather", "0."), (2, "allgather", "0.")])
 def test_the_speed_model_prices_the_plan_the_hook_sends(monkeypatch, message_mb, algorithm: str, fp32_prefix: str) -> None:
     """perfmodel.model.simulate_step, on a model's tensors as layers, prices the hook's messages."""
-    from lowbit.perfmodel import model as pm
-    from lowbit.perfmodel.collectives import Topology
-    from lowbit.perfmodel.links import Link
+    from lowbit.lab.perfmodel import model as pm
+    from lowbit.lab.perfmodel.collectives import Topology
+    from lowbit.lab.perfmodel.links import Link
 
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Linear(512, 512, bias=False) for _ in range(12)])

@@ -39,7 +39,7 @@ def test_policy_keys_that_match_nothing_are_errors() -> None:
     (["--codec", "qsgd:bits=4.0"], "must be an integer"),
 ])
 def test_codecs_command_refuses_bad_arguments_in_one_line(args: list[str], msg: str, capsys) -> None:
-    from lowbit.cli import main
+    from lowbit.lab.cli import main
 
     assert main(["codecs", "--quiet", *args]) == 2
     err = capsys.readouterr().err.strip()
@@ -51,7 +51,7 @@ def test_a_missing_extra_is_one_line_naming_it() -> None:
     import sys
 
     code = ("import sys; sys.modules['sklearn'] = None; sys.modules['sklearn.datasets'] = None\n"
-            "from lowbit.cli import main\n"
+            "from lowbit.lab.cli import main\n"
             "raise SystemExit(main(['codecs', '--quiet', '--samples', '100', '--bench-numel', '1000', '--reps', '1']))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 2, out.stderr[-2000:]
@@ -63,8 +63,8 @@ def test_one_codec_list_syntax_for_every_command() -> None:
     import argparse
 
     from lowbit.codecs.base import parse_codec_list
-    from lowbit.cli import bench
-    from lowbit.cli import study as study_cli
+    from lowbit.lab.cli import bench
+    from lowbit.lab.cli import study as study_cli
 
     want = ["fp32", "qsgd:bits=4,bucket=512", "onebit:bucket=64"]
     for values in (["fp32", "qsgd:bits=4,bucket=512", "onebit:bucket=64"],

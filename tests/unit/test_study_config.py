@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from lowbit.study.config import StudyConfig, load_config, resolve_batch
+from lowbit.lab.study.config import StudyConfig, load_config, resolve_batch
 
-from lowbit.study.runs import RunConfig, check_runs, codec_label, expand_runs
-from lowbit.study.runner import resolve_targets
-from lowbit.study.store import ResultStore
-from lowbit.study.train import lr_factor, time_to_target, validation_subset
+from lowbit.lab.study.runs import RunConfig, check_runs, codec_label, expand_runs
+from lowbit.lab.study.runner import resolve_targets
+from lowbit.lab.study.store import ResultStore
+from lowbit.lab.study.train import lr_factor, time_to_target, validation_subset
 
 
 def _write(tmp_path: Path, text: str) -> Path:
@@ -24,7 +24,7 @@ def _write(tmp_path: Path, text: str) -> Path:
 
 # ------------------------------------------------------------------------------------ presets
 def test_default_preset_is_the_documented_grid() -> None:
-    from lowbit.study.report import VERDICT_SEEDS
+    from lowbit.lab.study.report import VERDICT_SEEDS
 
     cfg = load_config()
     assert cfg.backends == ("gloo",) and cfg.world_sizes == (1, 2)
@@ -248,10 +248,10 @@ def test_auto_levels_parse_validate_label_and_build_the_hook_options() -> None:
     """'auto:bold' is codec="auto" at auto_level="bold" (error feedback for the biased codecs it may choose);
     plain 'auto' stays the default level, its name and run keys unchanged; an unknown level is refused."""
     import lowbit.ddp
-    from lowbit.cli.study import _study_spec
-    from lowbit.study.config import DEFAULT_AUTO_LEVEL, auto_level
-    from lowbit.study.store import _malformed
-    from lowbit.study.train import ddp_options
+    from lowbit.lab.cli.study import _study_spec
+    from lowbit.lab.study.config import DEFAULT_AUTO_LEVEL, auto_level
+    from lowbit.lab.study.store import _malformed
+    from lowbit.lab.study.train import ddp_options
 
     assert DEFAULT_AUTO_LEVEL == lowbit.ddp.DDPConfig.__dataclass_fields__["auto_level"].default
     cfg = StudyConfig(networks=("mlp",), datasets=("digits",), codecs=("fp32", "auto", " Auto:Bold "),
@@ -297,7 +297,7 @@ def test_fig3_recipe_sets_each_networks_epochs_and_learning_rate() -> None:
 
 
 def test_timed_epochs_skip_the_first_and_the_switch_to_compression() -> None:
-    from lowbit.study.train import timed_epochs
+    from lowbit.lab.study.train import timed_epochs
 
     eps = [{"epoch": i + 1} for i in range(4)]
     # many steps per epoch: all but the first (the switch at step 2 falls in the first)
@@ -469,7 +469,7 @@ def test_non_finite_numbers_and_impossible_world_sizes_are_refused(tmp_path: Pat
         load_config(_write(tmp_path, text))
     for needle in needles:
         assert needle in str(info.value), str(info.value)
-    from lowbit.study.config import MAX_WORLD_SIZE
+    from lowbit.lab.study.config import MAX_WORLD_SIZE
 
     assert MAX_WORLD_SIZE == 65536 and load_config(overrides={"world_sizes": [1, MAX_WORLD_SIZE]}).world_sizes[-1] \
         == MAX_WORLD_SIZE

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from lowbit.study.config import StudyConfig, load_config
+from lowbit.lab.study.config import StudyConfig, load_config
 
-from lowbit.study.runs import expand_runs
+from lowbit.lab.study.runs import expand_runs
 
 
 def _cfg(**kw: object) -> StudyConfig:
@@ -87,7 +87,7 @@ def test_overlap_is_a_study_key_and_leaves_older_keys_alone() -> None:
     import json
     from pathlib import Path
 
-    from lowbit.study.runs import RunConfig
+    from lowbit.lab.study.runs import RunConfig
 
     with pytest.raises(ValueError, match=r"'overlap' \(4\) must be less than local_steps // fragments \(4\)"):
         _cfg(parallelism=["localsgd"], local_steps=8, fragments=2, overlap=4)

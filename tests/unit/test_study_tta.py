@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from lowbit.study.export import write_csv, write_curves_csv
-from lowbit.study.records import run_record
-from lowbit.study.report import _tta_section, load_runs
-from lowbit.study.store import ResultStore, ResultsWarning
-from lowbit.study.tta import link_label, run_ratios, setting_title, tta_table
+from lowbit.lab.study.export import write_csv, write_curves_csv
+from lowbit.lab.study.records import run_record
+from lowbit.lab.study.report import _tta_section, load_runs
+from lowbit.lab.study.store import ResultStore, ResultsWarning
+from lowbit.lab.study.tta import link_label, run_ratios, setting_title, tta_table
 
 _ROW = {
     "kind": "run", "schema": 1, "attempt": "x", "study": "fake",

@@ -6,7 +6,7 @@ algorithm it resolves to, and every layer (the DDP hook, the study, the CLI, the
 validates algorithms from here. lowbit's flat algorithms register in :mod:`lowbit.comm.flat`,
 ``hierarchical`` in :mod:`lowbit.comm.hierarchical`, a plugin in its own module named in
 ``$LOWBIT_PLUGINS`` (docs/codecs.md, "Your own algorithm"). What an algorithm costs on a network is the
-speed model's business (:mod:`lowbit.perfmodel.collectives`); a plugin may bring its own ``cost``.
+speed model's business (:mod:`lowbit.lab.perfmodel.collectives`); a plugin may bring its own ``cost``.
 
 ``auto`` is not an entry: :func:`resolve_algorithm` turns it into one per call, by one rule
 (:func:`auto_algorithm`) that the collectives, the DDP hook and the speed model share.
@@ -87,11 +87,11 @@ class AlgorithmPlugin:
     ``m`` values of ``x`` riding raw in fp32 (the DDP hook's small tensors, in allgather's message); other
     entries refuse them.
 
-    For the speed model (``None``: lowbit.perfmodel's own formulas for lowbit's algorithms
-    (:mod:`lowbit.perfmodel.collectives`), else the algorithm is not modelled): ``cost(nbytes, topo,
-    fp32_bytes)`` is a :class:`lowbit.perfmodel.collectives.CommCost` (seconds, bytes sent per rank,
+    For the speed model (``None``: lowbit.lab.perfmodel's own formulas for lowbit's algorithms
+    (:mod:`lowbit.lab.perfmodel.collectives`), else the algorithm is not modelled): ``cost(nbytes, topo,
+    fp32_bytes)`` is a :class:`lowbit.lab.perfmodel.collectives.CommCost` (seconds, bytes sent per rank,
     steps) for a payload of ``nbytes`` per rank in the codec's precision on a
-    :class:`lowbit.perfmodel.collectives.Topology` (world size, ranks per node, links), ``fp32_bytes``
+    :class:`lowbit.lab.perfmodel.collectives.Topology` (world size, ranks per node, links), ``fp32_bytes``
     being the uncompressed size when the payload is compressed (None when it is fp32);
     ``work(numel, world, gpus_per_node)`` gives the values ``(encoded, decoded)`` per rank for one call of
     ``numel`` values (default ``(numel, numel)``).
@@ -173,7 +173,7 @@ def auto_algorithm(k: int, numel: int | None = None, device: torch.device | str 
     ``allgather`` (one exchange), unless the tensor's device type has a size from which scatter_gather was
     measured faster (:data:`AUTO_TWO_RANKS_SCATTER_FROM`) and ``numel`` reaches it. Without ``numel`` or
     ``device`` (a caller that does not know them) two ranks take allgather. The one rule of ``auto``: the
-    collectives, the DDP hook and the speed model (:func:`lowbit.perfmodel.model.resolve_algorithm`) all
+    collectives, the DDP hook and the speed model (:func:`lowbit.lab.perfmodel.model.resolve_algorithm`) all
     resolve it here."""
     if k > 2:
         return "scatter_gather"

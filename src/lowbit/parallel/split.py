@@ -1,6 +1,6 @@
 """Where lowbit's networks split for model and hybrid parallelism (the study's ``parallelism`` dimension).
 
-* ``model``: the whole network is a chain of Linear / ReLU / Dropout / Flatten (lowbit.models' ``mlp``,
+* ``model``: the whole network is a chain of Linear / ReLU / Dropout / Flatten (lowbit.lab.models' ``mlp``,
   Dettmers' MNIST network): every linear layer is split over the ranks (:func:`lowbit.parallel.parallelize`).
 * ``hybrid``: the network has convolutional ``features`` and a fully connected classifier (``alexnet``,
   ``vgg*``: ``features``, ``pool``, ``classifier``; ``small_cnn``: ``features``, ``fc``): the features run
