@@ -68,10 +68,10 @@ def hook(state: LowbitState, bucket: dist.GradBucket) -> torch.futures.Future[to
 def _inline_pays(state: LowbitState) -> bool:
     """``hook_thread="auto"`` on CUDA: whether the bucket work runs inline on lowbit's side stream rather
     than on the hook thread. Inline when every message replays a CUDA graph (then a bucket's work is a
-    few launches, and a hand-off to a thread costs the autograd thread more than it saves: on one H200,
-    GPT-2 small's 8-bit step with the wire free ran at a median 0.88x / 0.87x of plain DDP inline
-    against 0.79x / 0.83x on the thread, in two runs of 4 and 3 rounds, benchmarks/results/
-    overhead_1xh200_1202b/); on the thread while any message runs its exchange eagerly (about a
+    few launches, and the hand-off to a thread and the last bucket's wait for it cost the autograd
+    thread more than they save: on one H200, GPT-2 small's 8-bit step with the wire free ran at 0.88x /
+    0.87x / 0.84x of plain DDP inline against 0.79x / 0.83x / 0.85x on the thread, three runs of 3-5
+    rounds, benchmarks/results/overhead_1xh200_1202b/: not slower, within the noise); on the thread while any message runs its exchange eagerly (about a
     millisecond of host time a call, which the thread keeps off the backward's critical path). Decided
     once per message plan; ``stats.timing`` (its syncs) keeps the thread."""
     groups = state._group_of or {}
