@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lowbit.localsgd import ConfigMismatchError, LocalSGD, _split
+from lowbit.localsgd import ConfigMismatchError, LocalSGD
+from lowbit.localsgd.fragments import _split
 from lowbit.launch import spawn
 from tests.distributed.shared_spawn import part, run_parts
 

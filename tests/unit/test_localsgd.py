@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from lowbit.localsgd import LocalSGD, _split, default_outer_optimizer
+from lowbit.localsgd import LocalSGD, default_outer_optimizer
+from lowbit.localsgd.fragments import _split
 
 
 def _model() -> nn.Module:

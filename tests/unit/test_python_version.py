@@ -46,15 +46,15 @@ def test_source_needs_no_newer_python_than_declared() -> None:
 
 def test_study_config_loads_tomli_without_tomllib(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     """Fast equivalent of test_cli_and_study_config_work_without_tomllib (slow; a fresh interpreter): a
-    fresh copy of lowbit.lab.study.config, executed here with tomllib hidden as on 3.10, takes tomli and
-    reads a preset; the CLI's --help runs with tomllib hidden."""
+    fresh copy of lowbit.lab.study.loading (the study's TOML reader), executed here with tomllib hidden as
+    on 3.10, takes tomli and reads a preset; the CLI's --help runs with tomllib hidden."""
     import importlib.util
 
     monkeypatch.setitem(sys.modules, "tomllib", None)
-    path = ROOT / "src" / "lowbit" / "lab" / "study" / "config.py"
-    spec = importlib.util.spec_from_file_location("_config_without_tomllib", path)
+    path = ROOT / "src" / "lowbit" / "lab" / "study" / "loading.py"
+    spec = importlib.util.spec_from_file_location("_loading_without_tomllib", path)
     mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, mod)  # (its dataclasses look their module up there)
+    monkeypatch.setitem(sys.modules, spec.name, mod)  # (registered, as an imported module is)
     spec.loader.exec_module(mod)
     assert mod.tomllib.__name__ == "tomli"
     assert mod.load_config(None, "smoke", {}).name == "smoke"
@@ -70,8 +70,8 @@ def test_cli_and_study_config_work_without_tomllib() -> None:
     """Fast equivalent: test_study_config_loads_tomli_without_tomllib."""
     # Python 3.10 has no tomllib: hide it, as 3.10 would, and use the study's TOML loader and the CLI
     code = ("import sys; sys.modules['tomllib'] = None\n"
-            "from lowbit.lab.study import config\n"
-            "print(config.tomllib.__name__)\n"
+            "from lowbit.lab.study import loading\n"
+            "print(loading.tomllib.__name__)\n"
             "from lowbit.lab.cli import main\n"
             "raise SystemExit(main(['--help']))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lowbit.lab.study.config import StudyConfig, load_config, resolve_batch
+from lowbit.lab.study.config import StudyConfig, resolve_batch
+from lowbit.lab.study.loading import load_config
 
 from lowbit.lab.study.runs import RunConfig, check_runs, codec_label, expand_runs
 from lowbit.lab.study.runner import resolve_targets

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from lowbit.lab.study.config import StudyConfig, load_config
+from lowbit.lab.study.config import StudyConfig
+from lowbit.lab.study.loading import load_config
 
 from lowbit.lab.study.runs import expand_runs
 

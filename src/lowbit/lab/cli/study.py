@@ -24,8 +24,9 @@ from lowbit.comm.allreduce import algorithms
 from lowbit.env import launched_rank_and_size, under_torchrun
 from lowbit.extras import require
 from lowbit.kernels.dispatch import warm_up
-from lowbit.lab.study.config import PRESETS, auto_level, auto_spec, is_auto, load_config
+from lowbit.lab.study.config import PRESETS, auto_level, auto_spec, is_auto
 from lowbit.lab.study.export import export_tensorboard, output_folder, write_csv, write_curves_csv
+from lowbit.lab.study.loading import load_config
 from lowbit.lab.study.report import DEFAULT_PRICE_PER_GPU_HOUR, load_runs, write_report
 from lowbit.lab.study.runner import StudyInterrupted, plan_study, run_study
 from lowbit.lab.study.store import resolve_results_path

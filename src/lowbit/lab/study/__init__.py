@@ -13,7 +13,8 @@ worker groups: local spawn or torchrun), ``train`` (one run on a rank: DDP + low
 
 from __future__ import annotations
 
-from lowbit.lab.study.config import StudyConfig, load_config
+from lowbit.lab.study.config import StudyConfig
+from lowbit.lab.study.loading import load_config
 
 from lowbit.lab.study.runs import RunConfig, expand_runs
 from lowbit.lab.study.report import write_report
