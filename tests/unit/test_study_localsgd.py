@@ -95,6 +95,7 @@ def test_own_schedule_for_every_row_that_takes_the_target() -> None:
     src = next(r for r in own if r.is_target_source)
     takers = [r for r in own if r.awaits_target]
     assert {r.target_schedule for r in takers} == {"own"}
+    assert {r.target_setting() for r in takers} == {src.target_setting()}  # (the runner finds their target)
     # the run that sets the target is the same run under either rule (one key: a study of each rule shares it)
     assert src.target_schedule == "replay" and src.key() == next(r for r in replay if r.is_target_source).key()
     assert not {r.key() for r in takers} & {r.key() for r in replay}

@@ -154,11 +154,11 @@ class RunConfig:
 
     def target_setting(self) -> str:
         """What a run shares with the run its target comes from: everything but the codec (and what goes
-        with it: algorithm, error feedback, per-layer policy), the target itself and the budget (which
-        ``target_budget_factor`` scales); the seed included."""
+        with it: algorithm, error feedback, per-layer policy), the target itself, the budget (which
+        ``target_budget_factor`` scales) and the schedule rule; the seed included."""
         d = self.to_dict()
         for field in ("codec", "algorithm", "error_feedback", "policy", "batch_preset", "target_loss",
-                      "schedule", "time_budget_s") + _LOCALSGD_FIELDS:
+                      "schedule", "target_schedule", "time_budget_s") + _LOCALSGD_FIELDS:
             d.pop(field)
         if d["parallelism"] == LOCALSGD:  # local SGD takes its target from the data-parallel run's
             d["parallelism"] = "data"
