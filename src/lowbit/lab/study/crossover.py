@@ -323,6 +323,10 @@ def _bw(b: float | None) -> str:
     return f"{b * 8 / 1e6:.3g} Mbit/s"
 
 
+def _n(x: float | None) -> str:
+    return "never" if x is None else f"{x:.0f}"
+
+
 def _s(x: float | None) -> str:
     return "never" if x is None else f"{x:.2f}"
 
@@ -333,14 +337,15 @@ def format_check(rep: dict[str, Any]) -> str:
     for st in rep["settings"]:
         lines += ["", f"K={st['world_size']}: {st['params']:,} params, compute {st['compute_s_per_step'] * 1e3:.1f} "
                   "ms/step (measured)"]
-        head = (f"  {'link':<8} {'configuration':<40} {'seeds':>5} {'reached':>7} {'tta s':>7} {'strict s':>8} "
-                f"{'steps':>6} {'final loss':>10} {'kB/step':>8} {'ms/step':>8} stops")
+        head = (f"  {'link':<12} {'configuration':<40} {'seeds':>5} {'reached':>7} {'tta s':>7} {'strict s':>8} "
+                f"{'to tgt':>6} {'steps':>6} {'final loss':>10} {'kB/step':>8} {'ms/step':>8} stops")
         lines += [head, "  " + "-" * (len(head) - 2)]
         for link, rows in sorted(st["links"].items(), key=lambda kv: parse_emulated_link(kv[0])[0]):
             for row in sorted(rows, key=lambda r: (r["time_to_target_s"] is None, r["time_to_target_s"] or 0)):
                 lines.append(
-                    f"  {link:<8} {row['label'][:40]:<40} {row['seeds']:>5} {row['reached']:>7} "
-                    f"{_s(row['time_to_target_s']):>7} {_s(row['time_to_target_strict_s']):>8} {row['steps']:>6.0f} "
+                    f"  {link:<12} {row['label'][:40]:<40} {row['seeds']:>5} {row['reached']:>7} "
+                    f"{_s(row['time_to_target_s']):>7} {_s(row['time_to_target_strict_s']):>8} "
+                    f"{_n(row['steps_to_target']):>6} {row['steps']:>6.0f} "
                     f"{row['final_val_loss']:>10.4f} {(row['bytes_per_step'] or 0) / 1e3:>8.1f} "
                     f"{row['train_s_per_step'] * 1e3:>8.1f} {','.join(row['stops'])}")
         for c in st["comparisons"]:
