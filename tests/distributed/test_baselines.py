@@ -27,10 +27,11 @@ def _gpt() -> nn.Module:
     return build_model("gpt2_small", num_classes=256, in_shape=(16,), n_layers=2, n_heads=2, d_model=32, context=16)
 
 
-def _train(rank: int, spec: str | None, link: float | None = None, bucket_mb: float = 0.02) -> dict:
+def _train(rank: int, spec: str | None, link: float | None = None, bucket_mb: float = 0.02,
+           latency: float = 0.0) -> dict:
     model = _gpt()
     shapes = [tuple(p.shape) for p in model.parameters()]
-    C.emulate_link(link)
+    C.emulate_link(link, latency)
     try:
         ddp = DDP(model, bucket_cap_mb=bucket_mb)
         state = B.register(ddp, spec) if spec else None
@@ -67,6 +68,9 @@ def _body(rank: int, world: int) -> dict:
         "fp16": _train(rank, "torch:fp16"),
         "fp16_link": _train(rank, "torch:fp16", link=1e6),
         "ddp_link": _train(rank, "torch:ddp", link=1e6),
+        # a fast link with a 60 ms latency, one bucket a step: each step's allreduce waits the latency
+        "ddp_fast": _train(rank, "torch:ddp", link=1e9, bucket_mb=25),
+        "ddp_latency": _train(rank, "torch:ddp", link=1e9, bucket_mb=25, latency=0.06),
     }
 
 
@@ -127,3 +131,12 @@ def test_hooks_cross_the_emulated_link(ranks) -> None:
     assert r["ddp_link"]["elapsed"] >= STEPS * 4 * numel / 1e6
     assert r["fp16_link"]["elapsed"] > r["fp16"]["elapsed"]
     assert torch.equal(r["fp16_link"]["params"], r["fp16"]["params"])  # the link delays, changes nothing
+
+
+def test_the_emulated_links_latency_is_paid_per_collective(ranks) -> None:
+    """``emulate_link(bytes_per_s, latency_s)``: at 1 GB/s the bytes are nothing; a 60 ms latency per
+    collective makes each of the steps (one bucket, one allreduce) wait it, and changes no weight."""
+    rs = part(ranks, "all")
+    late, fast = rs[0]["ddp_latency"]["elapsed"], rs[0]["ddp_fast"]["elapsed"]
+    assert late >= STEPS * 0.06 and late - fast >= 0.5 * STEPS * 0.06, (late, fast)
+    assert torch.equal(_same_on_both(rs, "ddp_latency"), _same_on_both(rs, "ddp_fast"))

@@ -1,6 +1,7 @@
-"""The localsgd preset cut down, on two gloo workers over one emulated link (issue 45): DDP fp32 sets the
-target, local SGD runs (4-bit QSGD with error feedback, streaming with overlapping communication) take it, sync every few steps and send
-about 1/8 of fp32 local SGD's bytes per outer step; the report's table carries the strict time. ~10 s."""
+"""The localsgd preset cut down, on two gloo workers over one emulated link with a latency (issue 45): DDP
+fp32 sets the target, local SGD runs (4-bit QSGD with error feedback, streaming with overlapping
+communication) take it, each on its own schedule over its budget, sync every few steps and send about 1/8
+of fp32 local SGD's bytes per outer step; the report's table carries the strict time. ~10 s."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ _CUT_DOWN = """extends = "localsgd"
 codecs = ["torch:ddp"]
 world_sizes = [2]
 seeds = [0]
-emulate_link = ["100mbit"]
+emulate_link = ["100mbit@10ms"]
 time_budget_s = 1.5
 eval_every_s = 0.4
 eval_samples = 32
@@ -53,6 +54,9 @@ def test_cut_down_localsgd_study(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
             "final_val_loss"]
         assert s["target_loss_rule"] == pytest.approx(s["target_loss"] * 1.01)
         assert s["steps"] >= 4 and s["bytes_sent_total"] > 0
+        # the preset's rule: each its own schedule over its own budget (none replayed), to the target
+        assert r["config"]["target_schedule"] == "own" and s["schedule_steps"] is None
+        assert s["stop_reason"] in ("target", "budget") and s["time_budget_s"] == 1.5
     assert q4["config"]["error_feedback"] is True and fp32["config"]["error_feedback"] is False
     assert rows[("localsgd", "qsgd:bits=4,bucket=512,norm=max,rounding=stochastic", 2)]["config"]["overlap"] == 1
     # bytes per outer step: 4-bit deltas about 1/8 of fp32's (scales and slots on top)

@@ -206,3 +206,29 @@ def time_to_target_of(r: dict) -> float | None:
 def test_check_refuses_results_without_local_sgd() -> None:
     with pytest.raises(ValueError, match="no time-to-accuracy runs of both local SGD and DDP"):
         check(str(FIXTURES / "study_cpu_default"))
+
+
+def test_check_prices_each_links_stated_latency(tmp_path: Path) -> None:
+    """Links stated with a latency (``"100mbit@25ms"``): the model's steps pay it once per collective, DDP's
+    every step and local SGD's once per period of H steps; the latency between the links is interpolated."""
+    from lowbit.lab.study.crossover import _latency_along
+
+    rows = [json.loads(line) for line in (LOCALSGD / "results.jsonl").read_text().splitlines()]
+    lat = {"100mbit": "100mbit@25ms", "1gbit": "1gbit@5ms"}
+    for r in rows:
+        if r.get("kind") == "run":
+            r["config"]["emulate_link"] = lat[r["config"]["emulate_link"]]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plain, late = _k2(check(str(LOCALSGD))), _k2(check(str(tmp_path)))
+    assert sorted(late["links"]) == ["100mbit@25ms", "1gbit@5ms"]
+    for c0, c1 in zip(plain["comparisons"], late["comparisons"]):
+        assert c0["local"] == c1["local"]
+        for link, extra in (("100mbit", 0.025), ("1gbit", 0.005)):
+            a, b = c0["links"][link], c1["links"][lat[link]]
+            assert b["predicted_ddp_step_s"] - a["predicted_ddp_step_s"] == pytest.approx(extra)
+            h, f = (16, 4) if "F=4" in c0["local"] else (16, 1)
+            assert b["predicted_local_step_s"] - a["predicted_local_step_s"] == pytest.approx(extra * f / h)
+    assert late["targets"]["sooner_at_slowest"]["link"] == "100mbit@25ms"
+    at = _latency_along({"a": 12.5e6, "b": 125e6}, {"a": 0.025, "b": 0.005})
+    assert at(1e6) == 0.025 and at(1e9) == 0.005 and at(12.5e6) == pytest.approx(0.025)
+    assert at(math.sqrt(12.5e6 * 125e6)) == pytest.approx(0.015)

@@ -29,6 +29,13 @@ def _cfg(**kw: object) -> StudyConfig:
     (dict(also=[{"parallelism": ["localsgd"]}]), "'also' entry 0: study config: parallelism \"localsgd\" needs"),
     (dict(emulate_link=["100mbit", "100mbit"]), "without repeats"),
     (dict(emulate_link=["fast"]), "'emulate_link'"),
+    (dict(emulate_link=["100mbit@"]), "'emulate_link': emulated link '100mbit@': a latency after '@'"),
+    (dict(emulate_link="100mbit@soon"), "'emulate_link': cannot parse latency 'soon'"),
+    (dict(target_schedule="later"), "'target_schedule' must be one of 'replay', 'own'"),
+    (dict(target_schedule="own", time_budget_s=5), "'target_schedule' \"own\""),
+    (dict(target_schedule="own", target_from="fp32"), "needs both 'target_from' and 'time_budget_s'"),
+    (dict(target_from="fp32", time_budget_s=5, eval_every=2, also=[{"target_schedule": "own"}]),
+     "key 'target_schedule' cannot be set there"),
 ])
 def test_bad_keys_are_refused_by_name(kw: dict, message: str) -> None:
     with pytest.raises(ValueError) as info:
@@ -70,9 +77,46 @@ def test_also_grids_share_the_main_grids_target_and_links() -> None:
         assert [s.target_setting() for s in src if s.emulate_link == r.emulate_link] == [r.target_setting()]
 
 
+def test_a_link_with_latency_is_a_grid_value() -> None:
+    runs = expand_runs(_cfg(emulate_link=["100mbit@25ms", "100mbit"]))
+    assert sorted(r.emulate_link for r in runs) == ["100mbit", "100mbit@25ms"]
+    assert len({r.key() for r in runs}) == 2  # the latency is part of the run's key
+
+
+def test_own_schedule_for_every_row_that_takes_the_target() -> None:
+    """``target_schedule = "own"``: every run that takes the target (DDP's and local SGD's alike) keeps its
+    own schedule (none replayed) over its own budget, and only the target comes from the baseline's row;
+    "replay" (the default) takes the schedule too, and its runs' keys are what they were before the key
+    existed (the fixture test above)."""
+    base = dict(codecs=["fp32", "qsgd:bits=4,bucket=512"], algorithms=["allgather"], target_from="fp32",
+                time_budget_s=10, target_budget_factor=1.5, eval_every_s=1.0,
+                also=[{"parallelism": ["localsgd"], "local_steps": 4, "codecs": ["qsgd:bits=4,bucket=512"]}])
+    own, replay = expand_runs(_cfg(**base, target_schedule="own")), expand_runs(_cfg(**base))
+    assert {r.target_schedule for r in replay} == {"replay"}
+    src = next(r for r in own if r.is_target_source)
+    takers = [r for r in own if r.awaits_target]
+    assert {r.target_schedule for r in takers} == {"own"}
+    assert {r.target_setting() for r in takers} == {src.target_setting()}  # (the runner finds their target)
+    # the run that sets the target is the same run under either rule (one key: a study of each rule shares it)
+    assert src.target_schedule == "replay" and src.key() == next(r for r in replay if r.is_target_source).key()
+    assert not {r.key() for r in takers} & {r.key() for r in replay}
+    assert len(takers) == 2 and {r.parallelism for r in takers} == {"data", "localsgd"}
+    assert src.time_budget_s == 10 and all(r.time_budget_s == 15 for r in takers)
+    row = {"summary": {"final_val_loss": 2.5}, "schedule": [0.0, 0.1, 0.2]}
+    for r in takers:
+        got = r.with_target(row)
+        assert got.target_loss == 2.5 and got.schedule == ()
+    rep = next(r for r in replay if r.awaits_target).with_target(row)
+    assert rep.target_loss == 2.5 and rep.schedule == (0.0, 0.1, 0.2)
+
+
 def test_localsgd_preset_rows() -> None:
     runs = expand_runs(load_config(preset="localsgd"))
-    assert {r.world_size for r in runs} == {2, 4} and {r.emulate_link for r in runs} == {"100mbit", "1gbit"}
+    assert {r.world_size for r in runs} == {2, 4}
+    assert {r.emulate_link for r in runs} == {"100mbit@25ms", "1gbit@5ms"}
+    # one rule for every row: its own schedule over the same budget, to the target
+    assert {r.target_schedule for r in runs if not r.is_target_source} == {"own"}
+    assert {r.time_budget_s for r in runs} == {12}
     assert {r.seed for r in runs} == {0, 1, 2}
     labels = sorted({r.codec_label for r in runs})
     assert labels == sorted(["DDP fp32 (torch)", "QSGD 4bit/512", "32bit [local SGD H=16]",

@@ -6,8 +6,8 @@
   differs between gloo and NCCL — the weak spot of PyTorch's built-in quantization hook).
 * A failed or timed-out collective surfaces as :class:`CollectiveError` naming the operation, the rank
   and the cause, instead of a bare backend message or a hang.
-* :func:`emulate_link` (CPU / gloo): a slow network for this process's lowbit collectives, to study
-  compression where the real link is a fast loopback.
+* :func:`emulate_link` (CPU / gloo): a slow network (a bandwidth and a per-message latency) for this
+  process's lowbit collectives, to study compression where the real link is a fast loopback.
 """
 
 from __future__ import annotations
@@ -241,19 +241,24 @@ def _issue(op: str, group: dist.ProcessGroup | None, call: Callable[[], object],
 
 
 # ------------------------------------------------------------------------------------------ emulated link
-_LINK: dict = {"bytes_per_s": None}
+_LINK: dict = {"bytes_per_s": None, "latency_s": 0.0}
 
 
-def emulate_link(bytes_per_s: float | None) -> None:
-    """Make this process's lowbit collectives cross an emulated link of ``bytes_per_s`` (None: the real
-    one again). Each collective is issued, in program order, by one link thread that runs it, waits for
-    it and then holds the link for ``bytes sent / bytes_per_s`` (what this rank puts on the wire: the
-    tensor it contributes); the caller is not blocked, as beside a real network. For CPU tensors on gloo
-    (a study of slow links on one machine); every rank of a group should emulate the same link. DDP's own
-    C++ allreduce does not pass here: register lowbit's hook to send fp32 across the emulated link too."""
+def emulate_link(bytes_per_s: float | None, latency_s: float = 0.0) -> None:
+    """Make this process's lowbit collectives cross an emulated link of ``bytes_per_s`` and a one-way
+    ``latency_s`` per message (None: the real link again). Each collective is issued, in program order, by
+    one link thread that runs it, waits for it and then holds the link for ``latency_s + bytes sent /
+    bytes_per_s`` (what this rank puts on the wire: the tensor it contributes; one latency per collective,
+    what a direct exchange between two sites pays, where a ring of K ranks would pay K-1 or 2(K-1)); the
+    caller is not blocked, as beside a real network. For CPU tensors on gloo (a study of slow links on one
+    machine); every rank of a group should emulate the same link. DDP's own C++ allreduce does not pass
+    here: register lowbit's hook to send fp32 across the emulated link too."""
     if bytes_per_s is not None and not (isinstance(bytes_per_s, (int, float)) and bytes_per_s > 0):
         raise ValueError(f"emulated link speed must be a number of bytes/s > 0 or None, got {bytes_per_s!r}")
+    if isinstance(latency_s, bool) or not isinstance(latency_s, (int, float)) or not 0 <= latency_s < float("inf"):
+        raise ValueError(f"emulated link latency must be a finite number of seconds >= 0, got {latency_s!r}")
     _LINK["bytes_per_s"] = None if bytes_per_s is None else float(bytes_per_s)
+    _LINK["latency_s"] = 0.0 if bytes_per_s is None else float(latency_s)
 
 
 def _link_job(job: tuple) -> None:
@@ -262,7 +267,7 @@ def _link_job(job: tuple) -> None:
         call().wait()  # a Work or a Future: both wait
         bps = _LINK["bytes_per_s"]
         if bps:
-            time.sleep(nbytes / bps)
+            time.sleep(_LINK["latency_s"] + nbytes / bps)
         fut.set_result(None)
     except Exception as exc:  # noqa: BLE001 — handed to whoever waits, with context
         fut.set_exception(_fail(op, group, exc))

@@ -13,7 +13,7 @@ import dataclasses
 import math
 import re
 
-__all__ = ["Link", "PRESETS", "parse_link", "parse_bandwidth", "parse_latency"]
+__all__ = ["Link", "PRESETS", "parse_link", "parse_bandwidth", "parse_latency", "parse_emulated_link"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +106,18 @@ def parse_latency(text: str) -> float:
     if not m or m.group(2).lower() not in _LAT_UNITS:
         raise ValueError(f"cannot parse latency {text!r}; write e.g. 10us, 0.5ms or 2e-6s")
     return float(m.group(1)) * _LAT_UNITS[m.group(2).lower()]
+
+
+def parse_emulated_link(text: str) -> tuple[float, float]:
+    """A study's emulated link (``emulate_link``; :func:`lowbit.comm.collectives.emulate_link`):
+    ``"100mbit"`` -> (12.5e6 bytes/s, 0 s); ``"100mbit@25ms"`` -> (12.5e6, 0.025): a speed, then after
+    ``@`` the one-way latency each collective adds (:func:`parse_bandwidth`, :func:`parse_latency`)."""
+    if not isinstance(text, str):
+        raise ValueError(f"an emulated link is a string such as \"100mbit\" or \"100mbit@25ms\", got {text!r}")
+    speed, at, lat = text.partition("@")
+    if at and not lat.strip():
+        raise ValueError(f"emulated link {text!r}: a latency after '@', e.g. \"100mbit@25ms\"")
+    return parse_bandwidth(speed), (parse_latency(lat) if at else 0.0)
 
 
 def parse_link(spec: str | Link) -> Link:

@@ -57,7 +57,7 @@ from lowbit.comm.allreduce import algorithms as registered_algorithms
 from lowbit.lab.data import available_datasets
 from lowbit.lab.models import available_models
 from lowbit.parallel.split import PARALLELISMS
-from lowbit.lab.perfmodel.links import parse_bandwidth
+from lowbit.lab.perfmodel.links import parse_emulated_link
 from lowbit.lab.study import seed_data
 
 __all__ = ["StudyConfig", "PRESETS", "policy_label", "auto_level", "is_auto", "SCHEMA",
@@ -82,7 +82,10 @@ PRESETS = ("default", "seeds", "throughput", "smoke", "fig3", "tta", "tta_cpu", 
 LOCALSGD = "localsgd"
 STUDY_PARALLELISMS = PARALLELISMS + (LOCALSGD,)
 #: the keys of a table of ``also`` (every key but these): a grid of its own, unioned with the main one
-_NOT_IN_ALSO = ("name", "description", "also", "target_from", "target_budget_factor")
+_NOT_IN_ALSO = ("name", "description", "also", "target_from", "target_budget_factor", "target_schedule")
+
+#: How the runs that take a target follow a learning-rate schedule (StudyConfig.target_schedule)
+TARGET_SCHEDULES = ("replay", "own")
 
 _LIST_KEYS = ("networks", "datasets", "codecs", "algorithms", "world_sizes", "backends", "batch_sizes", "seeds",
               "nodes", "policies", "parallelism")
@@ -143,8 +146,9 @@ class StudyConfig:
     device: str = "auto"
     start_iter: int = 2
     # gloo only: lowbit's collectives cross an emulated link of this speed ("400mbit", "50MB/s"; none:
-    # the real one), and every run registers lowbit's hook up front so that fp32 crosses it too; a list
-    # of speeds is a grid dimension
+    # the real one) and, after "@", this one-way latency per collective ("100mbit@25ms"; none: 0), and
+    # every run registers lowbit's hook up front so that fp32 crosses it too; a list of links is a grid
+    # dimension
     emulate_link: str | tuple[str, ...] | None = None
     # "fig3": each network's epochs and initial learning rate from the Grubic paper's Figure 3 (over
     # `epochs` and `lr`; networks it does not list are an error)
@@ -161,6 +165,10 @@ class StudyConfig:
     # configuration slower per step than the one that set the target needs more time for the same schedule
     # (it ends at the same step, where the others stop at the latest)
     target_budget_factor: float = 1.0
+    # the learning-rate schedule of the runs whose target comes from `target_from`: "replay" (the target
+    # run's, step by step; its end a stop) or "own" (each run's own, over its own budget of training
+    # seconds, time_budget_s x target_budget_factor, as the target run's runs over its budget)
+    target_schedule: str = "replay"
     eval_every: int = 0
     eval_every_s: float = 0.0
     eval_samples: int = 0                   # the fixed subset: this many test samples, evenly spaced (0: all)
@@ -251,10 +259,10 @@ class StudyConfig:
                 object.__setattr__(self, "emulate_link", tuple(links))
             for link in links if isinstance(links, (list, tuple)) else (links,):
                 if not isinstance(link, str):
-                    raise ValueError(f"study config: 'emulate_link' is a speed such as \"400mbit\" (or a list of "
-                                     f"them), got {link!r}")
+                    raise ValueError(f"study config: 'emulate_link' is a speed such as \"400mbit\", with a "
+                                     f"latency after '@' if any (\"100mbit@25ms\"), or a list of them, got {link!r}")
                 try:
-                    parse_bandwidth(link)
+                    parse_emulated_link(link)
                 except ValueError as exc:
                     raise ValueError(f"study config: 'emulate_link': {exc}") from None
             if any(b != "gloo" for b in self.backends):
@@ -343,7 +351,8 @@ class StudyConfig:
     def also_config(self, i: int) -> StudyConfig:
         """The config of ``also`` entry ``i``: this one with the entry's keys (no target of its own: its runs
         take this config's, :func:`expand_runs`)."""
-        return dataclasses.replace(self, also=(), target_from=None, target_budget_factor=1.0, **dict(self.also[i]))
+        return dataclasses.replace(self, also=(), target_from=None, target_budget_factor=1.0, target_schedule="replay",
+                                   **dict(self.also[i]))
 
     def _check_time_to_accuracy(self) -> None:
         for key in ("time_budget_s", "target_loss", "target_accuracy"):
@@ -377,6 +386,13 @@ class StudyConfig:
         if v != 1 and (self.target_from is None or self.time_budget_s is None):
             raise ValueError("study config: 'target_budget_factor' scales the budget of the runs that take their "
                              "target from 'target_from': it needs both 'target_from' and 'time_budget_s'")
+        if self.target_schedule not in TARGET_SCHEDULES:
+            raise ValueError(f"study config: 'target_schedule' must be one of {', '.join(map(repr, TARGET_SCHEDULES))}, "
+                             f"got {self.target_schedule!r}")
+        if self.target_schedule == "own" and (self.target_from is None or self.time_budget_s is None):
+            raise ValueError("study config: 'target_schedule' \"own\" runs each run's schedule over its own budget "
+                             "of the runs that take their target from 'target_from': it needs both 'target_from' "
+                             "and 'time_budget_s'")
         _check_int("eval_every", self.eval_every, 0)
         _check_int("eval_samples", self.eval_samples, 0)
         v = self.eval_every_s

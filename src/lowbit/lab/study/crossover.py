@@ -10,12 +10,14 @@ best per-step configuration (the DDP row with the lowest median time to target a
   winner; and the measured cross-over: where the ratio (local SGD's time / the per-step one's) crosses
   1, interpolated on ``log ratio`` against ``log bandwidth`` between two links (extrapolated beyond them,
   and said so), or none when local SGD reached the target at no link;
-* **predicted** (:mod:`lowbit.lab.perfmodel.localsgd`, the emulated-link rule, latency 0, codecs free): each
-  scheme's step from the model's size and the compute per step measured at that world size (the median
+* **predicted** (:mod:`lowbit.lab.perfmodel.localsgd`, the emulated-link rule with each link's stated latency
+  per collective, codecs free): each scheme's step from the model's size and the compute per step measured at
+  that world size (the median
   of the runs' ``epoch_compute_s / steps``), and the steps ratio ``rho`` (local SGD's steps to target
   over the per-step configuration's, measured at each link where both reached it). The model's cross-over
   is :func:`lowbit.lab.perfmodel.localsgd.crossover_bandwidth` at that ``rho`` (their geometric mean over the
-  links), against the per-step configuration that was best at the slowest link; where ``rho`` is unknown (local
+  links), against the per-step configuration that was best at the slowest link, the latency along the way
+  interpolated between the links' (on ``log bandwidth``; held beyond them); where ``rho`` is unknown (local
   SGD never reached the target) the check gives, per link, the break-even steps ratio: the most steps
   local SGD could take, relative to the per-step scheme, and still be sooner.
 
@@ -27,10 +29,11 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 from lowbit.lab.perfmodel.collectives import modeled_algorithms
-from lowbit.lab.perfmodel.links import Link, parse_bandwidth
+from lowbit.lab.perfmodel.links import Link, parse_emulated_link
 from lowbit.lab.perfmodel.localsgd import crossover_bandwidth, ddp_step, localsgd_step, model_layers
 from lowbit.lab.perfmodel.model import Cluster, bits_per_value
 from lowbit.lab.study.report import load_runs
@@ -103,6 +106,22 @@ def _row(members: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _latency_along(bw: dict[str, float], latency: dict[str, float]) -> Callable[[float], float]:
+    """The latency at bandwidth ``b`` along the links measured: interpolated on ``log b`` between the two
+    that bracket it, the nearest one's beyond them (the model's cross-over between a slow, far link and a
+    fast, near one)."""
+    pts = sorted((bw[k], latency[k]) for k in bw)
+
+    def at(b: float) -> float:
+        if b <= pts[0][0]:
+            return pts[0][1]
+        for (b1, l1), (b2, l2) in zip(pts, pts[1:]):
+            if b <= b2 and b2 > b1:
+                return l1 + (l2 - l1) * (math.log(b) - math.log(b1)) / (math.log(b2) - math.log(b1))
+        return pts[-1][1]
+    return at
+
+
 def _interp_crossing(points: list[tuple[float, float]]) -> tuple[float | None, str]:
     """(bandwidth where the ratio crosses 1, how) from (bandwidth, ratio) points: interpolated between the
     two links that bracket it, else extrapolated from the two nearest ends (said so); None when no two points."""
@@ -149,7 +168,9 @@ def check(results: str) -> dict[str, Any]:
     settings = []
     for k in sorted(by):
         links = {link: [_row(m) for m in cfgs.values()] for link, cfgs in by[k].items()}
-        bw = {link: parse_bandwidth(link) for link in links}
+        bw = {link: parse_emulated_link(link)[0] for link in links}
+        latency = {link: parse_emulated_link(link)[1] for link in links}
+        lat_at = _latency_along(bw, latency)
         comp = [row["compute_s_per_step"] for rows in links.values() for row in rows
                 if row["parallelism"] == "data" and row["codec"] == _TORCH_DDP]
         compute = statistics.median(comp) if comp else statistics.median(
@@ -171,7 +192,7 @@ def check(results: str) -> dict[str, Any]:
                 if loc is None:
                     continue
                 ref = best[link]
-                cl = Cluster(k, k, Link(0.0, bw[link], link))
+                cl = Cluster(k, k, Link(latency[link], bw[link], link))
                 d = ddp_step(layers, cl, ref["model_codec"], algorithm=ref["model_algorithm"], link_rule="emulated")
                 lo = localsgd_step(layers, cl, loc["model_codec"], loc["local_steps"], fragments=loc["fragments"],
                                    algorithm=loc["model_algorithm"], link_rule="emulated")
@@ -197,14 +218,14 @@ def check(results: str) -> dict[str, Any]:
                 loc_row = next(row for rows in links.values() for row in rows if row["label"] == label)
 
                 def at(b: float, row: dict[str, Any] = ref_row) -> float:
-                    return ddp_step(layers, Cluster(k, k, Link(0.0, b)), row["model_codec"],
+                    return ddp_step(layers, Cluster(k, k, Link(lat_at(b), b)), row["model_codec"],
                                     algorithm=row["model_algorithm"], link_rule="emulated").step_s
 
-                def lat(b: float, row: dict[str, Any] = loc_row) -> float:
-                    return localsgd_step(layers, Cluster(k, k, Link(0.0, b)), row["model_codec"], row["local_steps"],
+                def loc_at(b: float, row: dict[str, Any] = loc_row) -> float:
+                    return localsgd_step(layers, Cluster(k, k, Link(lat_at(b), b)), row["model_codec"], row["local_steps"],
                                          fragments=row["fragments"], algorithm=row["model_algorithm"],
                                          link_rule="emulated").step_s
-                predicted = crossover_bandwidth(at, lat, rho)
+                predicted = crossover_bandwidth(at, loc_at, rho)
             if measured is None or predicted is None or predicted in (0.0, math.inf):
                 verdict = "no verdict: " + ("no measured cross-over" if measured is None
                                             else "no predicted cross-over" if predicted is None
@@ -219,7 +240,8 @@ def check(results: str) -> dict[str, Any]:
         settings.append({"world_size": k, "compute_s_per_step": compute, "params": params, "links": links,
                          "comparisons": comparisons, "targets": _targets(by[k], links, best, comparisons)})
     return {"results": str(results), "settings": settings,
-            "notes": "predicted: the emulated-link rule (the bytes a rank contributes / the link speed, latency 0), "
+            "notes": "predicted: the emulated-link rule (the bytes a rank contributes / the link speed, plus the "
+                     "link's stated one-way latency per collective), "
                      "codecs free, compute per step the median measured by the DDP fp32 runs at that world size"}
 
 
@@ -245,7 +267,7 @@ def _targets(cfgs_by_link: dict[str, dict[tuple, list[dict[str, Any]]]], links: 
              best: dict[str, dict[str, Any]], comparisons: list[dict[str, Any]]) -> dict[str, Any]:
     """Issue 45's targets (item 3) at one world size, from the measured rows (module doc)."""
     out: dict[str, Any] = {}
-    slow = min(links, key=parse_bandwidth)
+    slow = min(links, key=lambda link: parse_emulated_link(link)[0])
     q4 = next((row for row in links[slow] if row["parallelism"] == "localsgd" and row["fragments"] == 1
                and row["codec"].startswith("qsgd:bits=4")), None)
     ref = best[slow]
@@ -301,6 +323,10 @@ def _bw(b: float | None) -> str:
     return f"{b * 8 / 1e6:.3g} Mbit/s"
 
 
+def _n(x: float | None) -> str:
+    return "never" if x is None else f"{x:.0f}"
+
+
 def _s(x: float | None) -> str:
     return "never" if x is None else f"{x:.2f}"
 
@@ -311,14 +337,15 @@ def format_check(rep: dict[str, Any]) -> str:
     for st in rep["settings"]:
         lines += ["", f"K={st['world_size']}: {st['params']:,} params, compute {st['compute_s_per_step'] * 1e3:.1f} "
                   "ms/step (measured)"]
-        head = (f"  {'link':<8} {'configuration':<40} {'seeds':>5} {'reached':>7} {'tta s':>7} {'strict s':>8} "
-                f"{'steps':>6} {'final loss':>10} {'kB/step':>8} {'ms/step':>8} stops")
+        head = (f"  {'link':<12} {'configuration':<40} {'seeds':>5} {'reached':>7} {'tta s':>7} {'strict s':>8} "
+                f"{'to tgt':>6} {'steps':>6} {'final loss':>10} {'kB/step':>8} {'ms/step':>8} stops")
         lines += [head, "  " + "-" * (len(head) - 2)]
-        for link, rows in sorted(st["links"].items(), key=lambda kv: parse_bandwidth(kv[0])):
+        for link, rows in sorted(st["links"].items(), key=lambda kv: parse_emulated_link(kv[0])[0]):
             for row in sorted(rows, key=lambda r: (r["time_to_target_s"] is None, r["time_to_target_s"] or 0)):
                 lines.append(
-                    f"  {link:<8} {row['label'][:40]:<40} {row['seeds']:>5} {row['reached']:>7} "
-                    f"{_s(row['time_to_target_s']):>7} {_s(row['time_to_target_strict_s']):>8} {row['steps']:>6.0f} "
+                    f"  {link:<12} {row['label'][:40]:<40} {row['seeds']:>5} {row['reached']:>7} "
+                    f"{_s(row['time_to_target_s']):>7} {_s(row['time_to_target_strict_s']):>8} "
+                    f"{_n(row['steps_to_target']):>6} {row['steps']:>6.0f} "
                     f"{row['final_val_loss']:>10.4f} {(row['bytes_per_step'] or 0) / 1e3:>8.1f} "
                     f"{row['train_s_per_step'] * 1e3:>8.1f} {','.join(row['stops'])}")
         for c in st["comparisons"]:

@@ -73,6 +73,9 @@ class RunConfig:
     # the learning-rate schedule step by step (its progress, 0 to 1, at each step), replayed from the run
     # that set the target ((): the schedule runs over the epochs, or over the budget's seconds)
     schedule: tuple[float, ...] = ()
+    # "replay": a run that takes its target also takes that run's schedule (above); "own": it follows its
+    # own over its budget (StudyConfig.target_schedule); in the key only when "own"
+    target_schedule: str = "replay"
     eval_every: int = 0
     eval_every_s: float = 0.0
     eval_samples: int = 0
@@ -106,6 +109,8 @@ class RunConfig:
             d.pop("sub_batches")
         if d["emulate_link"] is None:
             d.pop("emulate_link")
+        if d["target_schedule"] == "replay":
+            d.pop("target_schedule")  # the keys of runs made before "own" existed stay the same
         if not d["overlap"]:
             d.pop("overlap")  # synchronous streaming: the keys of runs made before overlap existed
         if d.get("parallelism") != LOCALSGD:  # (popped above for data parallelism)
@@ -149,11 +154,11 @@ class RunConfig:
 
     def target_setting(self) -> str:
         """What a run shares with the run its target comes from: everything but the codec (and what goes
-        with it: algorithm, error feedback, per-layer policy), the target itself and the budget (which
-        ``target_budget_factor`` scales); the seed included."""
+        with it: algorithm, error feedback, per-layer policy), the target itself, the budget (which
+        ``target_budget_factor`` scales) and the schedule rule; the seed included."""
         d = self.to_dict()
         for field in ("codec", "algorithm", "error_feedback", "policy", "batch_preset", "target_loss",
-                      "schedule", "time_budget_s") + _LOCALSGD_FIELDS:
+                      "schedule", "target_schedule", "time_budget_s") + _LOCALSGD_FIELDS:
             d.pop(field)
         if d["parallelism"] == LOCALSGD:  # local SGD takes its target from the data-parallel run's
             d["parallelism"] = "data"
@@ -161,9 +166,10 @@ class RunConfig:
 
     def with_target(self, source: Mapping[str, Any]) -> RunConfig:
         """This run with the target of its ``target_from`` run, from that run's row: its final validation
-        loss becomes ``target_loss``, and the learning-rate schedule it followed over its budget, step by
-        step (its ``schedule``), becomes this run's: the same learning rate at every step, and the schedule's
-        end (that run's number of steps) a stop."""
+        loss becomes ``target_loss``, and (``target_schedule`` "replay") the learning-rate schedule it
+        followed over its budget, step by step (its ``schedule``), becomes this run's: the same learning rate
+        at every step, and the schedule's end (that run's number of steps) a stop. With "own" this run keeps
+        its own schedule, over its own budget of training seconds."""
         loss = (source.get("summary") or {}).get("final_val_loss")
         schedule = source.get("schedule")
         if not isinstance(loss, (int, float)) or not math.isfinite(loss) or not isinstance(schedule, list) \
@@ -171,6 +177,8 @@ class RunConfig:
             raise ValueError(f"the target of {self.describe().strip()} comes from the {self.target_from!r} run, "
                              f"which ended without a finite validation loss and its schedule "
                              f"(final_val_loss={loss!r}, {len(schedule) if isinstance(schedule, list) else 0} steps)")
+        if self.target_schedule == "own":
+            return dataclasses.replace(self, target_loss=float(loss))
         return dataclasses.replace(self, target_loss=float(loss), schedule=tuple(float(p) for p in schedule))
 
     def describe(self) -> str:
@@ -364,7 +372,10 @@ def expand_runs(cfg: StudyConfig) -> list[RunConfig]:
                            if cfg.time_budget_s is not None and cfg.target_from not in (None, run_codec)
                            else cfg.time_budget_s),
             target_loss=cfg.target_loss, target_accuracy=cfg.target_accuracy,
-            target_from=cfg.target_from, eval_every=cfg.eval_every, eval_every_s=cfg.eval_every_s,
+            target_from=cfg.target_from,
+            # (the run that sets the target follows its own schedule either way: its key keeps no rule)
+            target_schedule=("replay" if cfg.target_from == run_codec and not local else cfg.target_schedule),
+            eval_every=cfg.eval_every, eval_every_s=cfg.eval_every_s,
             eval_samples=cfg.eval_samples, warmup=cfg.warmup, autocast=cfg.autocast,
         )
         k = run.key()
@@ -376,6 +387,8 @@ def expand_runs(cfg: StudyConfig) -> list[RunConfig]:
             if cfg.target_from is not None:  # the main grid's target, and its budget for the runs that take it
                 run = dataclasses.replace(run, target_from=cfg.target_from, time_budget_s=(
                     cfg.time_budget_s * cfg.target_budget_factor if cfg.time_budget_s is not None else None))
+                if not run.is_target_source:
+                    run = dataclasses.replace(run, target_schedule=cfg.target_schedule)
             k = run.key()
             if k not in seen:
                 seen.add(k)

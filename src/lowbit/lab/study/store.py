@@ -151,7 +151,7 @@ _CONFIG_OPTIONAL = {"nodes": "int>=1", "sub_batches": "int>=1", "max_steps_per_e
                     "parallelism": "str", "emulate_link": "str?",
                     # time to accuracy
                     "time_budget_s": "num?", "target_loss": "num?", "target_accuracy": "num?", "target_from": "str?",
-                    "eval_every": "int>=0", "eval_every_s": "num", "eval_samples": "int>=0",
+                    "target_schedule": "str", "eval_every": "int>=0", "eval_every_s": "num", "eval_samples": "int>=0",
                     "warmup": "num", "autocast": "str?"}
 _SUMMARY = {"diverged": "bool", "timed_epochs": "ints", "auto_plan": "dict?", **{k: "num?" for k in (
     "best_test_acc", "bytes_per_step_per_rank", "comm_comp_ratio", "compressed_fraction", "compressed_params",

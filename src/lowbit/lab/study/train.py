@@ -25,7 +25,7 @@ from lowbit.comm.allreduce import get_algorithm
 from lowbit.lab.data.sharding import ShardedLoader
 from lowbit.lab.models import build_model
 from lowbit.parallel import Hybrid, ParallelComm, hybrid_parts, model_parallel_chain, parallelize
-from lowbit.lab.perfmodel.links import parse_bandwidth
+from lowbit.lab.perfmodel.links import parse_emulated_link
 from lowbit.policy import Policy
 from lowbit.lab.study.config import LOCALSGD
 from lowbit.lab.study.runs import RunConfig
@@ -415,7 +415,7 @@ def train_run(
     model = make_model().to(device)
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     # an emulated slow link for lowbit's collectives (gloo), or the real one (every run sets it)
-    C.emulate_link(parse_bandwidth(run.emulate_link) if run.emulate_link and world > 1 else None)
+    C.emulate_link(*(parse_emulated_link(run.emulate_link) if run.emulate_link and world > 1 else (None,)))
     trainer = _Trainer(run, model, rank, world, device)
     torch.manual_seed(run.seed * 1_000 + rank + 1)   # dropout masks differ across ranks
 

@@ -50,7 +50,7 @@ _POWERSGD = "torch:powersgd:"
 
 #: Config fields that are not the setting: the configuration under test, the seed, the target it was given.
 _NOT_SETTING = {"codec", "algorithm", "error_feedback", "policy", "batch_preset", "seed", "target_loss",
-                "target_from", "schedule", "time_budget_s",
+                "target_from", "schedule", "target_schedule", "time_budget_s",
                 # local SGD is a configuration beside DDP's at the same setting (parallelism: tta_setting)
                 "local_steps", "fragments", "outer_lr", "outer_momentum"}
 _SETTING_FIELDS = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name not in _NOT_SETTING)
