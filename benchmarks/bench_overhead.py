@@ -457,7 +457,6 @@ def syncs(run: Run, device: torch.device, steps: int = 2) -> list[dict[str, Any]
     import warnings
 
     seen: dict[tuple[str, str], int] = {}
-    old = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001
         stack = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_stack()[:-1]
@@ -466,20 +465,16 @@ def syncs(run: Run, device: torch.device, steps: int = 2) -> list[dict[str, Any]
         seen[key] = seen.get(key, 0) + 1
 
     sync(device)
-    warnings.showwarning = show
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = show
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                for _ in range(steps):
-                    run.step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        sync(device)
-    finally:
-        warnings.showwarning = old
+    with warnings.catch_warnings():  # (restores showwarning and the filters on the way out)
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                run.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sync(device)
     return [{"thread": t, "stack": st, "per_step": n / steps}
             for (t, st), n in sorted(seen.items(), key=lambda kv: -kv[1])][:20]
 

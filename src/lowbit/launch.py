@@ -106,6 +106,15 @@ def emulate_node(rank: int, node_size: int) -> None:
     os.environ["NCCL_IB_DISABLE"] = "1"
 
 
+def _fail_once(env: str, here: bool) -> None:
+    """Test hook: where ``here`` and ``$env`` names a path that does not exist yet, create it and fail as
+    gloo's full-mesh connect does now and then (:data:`_FAULT_INIT_ENV`, :data:`_FAULT_LATE_INIT_ENV`)."""
+    path = os.environ.get(env)
+    if here and path and not os.path.exists(path):
+        Path(path).write_text("failed once")
+        raise RuntimeError(f"Gloo connectFullMesh failed: Connection closed by peer (injected by ${env})")
+
+
 def _worker(rank: int, world_size: int, backend: str, init_file: str, errdir: str, timeout_s: float,
             fn: Callable[..., Any], args: tuple[Any, ...], node_size: int | None = None,
             env: dict[str, str] | None = None) -> None:
@@ -120,18 +129,11 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, errdir: st
             torch.cuda.set_device(rank % torch.cuda.device_count())
         else:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        fault = os.environ.get(_FAULT_INIT_ENV)
-        if fault and rank == 0 and not os.path.exists(fault):  # (tests: the rendezvous fails once)
-            Path(fault).write_text("failed once")
-            raise RuntimeError("Gloo connectFullMesh failed: Connection closed by peer (injected by "
-                               f"${_FAULT_INIT_ENV})")
+        _fail_once(_FAULT_INIT_ENV, rank == 0)  # (tests: the rendezvous fails once)
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
-        late = os.environ.get(_FAULT_LATE_INIT_ENV)
-        if late and rank == world_size - 1 and not os.path.exists(late):  # (tests: a peer's connect fails
-            Path(late).write_text("failed once")                       # after another rank's init returned)
-            raise RuntimeError(f"Gloo connectFullMesh failed: Connection closed by peer (injected by "
-                               f"${_FAULT_LATE_INIT_ENV})")
+        _fail_once(_FAULT_LATE_INIT_ENV, rank == world_size - 1)  # (tests: a peer's connect fails after another
+                                                                  # rank's init returned)
         # every rank past the rendezvous before any counts as started: a rank whose init returned first
         # could otherwise run fn (and tear its sockets down) while a peer is still mid-connect, which then
         # fails with "Connection closed by peer" after this rank's started file has ruled a retry out

@@ -75,9 +75,9 @@ def _inline_pays(state: LowbitState) -> bool:
     millisecond of host time a call, which the thread keeps off the backward's critical path). Decided
     once per message plan; ``stats.timing`` (its syncs) keeps the thread."""
     groups = state._group_of or {}
-    key = (id(groups), state.stats.timing)
-    if state._inline_for != key:
-        state._inline_for = key
+    seen = state._inline_for  # (the plan itself, not its id: a new plan may reuse a freed one's address)
+    if seen is None or seen[0] is not groups or seen[1] != state.stats.timing:
+        state._inline_for = (groups, state.stats.timing)
         state._inline = bool(groups) and all(g.graphable(state) for g in {id(g): g for g in groups.values()}.values())
     return state._inline
 
