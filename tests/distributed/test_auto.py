@@ -107,7 +107,8 @@ def _body(rank: int, world: int, bytes_per_s: float | None, batch: int, framewor
             "finalists": len(d.finalists), "measured": d.measured_s, "chosen": d.chosen, "table": d.table(),
             "labels": [label for label, _, _ in d.finalists], "retried": d.retried,
             "costs": state.auto.measured["costs"], "sent": state.stats.bytes_sent,
-            "params": [p.detach().clone() for p in model.parameters()], "hooks": len(model._comm_hooks)}
+            "params": [p.detach().clone() for p in model.parameters()], "hooks": len(model._comm_hooks),
+            "backward_end": state.auto.measured["backward_end_s"]}
 
 
 def test_slow_link_compresses_large_tensors_fp32_for_small_and_all_ranks_agree(ranks: list) -> None:

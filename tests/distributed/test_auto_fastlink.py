@@ -24,9 +24,13 @@ def test_compute_bound_job_keeps_fp32_emulated() -> None:
     loaded fresh-clone CI run predicted bf16 1 % faster than fp32 (132.75 vs 134.00 ms: noise in the
     probe), so auto tried finalists through its hook before measuring that nothing paid; at 0.3 s a
     prediction needs a 6.7 ms saving to pass auto's 2 % rule, and a fresh-clone CI run (12-02, 2 test
-    workers on 2 cores) still predicted bf16 7.6 ms faster (302.96 vs 310.56 ms: the loaded loopback's
-    exposed last bucket) and tried it before keeping fp32; at 0.6 s the rule asks for 12.6 ms."""
+    workers on 2 cores) still predicted bf16 7.6 ms faster (302.96 vs 310.56 ms) and tried it before
+    keeping fp32; at 0.6 s one predicted it 16.7 ms faster (598.12 vs 614.84 ms). The cause was the
+    timeline, not the noise: it ended the backward pass at the last gradient, before the sleep, so the
+    allreduces the sleep hides counted as exposed. The autograd engine's end of the backward is marked
+    now, and the measured backward pass holds the sleep."""
     res = spawn(_body, 2, None, 64, False, 0.6, True, backend="gloo")
+    assert res[0]["backward_end"] >= 0.6, res[0]["backward_end"]  # the sleep after the last gradient
     assert res[0]["plan"] == res[1]["plan"]
     assert res[0]["fp32"] and set(res[0]["plan"].values()) == {"fp32"}
     assert res[0]["hooks"] == 0, res[0]["table"]  # DDP's own allreduce stays: no Python hook to slow it

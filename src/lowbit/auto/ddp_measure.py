@@ -55,9 +55,11 @@ class TunedState(Protocol):
 
 
 def measure_timeline(steps: Sequence[dict[str, Any]], state: TunedState, clock: Clock, ride: bool) -> Timeline:
-    """The fp32 step measured on ``steps`` (each ``{"forward": mark, "grads": [(name, mark), ...]}``, marks
-    of ``clock``): median gradient-ready offsets over the measured steps (the first measured step is a
-    warm-up when there are more than one); DDP's buckets rebuilt from the ready order and the bucket cap.
+    """The fp32 step measured on ``steps`` (each ``{"forward": mark, "grads": [(name, mark), ...]}`` and,
+    where the autograd engine marked it, ``"end"``: the backward pass's end; marks of ``clock``): median
+    gradient-ready offsets over the measured steps (the first measured step is a warm-up when there are
+    more than one), the backward pass ending at the median end mark or the last gradient, whichever is
+    later; DDP's buckets rebuilt from the ready order and the bucket cap.
     ``ride``: :func:`rides`.
 
     Raises:
@@ -69,12 +71,14 @@ def measure_timeline(steps: Sequence[dict[str, Any]], state: TunedState, clock: 
         raise RuntimeError("lowbit codec='auto': no step was measured (no gradient became ready after a "
                            "training forward pass of the registered module)")
     offsets: dict[str, list[float]] = {}
-    periods = []
+    periods, ends = [], []
     for s, nxt in done:
         f = s["forward"]
         for name, m in s["grads"]:
             offsets.setdefault(name, []).append(clock.elapsed(f, m))
         periods.append(clock.elapsed(f, nxt["forward"]))
+        if s.get("end") is not None:
+            ends.append(clock.elapsed(f, s["end"]))
     ready = {name: statistics.median(v) for name, v in offsets.items()}
     names = sorted(ready, key=lambda n: (ready[n], -state.order.get(n, 0)))
     cut = ddp_buckets([state.numels[n] for n in names], state.bucket_bytes, first_bytes=state.first_bucket_bytes)
@@ -82,7 +86,8 @@ def measure_timeline(steps: Sequence[dict[str, Any]], state: TunedState, clock: 
     for n, b in zip(names, cut):
         bucket_ready[b] = max(bucket_ready.get(b, ready[n]), ready[n])
     tensors = [TensorTiming(n, state.numels[n], bucket_ready[b], b) for n, b in zip(names, cut)]
-    backward_end = max(ready.values())
+    # the autograd engine's end of the backward pass where it was marked, never before the last gradient
+    backward_end = max(max(ready.values()), statistics.median(ends) if len(ends) == len(done) else 0.0)
     step = statistics.median(periods)
     return Timeline(tuple(tensors), backward_end, max(step, backward_end), state.message_mb, ride)
 

@@ -12,7 +12,9 @@ How (on the job's own first steps, nothing extra for the user to run):
 1. **Measure** (``measure_steps`` steps, default 3, after DDP's bucket rebuild and two warm-up steps,
    with DDP's own fp32 allreduce: :func:`lowbit.ddp.register` installs no hook yet): when each parameter's gradient became
    ready (post-accumulate-grad hooks), counted from the forward pass's start (CUDA events on the compute
-   stream on a GPU, the host clock on a CPU), and the whole step; on the last of them a sample of every
+   stream on a GPU, the host clock on a CPU), when the backward pass ended (the autograd engine's
+   callback: later than the last gradient where an input's gradient or a slow last node follows), and
+   the whole step; on the last of them a sample of every
    gradient, for each allowed codec's squared error.
 2. **Probe** (once, at the next forward pass, all ranks together): each allowed codec's exchange (the
    collective the hook would run: encode, send, decode) at two message sizes on this group's link, and
@@ -225,10 +227,32 @@ class AutoTuner:
             if self.phase != "measure" or not first <= step < first + self.measure_steps:
                 return
             if self._steps:
-                self._steps[-1]["grads"].append((name, self._clock().mark()))
+                rec = self._steps[-1]
+                rec["grads"].append((name, self._clock().mark()))
+                if "end" not in rec:
+                    # the backward pass ends when the autograd engine has run every node, which may be
+                    # well after the last gradient is ready (an input's gradient, a slow last node):
+                    # the engine's callbacks run then, and this one is queued before DDP's reducer
+                    # queues its own (at the last bucket), so it marks the end before DDP waits for
+                    # the allreduces
+                    rec["end"] = None
+                    self._queue_end_mark(rec, p.device)
             if step == first + self.measure_steps - 1 and p.grad is not None:
                 self._samples[name] = prefix_sample(p.grad)
         return hook
+
+    def _queue_end_mark(self, rec: dict[str, Any], device: torch.device) -> None:
+        """Mark ``rec["end"]`` when the autograd engine has run the whole backward pass, on the stream
+        the gradient hooks ran on (the engine runs its callbacks on the default stream)."""
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+        def mark() -> None:
+            if stream is None:
+                rec["end"] = self._clock().mark()
+            else:
+                with torch.cuda.stream(stream):
+                    rec["end"] = self._clock().mark()
+        torch.autograd.Variable._execution_engine.queue_callback(mark)
 
     def _on_forward(self, module: torch.nn.Module, _inp: Any) -> None:
         if not (module.training and torch.is_grad_enabled()):
