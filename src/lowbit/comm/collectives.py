@@ -12,6 +12,9 @@
 
 from __future__ import annotations
 
+import atexit
+import collections
+import ctypes
 import functools
 import hashlib
 import os
@@ -231,13 +234,85 @@ def join(futs: list[torch.futures.Future], value: Callable[[], object], device: 
     return res
 
 
-def _issue(op: str, group: dist.ProcessGroup | None, call: Callable[[], object], nbytes: int = 0) -> object:
+def _issue(op: str, group: dist.ProcessGroup | None, call: Callable[[], object], nbytes: int = 0,
+           tensors: tuple[torch.Tensor, ...] = ()) -> object:
     if _LINK["bytes_per_s"] is not None:
-        return _via_link(op, group, call, nbytes)
+        return _via_link(op, group, call, nbytes, tensors)
     try:
-        return call()
+        work = call()
     except Exception as exc:  # noqa: BLE001 — re-raised with context
         raise _fail(op, group, exc) from exc
+    _HELD.add(work, tensors)
+    return work
+
+
+# ------------------------------------------------------------------------------ tensors a backend holds
+class _Held:
+    """The tensors handed to a CPU backend's collectives, referenced from Python until the backend's
+    thread has let go of them, and never freed once the interpreter exits.
+
+    Why (issue 44, the second cause of the abort at exit): gloo's worker thread completes a Work's future
+    and only then destroys the Work, which holds the op's tensors. A tensor whose Python object died in
+    between (lowbit's callback ran and dropped its buffers) is kept alive by the Work with its Python
+    object handed to C++, and the Work's destructor must take the GIL to free that object. When the
+    interpreter is finalising by then, CPython ends gloo's thread with ``pthread_exit`` inside that
+    destructor: "terminate called without an active exception" (a core: ``~AsyncAllgatherWork`` ->
+    ``decref_pyobject`` -> ``take_gil`` -> ``pthread_exit``). Nothing in Python can tell when gloo's
+    thread has let go, so an op's tensors stay referenced here until the op and the ``keep`` ops issued
+    after it have completed (gloo lets go microseconds after completing: a thread held up longer only
+    takes the GIL, harmless while the interpreter runs), and at exit (:func:`_keep_at_exit`) whatever is
+    still here is never freed: the process ends with it. CUDA tensors are not held (NCCL runs no
+    Python-owned tensor's destructor on its threads in the ops lowbit issues; holding them would delay
+    the caching allocator)."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self._lock = threading.Lock()
+        self._ops: collections.deque = collections.deque()
+        self.exiting = False
+
+    def add(self, work: object, tensors: tuple[torch.Tensor, ...]) -> None:
+        """Hold ``tensors`` of the op ``work`` (None: complete already) if any is on the CPU."""
+        if not any(t.device.type == "cpu" for t in tensors):
+            return
+        with self._lock:
+            ops = self._ops
+            ops.append((work, tensors))
+            if self.exiting:
+                return
+            while len(ops) > self.keep and all(_completed(ops[i][0]) for i in range(self.keep + 1)):
+                ops.popleft()
+            while len(ops) > _HELD_MOST:  # (an op that never completes must not keep every later one)
+                ops.popleft()
+
+    def held(self) -> int:
+        """How many ops' tensors are held now."""
+        return len(self._ops)
+
+    def keep_forever(self) -> None:
+        """From now on nothing held is freed, not even by the interpreter's finalisation."""
+        with self._lock:
+            self.exiting = True
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._ops))
+
+
+def _completed(work: object) -> bool:
+    if work is None:
+        return True
+    done_ = getattr(work, "is_completed", None) or getattr(work, "done", None)
+    return bool(done_()) if done_ is not None else True
+
+
+#: the most ops :class:`_Held` holds, complete or not
+_HELD_MOST = 64
+_HELD = _Held()
+
+
+def _keep_at_exit() -> None:
+    _HELD.keep_forever()
+
+
+atexit.register(_keep_at_exit)
 
 
 # ------------------------------------------------------------------------------------------ emulated link
@@ -262,9 +337,11 @@ def emulate_link(bytes_per_s: float | None, latency_s: float = 0.0) -> None:
 
 
 def _link_job(job: tuple) -> None:
-    call, nbytes, fut, op, group = job
+    call, nbytes, fut, op, group, tensors = job
     try:
-        call().wait()  # a Work or a Future: both wait
+        work = call()
+        _HELD.add(work, tensors)
+        work.wait()  # a Work or a Future: both wait
         bps = _LINK["bytes_per_s"]
         if bps:
             time.sleep(_LINK["latency_s"] + nbytes / bps)
@@ -277,9 +354,10 @@ def _link_job(job: tuple) -> None:
 _LINK_WORKER = Worker("lowbit-emulated-link", _link_job)
 
 
-def _via_link(op: str, group: dist.ProcessGroup | None, call: Callable[[], object], nbytes: int) -> object:
+def _via_link(op: str, group: dist.ProcessGroup | None, call: Callable[[], object], nbytes: int,
+              tensors: tuple[torch.Tensor, ...] = ()) -> object:
     fut: torch.futures.Future = torch.futures.Future()
-    _LINK_WORKER.put((call, nbytes, fut, op, group))
+    _LINK_WORKER.put((call, nbytes, fut, op, group, tensors))
     return fut
 
 
@@ -307,7 +385,8 @@ def all_to_all_async(recv: torch.Tensor, send: torch.Tensor, send_splits: list[i
         recv.copy_(send[: recv.numel()])
         return done(None, recv.device)
     return _issue("all_to_all_single", group, lambda: dist.all_to_all_single(
-        recv, send, recv_splits, send_splits, group=group, async_op=True), send.numel() * send.element_size())
+        recv, send, recv_splits, send_splits, group=group, async_op=True), send.numel() * send.element_size(),
+        (recv, send))
 
 
 def all_gather_async(recv: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup | None) -> object:
@@ -317,7 +396,7 @@ def all_gather_async(recv: torch.Tensor, send: torch.Tensor, group: dist.Process
         recv.copy_(send)
         return done(None, recv.device)
     return _issue("all_gather_into_tensor", group, lambda: _gather_fn(recv, send, group=group, async_op=True),
-                  send.numel() * send.element_size())
+                  send.numel() * send.element_size(), (recv, send))
 
 
 def all_reduce_async(t: torch.Tensor, group: dist.ProcessGroup | None) -> object:
@@ -326,7 +405,7 @@ def all_reduce_async(t: torch.Tensor, group: dist.ProcessGroup | None) -> object
     if size == 1:
         return done(None, t.device)
     return _issue("all_reduce", group, lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True),
-                  t.numel() * t.element_size())
+                  t.numel() * t.element_size(), (t,))
 
 
 def reduce_scatter_async(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None,
@@ -340,11 +419,11 @@ def reduce_scatter_async(out: torch.Tensor, inp: torch.Tensor, group: dist.Proce
         return done(None, out.device)
     op = dist.ReduceOp.SUM if op is None else op
     return _issue("reduce_scatter_tensor", group, lambda: _scatter_fn(out, inp, group=group, op=op, async_op=True),
-                  inp.numel() * inp.element_size())
+                  inp.numel() * inp.element_size(), (out, inp))
 
 
 def _complete(op: str, group: dist.ProcessGroup | None, fn: Callable[[bool], object], nbytes: int,
-              link: bool = True) -> None:
+              link: bool = True, tensors: tuple[torch.Tensor, ...] = ()) -> None:
     """Run a collective as torch's ``async_op=False`` does (``fn(async_op)`` issues it): on gloo it has
     finished when this returns; on NCCL (torch >= 2.8) it is queued on the caller's current stream, ordered
     before whatever that stream runs next, with no hop to the process group's internal stream and back
@@ -353,12 +432,13 @@ def _complete(op: str, group: dist.ProcessGroup | None, fn: Callable[[bool], obj
     own collectives. Across an emulated link it is issued async to the link thread and waited for (unless
     ``link`` is False: a collective that the emulation leaves out)."""
     if link and _LINK["bytes_per_s"] is not None:
-        wait(_via_link(op, group, lambda: fn(True), nbytes), op, group)
+        wait(_via_link(op, group, lambda: fn(True), nbytes, tensors), op, group)
     else:
         try:
             fn(False)
         except Exception as exc:  # noqa: BLE001 — re-raised with context
             raise _fail(op, group, exc) from exc
+        _HELD.add(None, tensors)  # (gloo's thread may still hold the finished Work: see _Held)
 
 
 def all_to_all(recv: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup | None) -> None:
@@ -367,7 +447,7 @@ def all_to_all(recv: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup 
         recv.copy_(send[: recv.numel()])
         return
     _complete("all_to_all_single", group, lambda a: dist.all_to_all_single(recv, send, group=group, async_op=a),
-              send.numel() * send.element_size())
+              send.numel() * send.element_size(), tensors=(recv, send))
 
 
 def all_to_all_v(recv: torch.Tensor, send: torch.Tensor, send_splits: list[int], recv_splits: list[int],
@@ -378,7 +458,8 @@ def all_to_all_v(recv: torch.Tensor, send: torch.Tensor, send_splits: list[int],
         recv.copy_(send[: recv.numel()])
         return
     _complete("all_to_all_single", group, lambda a: dist.all_to_all_single(
-        recv, send, recv_splits, send_splits, group=group, async_op=a), send.numel() * send.element_size())
+        recv, send, recv_splits, send_splits, group=group, async_op=a), send.numel() * send.element_size(),
+        tensors=(recv, send))
 
 
 def all_gather(recv: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup | None,
@@ -388,7 +469,7 @@ def all_gather(recv: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup 
         recv.copy_(send)
         return
     _complete("all_gather_into_tensor", group, lambda a: _gather_fn(recv, send, group=group, async_op=a),
-              send.numel() * send.element_size(), link)
+              send.numel() * send.element_size(), link, (recv, send))
 
 
 def all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None) -> None:
@@ -396,7 +477,7 @@ def all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     if world(group)[1] == 1:
         return
     _complete("all_reduce", group, lambda a: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=a),
-              t.numel() * t.element_size())
+              t.numel() * t.element_size(), tensors=(t,))
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None,
@@ -407,7 +488,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGrou
         return
     rop = dist.ReduceOp.SUM if op is None else op
     _complete("reduce_scatter_tensor", group, lambda a: _scatter_fn(out, inp, group=group, op=rop, async_op=a),
-              inp.numel() * inp.element_size())
+              inp.numel() * inp.element_size(), tensors=(out, inp))
 
 
 def wait(fut: object, op: str, group: dist.ProcessGroup | None) -> object:
