@@ -62,6 +62,13 @@ def test_cut_down_localsgd_study(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     # bytes per outer step: 4-bit deltas about 1/8 of fp32's (scales and slots on top)
     per = {k: r["summary"]["bytes_sent_total"] / (r["summary"]["steps"] // 4) for k, r in (("fp32", fp32), ("q4", q4))}
     assert 1 / 8 <= per["q4"] / per["fp32"] <= 1 / 8 * 1.05, per
+    # collectives a step (each pays the link's latency; the speed model's cross-over check reads them):
+    # PyTorch's allreduce of DDP's one bucket; an outer step's payload and its per-call check (CPU) every
+    # 4 steps, and those of each of 2 fragments when streaming
+    col = {k: r["summary"]["collectives_per_step"] for k, r in rows.items()}
+    assert col[("data", "torch:ddp", 1)] == 1.0
+    assert col[("localsgd", "fp32", 1)] == col[("localsgd", q4["config"]["codec"], 1)] == 2 / 4, col
+    assert col[("localsgd", q4["config"]["codec"], 2)] == 2 * 2 / 4, col
     runs, _ = load_runs(out)
     table = tta_table(runs)
     assert {r["label"] for r in table} >= {"QSGD 4bit/512 +EF [local SGD H=4]", "QSGD 4bit/512 +EF [local SGD H=4, F=2, overlap 1]"}

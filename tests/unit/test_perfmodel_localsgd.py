@@ -112,6 +112,22 @@ def test_emulated_rule_prices_what_a_rank_contributes() -> None:
         emulated_cost("hierarchical", 1e6, 4, link)
 
 
+def test_emulated_rule_pays_the_latency_of_every_collective_measured() -> None:
+    """A DDP step of 2 buckets, each a payload and a per-call check (CPU): 4 latencies, the bytes once."""
+    link = Link(0.025, 12.5e6)
+    assert emulated_cost("allgather", 1e6, 2, link).time_s == pytest.approx(0.025 + 0.08)
+    assert emulated_cost("allgather", 1e6, 2, link, collectives=4).time_s == pytest.approx(4 * 0.025 + 0.08)
+    layers = model_layers(N, C)
+    one = ddp_step(layers, Cluster(2, 2, link), Q4, link_rule="emulated")
+    four = ddp_step(layers, Cluster(2, 2, link), Q4, link_rule="emulated", collectives=4)
+    assert four.step_s - one.step_s == pytest.approx(3 * 0.025) and four.bytes_per_step == one.bytes_per_step
+    lo = localsgd_step(layers, Cluster(2, 2, link), Q4, 16, link_rule="emulated", collectives=2)
+    assert lo.comm_s == pytest.approx(localsgd_step(layers, Cluster(2, 2, link), Q4, 16, link_rule="emulated").comm_s
+                                      + 0.025 / 16)
+    with pytest.raises(ValueError, match="collectives"):
+        emulated_cost("allgather", 1e6, 2, link, collectives=-1)
+
+
 def test_bad_inputs_are_named() -> None:
     layers = model_layers(N, C)
     with pytest.raises(ValueError, match="local steps"):

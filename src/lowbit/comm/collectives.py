@@ -32,7 +32,7 @@ __all__ = ["CollectiveError", "Deferred", "capturing", "world", "all_to_all_asyn
            "all_reduce_async", "reduce_scatter_async", "all_to_all", "all_gather", "all_reduce", "reduce_scatter",
            "then", "join",
            "wait", "done", "all_gather_object",
-           "emulate_link", "link_emulated", "through_link", "check_call", "CHECK_CALLS"]
+           "emulate_link", "link_emulated", "through_link", "check_call", "CHECK_CALLS", "issued"]
 
 
 class CollectiveError(RuntimeError):
@@ -234,8 +234,22 @@ def join(futs: list[torch.futures.Future], value: Callable[[], object], device: 
     return res
 
 
+#: collectives this process issued through this module (payloads, per-call checks, PyTorch's hooks sent
+#: across the emulated link): :func:`issued`
+_ISSUED = [0]
+
+
+def issued() -> int:
+    """How many collectives this process has issued through lowbit's wrapper so far: every payload
+    exchange, every per-call check of :func:`check_call` (one on CPU per call), and PyTorch's own hooks'
+    collectives sent across the emulated link (:func:`through_link`). A slow link pays its latency once
+    per collective: the study records it per step (``collectives_per_step``) for the speed model."""
+    return _ISSUED[0]
+
+
 def _issue(op: str, group: dist.ProcessGroup | None, call: Callable[[], object], nbytes: int = 0,
            tensors: tuple[torch.Tensor, ...] = ()) -> object:
+    _ISSUED[0] += 1
     if _LINK["bytes_per_s"] is not None:
         return _via_link(op, group, call, nbytes, tensors)
     try:
@@ -374,6 +388,7 @@ def through_link(fut: torch.futures.Future, nbytes: int, op: str = "all_reduce",
     emulated."""
     if _LINK["bytes_per_s"] is None:
         return fut
+    _ISSUED[0] += 1
     held = _via_link(op, group, lambda: fut, nbytes)
     return held.then(lambda _: fut.value())
 
@@ -431,6 +446,7 @@ def _complete(op: str, group: dist.ProcessGroup | None, fn: Callable[[bool], obj
     both queue on that one stream). A timeout then surfaces as NCCL's watchdog reports it, as for FSDP's
     own collectives. Across an emulated link it is issued async to the link thread and waited for (unless
     ``link`` is False: a collective that the emulation leaves out)."""
+    _ISSUED[0] += 1
     if link and _LINK["bytes_per_s"] is not None:
         wait(_via_link(op, group, lambda: fn(True), nbytes, tensors), op, group)
     else:

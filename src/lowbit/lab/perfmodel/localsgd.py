@@ -122,17 +122,25 @@ def _check_rule(link_rule: str) -> None:
         raise ValueError(f"unknown link rule {link_rule!r}; choose one of {', '.join(LINK_RULES)}")
 
 
-def emulated_cost(algorithm: str, nbytes: float, ranks: int, link: Link) -> CommCost:
-    """One collective on the study's emulated link: the link held for the bytes this rank contributes
+def emulated_cost(algorithm: str, nbytes: float, ranks: int, link: Link,
+                  collectives: float | None = None) -> CommCost:
+    """One exchange on the study's emulated link: the link held for the bytes this rank contributes
     (allreduce, allgather: ``nbytes``; scatter_gather: ``nbytes (1 + 1/K)``, its all-to-all and its
-    all-gather), plus the link's latency per collective issued."""
+    all-gather), plus the link's latency per collective issued: the algorithm's own (1, or 2 for
+    scatter_gather), or ``collectives`` where it is given (measured: ``collectives_per_step`` of a study
+    record, which counts the messages a model's buckets make and lowbit's per-call checks, one collective
+    each on CPU)."""
     if ranks == 1:
         return CommCost(0.0, 0.0, 0)
+    if collectives is not None and not (collectives >= 0 and math.isfinite(collectives)):
+        raise ValueError(f"collectives per exchange must be a finite number >= 0, got {collectives!r}")
     if algorithm == "scatter_gather":
-        return CommCost(2 * link.latency_s + nbytes * (1 + 1 / ranks) / link.bandwidth_Bps,
-                        nbytes * (1 + 1 / ranks), 2)
+        n = 2 if collectives is None else collectives
+        return CommCost(n * link.latency_s + nbytes * (1 + 1 / ranks) / link.bandwidth_Bps,
+                        nbytes * (1 + 1 / ranks), int(round(n)))
     if algorithm in ("allreduce", "allgather"):
-        return CommCost(link.latency_s + nbytes / link.bandwidth_Bps, nbytes, 1)
+        n = 1 if collectives is None else collectives
+        return CommCost(n * link.latency_s + nbytes / link.bandwidth_Bps, nbytes, int(round(n)))
     raise ValueError(f"the emulated link rule prices allreduce, allgather and scatter_gather, not {algorithm!r}")
 
 
@@ -144,7 +152,7 @@ def _codec_seconds(algorithm: str, numel: float, ranks: int, bits: float, encode
 
 def ddp_step(layers: Sequence[Layer], cluster: Cluster, codec: str | float = FP32_BITS, *, algorithm: str = "auto",
              encode_Bps: float | None = None, decode_Bps: float | None = None, overlap: bool = True,
-             link_rule: str = "ring") -> SchemeStep:
+             link_rule: str = "ring", collectives: float | None = None) -> SchemeStep:
     """One DDP step with ``codec`` every step.
 
     Args:
@@ -155,6 +163,8 @@ def ddp_step(layers: Sequence[Layer], cluster: Cluster, codec: str | float = FP3
         encode_Bps, decode_Bps: the codec's throughput, bytes of float32 per second (None: free).
         overlap: communication overlaps the backward (ring rule only).
         link_rule: ``ring`` or ``emulated`` (module doc).
+        collectives: (emulated rule) collectives a step, each paying the link's latency (None: one
+            exchange of the algorithm's own; :func:`emulated_cost`).
 
     Returns:
         The step, as a :class:`SchemeStep`.
@@ -175,7 +185,7 @@ def ddp_step(layers: Sequence[Layer], cluster: Cluster, codec: str | float = FP3
     k = cluster.gpus
     bits = bits_per_value(codec, max(n, 1))
     algo = resolve_algorithm(algorithm, codec, k)
-    cost = emulated_cost(algo, n * bits / 8, k, slow_link(cluster))
+    cost = emulated_cost(algo, n * bits / 8, k, slow_link(cluster), collectives)
     codec_s = _codec_seconds(algo, n, k, bits, encode_Bps, decode_Bps) if k > 1 else 0.0
     return SchemeStep("ddp", str(codec), 1, 1, algo, bits, compute, cost.time_s, codec_s,
                       compute + cost.time_s + codec_s, cost.bytes_per_rank, cost.bytes_per_rank)
@@ -183,7 +193,8 @@ def ddp_step(layers: Sequence[Layer], cluster: Cluster, codec: str | float = FP3
 
 def localsgd_step(layers: Sequence[Layer], cluster: Cluster, codec: str | float = FP32_BITS, local_steps: int = 1,
                   *, fragments: int = 1, algorithm: str = "auto", encode_Bps: float | None = None,
-                  decode_Bps: float | None = None, link_rule: str = "ring") -> SchemeStep:
+                  decode_Bps: float | None = None, link_rule: str = "ring",
+                  collectives: float | None = None) -> SchemeStep:
     """One step of local SGD with ``local_steps`` (H) inner steps and ``codec`` for the weight change,
     amortised over the period (module doc).
 
@@ -196,6 +207,8 @@ def localsgd_step(layers: Sequence[Layer], cluster: Cluster, codec: str | float 
         algorithm: ``auto`` or a modelled algorithm for the outer exchange.
         encode_Bps, decode_Bps: the codec's throughput, bytes of float32 per second (None: free).
         link_rule: ``ring`` or ``emulated`` (module doc).
+        collectives: (emulated rule) collectives each fragment's exchange issues, each paying the link's
+            latency (None: the algorithm's own; :func:`emulated_cost`).
 
     Returns:
         The amortised step, as a :class:`SchemeStep`.
@@ -232,7 +245,7 @@ def localsgd_step(layers: Sequence[Layer], cluster: Cluster, codec: str | float 
         one = collective(algo, payload, Topology(ranks, 1, link, link),
                          fp32_bytes=4 * values if bits < FP32_BITS else None)
     else:
-        one = emulated_cost(algo, payload, ranks, link)
+        one = emulated_cost(algo, payload, ranks, link, collectives)
     codec_s = _codec_seconds(algo, values, ranks, bits, encode_Bps, decode_Bps) if ranks > 1 else 0.0
     gather_s = ring_allgather(4 * values, Topology(g, g, topo.intra)).time_s if nodes > 1 and g > 1 else 0.0
     h = local_steps

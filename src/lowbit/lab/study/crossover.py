@@ -11,7 +11,9 @@ best per-step configuration (the DDP row with the lowest median time to target a
   1, interpolated on ``log ratio`` against ``log bandwidth`` between two links (extrapolated beyond them,
   and said so), or none when local SGD reached the target at no link;
 * **predicted** (:mod:`lowbit.lab.perfmodel.localsgd`, the emulated-link rule with each link's stated latency
-  per collective, codecs free): each scheme's step from the model's size and the compute per step measured at
+  per collective, as many collectives as the run measured a step (``collectives_per_step``: its buckets'
+  messages and, on CPU, one per-call check each; one per exchange where a record lacks it), codecs free):
+  each scheme's step from the model's size and the compute per step measured at
   that world size (the median
   of the runs' ``epoch_compute_s / steps``), and the steps ratio ``rho`` (local SGD's steps to target
   over the per-step configuration's, measured at each link where both reached it). The model's cross-over
@@ -99,6 +101,9 @@ def _row(members: list[dict[str, Any]]) -> dict[str, Any]:
         "compute_s_per_step": statistics.median(float(x["epoch_compute_s"]) / float(x["steps"]) for x in s
                                                 if x.get("steps") and x.get("epoch_compute_s")),
         "stops": sorted({str(x.get("stop_reason")) for x in s}),
+        # collectives issued a step (each pays the link's latency): measured where the records hold it
+        "collectives_per_step": statistics.median(float(x["collectives_per_step"]) for x in s)
+        if all(x.get("collectives_per_step") for x in s) else None,
         "params": int(s[0]["params"]), "world_size": int(r0["world_size"]),
         "model_codec": _model_codec(r0),
         # the collective the run used, as the model names it (torch's hook: its native allreduce)
@@ -193,9 +198,11 @@ def check(results: str) -> dict[str, Any]:
                     continue
                 ref = best[link]
                 cl = Cluster(k, k, Link(latency[link], bw[link], link))
-                d = ddp_step(layers, cl, ref["model_codec"], algorithm=ref["model_algorithm"], link_rule="emulated")
+                d = ddp_step(layers, cl, ref["model_codec"], algorithm=ref["model_algorithm"], link_rule="emulated",
+                             collectives=_collectives(ref))
                 lo = localsgd_step(layers, cl, loc["model_codec"], loc["local_steps"], fragments=loc["fragments"],
-                                   algorithm=loc["model_algorithm"], link_rule="emulated")
+                                   algorithm=loc["model_algorithm"], link_rule="emulated",
+                                   collectives=_collectives(loc))
                 ratio = (loc["time_to_target_s"] / ref["time_to_target_s"]
                          if loc["time_to_target_s"] and ref["time_to_target_s"] else None)
                 rho = (loc["steps_to_target"] / ref["steps_to_target"]
@@ -219,12 +226,13 @@ def check(results: str) -> dict[str, Any]:
 
                 def at(b: float, row: dict[str, Any] = ref_row) -> float:
                     return ddp_step(layers, Cluster(k, k, Link(lat_at(b), b)), row["model_codec"],
-                                    algorithm=row["model_algorithm"], link_rule="emulated").step_s
+                                    algorithm=row["model_algorithm"], link_rule="emulated",
+                                    collectives=_collectives(row)).step_s
 
                 def loc_at(b: float, row: dict[str, Any] = loc_row) -> float:
                     return localsgd_step(layers, Cluster(k, k, Link(lat_at(b), b)), row["model_codec"], row["local_steps"],
                                          fragments=row["fragments"], algorithm=row["model_algorithm"],
-                                         link_rule="emulated").step_s
+                                         link_rule="emulated", collectives=_collectives(row)).step_s
                 predicted = crossover_bandwidth(at, loc_at, rho)
             if measured is None or predicted is None or predicted in (0.0, math.inf):
                 verdict = "no verdict: " + ("no measured cross-over" if measured is None
@@ -239,9 +247,13 @@ def check(results: str) -> dict[str, Any]:
                                 if rhos else None, "verdict": verdict})
         settings.append({"world_size": k, "compute_s_per_step": compute, "params": params, "links": links,
                          "comparisons": comparisons, "targets": _targets(by[k], links, best, comparisons)})
+    counted = all(row["collectives_per_step"] is not None for st in settings for rows in st["links"].values()
+                  for row in rows)
     return {"results": str(results), "settings": settings,
             "notes": "predicted: the emulated-link rule (the bytes a rank contributes / the link speed, plus the "
-                     "link's stated one-way latency per collective), "
+                     "link's stated one-way latency per collective: "
+                     + ("the collectives per step each run measured" if counted else
+                        "one per exchange, these records hold no collectives per step") + "), "
                      "codecs free, compute per step the median measured by the DDP fp32 runs at that world size"}
 
 
@@ -261,6 +273,15 @@ def _paired(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, Any] 
         return None
     return {"ratio": statistics.median(x for x, _ in pairs), "seeds": len(pairs),
             "equal_steps": all(e for _, e in pairs), "per_seed": sorted(x for x, _ in pairs)}
+
+
+def _collectives(row: dict[str, Any]) -> float | None:
+    """The collectives of one exchange the model prices for ``row``: a DDP step's, or one fragment's
+    exchange of local SGD (a period's collectives over its fragments); None where not measured."""
+    c = row.get("collectives_per_step")
+    if c is None:
+        return None
+    return c if row["parallelism"] != "localsgd" else c * row["local_steps"] / row["fragments"]
 
 
 def _targets(cfgs_by_link: dict[str, dict[tuple, list[dict[str, Any]]]], links: dict[str, list[dict[str, Any]]],

@@ -28,7 +28,7 @@ __all__ = ["timed_epochs", "make_optimizer", "now", "lr_factor", "validation_sub
 
 
 _METRIC_FIELDS = ("train_s", "exposed_comm_s", "encode_s", "comm_s", "decode_s", "bytes_sent", "loss_sum",
-                  "steps", "samples", "calls")
+                  "steps", "samples", "calls", "collectives")
 
 
 def now() -> str:
@@ -168,6 +168,9 @@ def _summary(epochs: list[dict[str, Any]], steps: int, t_run: float, params: int
         "steps_per_epoch": steps,
         "bytes_per_step_per_rank": sum(e["bytes_sent_per_rank"] for e in timed) / max(1, sum(e["steps"] for e in timed)),
         "bytes_sent_total": sum(e["bytes_sent_per_rank"] for e in epochs),  # per rank, every epoch
+        # collectives issued through lowbit's wrapper a step (a slow link's latency is paid per collective)
+        "collectives_per_step": sum(e.get("collectives_per_step", 0.0) * e["steps"] for e in timed)
+        / max(1, sum(e["steps"] for e in timed)),
         "final_test_acc": epochs[-1]["test_acc"],
         "final_test_top5": epochs[-1]["test_top5"],
         "num_classes": num_classes,
@@ -263,6 +266,7 @@ def _epoch_record(epoch: int, g: dict[str, float], test: tuple[float, float, flo
         "decode_s": g["decode_s"],
         "bytes_sent_per_rank": g["bytes_sent"],
         "bytes_per_step_per_rank": g["bytes_sent"] / g["steps"] if g["steps"] else 0.0,
+        "collectives_per_step": g["collectives"] / g["steps"] if g["steps"] else 0.0,
         "train_loss": g["loss_sum"] / g["steps_total"] if g["steps_total"] else math.nan,
         "test_loss": test_loss,
         "test_acc": test_acc,

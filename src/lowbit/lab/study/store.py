@@ -154,7 +154,7 @@ _CONFIG_OPTIONAL = {"nodes": "int>=1", "sub_batches": "int>=1", "max_steps_per_e
                     "target_schedule": "str", "eval_every": "int>=0", "eval_every_s": "num", "eval_samples": "int>=0",
                     "warmup": "num", "autocast": "str?"}
 _SUMMARY = {"diverged": "bool", "timed_epochs": "ints", "auto_plan": "dict?", **{k: "num?" for k in (
-    "best_test_acc", "bytes_per_step_per_rank", "comm_comp_ratio", "compressed_fraction", "compressed_params",
+    "best_test_acc", "bytes_per_step_per_rank", "collectives_per_step", "comm_comp_ratio", "compressed_fraction", "compressed_params",
     "epoch_comm_s", "epoch_compute_s", "epoch_decode_s", "epoch_encode_s", "epoch_exposed_comm_s",
     "epoch_train_s", "final_test_acc", "final_test_loss", "final_test_top5", "final_train_loss",
     "gflop_per_sample", "global_batch", "n_test", "n_train", "num_classes", "params", "samples_per_s",
@@ -164,7 +164,7 @@ _SUMMARY = {"diverged": "bool", "timed_epochs": "ints", "auto_plan": "dict?", **
     "schedule_steps", "steps", "tta_train_s", "eval_s", "agree_s", "eval_points", "eval_samples", "final_val_loss",
     "final_val_acc", "best_val_loss")}, "reached_target": "bool?", "stop_reason": "str", "target_from": "str?"}
 _EPOCH = {"epoch": "int", **{k: "num?" for k in (
-    "bytes_per_step_per_rank", "bytes_sent_per_rank", "comm_s", "compute_s", "decode_s", "encode_s", "eval_s",
+    "bytes_per_step_per_rank", "bytes_sent_per_rank", "collectives_per_step", "comm_s", "compute_s", "decode_s", "encode_s", "eval_s",
     "exposed_comm_s", "lr", "samples", "samples_per_s", "steps", "test_acc", "test_loss", "test_top5",
     "train_loss", "train_s", "wall_s")}}
 _LABELS = {"codec": "str", "data": "str", "task": "str", "synthetic": "bool"}

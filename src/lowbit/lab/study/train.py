@@ -163,17 +163,18 @@ class _Trainer:
         # model parallelism: every rank trains the same global batch (count it once over the ranks)
         return x.shape[0] / self.world if self.same_batch_everywhere else float(x.shape[0])
 
-    def counters(self) -> tuple[Any, Any]:
+    def counters(self) -> tuple[Any, Any, int]:
         return (dataclasses.replace(self.state.stats) if self.state is not None else None,
-                dataclasses.replace(self.comm.stats) if self.comm is not None else None)
+                dataclasses.replace(self.comm.stats) if self.comm is not None else None, C.issued())
 
     def after_step(self) -> None:
         """Bookkeeping after a training step (outside its time): PyTorch's hooks count their bytes here."""
         if isinstance(self.state, lowbit.lab.baselines.BaselineState):
             self.state.count_step()
 
-    def add_counters(self, m: dict[str, float], before: tuple[Any, Any]) -> None:
-        s0, c0 = before
+    def add_counters(self, m: dict[str, float], before: tuple[Any, Any, int]) -> None:
+        s0, c0, n0 = before
+        m["collectives"] = C.issued() - n0
         if self.state is not None and s0 is not None:
             s1 = self.state.stats
             timed = s1.timing  # (off: PyTorch's hooks, and time-to-accuracy runs on CUDA: not measured, NaN)
