@@ -60,7 +60,7 @@ def _held(bytes_per_s: float, latency_s: float, nbytes: int) -> float:
     C.emulate_link(bytes_per_s, latency_s)
     try:
         t0 = time.perf_counter()
-        C._link_job((lambda: _Done(), nbytes, fut, "all_reduce", None))
+        C._link_job((lambda: _Done(), nbytes, fut, "all_reduce", None, ()))
         dt = time.perf_counter() - t0
     finally:
         C.emulate_link(None)

@@ -113,7 +113,7 @@ def test_emulated_rule_prices_what_a_rank_contributes() -> None:
 
 
 def test_emulated_rule_pays_the_latency_of_every_collective_measured() -> None:
-    """A DDP step of 2 buckets, each a payload and a per-call check (CPU): 4 latencies, the bytes once."""
+    """A step of 4 collectives (messages, per-call checks) pays 4 latencies and its bytes once."""
     link = Link(0.025, 12.5e6)
     assert emulated_cost("allgather", 1e6, 2, link).time_s == pytest.approx(0.025 + 0.08)
     assert emulated_cost("allgather", 1e6, 2, link, collectives=4).time_s == pytest.approx(4 * 0.025 + 0.08)
@@ -248,3 +248,38 @@ def test_check_prices_each_links_stated_latency(tmp_path: Path) -> None:
     at = _latency_along({"a": 12.5e6, "b": 125e6}, {"a": 0.025, "b": 0.005})
     assert at(1e6) == 0.025 and at(1e9) == 0.005 and at(12.5e6) == pytest.approx(0.025)
     assert at(math.sqrt(12.5e6 * 125e6)) == pytest.approx(0.015)
+
+
+def test_a_window_where_local_sgd_pays_is_found_and_its_top_returned() -> None:
+    """With a latency per collective the gain can change sign twice: local SGD loses on the slowest links
+    (more bytes per step than the per-step codec), wins in between (the codec's latencies), and loses on
+    fast ones (its extra steps; the latency falls with the link, as the check interpolates it between
+    100mbit@25ms and 1gbit@5ms). Checking the two ends only found no crossing ("no link")."""
+    def lat(b: float) -> float:  # 25 ms at 100 Mbit/s, 5 ms at 1 Gbit/s, on log b between, held beyond
+        x = min(max(math.log(b / 12.5e6) / math.log(10), 0.0), 1.0)
+        return 0.025 + (0.005 - 0.025) * x
+
+    def ddp(b: float) -> float:
+        return 0.03 + 2 * lat(b) + 240e3 / b  # compute, 2 latencies, 240 kB
+
+    def local(b: float) -> float:
+        return 0.03 + 2 * lat(b) / 16 + 117e3 / b  # fp32 deltas of 1.9 MB every 16 steps
+
+    b = crossover_bandwidth(ddp, local, 2.11)
+    assert ddp(b) == pytest.approx(2.11 * local(b), rel=1e-2)
+    assert ddp(b / 2) > 2.11 * local(b / 2) and ddp(b * 2) < 2.11 * local(b * 2)  # the window's top
+    assert ddp(1e3) < 2.11 * local(1e3)  # it loses on the slowest link searched
+
+
+def test_the_measured_cross_over_is_bracketed_by_a_run_that_never_got_there() -> None:
+    from lowbit.lab.study.crossover import _bracket
+
+    # sooner at 12.5 MB/s (ratio 0.5); at 125 MB/s it never reached the target in 12 s against 8 s
+    lo, hi = _bracket([(12.5e6, 0.5)], [(125e6, 12 / 8)])
+    assert lo == 12.5e6 and hi == pytest.approx(_cross_at(12.5e6, 0.5, 125e6, 1.5))
+    assert _bracket([(12.5e6, 1.2)], [(125e6, 1.5)]) is None  # never sooner: nothing bracketed
+    assert _bracket([(12.5e6, 0.5)], []) is None
+
+
+def _cross_at(b1: float, r1: float, b2: float, r2: float) -> float:
+    return math.exp(math.log(b1) + (0 - math.log(r1)) * (math.log(b2) - math.log(b1)) / (math.log(r2) - math.log(r1)))

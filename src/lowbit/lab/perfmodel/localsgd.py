@@ -52,6 +52,8 @@ LINK_RULES = ("ring", "emulated")
 
 #: Bandwidths searched by :func:`crossover_bandwidth`, bytes/s: 1 kB/s to 10 TB/s.
 SEARCH_BPS = (1e3, 1e13)
+#: Points of the log grid :func:`crossover_bandwidth` scans for sign changes (12 a decade).
+_GRID = 121
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,8 +264,9 @@ def crossover_bandwidth(ddp_at: Callable[[float], float], local_at: Callable[[fl
     ``steps_ratio * local_at(B) < ddp_at(B)`` (the step times as functions of the slow link's bandwidth).
 
     Returns:
-        The crossing, by bisection on ``log B`` to 0.1 %; ``inf`` when local SGD pays at both ends of
-        ``search`` (on every link searched), 0 when it pays at neither (on none).
+        The crossing, by bisection on ``log B`` to 0.1 %; ``inf`` when local SGD pays on every point of
+        a log grid over ``search``, 0 when on none. Where it pays in a window only (a latency per
+        collective can make the per-step codec sooner on the slowest links too), the window's top.
 
     Raises:
         ValueError: ``steps_ratio`` not a finite number > 0, or a bad search range.
@@ -277,13 +280,20 @@ def crossover_bandwidth(ddp_at: Callable[[float], float], local_at: Callable[[fl
     def gain(b: float) -> float:  # > 0: local SGD sooner
         return ddp_at(b) - steps_ratio * local_at(b)
 
-    g_lo, g_hi = gain(lo), gain(hi)
-    if g_lo > 0 and g_hi > 0:
+    # The gain need not change sign once: with a latency per collective, local SGD may pay only in a
+    # window (below it the per-step codec's fewer bytes win, above it its compute does). Scan a log grid
+    # for sign changes and refine the highest at which local SGD stops paying (the top of its window).
+    grid = [math.exp(math.log(lo) + (math.log(hi) - math.log(lo)) * i / (_GRID - 1)) for i in range(_GRID)]
+    pays = [gain(b) > 0 for b in grid]
+    if all(pays):
         return math.inf
-    if g_lo <= 0 and g_hi <= 0:
+    if not any(pays):
         return 0.0
-    a, z = math.log(lo), math.log(hi)
-    sign_lo = g_lo > 0
+    changes = [i for i in range(_GRID - 1) if pays[i] != pays[i + 1]]
+    downs = [i for i in changes if pays[i]]
+    i = (downs or changes)[-1]
+    a, z = math.log(grid[i]), math.log(grid[i + 1])
+    sign_lo = pays[i]
     while z - a > 1e-3:
         m = (a + z) / 2
         if (gain(math.exp(m)) > 0) == sign_lo:

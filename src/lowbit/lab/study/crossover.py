@@ -101,6 +101,8 @@ def _row(members: list[dict[str, Any]]) -> dict[str, Any]:
         "compute_s_per_step": statistics.median(float(x["epoch_compute_s"]) / float(x["steps"]) for x in s
                                                 if x.get("steps") and x.get("epoch_compute_s")),
         "stops": sorted({str(x.get("stop_reason")) for x in s}),
+        "time_budget_s": statistics.median(float(x["time_budget_s"]) for x in s)
+        if all(x.get("time_budget_s") for x in s) else None,
         # collectives issued a step (each pays the link's latency): measured where the records hold it
         "collectives_per_step": statistics.median(float(x["collectives_per_step"]) for x in s)
         if all(x.get("collectives_per_step") for x in s) else None,
@@ -141,6 +143,21 @@ def _interp_crossing(points: list[tuple[float, float]]) -> tuple[float | None, s
         return None, "the ratio does not change with the link"
     x = _cross(b1, r1, b2, r2)
     return x, "extrapolated beyond the links measured"
+
+
+def _bracket(points: list[tuple[float, float]], floors: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """Where the cross-over lies when local SGD was sooner (ratio < 1) at a link and never reached the
+    target within its budget at a faster one (``floors``: its ratio there at least budget / the per-step
+    time): between the slower link and where the ratio would cross 1 were it only that floor (a larger
+    ratio crosses sooner). None without such a pair."""
+    wins = [(b, r) for b, r in points if r < 1]
+    out = None
+    for b1, r1 in wins:
+        for b2, f in floors:
+            if b2 > b1 and f > 1:
+                hi = _cross(b1, r1, b2, f)
+                out = (b1, hi) if out is None else (max(out[0], b1), min(out[1], hi))
+    return out
 
 
 def _cross(b1: float, r1: float, b2: float, r2: float) -> float:
@@ -191,7 +208,7 @@ def check(results: str) -> dict[str, Any]:
                                if row["parallelism"] == "localsgd"})
         comparisons = []
         for label in local_labels:
-            per_link, ratios, rhos = {}, [], []
+            per_link, ratios, rhos, floors = {}, [], [], []
             for link in sorted(links, key=lambda x: bw[x]):
                 loc = next((row for row in links[link] if row["label"] == label), None)
                 if loc is None:
@@ -209,6 +226,9 @@ def check(results: str) -> dict[str, Any]:
                        if loc["steps_to_target"] and ref["steps_to_target"] else None)
                 if ratio is not None:
                     ratios.append((bw[link], ratio))
+                elif loc["time_to_target_s"] is None and ref["time_to_target_s"] and loc["time_budget_s"]:
+                    # local SGD never got there within its budget: its ratio is at least budget / theirs
+                    floors.append((bw[link], loc["time_budget_s"] / ref["time_to_target_s"]))
                 if rho is not None:
                     rhos.append(rho)
                 per_link[link] = {"versus": ref["label"], "measured_ratio": ratio, "steps_ratio": rho,
@@ -234,7 +254,20 @@ def check(results: str) -> dict[str, Any]:
                                          fragments=row["fragments"], algorithm=row["model_algorithm"],
                                          link_rule="emulated", collectives=_collectives(row)).step_s
                 predicted = crossover_bandwidth(at, loc_at, rho)
-            if measured is None or predicted is None or predicted in (0.0, math.inf):
+            bracket = _bracket(ratios, floors) if measured is None else None
+            if bracket is not None and predicted is not None and predicted not in (0.0, math.inf):
+                lo, hi = bracket
+                how = (f"local SGD sooner at {_bw(lo)}, never within its budget at a faster link: between "
+                       f"{_bw(lo)} and {_bw(hi)} (from the budget's bound on the ratio there)")
+                if lo <= predicted <= hi:
+                    worst = max(hi / predicted, predicted / lo)  # from the bracket's farther end
+                    verdict = (f"inside the measured bracket; {'within' if worst <= TARGET_FACTOR else 'NOT within'} "
+                               f"{TARGET_FACTOR:g}x of all of it (factor at most {worst:.2f})")
+                else:
+                    f = lo / predicted if predicted < lo else predicted / hi
+                    verdict = (f"{'within' if f <= TARGET_FACTOR else 'NOT within'} {TARGET_FACTOR:g}x of the "
+                               f"measured bracket (factor {f:.2f} to its nearer end)")
+            elif measured is None or predicted is None or predicted in (0.0, math.inf):
                 verdict = "no verdict: " + ("no measured cross-over" if measured is None
                                             else "no predicted cross-over" if predicted is None
                                             else "the model predicts local SGD pays on every link or none")
@@ -242,6 +275,7 @@ def check(results: str) -> dict[str, Any]:
                 f = max(measured / predicted, predicted / measured)
                 verdict = f"{'within' if f <= TARGET_FACTOR else 'NOT within'} {TARGET_FACTOR:g}x (factor {f:.2f})"
             comparisons.append({"local": label, "links": per_link, "measured_crossover_Bps": measured,
+                                "measured_bracket_Bps": bracket,
                                 "measured_how": how, "predicted_crossover_Bps": predicted,
                                 "steps_ratio_used": math.exp(statistics.fmean(math.log(x) for x in rhos))
                                 if rhos else None, "verdict": verdict})
