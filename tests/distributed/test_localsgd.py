@@ -48,7 +48,7 @@ def _flat(model: nn.Module) -> torch.Tensor:
 def _body_identical(rank: int, world: int) -> dict:
     """Weights after every step, per configuration: the test compares them across ranks."""
     out: dict = {}
-    for spec, fragments in (("fp32", 1), ("qsgd:bits=4,bucket=512", 1), ("qsgd:bits=2,bucket=128", 1),
+    for spec, fragments in (("fp32", 1), ("qsgd:bits=4,bucket=512", 1), ("qsgd:bits=2,bucket=128,rounding=nearest", 1),
                             ("qsgd:bits=4,bucket=512", 3), ("onebit:bucket=64", 1)):
         model = _model(seed=rank)  # different inits: the constructor broadcasts rank 0's
         inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -84,7 +84,7 @@ def _body_average(rank: int, world: int) -> dict:
 def _body_bytes(rank: int, world: int) -> dict:
     """Bytes per outer step of each codec, from the collectives' own count (CommStats)."""
     out = {}
-    for spec in ("fp32", "qsgd:bits=4,bucket=512", "qsgd:bits=2,bucket=512"):
+    for spec in ("fp32", "qsgd:bits=4,bucket=512", "qsgd:bits=2,bucket=512,rounding=nearest"):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 64))  # 82,240 values
         opt = LocalSGD(model, torch.optim.SGD(model.parameters(), lr=1e-3), local_steps=2, codec=spec)
@@ -189,7 +189,7 @@ def test_weights_bit_identical_after_every_outer_step(ranks: list) -> None:
         assert torch.equal(first0, first1), key  # the constructor broadcast rank 0's weights
         spec, fragments = key
         assert outer_steps == 4
-        assert fb == (spec != "fp32"), key  # error feedback on by default for 4-, 2-, 1-bit codecs
+        assert fb == (spec != "fp32"), key  # error feedback on by default for 4-bit, nearest 2-bit, 1-bit codecs
         if fb:
             assert res > 0, key
         period_ends = [i for i in range(24) if (i + 1) % 6 == 0]
@@ -242,7 +242,7 @@ def test_bytes_per_outer_step_low_bit_against_fp32(ranks: list) -> None:
         fp32, _, _, steps, fb, n = r["fp32"]
         assert steps == 3 and not fb
         assert fp32 == 4 * n  # two ranks, ring allreduce: each sends (K-1)/K of the tensor twice
-        for spec, frac in (("qsgd:bits=4,bucket=512", 1 / 8), ("qsgd:bits=2,bucket=512", 1 / 16)):
+        for spec, frac in (("qsgd:bits=4,bucket=512", 1 / 8), ("qsgd:bits=2,bucket=512,rounding=nearest", 1 / 16)):
             b, inter, sent, steps, fb, _ = r[spec]
             assert fb and steps == 3
             assert inter == sent  # one rank a group: everything crosses between groups

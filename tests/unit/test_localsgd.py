@@ -78,7 +78,8 @@ def test_bad_model_and_optimizer_are_refused() -> None:
 
 
 @pytest.mark.parametrize("spec, on", [("fp32", False), ("bf16", False), ("qsgd:bits=8,bucket=512", False),
-                                      ("qsgd:bits=4,bucket=512", True), ("qsgd:bits=2,bucket=512", True),
+                                      ("qsgd:bits=4,bucket=512", True), ("qsgd:bits=2,bucket=512", False),
+                                      ("qsgd:bits=2,bucket=512,rounding=nearest", True),
                                       ("onebit:bucket=64", True), ("topk:ratio=0.01", True),
                                       ("dettmers:type=dynamic,bucket=512", True)])
 def test_error_feedback_default(spec: str, on: bool) -> None:

@@ -121,7 +121,7 @@ def test_localsgd_preset_rows() -> None:
     labels = sorted({r.codec_label for r in runs})
     assert labels == sorted(["DDP fp32 (torch)", "QSGD 4bit/512", "32bit [local SGD H=16]",
                              "8bit dynamic (Dettmers) [local SGD H=16]", "QSGD 4bit/512 +EF [local SGD H=16]",
-                             "QSGD 2bit/512 +EF [local SGD H=16]", "QSGD 4bit/512 +EF [local SGD H=16, F=4]"]), labels
+                             "QSGD 2bit/512 rounding=nearest +EF [local SGD H=16]", "QSGD 4bit/512 +EF [local SGD H=16, F=4]"]), labels
     assert len(runs) == 7 * 2 * 2 * 3
 
 

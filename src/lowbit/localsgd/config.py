@@ -15,6 +15,7 @@ from lowbit.codecs.base import Codec, get_codec
 from lowbit.comm import collectives as C
 from lowbit.comm.hierarchical import topology
 from lowbit.comm.registry import AUTO, SIMULATED, get_algorithm
+from lowbit.feedback import feedback_contracts, warn_unless_contracting
 
 __all__ = ["LocalSGDConfig", "OuterFactory", "node_groups", "default_outer_optimizer", "DEFAULT_OUTER_LR",
            "DEFAULT_OUTER_MOMENTUM"]
@@ -131,9 +132,13 @@ class LocalSGDConfig:
 
 
 def _resolve_feedback(error_feedback: object, codec: Codec) -> bool:
-    """``"auto"``: on for biased codecs and for codes of 4 bits or fewer, never for natively summed ones."""
+    """``"auto"``: on for biased codecs and for codes of 4 bits or fewer that contract
+    (:func:`lowbit.feedback.feedback_contracts`: stochastic 2-bit QSGD does not, its residual grows),
+    never for natively summed ones. True on a codec that does not contract warns."""
     if error_feedback == "auto":
-        return not codec.sums_on_wire and (codec.biased or codec.code_bits <= 4)
+        return not codec.sums_on_wire and (codec.biased or (codec.code_bits <= 4 and feedback_contracts(codec)))
     if isinstance(error_feedback, bool):
+        if error_feedback and not codec.sums_on_wire:
+            warn_unless_contracting(codec, "lowbit.localsgd")
         return error_feedback
     raise ValueError(f"error_feedback must be 'auto', True or False, got {error_feedback!r}")
