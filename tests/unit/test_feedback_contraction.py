@@ -46,3 +46,13 @@ def test_local_sgd_auto_feedback_follows_contraction_and_true_warns() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert _resolve_feedback(True, get_codec("qsgd:bits=4,bucket=512")) is True
+
+
+def test_ddp_warns_when_error_feedback_is_forced_on_a_codec_that_does_not_contract() -> None:
+    from lowbit import feedback
+    from lowbit.ddp.config import DDPConfig
+
+    feedback._WARNED.discard("qsgd:bits=1,bucket=512,norm=max,rounding=stochastic")
+    cfg = DDPConfig(codec="qsgd:bits=1,bucket=512", error_feedback=True)
+    with pytest.warns(RuntimeWarning, match="lowbit.ddp.*may not converge"):
+        assert cfg.uses_feedback(get_codec("qsgd:bits=1,bucket=512"))

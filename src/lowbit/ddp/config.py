@@ -6,6 +6,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 
 from lowbit.auto.options import AutoOptions, default_allow
 from lowbit.codecs.base import Codec, get_codec
+from lowbit.feedback import warn_unless_contracting
 from lowbit.comm.allreduce import AUTO, get_algorithm
 from lowbit.policy import Policy
 
@@ -75,6 +76,8 @@ class DDPConfig(AutoOptions):
             return False
         if self.error_feedback == "auto":
             return codec.biased
+        if self.error_feedback:
+            warn_unless_contracting(codec, "lowbit.ddp")  # (once per codec)
         return bool(self.error_feedback)
 
     def validate(self) -> None:
