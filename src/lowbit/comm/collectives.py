@@ -274,7 +274,7 @@ class _Held:
     ``decref_pyobject`` -> ``take_gil`` -> ``pthread_exit``). Nothing in Python can tell when gloo's
     thread has let go, so an op's tensors stay referenced here until the op and the ``keep`` ops issued
     after it have completed (gloo lets go microseconds after completing: a thread held up longer only
-    takes the GIL, harmless while the interpreter runs), and at exit (:func:`_keep_at_exit`) whatever is
+    takes the GIL, harmless while the interpreter runs), and at exit (:meth:`keep_forever`, an ``atexit`` handler) whatever is
     still here is never freed: the process ends with it. CUDA tensors are not held (NCCL runs no
     Python-owned tensor's destructor on its threads in the ops lowbit issues; holding them would delay
     the caching allocator)."""
@@ -299,10 +299,6 @@ class _Held:
             while len(ops) > _HELD_MOST:  # (an op that never completes must not keep every later one)
                 ops.popleft()
 
-    def held(self) -> int:
-        """How many ops' tensors are held now."""
-        return len(self._ops)
-
     def keep_forever(self) -> None:
         """From now on nothing held is freed, not even by the interpreter's finalisation."""
         with self._lock:
@@ -320,13 +316,7 @@ def _completed(work: object) -> bool:
 #: the most ops :class:`_Held` holds, complete or not
 _HELD_MOST = 64
 _HELD = _Held()
-
-
-def _keep_at_exit() -> None:
-    _HELD.keep_forever()
-
-
-atexit.register(_keep_at_exit)
+atexit.register(_HELD.keep_forever)
 
 
 # ------------------------------------------------------------------------------------------ emulated link

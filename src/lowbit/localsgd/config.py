@@ -131,12 +131,17 @@ class LocalSGDConfig:
                              "no error feedback; use a quantised codec or error_feedback=False")
 
 
+def auto_feedback(codec: Codec) -> bool:
+    """Local SGD's ``error_feedback="auto"``: on for biased codecs and for codes of 4 bits or fewer that
+    contract (:func:`lowbit.feedback.feedback_contracts`: stochastic 2-bit QSGD does not, its residual
+    grows), never for natively summed ones. The study's local SGD rows follow it too."""
+    return not codec.sums_on_wire and (codec.biased or (codec.code_bits <= 4 and feedback_contracts(codec)))
+
+
 def _resolve_feedback(error_feedback: object, codec: Codec) -> bool:
-    """``"auto"``: on for biased codecs and for codes of 4 bits or fewer that contract
-    (:func:`lowbit.feedback.feedback_contracts`: stochastic 2-bit QSGD does not, its residual grows),
-    never for natively summed ones. True on a codec that does not contract warns."""
+    """``"auto"``: :func:`auto_feedback`. True on a codec that does not contract warns."""
     if error_feedback == "auto":
-        return not codec.sums_on_wire and (codec.biased or (codec.code_bits <= 4 and feedback_contracts(codec)))
+        return auto_feedback(codec)
     if isinstance(error_feedback, bool):
         if error_feedback and not codec.sums_on_wire:
             warn_unless_contracting(codec, "lowbit.localsgd")

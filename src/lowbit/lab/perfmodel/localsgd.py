@@ -52,6 +52,9 @@ LINK_RULES = ("ring", "emulated")
 
 #: Bandwidths searched by :func:`crossover_bandwidth`, bytes/s: 1 kB/s to 10 TB/s.
 SEARCH_BPS = (1e3, 1e13)
+#: The collectives of one exchange by algorithm on the emulated link (scatter_gather: its all-to-all and
+#: its all-gather).
+_EMULATED_COLLECTIVES = {"allreduce": 1, "allgather": 1, "scatter_gather": 2}
 #: Points of the log grid :func:`crossover_bandwidth` scans for sign changes (12 a decade).
 _GRID = 121
 
@@ -136,14 +139,12 @@ def emulated_cost(algorithm: str, nbytes: float, ranks: int, link: Link,
         return CommCost(0.0, 0.0, 0)
     if collectives is not None and not (collectives >= 0 and math.isfinite(collectives)):
         raise ValueError(f"collectives per exchange must be a finite number >= 0, got {collectives!r}")
-    if algorithm == "scatter_gather":
-        n = 2 if collectives is None else collectives
-        return CommCost(n * link.latency_s + nbytes * (1 + 1 / ranks) / link.bandwidth_Bps,
-                        nbytes * (1 + 1 / ranks), int(round(n)))
-    if algorithm in ("allreduce", "allgather"):
-        n = 1 if collectives is None else collectives
-        return CommCost(n * link.latency_s + nbytes / link.bandwidth_Bps, nbytes, int(round(n)))
-    raise ValueError(f"the emulated link rule prices allreduce, allgather and scatter_gather, not {algorithm!r}")
+    own = _EMULATED_COLLECTIVES.get(algorithm)
+    if own is None:
+        raise ValueError(f"the emulated link rule prices allreduce, allgather and scatter_gather, not {algorithm!r}")
+    n = own if collectives is None else collectives
+    held = nbytes * (1 + 1 / ranks) if algorithm == "scatter_gather" else nbytes
+    return CommCost(n * link.latency_s + held / link.bandwidth_Bps, held, int(round(n)))
 
 
 def _codec_seconds(algorithm: str, numel: float, ranks: int, bits: float, encode_Bps: float | None,

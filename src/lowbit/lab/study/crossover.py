@@ -11,8 +11,9 @@ best per-step configuration (the DDP row with the lowest median time to target a
   1, interpolated on ``log ratio`` against ``log bandwidth`` between two links (extrapolated beyond them,
   and said so), or none when local SGD reached the target at no link;
 * **predicted** (:mod:`lowbit.lab.perfmodel.localsgd`, the emulated-link rule with each link's stated latency
-  per collective, as many collectives as the run measured a step (``collectives_per_step``: its buckets'
-  messages and, on CPU, one per-call check each; one per exchange where a record lacks it), codecs free):
+  per collective, as many collectives as the run measured a step (``collectives_per_step``: DDP's
+  messages, one per bucket; local SGD's exchanges and, on CPU, ``lowbit.all_reduce``'s per-call check of
+  each; one per exchange where a record lacks it), codecs free):
   each scheme's step from the model's size and the compute per step measured at
   that world size (the median
   of the runs' ``epoch_compute_s / steps``), and the steps ratio ``rho`` (local SGD's steps to target
@@ -74,6 +75,12 @@ def _steps_to_target(r: dict[str, Any]) -> float | None:
         if t is not None else None
 
 
+def _median_of(summaries: list[dict[str, Any]], key: str) -> float | None:
+    """The median of ``key`` over the summaries, None where one lacks it (a record older than the key)."""
+    vals = [x.get(key) for x in summaries]
+    return statistics.median(float(v) for v in vals) if vals and all(v is not None for v in vals) else None
+
+
 def _row(members: list[dict[str, Any]]) -> dict[str, Any]:
     r0 = members[0]
     s = [m["summary"] for m in members]
@@ -101,11 +108,9 @@ def _row(members: list[dict[str, Any]]) -> dict[str, Any]:
         "compute_s_per_step": statistics.median(float(x["epoch_compute_s"]) / float(x["steps"]) for x in s
                                                 if x.get("steps") and x.get("epoch_compute_s")),
         "stops": sorted({str(x.get("stop_reason")) for x in s}),
-        "time_budget_s": statistics.median(float(x["time_budget_s"]) for x in s)
-        if all(x.get("time_budget_s") for x in s) else None,
+        "time_budget_s": _median_of(s, "time_budget_s"),
         # collectives issued a step (each pays the link's latency): measured where the records hold it
-        "collectives_per_step": statistics.median(float(x["collectives_per_step"]) for x in s)
-        if all(x.get("collectives_per_step") for x in s) else None,
+        "collectives_per_step": _median_of(s, "collectives_per_step"),
         "params": int(s[0]["params"]), "world_size": int(r0["world_size"]),
         "model_codec": _model_codec(r0),
         # the collective the run used, as the model names it (torch's hook: its native allreduce)

@@ -15,7 +15,7 @@ from typing import Any
 from lowbit.auto.options import default_allow
 from lowbit.lab.baselines import get_baseline, is_baseline
 from lowbit.codecs.base import Codec, get_codec
-from lowbit.feedback import feedback_contracts
+from lowbit.localsgd.config import auto_feedback
 from lowbit.lab.data import load_dataset
 from lowbit.lab.models import build_model
 from lowbit.parallel.split import check_splits
@@ -244,12 +244,10 @@ _TTA_UNSET = {"time_budget_s": None, "target_loss": None, "target_accuracy": Non
 
 
 def _localsgd_feedback(ef: bool | str, codec: Codec) -> bool:
-    """Error feedback of a local SGD run: ``auto`` is lowbit.localsgd's (biased codecs, and 4 bits or
-    fewer where the codec contracts: :func:`lowbit.feedback.feedback_contracts`)."""
-    if codec.sums_on_wire:
-        return False
+    """Error feedback of a local SGD run: ``auto`` is lowbit.localsgd's (:func:`lowbit.localsgd.config.
+    auto_feedback`)."""
     if ef == "auto":
-        return codec.biased or (codec.code_bits <= 4 and feedback_contracts(codec))
+        return auto_feedback(codec)
     return _feedback(ef, codec)
 
 
