@@ -48,6 +48,9 @@ def test_the_backward_end_is_marked_after_the_last_node_on_the_hooks_stream() ->
                 rec["end"] = None
                 AutoTuner._queue_end_mark(fake, rec, p.device)
 
+        with torch.cuda.stream(stream):  # warm up first: the first backward's cuBLAS setup would dwarf the chain
+            net(_SlowInput.apply(torch.randn(4096, 512, device=dev, requires_grad=True))).square().mean().backward()
+        torch.cuda.synchronize()
         handles = [p.register_post_accumulate_grad_hook(hook) for p in net.parameters()]
         with torch.cuda.stream(stream):
             x = torch.randn(4096, 512, device=dev, requires_grad=True)
